@@ -1,0 +1,306 @@
+"""Functional attention: the building blocks every qkv module is made of.
+
+The file reads top to bottom the way the books teach attention:
+
+1. parameter-free self-attention on raw embeddings (scores, three ways to
+   normalise them, context vectors), in loop form and in matrix form;
+2. masks: causal masks and padding masks built from ``valid_lens``;
+3. :func:`attention`, the one scaled dot-product kernel that all trainable
+   modules call. It has an *eager* path that materialises and returns the
+   attention weights, and a *fused* path through
+   :func:`torch.nn.functional.scaled_dot_product_attention`.
+
+Mask convention
+---------------
+Inside this module a boolean mask means **True = may attend** (keep), the same
+meaning as ``attn_mask`` in :func:`torch.nn.functional.scaled_dot_product_attention`.
+The modules' ``key_padding_mask`` argument follows the name it shares with
+:class:`torch.nn.MultiheadAttention`: **True = padding, ignored**.
+
+Fully masked rows
+-----------------
+A query that may attend to no key at all (for example a sequence with
+``valid_len == 0``) gets an all-zero weight row and a zero output, never NaN,
+in the forward pass and in the gradients. d2l's reference
+:func:`masked_softmax` instead fills masked scores with ``-1e6`` and so gives
+such a row *uniform* weights; it is kept here as written for reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "attention_scores",
+    "attention_scores_loop",
+    "all_attention_scores",
+    "all_attention_scores_loop",
+    "normalize_by_sum",
+    "softmax_naive",
+    "softmax_stable",
+    "context_vector",
+    "context_vector_loop",
+    "simple_self_attention",
+    "causal_mask",
+    "lengths_to_mask",
+    "masked_softmax",
+    "softmax_with_mask",
+    "attention",
+    "BACKENDS",
+]
+
+BACKENDS = ("fused", "eager")
+
+
+# ---------------------------------------------------------------------------
+# 1. Parameter-free self-attention (LLMs-from-scratch §3.3)
+# ---------------------------------------------------------------------------
+
+
+def attention_scores_loop(query: Tensor, inputs: Tensor) -> Tensor:
+    """Scores of one query against every input row, one dot product at a time.
+
+    ``query (d,)``, ``inputs (T, d) -> (T,)``.
+    """
+    scores = torch.empty(inputs.shape[0], dtype=inputs.dtype, device=inputs.device)
+    for i, x_i in enumerate(inputs):
+        scores[i] = torch.dot(x_i, query)
+    return scores
+
+
+def attention_scores(query: Tensor, inputs: Tensor) -> Tensor:
+    """Scores of one query against every input row as one matrix-vector product.
+
+    ``query (d,)``, ``inputs (T, d) -> (T,)``.
+    """
+    return inputs @ query
+
+
+def all_attention_scores_loop(inputs: Tensor) -> Tensor:
+    """Every query against every key with an explicit double loop.
+
+    ``inputs (T, d) -> (T, T)``; entry ``[i, j]`` is ``inputs[i] · inputs[j]``.
+    """
+    n = inputs.shape[0]
+    scores = torch.empty(n, n, dtype=inputs.dtype, device=inputs.device)
+    for i, x_i in enumerate(inputs):
+        for j, x_j in enumerate(inputs):
+            scores[i, j] = torch.dot(x_i, x_j)
+    return scores
+
+
+def all_attention_scores(inputs: Tensor) -> Tensor:
+    """Every query against every key as one matrix product.
+
+    ``inputs (..., T, d) -> (..., T, T)``.
+    """
+    return inputs @ inputs.transpose(-2, -1)
+
+
+def normalize_by_sum(scores: Tensor, dim: int = -1) -> Tensor:
+    """Divide scores by their sum so they add up to one.
+
+    Only meaningful for positive scores; softmax is what attention really uses.
+    """
+    return scores / scores.sum(dim=dim, keepdim=True)
+
+
+def softmax_stable(x: Tensor, dim: int = -1) -> Tensor:
+    """Softmax written out by hand: ``exp(x) / exp(x).sum()``.
+
+    Subtracting the maximum first leaves the result unchanged (it cancels in
+    the ratio) but keeps ``exp`` from overflowing for large inputs, where the
+    textbook formula returns ``inf / inf = nan``.
+    """
+    shifted = x - x.amax(dim=dim, keepdim=True)
+    exp = torch.exp(shifted)
+    return exp / exp.sum(dim=dim, keepdim=True)
+
+
+# The book's name for the hand-written softmax; ours is the overflow-safe form.
+softmax_naive = softmax_stable
+
+
+def context_vector_loop(weights: Tensor, inputs: Tensor) -> Tensor:
+    """Weighted sum of input rows, accumulated one row at a time.
+
+    ``weights (T,)``, ``inputs (T, d) -> (d,)``.
+    """
+    context = torch.zeros(inputs.shape[1], dtype=inputs.dtype, device=inputs.device)
+    for w_i, x_i in zip(weights, inputs, strict=True):
+        context = context + w_i * x_i
+    return context
+
+
+def context_vector(weights: Tensor, inputs: Tensor) -> Tensor:
+    """Weighted sum of input rows as a matrix product.
+
+    ``weights (T,) -> (d,)`` for one query or ``weights (T_q, T) -> (T_q, d)``
+    for all queries, with ``inputs (T, d)``.
+    """
+    return weights @ inputs
+
+
+def simple_self_attention(inputs: Tensor) -> tuple[Tensor, Tensor]:
+    """Self-attention with no trainable weights, all queries at once.
+
+    ``inputs (..., T, d) -> (context (..., T, d), weights (..., T, T))``.
+    """
+    weights = torch.softmax(all_attention_scores(inputs), dim=-1)
+    return weights @ inputs, weights
+
+
+# ---------------------------------------------------------------------------
+# 2. Masks (True = may attend)
+# ---------------------------------------------------------------------------
+
+
+def causal_mask(num_queries: int, num_keys: int | None = None, device=None) -> Tensor:
+    """Boolean ``(num_queries, num_keys)`` mask, True where a query may look.
+
+    Queries are aligned to the *end* of the keys: with a KV cache the
+    ``num_queries`` new tokens are the last ones, so query ``i`` sits at
+    position ``i + num_keys - num_queries`` and sees keys up to that position.
+    For ``num_queries == num_keys`` this is the usual lower triangle.
+    """
+    num_keys = num_queries if num_keys is None else num_keys
+    if num_queries > num_keys:
+        raise ValueError(
+            f"causal attention needs num_queries <= num_keys, got {num_queries} > {num_keys}"
+        )
+    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(
+        diagonal=num_keys - num_queries
+    )
+
+
+def lengths_to_mask(valid_lens: Tensor, num_keys: int) -> Tensor:
+    """Turn d2l-style ``valid_lens`` into a boolean keep mask over the keys.
+
+    ``valid_lens (batch,) -> (batch, 1, num_keys)``: one length per example,
+    shared by all of its queries.
+    ``valid_lens (batch, queries) -> (batch, queries, num_keys)``: one length per
+    query. Key position ``j`` is kept when ``j < valid_len``.
+    """
+    if valid_lens.dim() not in (1, 2):
+        raise ValueError(
+            "valid_lens must have shape (batch,) or (batch, queries), "
+            f"got {tuple(valid_lens.shape)}"
+        )
+    positions = torch.arange(num_keys, device=valid_lens.device)
+    lens = valid_lens if valid_lens.dim() == 2 else valid_lens[:, None]
+    return positions < lens[..., None]
+
+
+def masked_softmax(X: Tensor, valid_lens: Tensor | None = None) -> Tensor:
+    """d2l's reference masked softmax over the last axis.
+
+    ``X (batch, queries, keys)``; ``valid_lens`` is None, ``(batch,)`` or
+    ``(batch, queries)``. Scores at or beyond the valid length are replaced by
+    ``-1e6`` before the softmax, so they receive (near) zero weight.
+
+    Kept exactly as the reference defines it: a row whose valid length is 0 is
+    filled entirely with ``-1e6`` and therefore comes out *uniform*, not zero.
+    The production kernel :func:`attention` returns zeros for such rows.
+    """
+    if valid_lens is None:
+        return torch.softmax(X, dim=-1)
+    keep = lengths_to_mask(valid_lens.to(X.device), X.shape[-1])
+    return torch.softmax(X.masked_fill(~keep, -1e6), dim=-1)
+
+
+def _guard_empty_rows(keep: Tensor) -> tuple[Tensor, Tensor]:
+    """Open fully masked rows so the kernels never see them, and remember which.
+
+    A row with nothing to attend to would give softmax ``0 / 0 = nan`` and nan
+    gradients. Opening the whole row gives finite (meaningless) numbers that
+    the caller then multiplies by ``row_ok == False``, i.e. zero; the zero also
+    cuts the gradient, so nothing flows back from those rows.
+    """
+    row_ok = keep.any(dim=-1, keepdim=True)
+    return keep | ~row_ok, row_ok
+
+
+def softmax_with_mask(scores: Tensor, keep: Tensor | None) -> Tensor:
+    """Softmax over the last axis where ``keep`` is True; zero elsewhere.
+
+    ``scores (..., q, k)``, ``keep`` broadcastable to it (True = may attend).
+    A row with no True at all becomes all zeros, never NaN.
+    """
+    if keep is None:
+        return torch.softmax(scores, dim=-1)
+    keep, row_ok = _guard_empty_rows(keep)
+    weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    return weights * row_ok
+
+
+# ---------------------------------------------------------------------------
+# 3. The scaled dot-product kernel
+# ---------------------------------------------------------------------------
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Scaled dot-product attention ``softmax(q k^T * scale) v``, masked.
+
+    Shapes: ``query (..., T_q, d)``, ``key (..., T_k, d)``, ``value (..., T_k, d_v)``
+    ``-> (output (..., T_q, d_v), weights (..., T_q, T_k) or None)``. The leading
+    dimensions are usually ``(batch, heads)``.
+
+    Args:
+        mask: boolean, broadcastable to ``(..., T_q, T_k)``, True = may attend.
+        causal: hide keys after each query. With ``T_q < T_k`` (new tokens
+            against a KV cache) queries are aligned to the last keys.
+        dropout_p: dropout on the attention weights; pass 0 in eval mode.
+        scale: defaults to ``1 / sqrt(d)``.
+        need_weights: run the eager path and also return the weights (before
+            dropout). Otherwise the fused PyTorch kernel runs and no ``T_q x T_k``
+            matrix is kept for the backward pass.
+
+    Queries with no key to attend to get zero output and zero gradient.
+    """
+    num_queries, num_keys = query.shape[-2], key.shape[-2]
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+
+    # PyTorch's is_causal is aligned top-left, so it only means "causal" when
+    # queries and keys coincide; a single new query against a cache sees all.
+    use_is_causal = False
+    if causal and num_queries > 1:
+        if mask is None and num_queries == num_keys and not need_weights:
+            use_is_causal = True
+        else:
+            tri = causal_mask(num_queries, num_keys, device=query.device)
+            mask = tri if mask is None else mask & tri
+
+    if need_weights:
+        weights = softmax_with_mask((query @ key.transpose(-2, -1)) * scale, mask)
+        dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
+        return dropped @ value, weights
+
+    row_ok = None
+    if mask is not None:
+        mask, row_ok = _guard_empty_rows(mask)
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=use_is_causal,
+        scale=scale,
+    )
+    if row_ok is not None:
+        out = out * row_ok
+    return out, None

@@ -1,0 +1,247 @@
+"""Multi-head attention: the book's weight-split layer, built for production.
+
+``MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads)`` is the
+class of LLMs-from-scratch §3.6.2, with the same signature and the same order
+of parameter creation, so a seed gives the book's numbers. The same class is
+the layer qkv's models run: fused kernels by default, per-head weights on
+request, padding masks, cross-attention and a KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .functional import BACKENDS, attention, lengths_to_mask
+from .kv_cache import KVCache
+
+__all__ = ["MultiHeadAttention", "check_heads", "check_dropout"]
+
+
+def check_heads(d_out: int, num_heads: int) -> None:
+    """Raise a one-line ``ValueError`` unless ``d_out`` splits into ``num_heads``."""
+    if num_heads <= 0:
+        raise ValueError(f"num_heads must be a positive integer, got {num_heads}")
+    if d_out % num_heads != 0:
+        raise ValueError(
+            f"d_out ({d_out}) must be divisible by num_heads ({num_heads}); "
+            f"e.g. num_heads in {[h for h in range(1, d_out + 1) if d_out % h == 0][:8]}"
+        )
+
+
+def check_dropout(p: float) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1), got {p}")
+
+
+def _check_input(name: str, x: Tensor, width: int) -> None:
+    if x.dim() != 3 or x.shape[-1] != width:
+        raise ValueError(f"{name} must have shape (batch, tokens, {width}), got {tuple(x.shape)}")
+
+
+class MultiHeadAttention(nn.Module):
+    r"""Multi-head scaled dot-product attention.
+
+    .. math::
+        \text{head}_i = \text{softmax}\big(Q_i K_i^\top / \sqrt{d_{head}}\big) V_i,
+        \quad \text{out} = \text{concat}(\text{head}_1, \dots, \text{head}_h) W_o
+
+    Args:
+        d_in: width of the query input ``x``.
+        d_out: width of the projections and of the output; split into
+            ``num_heads`` heads of ``head_dim = d_out // num_heads``.
+        context_length: longest sequence accepted; None accepts any length
+            (the fused causal path then never allocates a ``T x T`` mask).
+        dropout: dropout probability on the attention weights (training only).
+        num_heads: number of heads.
+        qkv_bias: add a bias to the query, key and value projections.
+        causal: hide future tokens (the book's behaviour, default True).
+        kdim, vdim: widths of ``key`` and ``value`` inputs for
+            cross-attention; default ``d_in``.
+        out_bias: bias on ``out_proj`` (the book: True; d2l: False).
+        backend: ``"fused"`` (default) runs
+            :func:`torch.nn.functional.scaled_dot_product_attention`;
+            ``"eager"`` computes the weights explicitly. Asking for weights
+            always runs eager for that call.
+
+    Parameters are created in the order ``W_query, W_key, W_value, out_proj``.
+
+    Shapes:
+        ``x (batch, T_q, d_in) -> (batch, T_q, d_out)``; with
+        ``need_weights=True`` also the weights ``(batch, num_heads, T_q, T_k)``.
+
+    Padding: pass either ``valid_lens`` (d2l's form: ``(batch,)`` or
+    ``(batch, T_q)``, keys at index ``>= valid_len`` are ignored) or
+    ``key_padding_mask`` (``(batch, T_k)`` bool, **True = padding, ignored**, as
+    in :class:`torch.nn.MultiheadAttention`). A query left with no key to attend
+    to outputs zeros (before ``out_proj``'s bias), never NaN.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        context_length: int | None = None,
+        dropout: float = 0.0,
+        num_heads: int = 1,
+        qkv_bias: bool = False,
+        *,
+        causal: bool = True,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        out_bias: bool = True,
+        backend: str = "fused",
+    ) -> None:
+        super().__init__()
+        check_heads(d_out, num_heads)
+        check_dropout(dropout)
+        if context_length is not None and context_length <= 0:
+            raise ValueError(f"context_length must be positive or None, got {context_length}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.d_in, self.d_out = d_in, d_out
+        self.kdim = d_in if kdim is None else kdim
+        self.vdim = d_in if vdim is None else vdim
+        self.num_heads = num_heads
+        self.head_dim = d_out // num_heads
+        self.context_length = context_length
+        self.causal = causal
+        self.backend = backend
+
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(self.kdim, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(self.vdim, d_out, bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        # (b, T, d_out) -> (b, heads, T, head_dim): heads become a batch axis
+        b, t, _ = x.shape
+        return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def _key_mask(
+        self,
+        valid_lens: Tensor | None,
+        key_padding_mask: Tensor | None,
+        batch: int,
+        num_keys: int,
+    ) -> Tensor | None:
+        """Keep mask ``(batch, 1, 1 or T_q, T_k)`` from either padding form."""
+        if valid_lens is not None and key_padding_mask is not None:
+            raise ValueError("pass valid_lens or key_padding_mask, not both")
+        if valid_lens is not None:
+            if valid_lens.shape[0] != batch or valid_lens.dim() not in (1, 2):
+                raise ValueError(
+                    f"valid_lens must have shape ({batch},) or ({batch}, queries), "
+                    f"got {tuple(valid_lens.shape)}"
+                )
+            valid_lens = valid_lens.to(self.W_query.weight.device)
+            return lengths_to_mask(valid_lens, num_keys).unsqueeze(1)
+        if key_padding_mask is not None:
+            if key_padding_mask.shape != (batch, num_keys):
+                raise ValueError(
+                    f"key_padding_mask must have shape ({batch}, {num_keys}), "
+                    f"got {tuple(key_padding_mask.shape)}"
+                )
+            if key_padding_mask.dtype != torch.bool:
+                raise ValueError(
+                    f"key_padding_mask must be bool (True = padding), got {key_padding_mask.dtype}"
+                )
+            return ~key_padding_mask[:, None, None, :]
+        return None
+
+    def forward(
+        self,
+        x: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        valid_lens: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend from ``x`` to itself, or to ``key``/``value`` (cross-attention).
+
+        Args:
+            x: queries ``(batch, T_q, d_in)``.
+            key: ``(batch, T_k, kdim)``; None means self-attention on ``x``.
+            value: ``(batch, T_k, vdim)``; None means ``value = key``.
+            valid_lens / key_padding_mask: padding, see the class docstring.
+            need_weights: also return the weights ``(batch, heads, T_q, T_k)``.
+            cache: a :class:`KVCache`; the new keys and values are appended
+                and the queries attend to everything stored (self-attention).
+
+        Returns:
+            ``(batch, T_q, d_out)``, or ``(output, weights)`` with ``need_weights``.
+        """
+        _check_input("x", x, self.d_in)
+        batch, num_queries, _ = x.shape
+        if key is None:
+            key = x if value is None else value
+        value = key if value is None else value
+        _check_input("key", key, self.kdim)
+        _check_input("value", value, self.vdim)
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != batch:
+            raise ValueError(
+                f"x {tuple(x.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
+                "must share the batch size, and key and value the number of tokens"
+            )
+
+        past = cache.pos if cache is not None else 0
+        if self.context_length is not None and past + num_queries > self.context_length:
+            raise ValueError(
+                f"sequence of {past + num_queries} tokens is longer than "
+                f"context_length={self.context_length}"
+            )
+
+        q = self._split_heads(self.W_query(x))
+        k = self._split_heads(self.W_key(key))
+        v = self._split_heads(self.W_value(value))
+        if cache is not None:
+            k, v = cache.append(k, v)
+
+        mask = self._key_mask(valid_lens, key_padding_mask, batch, k.shape[2])
+        want_weights = need_weights or self.backend == "eager"
+        out, weights = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            causal=self.causal,
+            dropout_p=self.dropout.p if self.training else 0.0,
+            need_weights=want_weights,
+        )
+        # (b, heads, T, head_dim) -> (b, T, d_out)
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, num_queries, self.d_out))
+        return (out, weights) if need_weights else out
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """A :class:`KVCache` sized for this layer (default: ``context_length``)."""
+        max_len = self.context_length if max_len is None else max_len
+        if max_len is None:
+            raise ValueError("this layer has no context_length; pass max_len to new_cache()")
+        weight = self.W_key.weight
+        return KVCache(
+            batch_size,
+            self.num_heads,
+            max_len,
+            self.head_dim,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args, **kwargs):
+        # The book's layer stores its causal mask as a buffer; this one builds
+        # masks on the fly, so accept (and drop) that key from book checkpoints.
+        state_dict.pop(prefix + "mask", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_in={self.d_in}, d_out={self.d_out}, num_heads={self.num_heads}, "
+            f"context_length={self.context_length}, causal={self.causal}, "
+            f"backend={self.backend!r}"
+        )

@@ -1,0 +1,111 @@
+"""Attention scoring functions of Dive into Deep Learning (d2l).
+
+``DotProductAttention`` and ``AdditiveAttention`` (Bahdanau) take separate
+queries, keys and values plus d2l's ``valid_lens``, and keep the weights of
+their last call in ``attention_weights`` for heatmaps. Both mask through
+:func:`qkv.functional.softmax_with_mask`, so a query with ``valid_len == 0``
+gets zero weights (d2l's own ``masked_softmax`` makes that row uniform).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .functional import attention, lengths_to_mask, softmax_with_mask
+from .multihead import check_dropout
+
+__all__ = ["DotProductAttention", "AdditiveAttention"]
+
+
+def _keep_mask(valid_lens: Tensor | None, queries: Tensor, num_keys: int) -> Tensor | None:
+    if valid_lens is None:
+        return None
+    batch = queries.shape[0]
+    if valid_lens.dim() not in (1, 2) or valid_lens.shape[0] != batch:
+        raise ValueError(
+            f"valid_lens must have shape ({batch},) or ({batch}, {queries.shape[1]}), "
+            f"got {tuple(valid_lens.shape)}"
+        )
+    return lengths_to_mask(valid_lens.to(queries.device), num_keys)
+
+
+class DotProductAttention(nn.Module):
+    """Scaled dot-product attention ``softmax(Q K^T / sqrt(d)) V`` (d2l).
+
+    ``queries (batch, n_q, d)``, ``keys (batch, n_k, d)``, ``values (batch, n_k, d_v)``,
+    ``valid_lens`` None, ``(batch,)`` or ``(batch, n_q)`` ``-> (batch, n_q, d_v)``.
+    ``attention_weights``: ``(batch, n_q, n_k)`` from the last call, before dropout.
+    """
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        check_dropout(dropout)
+        self.dropout = nn.Dropout(dropout)
+        self.attention_weights: Tensor | None = None
+
+    def forward(
+        self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
+    ) -> Tensor:
+        if queries.shape[-1] != keys.shape[-1]:
+            raise ValueError(
+                f"queries and keys must have the same width, got {queries.shape[-1]} "
+                f"and {keys.shape[-1]}"
+            )
+        out, self.attention_weights = attention(
+            queries,
+            keys,
+            values,
+            mask=_keep_mask(valid_lens, queries, keys.shape[-2]),
+            dropout_p=self.dropout.p if self.training else 0.0,
+            need_weights=True,
+        )
+        return out
+
+
+class AdditiveAttention(nn.Module):
+    """Additive (Bahdanau) attention: ``w_v^T tanh(W_q q + W_k k)`` scores (d2l).
+
+    Queries and keys may have different widths; both are mapped to
+    ``num_hiddens`` by bias-free ``W_q`` and ``W_k`` (created ``W_k`` first, as
+    d2l does), and the bias-free ``w_v`` reduces each (query, key) feature
+    vector to one score.
+
+    ``queries (batch, n_q, query_size)``, ``keys (batch, n_k, key_size)``,
+    ``values (batch, n_k, d_v)`` ``-> (batch, n_q, d_v)``.
+
+    A decoder calls this once per output step against the same keys. Pass
+    ``projected_keys=attn.project_keys(keys)`` computed once per source
+    sentence to skip the repeated ``W_k`` product.
+    """
+
+    def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0):
+        super().__init__()
+        check_dropout(dropout)
+        self.W_k = nn.Linear(key_size, num_hiddens, bias=False)
+        self.W_q = nn.Linear(query_size, num_hiddens, bias=False)
+        self.w_v = nn.Linear(num_hiddens, 1, bias=False)
+        self.dropout = nn.Dropout(dropout)
+        self.attention_weights: Tensor | None = None
+
+    def project_keys(self, keys: Tensor) -> Tensor:
+        """``keys (batch, n_k, key_size) -> (batch, n_k, num_hiddens)``."""
+        return self.W_k(keys)
+
+    def forward(
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid_lens: Tensor | None = None,
+        *,
+        projected_keys: Tensor | None = None,
+    ) -> Tensor:
+        k = self.project_keys(keys) if projected_keys is None else projected_keys
+        q = self.W_q(queries)
+        # (batch, n_q, 1, h) + (batch, 1, n_k, h): every query meets every key
+        features = torch.tanh(q.unsqueeze(2) + k.unsqueeze(1))
+        scores = self.w_v(features).squeeze(-1)
+        keep = _keep_mask(valid_lens, queries, scores.shape[-1])
+        self.attention_weights = softmax_with_mask(scores, keep)
+        return self.dropout(self.attention_weights) @ values
