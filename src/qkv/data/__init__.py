@@ -1,0 +1,1 @@
+"""Datasets: the English->French translation pipeline and the synthetic dates corpus."""

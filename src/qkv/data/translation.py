@@ -1,0 +1,565 @@
+"""Sentence-pair data for seq2seq translation (the d2l English->French pipeline).
+
+The pipeline, from raw text to batches:
+
+    text = load_corpus(path)                       # "go.\tva !\n..." (one pair a line)
+    src, tgt = read_pairs(preprocess(text), 600)   # [["go", "."], ...], [["va", "!"], ...]
+    data = TranslationData.from_pairs(src, tgt, num_steps=10)
+    for X, X_valid_len, Y, Y_valid_len in data.train_loader(64):
+        ...                                        # X, Y: (batch, num_steps) int64
+
+Each sentence gets `<eos>` appended, is mapped to ids and is truncated or padded with `<pad>`
+to `num_steps`; `valid_len` (batch,) counts the tokens that are not padding, which is what the
+masked softmax and the masked loss need. `load_data_nmt` is the one-call version with d2l's
+name and return value, and `download_fra_eng` fetches the Tatoeba fra-eng corpus, verifying
+the HTTP status and the SHA-1 (the reference saved whatever the server returned).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import http.client
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+import zipfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, overload
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+FRA_ENG_URL = "http://d2l-data.s3-accelerate.amazonaws.com/fra-eng.zip"
+FRA_ENG_SHA1 = "94646ad1522d915e7b0f9296181140edcf86a4f5"
+
+UNK = "<unk>"
+PAD = "<pad>"
+BOS = "<bos>"
+EOS = "<eos>"
+RESERVED_TOKENS = (PAD, BOS, EOS)
+
+# A batch, or a whole split: (src, src_valid_len, tgt, tgt_valid_len),
+# shapes (n, num_steps), (n,), (n, num_steps), (n,), all int64.
+Split = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+TokenLines = list[list[str]]
+
+
+# ----------------------------------------------------------------------------
+# Text -> token lists
+
+
+def preprocess(text: str) -> str:
+    """Normalise raw corpus text so that splitting on spaces gives sensible tokens.
+
+    No-break spaces (U+202F, U+00A0, common in French typography) become spaces, everything
+    is lower-cased, and a space is inserted before `, . ! ?` unless one is already there, so
+    that "go." splits into "go" and ".". A mark at position 0 is left alone.
+    """
+    text = text.replace("\u202f", " ").replace("\xa0", " ").lower()
+    out = []
+    for i, char in enumerate(text):
+        # Look at the *original* previous character, so "..." becomes " . . ." (3 tokens).
+        if i > 0 and char in ",.!?" and text[i - 1] != " ":
+            out.append(" ")
+        out.append(char)
+    return "".join(out)
+
+
+def read_pairs(text: str, num_examples: int | None = None) -> tuple[TokenLines, TokenLines]:
+    """Split `source<TAB>target[<TAB>ignored...]` lines into token lists.
+
+    Tokens are separated by spaces (empty tokens are dropped). Lines with fewer than two
+    columns, or with an empty side, are skipped. The text is used as is: call `preprocess`
+    first for raw corpus text. `<eos>` is *not* appended here (`build_array` does that).
+
+    Args:
+        text: the corpus, one pair per line.
+        num_examples: keep exactly the first this many pairs (None: all of them).
+
+    Returns:
+        (source, target): two lists of the same length n, each item a list of tokens.
+    """
+    if num_examples is not None and num_examples < 0:
+        raise ValueError(f"num_examples must be >= 0 or None, got {num_examples}")
+    source: TokenLines = []
+    target: TokenLines = []
+    for line in text.split("\n"):
+        # Stop *before* reading pair num_examples + 1 (the reference's loop read one extra).
+        if num_examples is not None and len(source) >= num_examples:
+            break
+        parts = line.rstrip("\r").split("\t")
+        if len(parts) < 2:
+            continue
+        src = [tok for tok in parts[0].split(" ") if tok]
+        tgt = [tok for tok in parts[1].split(" ") if tok]
+        if src and tgt:
+            source.append(src)
+            target.append(tgt)
+    return source, target
+
+
+def load_corpus(path: str | os.PathLike[str]) -> str:
+    """Read a UTF-8 corpus file and return its text (a leading byte-order mark is dropped).
+
+    Raises:
+        FileNotFoundError: nothing exists at `path`.
+        ValueError: `path` is a directory, or the file is not valid UTF-8.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"corpus file not found: {path}")
+    if path.is_dir():
+        raise ValueError(f"corpus path is a directory, expected a UTF-8 text file: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        where = f"{e.reason} at byte {e.start}"
+        raise ValueError(f"corpus file is not valid UTF-8 ({where}): {path}") from e
+    return text.removeprefix("\ufeff")
+
+
+# ----------------------------------------------------------------------------
+# Vocabulary
+
+
+def _flatten(tokens: Iterable[Any]) -> list[str]:
+    """Accept a flat list of tokens or a list of token lists (sentences); return a flat list."""
+    if isinstance(tokens, str):
+        raise TypeError("expected a list of tokens (or of token lists), got a single str")
+    flat: list[str] = []
+    for item in tokens:
+        if isinstance(item, str):
+            flat.append(item)
+        else:
+            flat.extend(item)
+    return flat
+
+
+class Vocab:
+    """Token <-> id mapping.
+
+    Ids: 0 is `<unk>`, then `reserved_tokens` in the given order, then the remaining tokens by
+    descending frequency. Ties keep the order in which the tokens were first seen, so the same
+    corpus always gives the same ids. Tokens seen fewer than `min_freq` times are left out and
+    map to `<unk>`.
+
+    Args:
+        tokens: a flat list of tokens or a list of token lists.
+        min_freq: drop tokens rarer than this.
+        reserved_tokens: special tokens placed right after `<unk>`, e.g. `<pad>`, `<bos>`, `<eos>`.
+    """
+
+    def __init__(
+        self,
+        tokens: Iterable[str] | Iterable[Sequence[str]] = (),
+        min_freq: int = 0,
+        reserved_tokens: Sequence[str] = (),
+    ) -> None:
+        reserved = list(reserved_tokens)
+        if UNK in reserved:
+            raise ValueError(f"reserved_tokens must not contain {UNK!r}: it always has id 0")
+        if len(set(reserved)) != len(reserved):
+            raise ValueError(f"reserved_tokens has duplicates: {reserved}")
+        # Counter remembers first-seen order and sorted() is stable (also with reverse=True),
+        # which is what makes frequency ties deterministic.
+        counter = collections.Counter(_flatten(tokens))
+        token_freqs = sorted(counter.items(), key=lambda kv: kv[1], reverse=True)
+        idx_to_token = [UNK, *reserved]
+        seen = set(idx_to_token)
+        for token, freq in token_freqs:
+            if freq < min_freq:
+                break  # sorted by frequency: everything after is rarer still
+            if token not in seen:
+                idx_to_token.append(token)
+                seen.add(token)
+        self._set(idx_to_token, token_freqs)
+
+    def _set(self, idx_to_token: list[str], token_freqs: list[tuple[str, int]]) -> None:
+        self.idx_to_token: list[str] = idx_to_token
+        self.token_to_idx: dict[str, int] = {tok: i for i, tok in enumerate(idx_to_token)}
+        # Every token of the corpus with its count, most frequent first (also the rare ones).
+        self.token_freqs: list[tuple[str, int]] = token_freqs
+
+    def __len__(self) -> int:
+        return len(self.idx_to_token)
+
+    def __contains__(self, token: object) -> bool:
+        return token in self.token_to_idx
+
+    @overload
+    def __getitem__(self, tokens: str) -> int: ...
+
+    @overload
+    def __getitem__(self, tokens: Sequence[str]) -> list[int]: ...
+
+    def __getitem__(self, tokens: str | Sequence[str]) -> int | list[int]:
+        """Id of a token (unknown -> `unk`), or a list of ids for a list/tuple of tokens."""
+        if isinstance(tokens, str):
+            return self.token_to_idx.get(tokens, self.unk)
+        return [self[tok] for tok in tokens]
+
+    def to_tokens(self, ids: int | Iterable[Any] | torch.Tensor) -> str | list[Any]:
+        """Token(s) for id(s): an int gives a str, a list (or 1-D tensor) gives a list of str.
+
+        Tensors and numpy arrays of any rank are accepted; nested lists come back nested.
+        """
+        if hasattr(ids, "tolist"):  # torch tensors, numpy arrays and numpy scalars
+            ids = ids.tolist()
+        if isinstance(ids, int):
+            if not 0 <= ids < len(self.idx_to_token):
+                raise IndexError(f"token id {ids} out of range for a vocabulary of {len(self)}")
+            return self.idx_to_token[ids]
+        return [self.to_tokens(i) for i in ids]
+
+    @property
+    def unk(self) -> int:
+        """Id of `<unk>` (always 0)."""
+        return 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; `Vocab.from_dict(v.to_dict())` rebuilds the same ids."""
+        return {
+            "idx_to_token": list(self.idx_to_token),
+            "token_freqs": [[tok, freq] for tok, freq in self.token_freqs],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | Sequence[str]) -> Vocab:
+        """Rebuild a vocabulary from `to_dict()` output (or from a bare `idx_to_token` list).
+
+        Raises:
+            ValueError: `idx_to_token` is not a list of unique strings starting with `<unk>`,
+                or `token_freqs` is not a list of `[token, count]` pairs.
+        """
+        if isinstance(d, Mapping):
+            idx_to_token = d.get("idx_to_token")
+            raw_freqs = d.get("token_freqs", [])
+        elif isinstance(d, list):
+            idx_to_token, raw_freqs = d, []
+        else:
+            raise ValueError(f"vocabulary must be a dict or a list, got {type(d).__name__}")
+        if not isinstance(idx_to_token, list) or not all(
+            isinstance(tok, str) for tok in idx_to_token
+        ):
+            raise ValueError("vocabulary 'idx_to_token' must be a list of strings")
+        if not idx_to_token or idx_to_token[0] != UNK:
+            raise ValueError(f"vocabulary 'idx_to_token' must have {UNK!r} at index 0")
+        if len(set(idx_to_token)) != len(idx_to_token):
+            dup = next(t for i, t in enumerate(idx_to_token) if t in idx_to_token[:i])
+            raise ValueError(f"vocabulary 'idx_to_token' has a duplicate token {dup!r}")
+        token_freqs = []
+        for pair in raw_freqs if isinstance(raw_freqs, list) else [None]:
+            ok = (
+                isinstance(pair, (list, tuple))
+                and len(pair) == 2
+                and isinstance(pair[0], str)
+                and isinstance(pair[1], int)
+                and not isinstance(pair[1], bool)
+            )
+            if not ok:
+                raise ValueError("vocabulary 'token_freqs' must be a list of [token, count] pairs")
+            token_freqs.append((pair[0], pair[1]))
+        vocab = cls()
+        vocab._set(list(idx_to_token), token_freqs)
+        return vocab
+
+    def __repr__(self) -> str:
+        head = ", ".join(repr(t) for t in self.idx_to_token[:6])
+        more = ", ..." if len(self) > 6 else ""
+        return f"Vocab(size={len(self)}, tokens=[{head}{more}])"
+
+
+# ----------------------------------------------------------------------------
+# Token lists -> fixed-length id tensors
+
+
+def truncate_pad(line: list[int], num_steps: int, padding_token: int) -> list[int]:
+    """Cut `line` to `num_steps` ids, or pad it on the right with `padding_token`."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    if len(line) > num_steps:
+        return list(line[:num_steps])
+    return list(line) + [padding_token] * (num_steps - len(line))
+
+
+def build_array(
+    lines: list[list[str]], vocab: Vocab, num_steps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn token lists into a padded id matrix.
+
+    Each line gets `<eos>` appended, is mapped to ids, then truncated or padded with `<pad>`.
+
+    Returns:
+        array: (n, num_steps) int64 ids.
+        valid_len: (n,) int64, the number of non-pad tokens per row (`<eos>` included unless
+            truncated away).
+    """
+    for special in (PAD, EOS):
+        if special not in vocab:
+            raise ValueError(f"vocabulary has no {special!r} token (pass it in reserved_tokens)")
+    pad, eos = vocab[PAD], vocab[EOS]
+    rows = [truncate_pad([*vocab[line], eos], num_steps, pad) for line in lines]
+    array = torch.tensor(rows, dtype=torch.long).reshape(len(lines), num_steps)
+    # Count by length rather than by comparing with <pad>: a literal "<pad>" typed in the text
+    # must not shorten the row, since masks treat positions < valid_len as real tokens.
+    valid_len = torch.tensor([min(len(line) + 1, num_steps) for line in lines], dtype=torch.long)
+    return array, valid_len
+
+
+# ----------------------------------------------------------------------------
+# Dataset
+
+
+def _num_held_out(held_out: float | int, n: int) -> int:
+    """How many of `n` pairs go to the held-out split (`held_out`: a fraction or a count)."""
+    if isinstance(held_out, bool) or not isinstance(held_out, (int, float)):
+        raise TypeError(f"held_out must be a fraction (float) or a count (int), got {held_out!r}")
+    if isinstance(held_out, int):
+        k = held_out
+    else:
+        if not 0.0 <= held_out < 1.0:
+            raise ValueError(f"held_out as a fraction must be in [0, 1), got {held_out}")
+        k = round(held_out * n)
+    if not 0 <= k < n:
+        raise ValueError(f"held_out={held_out!r} leaves no training pairs out of {n}")
+    return k
+
+
+@dataclass
+class TranslationData:
+    """Both vocabularies and the tensors of a train and a held-out split.
+
+    `train` and `valid` are `(src, src_valid_len, tgt, tgt_valid_len)` with shapes
+    `(n, num_steps), (n,), (n, num_steps), (n,)`, int64; `valid` has n = 0 when nothing was
+    held out. `train_pairs` / `valid_pairs` keep the token lists (without `<eos>`) the tensors
+    were built from, e.g. to compute BLEU on the held-out sentences.
+    """
+
+    src_vocab: Vocab
+    tgt_vocab: Vocab
+    num_steps: int
+    train: Split
+    valid: Split
+    train_pairs: list[tuple[list[str], list[str]]] = field(default_factory=list, repr=False)
+    valid_pairs: list[tuple[list[str], list[str]]] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_pairs(
+        cls,
+        src_tokens: list[list[str]],
+        tgt_tokens: list[list[str]],
+        *,
+        num_steps: int = 10,
+        min_freq: int = 2,
+        held_out: float | int = 0.0,
+        seed: int = 0,
+        src_vocab: Vocab | None = None,
+        tgt_vocab: Vocab | None = None,
+    ) -> TranslationData:
+        """Split the pairs, build vocabularies on the training split, and tensorise both splits.
+
+        Args:
+            src_tokens, tgt_tokens: token lists as returned by `read_pairs` (same length n).
+            num_steps: length every sequence is truncated or padded to.
+            min_freq: vocabulary cut-off (ignored for a vocabulary that is passed in).
+            held_out: fraction in [0, 1) or number of pairs to hold out for validation.
+            seed: the held-out pairs are a random subset chosen under this seed; both splits
+                keep the corpus order, so held_out=0 gives the corpus in its original order.
+            src_vocab, tgt_vocab: reuse these (e.g. from a checkpoint) instead of building new
+                ones; they must contain `<pad>` and `<eos>`.
+        """
+        if len(src_tokens) != len(tgt_tokens):
+            raise ValueError(f"got {len(src_tokens)} source and {len(tgt_tokens)} target sentences")
+        n = len(src_tokens)
+        if n == 0:
+            raise ValueError("no sentence pairs to build a dataset from")
+        k = _num_held_out(held_out, n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        valid_idx, train_idx = sorted(order[:k]), sorted(order[k:])
+        train_pairs = [(src_tokens[i], tgt_tokens[i]) for i in train_idx]
+        valid_pairs = [(src_tokens[i], tgt_tokens[i]) for i in valid_idx]
+        # Vocabularies see the training split only, so held-out scores are honest about
+        # unknown words.
+        if src_vocab is None:
+            src_vocab = Vocab([s for s, _ in train_pairs], min_freq, RESERVED_TOKENS)
+        if tgt_vocab is None:
+            tgt_vocab = Vocab([t for _, t in train_pairs], min_freq, RESERVED_TOKENS)
+
+        def tensorise(pairs: list[tuple[list[str], list[str]]]) -> Split:
+            src, src_len = build_array([s for s, _ in pairs], src_vocab, num_steps)
+            tgt, tgt_len = build_array([t for _, t in pairs], tgt_vocab, num_steps)
+            return src, src_len, tgt, tgt_len
+
+        return cls(
+            src_vocab=src_vocab,
+            tgt_vocab=tgt_vocab,
+            num_steps=num_steps,
+            train=tensorise(train_pairs),
+            valid=tensorise(valid_pairs),
+            train_pairs=train_pairs,
+            valid_pairs=valid_pairs,
+        )
+
+    def train_loader(
+        self, batch_size: int, shuffle: bool = True, generator: torch.Generator | None = None
+    ) -> DataLoader:
+        """Batches `(src, src_valid_len, tgt, tgt_valid_len)` of the training split.
+
+        Pass a seeded `generator` for a reproducible shuffle.
+        """
+        return DataLoader(
+            TensorDataset(*self.train), batch_size=batch_size, shuffle=shuffle, generator=generator
+        )
+
+    def valid_loader(self, batch_size: int) -> DataLoader:
+        """Batches of the held-out split, in order (empty when nothing was held out)."""
+        return DataLoader(TensorDataset(*self.valid), batch_size=batch_size, shuffle=False)
+
+
+def load_data_nmt(
+    batch_size: int,
+    num_steps: int,
+    num_examples: int = 600,
+    path: str | os.PathLike[str] | None = None,
+) -> tuple[DataLoader, Vocab, Vocab]:
+    """d2l's one-call loader: `(train_iter, src_vocab, tgt_vocab)` for the first pairs.
+
+    Reads `path` (a `source<TAB>target` file), or downloads fra-eng when `path` is None,
+    keeps exactly `num_examples` pairs and builds vocabularies with `min_freq=2`. Batches are
+    `(X, X_valid_len, Y, Y_valid_len)` with X, Y of shape (batch_size, num_steps), shuffled.
+    """
+    corpus = Path(path) if path is not None else download_fra_eng()
+    src, tgt = read_pairs(preprocess(load_corpus(corpus)), num_examples)
+    data = TranslationData.from_pairs(src, tgt, num_steps=num_steps, min_freq=2)
+    return data.train_loader(batch_size), data.src_vocab, data.tgt_vocab
+
+
+# ----------------------------------------------------------------------------
+# Download (status and hash checked, atomic writes, safe extraction)
+
+
+class DownloadError(RuntimeError):
+    """A download failed: network error, HTTP status other than 200, wrong SHA-1, bad zip."""
+
+
+def default_cache_dir() -> Path:
+    """`$QKV_CACHE` if set, else `~/.cache/qkv`."""
+    env = os.environ.get("QKV_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "qkv"
+
+
+def _sha1_of(path: Path) -> str:
+    digest = hashlib.sha1()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fetch(url: str, dest: Path, sha1: str, timeout: float) -> None:
+    """Download `url` to `dest`; `dest` only ever appears complete and with the right hash."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # The temp file lives next to `dest` so that os.replace is a same-filesystem atomic rename.
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.sha1()
+        with os.fdopen(fd, "wb") as out:
+            try:
+                with urllib.request.urlopen(url, timeout=timeout) as resp:
+                    status = getattr(resp, "status", None)
+                    if status is not None and status != 200:
+                        raise DownloadError(f"cannot download {url}: HTTP status {status}")
+                    while chunk := resp.read(1 << 16):
+                        digest.update(chunk)
+                        out.write(chunk)
+            except urllib.error.HTTPError as e:  # urlopen raises this for 4xx/5xx
+                raise DownloadError(f"cannot download {url}: HTTP {e.code} {e.reason}") from e
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                reason = getattr(e, "reason", None) or e
+                raise DownloadError(f"cannot download {url}: {reason}") from e
+            except http.client.HTTPException as e:  # e.g. the connection dropped mid-body
+                raise DownloadError(f"cannot download {url}: {type(e).__name__} {e}") from e
+        got = digest.hexdigest()
+        if got != sha1.lower():
+            raise DownloadError(f"SHA-1 mismatch for {url}: expected {sha1.lower()}, got {got}")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _extract(zip_path: Path, dest_dir: Path) -> None:
+    """Extract `zip_path` under `dest_dir`, refusing members that would land outside it."""
+    try:
+        with zipfile.ZipFile(zip_path) as zf:
+            members = zf.infolist()
+            for info in members:  # check everything before writing anything
+                parts = PurePosixPath(info.filename.replace("\\", "/")).parts
+                unsafe = (
+                    not parts
+                    or info.filename.startswith(("/", "\\"))
+                    or ".." in parts
+                    or ":" in parts[0]  # a Windows drive such as "C:"
+                )
+                if unsafe:
+                    raise DownloadError(
+                        f"refusing to extract unsafe member {info.filename!r} from {zip_path}"
+                    )
+            for info in members:
+                target = dest_dir.joinpath(*PurePosixPath(info.filename.replace("\\", "/")).parts)
+                if info.is_dir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+                try:
+                    with zf.open(info) as src, os.fdopen(fd, "wb") as out:
+                        shutil.copyfileobj(src, out)
+                    os.replace(tmp_name, target)  # a half-extracted file is never visible
+                finally:
+                    Path(tmp_name).unlink(missing_ok=True)
+    except zipfile.BadZipFile as e:
+        raise DownloadError(f"{zip_path} is not a valid zip archive: {e}") from e
+
+
+def download_fra_eng(
+    cache_dir: str | os.PathLike[str] | None = None,
+    url: str = FRA_ENG_URL,
+    sha1: str = FRA_ENG_SHA1,
+    *,
+    timeout: float = 60.0,
+) -> Path:
+    """Fetch (once) and unpack the fra-eng corpus; return the path of `fra-eng/fra.txt`.
+
+    A cached zip whose SHA-1 matches is reused without touching the network. Otherwise the
+    zip is downloaded, its HTTP status and SHA-1 are checked, and it is moved into the cache
+    atomically before being extracted.
+
+    Args:
+        cache_dir: where the zip and the extracted folder live (default: `default_cache_dir()`).
+        url, sha1: source of the archive and its expected SHA-1 (hex).
+        timeout: seconds to wait on the network before giving up.
+
+    Raises:
+        DownloadError: network failure, HTTP status other than 200, SHA-1 mismatch, a corrupt
+            or unsafe archive, or an archive without `fra-eng/fra.txt`.
+    """
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    zip_name = PurePosixPath(urllib.parse.urlparse(url).path).name or "fra-eng.zip"
+    zip_path = cache / zip_name
+    txt_path = cache / "fra-eng" / "fra.txt"
+    if zip_path.is_file() and _sha1_of(zip_path) == sha1.lower():
+        if not txt_path.is_file():
+            _extract(zip_path, cache)
+    else:
+        _fetch(url, zip_path, sha1, timeout)
+        _extract(zip_path, cache)  # re-extract: the old text may come from another archive
+    if not txt_path.is_file():
+        raise DownloadError(f"{zip_path} does not contain fra-eng/fra.txt")
+    return txt_path
