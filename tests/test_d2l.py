@@ -106,7 +106,7 @@ def test_d2l_multihead_other_widths():
     m = d2l.MultiHeadAttention(8, 2, 0.0, query_size=3, key_size=5, value_size=7).eval()
     out = m(torch.randn(2, 4, 3), torch.randn(2, 6, 5), torch.randn(2, 6, 7), torch.tensor([6, 1]))
     assert out.shape == (2, 4, 8)
-    with pytest.raises(ValueError, match="divisible by num_heads"):
+    with pytest.raises(ValueError, match="num_hiddens \\(10\\) must be divisible by num_heads"):
         d2l.MultiHeadAttention(10, 3, 0.0)
 
 

@@ -55,6 +55,7 @@ class MultiHeadAttention(multihead.MultiHeadAttention):
         key_size: int | None = None,
         value_size: int | None = None,
     ) -> None:
+        multihead.check_heads(num_hiddens, num_heads, name="num_hiddens")
         super().__init__(
             num_hiddens if query_size is None else query_size,
             num_hiddens,

@@ -20,13 +20,13 @@ from .kv_cache import KVCache
 __all__ = ["MultiHeadAttention", "check_heads", "check_dropout"]
 
 
-def check_heads(d_out: int, num_heads: int) -> None:
+def check_heads(d_out: int, num_heads: int, name: str = "d_out") -> None:
     """Raise a one-line ``ValueError`` unless ``d_out`` splits into ``num_heads``."""
     if num_heads <= 0:
         raise ValueError(f"num_heads must be a positive integer, got {num_heads}")
     if d_out % num_heads != 0:
         raise ValueError(
-            f"d_out ({d_out}) must be divisible by num_heads ({num_heads}); "
+            f"{name} ({d_out}) must be divisible by num_heads ({num_heads}); "
             f"e.g. num_heads in {[h for h in range(1, d_out + 1) if d_out % h == 0][:8]}"
         )
 
