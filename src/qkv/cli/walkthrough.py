@@ -1,0 +1,100 @@
+"""``qkv walkthrough``: print LLMs-from-scratch §3.3-3.6 step by step.
+
+Examples::
+
+    qkv walkthrough                        # the book's example and numbers
+    qkv walkthrough --steps                # just the list of steps
+    qkv walkthrough --only 3.5.1           # one section (or a prefix: --only 3.5)
+    qkv walkthrough --text "the cat sat on the mat" --seed 7 --heatmap wt.png
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..walkthrough import BOOK_TEXT, MAX_TOKENS, heatmap_panels, select_steps, walkthrough_steps
+
+HELP = "walk through self-attention step by step (LLMs-from-scratch §3.3-3.6)"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "walkthrough",
+        help=HELP,
+        description=(
+            f"{HELP[0].upper()}{HELP[1:]}: every step prints the tensors the book prints, "
+            "with the same numbers for the book's example."
+        ),
+    )
+    parser.add_argument(
+        "--text",
+        metavar="TEXT",
+        help=f"your own words instead of '{BOOK_TEXT}': split on whitespace (1 to "
+        f"{MAX_TOKENS} tokens), each distinct word gets a seeded random 3-d embedding",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=123,
+        help="replaces the book's torch.manual_seed(123); SelfAttention_v2 uses SEED + 666 "
+        "(the book's 789) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--heatmap",
+        metavar="FILE",
+        help="also save the attention weights of the main steps as a labelled figure "
+        "(.png, .pdf or .svg)",
+    )
+    parser.add_argument("--steps", action="store_true", help="list the steps' titles only")
+    parser.add_argument(
+        "--only",
+        metavar="SECTION",
+        help="show one section, e.g. 3.5.1, or all steps under a prefix, e.g. 3.5",
+    )
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    # Validate the output path before any work so a typo fails at once.
+    if args.heatmap:
+        from ..viz import check_image_path
+
+        check_image_path(args.heatmap)
+
+    all_steps = walkthrough_steps(args.text, seed=args.seed)
+    steps = select_steps(all_steps, args.only) if args.only else all_steps
+
+    panels = heatmap_panels(steps) if args.heatmap else None
+    if panels is not None and not panels[0]:
+        drawable = [s.section for s in all_steps if s.weights is not None]
+        raise ValueError(
+            f"section {args.only} has no attention-weight matrix to draw; "
+            f"sections with one: {', '.join(drawable)}"
+        )
+
+    if args.steps:
+        for step in steps:
+            print(f"{step.section}  {step.title}")
+    else:
+        print("\n\n".join(step.render() for step in steps))
+
+    if panels is not None:
+        from ..viz import plot_attention_grid
+
+        matrices, titles, tokens = panels
+        source = BOOK_TEXT if args.text is None else " ".join(args.text.split())
+        if len(source) > 60:
+            source = source[:57] + "..."
+        path = plot_attention_grid(
+            matrices,
+            titles=titles,
+            row_labels=tokens,
+            col_labels=tokens,
+            path=args.heatmap,
+            suptitle=f'Attention weights for "{source}" (seed {args.seed})',
+        )
+        if not args.steps:
+            print()
+        print(f"heatmap written to {path}")
+    return 0

@@ -1,0 +1,416 @@
+"""Heatmaps of attention weights.
+
+Two helpers cover every picture qkv draws:
+
+- :func:`plot_attention` draws one ``(num_queries, num_keys)`` matrix;
+- :func:`plot_attention_grid` draws several side by side (one per head, per
+  layer, per decoding step, ...).
+
+The convention is the one both books use: each **row** is a query (y axis,
+top to bottom) and each **column** a key it may attend to (x axis), so a row of
+attention weights sums to one. Tokens label both axes when given, a colour bar
+gives the scale and small matrices get their values written in the cells.
+
+Only matplotlib's object API is used (``Figure`` with an Agg canvas), never
+``pyplot``: nothing here touches global plotting state or needs a display, so
+the helpers work the same in scripts, tests, notebooks and on headless servers. matplotlib itself
+is imported on first use, keeping ``import qkv`` light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["plot_attention", "plot_attention_grid", "check_image_path", "SUPPORTED_FORMATS"]
+
+SUPPORTED_FORMATS = (".png", ".pdf", ".svg")
+
+# Matrices up to this size (both sides) get their values written in the cells.
+ANNOTATE_MAX = 12
+
+# Layout plan, in inches: a cell shrinks from MAX_CELL towards MIN_CELL as the
+# matrix grows, so small matrices are not huge and 64 tokens still fit a page.
+_MAX_CELL = 0.55
+_MIN_CELL = 0.16
+_TARGET_SIDE = 4.0  # a matrix side aims at roughly this many inches
+_DPI = 150
+_MAX_TICK_CHARS = 20
+
+Labels = Sequence[str] | None
+
+
+# ---------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------
+
+
+def _as_matrix(x: Any, what: str = "weights") -> np.ndarray:
+    """A torch tensor, numpy array or nested list as a float64 2-D numpy array."""
+    if hasattr(x, "detach"):  # a torch.Tensor: may need grad, live on a GPU or be bf16
+        x = x.detach().to("cpu").float().numpy()
+    m = np.asarray(x, dtype=np.float64)
+    if m.ndim != 2:
+        raise ValueError(f"{what} must be a 2-D (queries, keys) matrix, got shape {m.shape}")
+    if m.size == 0:
+        raise ValueError(f"{what} is empty (shape {m.shape}); nothing to plot")
+    return m
+
+
+def _as_matrices(matrices: Any) -> list[np.ndarray]:
+    """A 3-D stack ``(n, queries, keys)`` or a sequence of 2-D matrices as a list."""
+    if hasattr(matrices, "detach") or isinstance(matrices, np.ndarray):
+        if matrices.ndim != 3:
+            raise ValueError(
+                "matrices must be a (n, queries, keys) stack or a list of 2-D matrices, "
+                f"got shape {tuple(matrices.shape)}"
+            )
+        matrices = list(matrices)
+    mats = [_as_matrix(m, what=f"matrices[{i}]") for i, m in enumerate(matrices)]
+    if not mats:
+        raise ValueError("matrices is empty; nothing to plot")
+    return mats
+
+
+def _tick_label(label: Any) -> str:
+    # A very long token would squeeze its matrix out of the figure: shorten it.
+    text = str(label)
+    return text if len(text) <= _MAX_TICK_CHARS else text[: _MAX_TICK_CHARS - 1] + "\u2026"
+
+
+def _check_labels(labels: Labels, n: int, name: str, axis: str) -> list[str] | None:
+    if labels is None:
+        return None
+    labels = [_tick_label(label) for label in labels]
+    if len(labels) != n:
+        raise ValueError(f"{name} has {len(labels)} labels but the matrix has {n} {axis}")
+    return labels
+
+
+def _per_panel(labels: Any, n: int, name: str) -> list[Any]:
+    """One label list shared by all panels, or one per panel (each may be None)."""
+    if labels is None:
+        return [None] * n
+    labels = list(labels)
+    per_panel = bool(labels) and all(
+        item is None or (isinstance(item, Sequence) and not isinstance(item, str))
+        for item in labels
+    )
+    if not per_panel:
+        return [labels] * n
+    if len(labels) != n:
+        raise ValueError(f"{name} has {len(labels)} label lists for {n} matrices")
+    return labels
+
+
+def check_image_path(path: str | os.PathLike[str]) -> Path:
+    """Return ``path`` as a Path if its extension is one we can write, else raise.
+
+    Call it before a long computation so a typo in the file name fails fast.
+    """
+    path = Path(path)
+    if path.suffix.lower() not in SUPPORTED_FORMATS:
+        ext = path.suffix or "no extension"
+        raise ValueError(
+            f"cannot write an image to {str(path)!r} ({ext}); "
+            f"use one of {', '.join(SUPPORTED_FORMATS)}"
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------
+# Drawing
+# ---------------------------------------------------------------------------
+
+
+def _cell_size(mats: list[np.ndarray]) -> float:
+    """Inches per cell, so the largest matrix side is about ``_TARGET_SIDE``."""
+    longest = max(max(m.shape) for m in mats)
+    return min(_MAX_CELL, max(_MIN_CELL, _TARGET_SIDE / longest))
+
+
+def _tick_fontsize(cell: float) -> float:
+    # A label is about as tall as its font size; keep it under the cell height.
+    return min(10.0, max(4.0, cell * 72 * 0.6))
+
+
+def _label_inches(labels: list[str] | None, fontsize: float) -> float:
+    """Rough width of the longest tick label (characters are ~0.6 em wide)."""
+    if not labels:
+        return 0.3
+    return max(len(label) for label in labels) * fontsize * 0.6 / 72
+
+
+def _panel_size(
+    shape: tuple[int, ...], cell: float, rows: list[str] | None, cols: list[str] | None
+) -> tuple[float, float]:
+    """Inches (width, height) one panel needs: matrix, tick labels, colour bar, title."""
+    fs = _tick_fontsize(cell)
+    width = shape[1] * cell + _label_inches(rows, fs) + 0.4 + 0.9  # y label, colour bar
+    # Rotated column labels hang below the matrix at 45 degrees: ~0.7 of their length.
+    height = shape[0] * cell + 0.7 * _label_inches(cols, fs) + 0.4 + 0.5  # x label, title
+    return max(width, 2.5), max(height, 2.2)
+
+
+def _draw(
+    fig: Figure,
+    ax: Axes,
+    m: np.ndarray,
+    *,
+    rows: list[str] | None,
+    cols: list[str] | None,
+    title: str | None,
+    cmap: Any,
+    annotate: bool | None,
+    cell: float,
+    xlabel: str | None,
+    ylabel: str | None,
+) -> None:
+    """One heatmap with its colour bar on ``ax``."""
+    import matplotlib
+    from matplotlib.ticker import MaxNLocator
+
+    # -inf (masked scores) and nan cannot be coloured: show them as grey cells
+    # and keep them out of the colour scale.
+    data = np.ma.masked_invalid(m)
+    finite = m[np.isfinite(m)]
+    vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    # Anchor non-negative data (attention weights) at 0 so "no attention" is white.
+    if vmin > 0:
+        vmin = 0.0
+    if vmax <= vmin:
+        vmax = vmin + 1.0
+    colormap = matplotlib.colormaps[cmap] if isinstance(cmap, str) else cmap
+    colormap = colormap.with_extremes(bad="0.85")
+
+    num_rows, num_cols = m.shape
+    # Square cells unless the matrix is very elongated (e.g. 1 x 60).
+    aspect = "equal" if max(num_rows, num_cols) <= 8 * min(num_rows, num_cols) else "auto"
+    image = ax.imshow(
+        data, cmap=colormap, vmin=vmin, vmax=vmax, aspect=aspect, interpolation="nearest"
+    )
+    fig.colorbar(image, ax=ax, shrink=0.8 if num_rows >= num_cols else 0.5)
+
+    fs = _tick_fontsize(cell)
+    ax.tick_params(labelsize=fs, length=2)
+    # Unlabelled axes show positions: whole numbers only.
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if cols is not None:
+        ax.set_xticks(range(num_cols), cols)
+        # Rotate when the widest label would not fit across its cell.
+        if _label_inches(cols, fs) > 0.9 * cell:
+            for label in ax.get_xticklabels():
+                label.set(rotation=45, ha="right", rotation_mode="anchor")
+    if rows is not None:
+        ax.set_yticks(range(num_rows), rows)
+    if xlabel:
+        ax.set_xlabel(xlabel, fontsize=9)
+    if ylabel:
+        ax.set_ylabel(ylabel, fontsize=9)
+    if title:
+        ax.set_title(title, fontsize=10)
+
+    if annotate is None:
+        annotate = num_rows <= ANNOTATE_MAX and num_cols <= ANNOTATE_MAX
+    if annotate:
+        _annotate(ax, m, image, cell)
+
+
+def _annotate(ax: Axes, m: np.ndarray, image: Any, cell: float) -> None:
+    """Write each value in its cell, in black or white, whichever contrasts more."""
+    # "0.25" is four characters; make them fit about 85% of the cell width.
+    fontsize = min(9.0, max(3.5, 0.85 * cell * 72 / (4 * 0.6)))
+    rgba = image.cmap(image.norm(np.ma.masked_invalid(m)))  # (rows, cols, 4) cell colours
+    # Relative luminance of each cell decides the text colour, whatever the colour map.
+    luminance = rgba[..., :3] @ np.array([0.2126, 0.7152, 0.0722])
+    for i, j in np.ndindex(*m.shape):
+        v = m[i, j]
+        if not np.isfinite(v):
+            text = ("-inf" if v < 0 else "inf") if np.isinf(v) else "nan"
+        else:
+            # Exact zeros (masked positions) read best as a quiet "0".
+            text = "0" if v == 0 else f"{v:.2f}"
+        colour = "black" if luminance[i, j] > 0.45 else "white"
+        if v == 0 and colour == "black":
+            colour = "0.45"
+        ax.text(j, i, text, ha="center", va="center", fontsize=fontsize, color=colour)
+
+
+def _new_figure(width: float, height: float) -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)  # attaches itself to fig; no pyplot, no GUI backend
+    return fig
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    """Write ``fig`` to ``path`` atomically: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format=path.suffix[1:].lower(), dpi=_DPI)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; an image is not a secret
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+# ---------------------------------------------------------------------------
+# Public helpers
+# ---------------------------------------------------------------------------
+
+
+def plot_attention(
+    weights: Any,
+    *,
+    row_labels: Labels = None,
+    col_labels: Labels = None,
+    title: str | None = None,
+    path: str | os.PathLike[str] | None = None,
+    cmap: Any = "Reds",
+    annotate: bool | None = None,
+    xlabel: str | None = "keys (attended to)",
+    ylabel: str | None = "queries",
+) -> Path | Figure:
+    """Draw one attention matrix as a heatmap.
+
+    Args:
+        weights: ``(num_queries, num_keys)`` torch tensor, numpy array or nested
+            list; row ``i`` holds how much query ``i`` attends to each key.
+        row_labels: ``num_queries`` tokens for the y axis (queries).
+        col_labels: ``num_keys`` tokens for the x axis (keys attended to).
+        title: drawn above the matrix.
+        path: where to write the image (``.png``, ``.pdf`` or ``.svg``);
+            missing parent directories are created and the file is replaced
+            atomically. None returns the matplotlib ``Figure`` instead.
+        cmap: matplotlib colour map name or object.
+        annotate: write the values in the cells; None (default) does so when
+            the matrix is at most 12 x 12.
+        xlabel, ylabel: axis titles; None leaves an axis untitled.
+
+    Returns:
+        ``path`` as a :class:`pathlib.Path`, or the ``Figure`` when ``path`` is None.
+
+    Non-finite values (e.g. ``-inf`` masked scores) are drawn as grey cells.
+    """
+    target = None if path is None else check_image_path(path)
+    m = _as_matrix(weights)
+    rows = _check_labels(row_labels, m.shape[0], "row_labels", "rows")
+    cols = _check_labels(col_labels, m.shape[1], "col_labels", "columns")
+    cell = _cell_size([m])
+    fig = _new_figure(*_panel_size(m.shape, cell, rows, cols))
+    ax = fig.add_subplot()
+    _draw(
+        fig,
+        ax,
+        m,
+        rows=rows,
+        cols=cols,
+        title=title,
+        cmap=cmap,
+        annotate=annotate,
+        cell=cell,
+        xlabel=xlabel,
+        ylabel=ylabel,
+    )
+    return fig if target is None else _save(fig, target)
+
+
+def plot_attention_grid(
+    matrices: Any,
+    *,
+    titles: Sequence[str | None] | None = None,
+    row_labels: Any = None,
+    col_labels: Any = None,
+    path: str | os.PathLike[str] | None = None,
+    suptitle: str | None = None,
+    ncols: int | None = None,
+    cmap: Any = "Reds",
+    annotate: bool | None = None,
+    xlabel: str | None = "keys (attended to)",
+    ylabel: str | None = "queries",
+) -> Path | Figure:
+    """Draw several attention matrices in a grid, each with its own colour bar.
+
+    Args:
+        matrices: a ``(n, num_queries, num_keys)`` tensor or array (e.g. the
+            heads of one layer), or a sequence of ``n`` 2-D matrices, which may
+            differ in shape (e.g. different layers or models).
+        titles: ``n`` panel titles (None entries allowed).
+        row_labels, col_labels: one label list shared by every panel, or a
+            list of ``n`` label lists (None entries allowed), one per panel.
+        path: output file (``.png``, ``.pdf``, ``.svg``), written atomically;
+            None returns the ``Figure``.
+        suptitle: title over the whole figure.
+        ncols: panels per row; default ``ceil(sqrt(n))``, at most 4.
+        cmap, annotate, xlabel, ylabel: as in :func:`plot_attention`.
+
+    Returns:
+        ``path`` as a :class:`pathlib.Path`, or the ``Figure`` when ``path`` is None.
+    """
+    target = None if path is None else check_image_path(path)
+    mats = _as_matrices(matrices)
+    n = len(mats)
+    if titles is None:
+        titles = [None] * n
+    elif len(titles) != n:
+        raise ValueError(f"titles has {len(titles)} entries for {n} matrices")
+    rows = [
+        _check_labels(labels, m.shape[0], "row_labels", "rows")
+        for labels, m in zip(_per_panel(row_labels, n, "row_labels"), mats, strict=True)
+    ]
+    cols = [
+        _check_labels(labels, m.shape[1], "col_labels", "columns")
+        for labels, m in zip(_per_panel(col_labels, n, "col_labels"), mats, strict=True)
+    ]
+    if ncols is None:
+        ncols = min(n, 4, math.ceil(math.sqrt(n)))
+    if ncols <= 0:
+        raise ValueError(f"ncols must be a positive integer, got {ncols}")
+    ncols = min(ncols, n)
+    nrows = math.ceil(n / ncols)
+
+    cell = _cell_size(mats)
+    sizes = [_panel_size(m.shape, cell, r, c) for m, r, c in zip(mats, rows, cols, strict=True)]
+    panel_w = max(w for w, _ in sizes)
+    panel_h = max(h for _, h in sizes)
+    fig = _new_figure(ncols * panel_w, nrows * panel_h + (0.4 if suptitle else 0.0))
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for i, ax in enumerate(axes):
+        if i >= n:
+            ax.set_visible(False)  # the last row may not be full
+            continue
+        _draw(
+            fig,
+            ax,
+            mats[i],
+            rows=rows[i],
+            cols=cols[i],
+            title=titles[i],
+            cmap=cmap,
+            annotate=annotate,
+            cell=cell,
+            xlabel=xlabel,
+            ylabel=ylabel,
+        )
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=12)
+    return fig if target is None else _save(fig, target)
