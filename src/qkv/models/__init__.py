@@ -1,0 +1,70 @@
+"""Models built from qkv attention: translators (Bahdanau GRU, Transformer) and a GPT.
+
+Both share one interface (:class:`EncoderDecoder`), built from a :class:`Seq2SeqConfig`
+by :func:`build_model`; :func:`greedy_decode` and :func:`beam_search` work with either.
+"""
+
+from .decoding import beam_search, greedy_decode, length_penalty_factor, score_sequence
+from .gpt import (
+    GELU,
+    FeedForward,
+    GPTConfig,
+    GPTModel,
+    LayerNorm,
+    TransformerBlock,
+    generate,
+    generate_text_simple,
+)
+from .gpt import PRESETS as GPT_PRESETS
+from .seq2seq import (
+    MODEL_NAMES,
+    BahdanauSeq2Seq,
+    BahdanauState,
+    EncoderDecoder,
+    Seq2SeqAttentionDecoder,
+    Seq2SeqConfig,
+    Seq2SeqEncoder,
+    build_model,
+    init_seq2seq,
+    num_parameters,
+    teacher_forcing_input,
+)
+from .transformer import (
+    PositionWiseFFN,
+    TransformerDecoderBlock,
+    TransformerEncoderBlock,
+    TransformerSeq2Seq,
+    TransformerState,
+)
+
+__all__ = [
+    "MODEL_NAMES",
+    "Seq2SeqConfig",
+    "EncoderDecoder",
+    "build_model",
+    "init_seq2seq",
+    "num_parameters",
+    "teacher_forcing_input",
+    "Seq2SeqEncoder",
+    "Seq2SeqAttentionDecoder",
+    "BahdanauState",
+    "BahdanauSeq2Seq",
+    "PositionWiseFFN",
+    "TransformerEncoderBlock",
+    "TransformerDecoderBlock",
+    "TransformerState",
+    "TransformerSeq2Seq",
+    "greedy_decode",
+    "beam_search",
+    "score_sequence",
+    "length_penalty_factor",
+    "GPT_PRESETS",
+    "GPTConfig",
+    "GPTModel",
+    "TransformerBlock",
+    "LayerNorm",
+    "FeedForward",
+    "GELU",
+    "generate",
+    "generate_text_simple",
+]

@@ -1,0 +1,460 @@
+"""A GPT-2 style decoder: the model of LLMs-from-scratch chapter 4, with a KV cache.
+
+    cfg = GPTConfig.preset("tiny", vocab_size=tok.n_vocab)
+    model = GPTModel(cfg)
+    logits = model(idx)                                   # (batch, T) -> (batch, T, vocab)
+    out = generate(model, idx, max_new_tokens=50, temperature=0.8, top_k=40)
+
+The classes keep the book's names, attributes and parameter order (``tok_emb``, ``pos_emb``,
+``trf_blocks[i].att.W_query``, ``norm1.scale``, ``ff.layers[0]``, ``final_norm``,
+``out_head``), so code and weights written for the book's ``GPTModel`` work here, and the
+same seed gives the same parameters. ``GPTModel`` also accepts the book's config dict.
+
+Attention is :class:`qkv.MultiHeadAttention` (fused kernel by default); decoding keeps one
+:class:`qkv.KVCache` per layer, so each new token costs one token's worth of work.
+
+Context policy of :func:`generate` (one rule, with or without the cache): the model always
+sees the last ``context_size`` tokens, exactly the book's crop. While the sequence fits,
+the cache grows by one token per step; once it is full, every further step re-fills it
+from the last ``context_size`` tokens (the positions of every kept token shift by one, so
+cached keys cannot be reused). Greedy decoding therefore gives the same tokens with and
+without the cache, at any length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..data.gpt import embed_tokens
+from ..kv_cache import KVCache
+from ..multihead import MultiHeadAttention, check_dropout, check_heads
+
+__all__ = [
+    "PRESETS",
+    "FeedForward",
+    "GELU",
+    "GPTConfig",
+    "GPTModel",
+    "LayerNorm",
+    "TransformerBlock",
+    "generate",
+    "generate_text_simple",
+]
+
+
+# ----------------------------------------------------------------------------
+# Configuration
+
+# Overrides of the GPTConfig defaults (which are GPT-2 small, the book's GPT_CONFIG_124M).
+PRESETS: dict[str, dict[str, Any]] = {
+    # 124M parameters with tied embeddings as in OpenAI's GPT-2; the book (and this preset)
+    # keeps a separate output head: 163,009,536 parameters.
+    "gpt2-small": {},
+    "gpt2-medium": {"emb_dim": 1024, "n_layers": 24, "n_heads": 16},
+    "gpt2-large": {"emb_dim": 1280, "n_layers": 36, "n_heads": 20},
+    "gpt2-xl": {"emb_dim": 1600, "n_layers": 48, "n_heads": 25},
+    # Small enough to train on a laptop CPU in minutes (pass vocab_size=tokenizer.n_vocab).
+    "tiny": {"context_length": 128, "emb_dim": 64, "n_heads": 4, "n_layers": 2, "drop_rate": 0.0},
+    "mini": {"context_length": 256, "emb_dim": 128, "n_heads": 4, "n_layers": 4, "drop_rate": 0.1},
+}
+
+
+@dataclass
+class GPTConfig:
+    """Hyper-parameters of :class:`GPTModel`; the defaults are GPT-2 small (the book's 124M).
+
+    The field names are the keys of the book's ``GPT_CONFIG_124M`` dict, so
+    ``GPTConfig.from_dict(GPT_CONFIG_124M)`` and ``cfg["emb_dim"]`` both work.
+
+    Attributes:
+        vocab_size: number of token ids (the tokenizer's ``n_vocab``).
+        context_length: longest sequence; the size of the position embedding.
+        emb_dim: model width; must split into ``n_heads`` heads.
+        n_heads, n_layers: attention heads per block, transformer blocks.
+        drop_rate: dropout on embeddings, attention weights and residual branches.
+        qkv_bias: bias on the query/key/value projections (GPT-2's checkpoints have one).
+        tie_weights: share the token embedding matrix with the output head.
+    """
+
+    vocab_size: int = 50257
+    context_length: int = 1024
+    emb_dim: int = 768
+    n_heads: int = 12
+    n_layers: int = 12
+    drop_rate: float = 0.1
+    qkv_bias: bool = False
+    tie_weights: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("qkv_bias", "tie_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}"
+                )
+        if isinstance(self.drop_rate, bool) or not isinstance(self.drop_rate, (int, float)):
+            raise ValueError(f"GPTConfig.drop_rate must be a number, got {self.drop_rate!r}")
+        self.drop_rate = float(self.drop_rate)
+        check_dropout(self.drop_rate)
+        check_heads(self.emb_dim, self.n_heads, name="emb_dim")
+
+    def __getitem__(self, key: str) -> Any:
+        # the book's classes read their config as a dict: cfg["emb_dim"]
+        if key not in self.field_names():
+            raise KeyError(
+                f"GPTConfig has no field {key!r}; fields: {', '.join(self.field_names())}"
+            )
+        return getattr(self, key)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-able) for a checkpoint; :meth:`from_dict` reverses it."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> GPTConfig:
+        """Build from a dict (a checkpoint's, or the book's ``GPT_CONFIG_124M``), validated."""
+        unknown = sorted(set(d) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"unknown GPTConfig field(s) {unknown}; fields: {', '.join(cls.field_names())}"
+            )
+        return cls(**d)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> GPTConfig:
+        """A named configuration from :data:`PRESETS`, with some fields overridden.
+
+        ``GPTConfig.preset("tiny", vocab_size=257)``.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+
+def _as_config(cfg: GPTConfig | Mapping[str, Any]) -> GPTConfig:
+    if isinstance(cfg, GPTConfig):
+        return cfg
+    if isinstance(cfg, Mapping):
+        return GPTConfig.from_dict(cfg)
+    raise TypeError(f"cfg must be a GPTConfig or a dict, got {type(cfg).__name__}")
+
+
+# ----------------------------------------------------------------------------
+# Building blocks (the book's names)
+
+
+class LayerNorm(nn.Module):
+    """Layer normalisation over the last axis with the book's parameter names.
+
+    ``scale * (x - mean) / sqrt(var + eps) + shift``, biased variance, ``eps = 1e-5``:
+    numerically ``nn.LayerNorm(emb_dim)``, run by the same fused kernel.
+    """
+
+    def __init__(self, emb_dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(emb_dim))
+        self.shift = nn.Parameter(torch.zeros(emb_dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.scale.shape, self.scale, self.shift, self.eps)
+
+
+class GELU(nn.Module):
+    """GELU with GPT-2's tanh approximation, ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(x, approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP: ``Linear(d, 4d) -> GELU -> Linear(4d, d)``, shape-preserving."""
+
+    def __init__(self, cfg: GPTConfig | Mapping[str, Any]) -> None:
+        super().__init__()
+        cfg = _as_config(cfg)
+        self.layers = nn.Sequential(
+            nn.Linear(cfg.emb_dim, 4 * cfg.emb_dim),
+            GELU(),
+            nn.Linear(4 * cfg.emb_dim, cfg.emb_dim),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm decoder block: ``x + attn(norm1(x))``, then ``x + ff(norm2(x))``.
+
+    Normalising before each sub-layer (GPT-2's order) keeps the residual path an identity,
+    which is what lets deep stacks train. Dropout is applied to each branch before it is
+    added back ("shortcut dropout").
+
+    Shapes: ``(batch, T, emb_dim) -> (batch, T, emb_dim)``.
+    """
+
+    def __init__(self, cfg: GPTConfig | Mapping[str, Any]) -> None:
+        super().__init__()
+        cfg = _as_config(cfg)
+        self.att = MultiHeadAttention(
+            d_in=cfg.emb_dim,
+            d_out=cfg.emb_dim,
+            context_length=cfg.context_length,
+            dropout=cfg.drop_rate,
+            num_heads=cfg.n_heads,
+            qkv_bias=cfg.qkv_bias,
+        )
+        self.ff = FeedForward(cfg)
+        self.norm1 = LayerNorm(cfg.emb_dim)
+        self.norm2 = LayerNorm(cfg.emb_dim)
+        self.drop_shortcut = nn.Dropout(cfg.drop_rate)
+
+    def forward(
+        self, x: Tensor, *, cache: KVCache | None = None, need_weights: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``x (batch, T, emb_dim)``; with ``need_weights`` also ``(batch, heads, T, T_k)``."""
+        attended = self.att(self.norm1(x), cache=cache, need_weights=need_weights)
+        weights = None
+        if need_weights:
+            attended, weights = attended
+        x = x + self.drop_shortcut(attended)
+        x = x + self.drop_shortcut(self.ff(self.norm2(x)))
+        return (x, weights) if need_weights else x
+
+
+# ----------------------------------------------------------------------------
+# The model
+
+
+class GPTModel(nn.Module):
+    """GPT-2 style language model: ids ``(batch, T)`` -> next-token logits ``(batch, T, vocab)``.
+
+    Token + learned position embeddings, dropout, ``n_layers`` :class:`TransformerBlock`,
+    a final :class:`LayerNorm` and a bias-free output head. With ``cfg.tie_weights`` the head
+    reuses the token embedding matrix (GPT-2's 124M parameters instead of 163M).
+
+    Parameters are created in the book's order with PyTorch's default initialisers, so
+    ``torch.manual_seed(123); GPTModel(GPT_CONFIG_124M)`` holds the book's parameters and,
+    in eval mode, gives its outputs (§4.7's untrained "Hello, I am Featureiman
+    Byeswickattribute argue"). In training mode dropout draws differ from the book's.
+    :meth:`init_weights` applies GPT-2's initialisation instead, which trains better,
+    in particular with tied weights.
+
+    Args:
+        cfg: a :class:`GPTConfig` or the book's config dict.
+    """
+
+    def __init__(self, cfg: GPTConfig | Mapping[str, Any]) -> None:
+        super().__init__()
+        self.cfg = cfg = _as_config(cfg)
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
+        self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim)
+        self.drop_emb = nn.Dropout(cfg.drop_rate)
+        self.trf_blocks = nn.Sequential(*[TransformerBlock(cfg) for _ in range(cfg.n_layers)])
+        self.final_norm = LayerNorm(cfg.emb_dim)
+        self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            # one Parameter in two places: the same storage, updated once per step
+            self.out_head.weight = self.tok_emb.weight
+
+    def forward(
+        self,
+        idx: Tensor,
+        *,
+        caches: list[KVCache] | None = None,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, list[Tensor]]:
+        """Next-token logits for every position.
+
+        Args:
+            idx: token ids ``(batch, T)``.
+            caches: one :class:`KVCache` per layer (:meth:`new_caches`); ``idx`` is then
+                the tokens after the ``caches[0].pos`` already stored, and positions
+                continue from there.
+            need_weights: also return each layer's attention weights
+                ``(batch, heads, T, T_k)`` (runs the eager attention path).
+
+        Returns:
+            logits ``(batch, T, vocab_size)``, or ``(logits, [weights per layer])``.
+        """
+        if caches is not None and len(caches) != len(self.trf_blocks):
+            raise ValueError(
+                f"need one KVCache per layer ({len(self.trf_blocks)}), got {len(caches)}"
+            )
+        start = caches[0].pos if caches is not None else 0
+        x = self.drop_emb(embed_tokens(self.tok_emb, self.pos_emb, idx, start))
+        all_weights = []
+        for i, block in enumerate(self.trf_blocks):
+            cache = caches[i] if caches is not None else None
+            if need_weights:
+                x, weights = block(x, cache=cache, need_weights=True)
+                all_weights.append(weights)
+            else:
+                x = block(x, cache=cache)
+        logits = self.out_head(self.final_norm(x))
+        return (logits, all_weights) if need_weights else logits
+
+    def new_caches(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
+        """One empty :class:`KVCache` per layer, on the model's device and dtype.
+
+        ``max_len`` defaults to ``cfg.context_length`` and cannot exceed it (positions
+        beyond it have no embedding).
+        """
+        max_len = self.cfg.context_length if max_len is None else max_len
+        if not 1 <= max_len <= self.cfg.context_length:
+            raise ValueError(
+                f"max_len must be in [1, context_length={self.cfg.context_length}], got {max_len}"
+            )
+        return [block.att.new_cache(batch_size, max_len) for block in self.trf_blocks]
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> GPTModel:
+        """GPT-2's initialisation: N(0, std) weights, zero biases, and the two residual
+        projections of each block scaled by ``1 / sqrt(2 * n_layers)`` so the residual
+        stream's variance does not grow with depth. Returns the model."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for block in self.trf_blocks:
+            nn.init.normal_(block.att.out_proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.ff.layers[2].weight, mean=0.0, std=residual_std)
+        return self
+
+
+# ----------------------------------------------------------------------------
+# Decoding
+
+
+def _next_token(
+    logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> Tensor:
+    """Pick one id per row from ``logits (batch, vocab)`` -> ``(batch, 1)``."""
+    if top_k is not None:
+        # keep the k largest logits (ties with the k-th are kept too)
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if temperature == 0.0:
+        return logits.argmax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    idx: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+    eos_id: int | None = None,
+    context_size: int | None = None,
+) -> Tensor:
+    """Extend ``idx (batch, T)`` by up to ``max_new_tokens`` tokens -> ``(batch, T + n)``.
+
+    Args:
+        model: a :class:`GPTModel` (or any model mapping ``(batch, T)`` ids to logits when
+            ``use_cache=False`` and ``context_size`` is given).
+        temperature: 0 picks the most likely token (greedy); above 0 samples from
+            ``softmax(logits / temperature)``, flatter as it grows.
+        top_k: sample only among the ``k`` most likely tokens.
+        use_cache: decode with one :class:`KVCache` per layer; the tokens are the same as
+            without it, only faster.
+        generator: source of randomness for sampling, for reproducible output.
+        eos_id: stop once every row has produced this id; a row that finished early is
+            padded with it. (Unlike the book's batch-of-one loop, the final ``eos_id`` is
+            kept in the output.)
+        context_size: tokens the model sees; default ``model.cfg.context_length``.
+
+    Context: the model always sees the last ``context_size`` tokens (the book's crop). The
+    cache grows while the sequence fits; once full, each step re-fills it from the last
+    ``context_size`` tokens, because their positions have all shifted by one.
+
+    Runs in eval mode (dropout off) and restores the model's mode afterwards.
+    """
+    if idx.dim() != 2 or idx.shape[1] == 0 or idx.is_floating_point():
+        raise ValueError(
+            f"idx must be integer ids of shape (batch, T >= 1), got {tuple(idx.shape)}"
+        )
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if (
+        not (isinstance(temperature, (int, float)) and math.isfinite(temperature))
+        or temperature < 0
+    ):
+        raise ValueError(
+            f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
+        )
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    cfg = getattr(model, "cfg", None)
+    model_context = getattr(cfg, "context_length", None)
+    if context_size is None:
+        if model_context is None:
+            raise ValueError("pass context_size: the model has no cfg.context_length")
+        context_size = model_context
+    if context_size < 1 or (model_context is not None and context_size > model_context):
+        raise ValueError(
+            f"context_size must be in [1, context_length={model_context}], got {context_size}"
+        )
+    if use_cache and not hasattr(model, "new_caches"):
+        raise ValueError("this model has no new_caches(); pass use_cache=False")
+
+    was_training = model.training
+    model.eval()
+    try:
+        caches = model.new_caches(idx.shape[0], context_size) if use_cache else None
+        finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        for _ in range(max_new_tokens):
+            if caches is None:
+                logits = model(idx[:, -context_size:])
+            elif caches[0].pos == 0 or caches[0].pos == context_size:
+                # first step, or the cache is full: (re-)fill it from the last window
+                for cache in caches:
+                    cache.reset()
+                logits = model(idx[:, -context_size:], caches=caches)
+            else:
+                # the cache holds every token but the newest: feed just that one
+                logits = model(idx[:, -1:], caches=caches)
+            next_id = _next_token(logits[:, -1, :], float(temperature), top_k, generator)
+            if eos_id is not None:
+                next_id = next_id.masked_fill(finished[:, None], eos_id)
+                finished |= next_id[:, 0] == eos_id
+            idx = torch.cat((idx, next_id.to(idx.dtype)), dim=1)
+            if eos_id is not None and bool(finished.all()):
+                break
+    finally:
+        model.train(was_training)
+    return idx
+
+
+def generate_text_simple(
+    model: nn.Module, idx: Tensor, max_new_tokens: int, context_size: int
+) -> Tensor:
+    """The book's greedy decoder (§4.7): ``generate`` with temperature 0 and the book's crop."""
+    return generate(
+        model,
+        idx,
+        max_new_tokens,
+        context_size=context_size,
+        use_cache=hasattr(model, "new_caches"),
+    )

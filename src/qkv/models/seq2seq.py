@@ -1,0 +1,466 @@
+"""Encoder-decoder translation models: the shared interface and Bahdanau's GRU model.
+
+Every model here subclasses :class:`EncoderDecoder`, so a trainer, the decoders in
+:mod:`qkv.models.decoding` and the CLI never look inside:
+
+    config = Seq2SeqConfig(src_vocab_size=len(src_vocab), tgt_vocab_size=len(tgt_vocab))
+    model = build_model(config)                        # Xavier init, logs the parameter count
+    dec_input = teacher_forcing_input(tgt, bos_id)     # <bos> + target shifted right
+    logits = model(src, src_valid_len, dec_input)      # (batch, T_tgt, tgt_vocab)
+
+    state = model.encode(src, src_valid_len)           # once per source sentence
+    logits, state, attn = model.decode_step(tokens, state)   # one target token per row
+
+The Bahdanau model (d2l §11.4 / SPEC §7) is a GRU encoder and a GRU decoder that, at
+every step, asks :class:`qkv.AdditiveAttention` which source positions matter. The
+keys of that attention depend only on the source sentence, so they are projected once
+per sentence (``attention.project_keys``) and reused at every step; d2l recomputes them
+each step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..multihead import check_dropout
+from ..scoring import AdditiveAttention
+
+__all__ = [
+    "MODEL_NAMES",
+    "Seq2SeqConfig",
+    "EncoderDecoder",
+    "Seq2SeqEncoder",
+    "Seq2SeqAttentionDecoder",
+    "BahdanauState",
+    "BahdanauSeq2Seq",
+    "build_model",
+    "init_seq2seq",
+    "num_parameters",
+    "teacher_forcing_input",
+]
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAMES = ("bahdanau", "transformer")
+
+
+# ----------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass
+class Seq2SeqConfig:
+    """Everything needed to rebuild a model (it is saved next to the weights as JSON).
+
+    ``num_heads``, ``ffn_num_hiddens`` and ``max_len`` are used by the Transformer only.
+    The Transformer's width is ``num_hiddens``; its ``embed_size`` must equal it (the
+    embeddings are added to the residual stream, so they have the model's width).
+
+    A default-constructed config has vocabulary sizes 0 on purpose, as a template to fill
+    in; :meth:`validate` (run by :meth:`from_dict` and :func:`build_model`) rejects it.
+    """
+
+    model: str = "bahdanau"
+    src_vocab_size: int = 0
+    tgt_vocab_size: int = 0
+    embed_size: int = 32
+    num_hiddens: int = 32
+    num_layers: int = 2
+    dropout: float = 0.1
+    num_heads: int = 4
+    ffn_num_hiddens: int = 64
+    max_len: int = 1000
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; ``Seq2SeqConfig.from_dict(c.to_dict()) == c``."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Seq2SeqConfig:
+        """Build and validate a config from a dict (e.g. read from a checkpoint's JSON).
+
+        Missing keys take their defaults. Raises ``ValueError`` (one line naming the key)
+        for an unknown key, a value of the wrong type, or an invalid value.
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"config must be a dict, got {type(d).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in d.items():
+            if key not in fields:
+                raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(fields)}")
+            values[key] = _check_type(key, value, type(fields[key].default))
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raise a one-line ``ValueError`` naming the first invalid field."""
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), type(f.default))
+        if self.model not in MODEL_NAMES:
+            raise ValueError(
+                f"config key 'model' must be one of {', '.join(MODEL_NAMES)}, got {self.model!r}"
+            )
+        for name in (
+            "src_vocab_size",
+            "tgt_vocab_size",
+            "embed_size",
+            "num_hiddens",
+            "num_layers",
+            "num_heads",
+            "ffn_num_hiddens",
+            "max_len",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(
+                    f"config key {name!r} must be a positive integer, got {getattr(self, name)}"
+                )
+        try:
+            check_dropout(self.dropout)
+        except ValueError as e:
+            raise ValueError(f"config key 'dropout': {e}") from None
+        if self.model == "transformer":
+            if self.embed_size != self.num_hiddens:
+                raise ValueError(
+                    f"config key 'embed_size' must equal num_hiddens ({self.num_hiddens}) for "
+                    f"the transformer (its embeddings have the model width), got {self.embed_size}"
+                )
+            if self.num_hiddens % self.num_heads != 0:
+                divisors = [h for h in range(1, self.num_hiddens + 1) if self.num_hiddens % h == 0]
+                raise ValueError(
+                    f"config key 'num_heads' must divide num_hiddens ({self.num_hiddens}), "
+                    f"got {self.num_heads}; e.g. one of {divisors[:8]}"
+                )
+
+
+def _check_type(key: str, value: Any, expected: type) -> Any:
+    """Return ``value`` (ints widened to float for float fields) or raise ``ValueError``."""
+    # bool is a subclass of int, but `num_layers: true` is a mistake, not a 1.
+    if isinstance(value, bool) or not isinstance(value, expected):
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError(
+            f"config key {key!r} must be of type {expected.__name__}, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+# ----------------------------------------------------------------------------
+# The interface shared by all models
+
+
+class EncoderDecoder(nn.Module):
+    """Base class of the translation models; trainers and decoders use only these methods.
+
+    ``state`` objects are opaque to callers. ``decode_step`` may update the state it is
+    given in place (the Transformer appends to its KV caches) and returns it.
+    """
+
+    def __init__(self, config: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def init_weights(self) -> None:
+        """The init :func:`build_model` applies (default: :func:`init_seq2seq`)."""
+        init_seq2seq(self)
+
+    def forward(self, src: Tensor, src_valid_len: Tensor, dec_input: Tensor) -> Tensor:
+        """Teacher forcing: ``src (b, S)``, ``src_valid_len (b,)``, ``dec_input (b, T)``
+        ``-> logits (b, T, tgt_vocab)``."""
+        raise NotImplementedError
+
+    def encode(self, src: Tensor, src_valid_len: Tensor, max_steps: int | None = None) -> Any:
+        """Encode ``src (b, S)`` once; ``max_steps`` bounds how many ``decode_step`` calls
+        will follow (models with a pre-allocated cache size it from this)."""
+        raise NotImplementedError
+
+    def decode_step(self, tokens: Tensor, state: Any) -> tuple[Tensor, Any, Tensor]:
+        """One step: ``tokens (b,)`` int64 ``-> (logits (b, tgt_vocab), state, attn (b, S))``
+        where ``attn`` are this step's weights over the source positions."""
+        raise NotImplementedError
+
+    def reorder_state(self, state: Any, index: Tensor) -> Any:
+        """Select / reorder the batch rows of ``state`` (``index (k,)`` int64), for beam
+        search and for dropping finished rows. Returns a new state."""
+        raise NotImplementedError
+
+
+def teacher_forcing_input(tgt: Tensor, bos_id: int) -> Tensor:
+    """Decoder input for teacher forcing: ``<bos>`` then the target shifted right.
+
+    ``tgt (b, T) -> (b, T)``: row ``[y1, y2, ..., yT]`` becomes ``[<bos>, y1, ..., y(T-1)]``,
+    so the decoder predicts ``y_t`` having seen ``y_1 .. y_(t-1)``.
+    """
+    bos = torch.full_like(tgt[:, :1], bos_id)
+    return torch.cat([bos, tgt[:, :-1]], dim=1)
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Number of trainable parameters."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def init_seq2seq(model: nn.Module) -> None:
+    """Xavier-uniform init of every ``nn.Linear`` weight and every GRU weight matrix.
+
+    Biases keep PyTorch's defaults. GRU matrices are initialised as stored, i.e. the three
+    gates stacked into one ``(3 * hidden, in)`` matrix per layer and direction.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+        elif isinstance(module, nn.GRU):
+            for name, param in module.named_parameters():
+                if name.startswith("weight_"):
+                    nn.init.xavier_uniform_(param)
+
+
+def build_model(config: Seq2SeqConfig) -> EncoderDecoder:
+    """Validate ``config``, build its model, initialise it and log its size."""
+    config.validate()
+    if config.model == "bahdanau":
+        model: EncoderDecoder = BahdanauSeq2Seq(config)
+    else:
+        # Imported here because transformer.py builds on this module.
+        from .transformer import TransformerSeq2Seq
+
+        model = TransformerSeq2Seq(config)
+    model.init_weights()
+    logger.info(
+        "built %s model with %s trainable parameters", config.model, f"{num_parameters(model):,}"
+    )
+    return model
+
+
+# ----------------------------------------------------------------------------
+# Bahdanau: GRU encoder, GRU decoder with additive attention
+
+
+class Seq2SeqEncoder(nn.Module):
+    """Embedding then a multi-layer GRU.
+
+    ``X (batch, steps)`` int64 ``-> (outputs (steps, batch, num_hiddens),
+    state (num_layers, batch, num_hiddens))``.
+
+    The outputs are time-major, as PyTorch's GRU (and d2l) produce them: ``outputs[t]`` is
+    the top layer's hidden state after reading token ``t``; ``state`` holds every layer's
+    last hidden state. Padding positions are read too; attention masks them later.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embed_size: int,
+        num_hiddens: int,
+        num_layers: int,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, embed_size)
+        self.rnn = nn.GRU(embed_size, num_hiddens, num_layers, dropout=dropout)
+
+    def forward(self, X: Tensor) -> tuple[Tensor, Tensor]:
+        # Transpose the ids (cheap) rather than the embeddings: the GRU wants time first.
+        embs = self.embedding(X.t())
+        return self.rnn(embs)
+
+
+@dataclass
+class BahdanauState:
+    """Decoder state of the Bahdanau model.
+
+    enc_outputs: ``(batch, src_len, num_hiddens)``, batch-major for attention (values).
+    projected_keys: ``attention.W_k(enc_outputs)``, ``(batch, src_len, num_hiddens)``.
+    src_valid_len: ``(batch,)``.
+    hidden: ``(num_layers, batch, num_hiddens)``, the decoder GRU state.
+    step: number of decoder steps taken (for trace messages).
+    """
+
+    enc_outputs: Tensor
+    projected_keys: Tensor
+    src_valid_len: Tensor
+    hidden: Tensor
+    step: int = 0
+
+
+class Seq2SeqAttentionDecoder(nn.Module):
+    """GRU decoder that attends over the encoder outputs at every step (Bahdanau).
+
+    At step ``t``: the query is the top layer of the previous hidden state; additive
+    attention over the (masked) encoder outputs gives a context vector; ``[context,
+    embedding(y_t)]`` is fed to the GRU; a dense layer maps the GRU output to the vocabulary.
+
+    Attributes:
+        attention_weights: ``(batch, steps, src_len)`` weights of the last :meth:`forward`
+            (or the last step only, ``steps = 1``, after a single step).
+        trace: optional callable receiving one line per decoder step (tensor shapes) and,
+            for the first batch after it was switched on, per-step norms.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embed_size: int,
+        num_hiddens: int,
+        num_layers: int,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.attention = AdditiveAttention(num_hiddens, num_hiddens, num_hiddens, dropout)
+        self.embedding = nn.Embedding(vocab_size, embed_size)
+        self.rnn = nn.GRU(embed_size + num_hiddens, num_hiddens, num_layers, dropout=dropout)
+        self.dense = nn.Linear(num_hiddens, vocab_size)
+        self._weights: list[Tensor] = []
+        self.trace: Callable[[str], None] | None = None
+        self.trace_norms_pending = False
+
+    @property
+    def attention_weights(self) -> Tensor | None:
+        if not self._weights:
+            return None
+        return torch.cat(self._weights, dim=1)
+
+    def init_state(
+        self, enc_outputs: Tensor, enc_state: Tensor, src_valid_len: Tensor
+    ) -> BahdanauState:
+        """Start decoding from the encoder's ``(outputs, state)``; projects the keys once."""
+        outputs = enc_outputs.transpose(0, 1)  # (batch, src_len, num_hiddens)
+        return BahdanauState(
+            enc_outputs=outputs,
+            projected_keys=self.attention.project_keys(outputs),
+            src_valid_len=src_valid_len,
+            hidden=enc_state,
+        )
+
+    def _step(self, emb: Tensor, state: BahdanauState, norms: list[str] | None) -> Tensor:
+        """One step from the input embedding ``emb (batch, embed_size)``.
+
+        Returns the GRU output ``(batch, num_hiddens)`` and advances ``state`` in place
+        (it is private to the decoder at this point).
+        """
+        hidden = state.hidden
+        query = hidden[-1].unsqueeze(1)  # (batch, 1, num_hiddens)
+        context = self.attention(
+            query,
+            state.enc_outputs,
+            state.enc_outputs,
+            state.src_valid_len,
+            projected_keys=state.projected_keys,
+        )  # (batch, 1, num_hiddens)
+        # Detached: kept for heatmaps, not for the backward pass (which has its own ref).
+        self._weights.append(self.attention.attention_weights.detach())
+        x = torch.cat([context, emb.unsqueeze(1)], dim=-1).transpose(0, 1)  # (1, batch, e + h)
+        out, new_hidden = self.rnn(x, hidden)
+        if self.trace is not None:
+            self.trace(
+                f"decoder step {state.step}: query {tuple(query.shape)}, "
+                f"context {tuple(context.shape)}, GRU output {tuple(out.shape)}, "
+                f"hidden {tuple(new_hidden.shape)}"
+            )
+            if norms is not None:
+                norms.append(_step_norms(state.step, emb, context, hidden, new_hidden))
+        state.hidden = new_hidden
+        state.step += 1
+        return out[0]
+
+    def forward(self, X: Tensor, state: BahdanauState) -> tuple[Tensor, BahdanauState]:
+        """Teacher forcing over all steps: ``X (batch, T)`` int64
+        ``-> (logits (batch, T, vocab), state)``.
+
+        The recurrence forces a Python loop over steps, so everything that does not depend
+        on the previous step (the embeddings, the output layer) runs once for all steps.
+        """
+        embs = self.embedding(X.t())  # (T, batch, embed_size)
+        self._weights = []
+        norms: list[str] | None = None
+        if self.trace is not None and self.trace_norms_pending:
+            norms = []
+            self.trace_norms_pending = False  # only the first batch after switching on
+        outputs = [self._step(embs[t], state, norms) for t in range(embs.shape[0])]
+        if norms:
+            self.trace("per-step norms (mean L2 over the batch), first batch only:")
+            for line in norms:
+                self.trace(line)
+        logits = self.dense(torch.stack(outputs, dim=1))  # (batch, T, vocab)
+        return logits, state
+
+
+@torch.no_grad()
+def _step_norms(step: int, emb: Tensor, context: Tensor, before: Tensor, after: Tensor) -> str:
+    """One trace line; a hidden state's norm is over all its layers, per example."""
+
+    def norm(x: Tensor) -> float:
+        # (..., batch, features) -> one L2 norm per example, averaged over the batch
+        per_example = x.transpose(0, -2).reshape(x.shape[-2], -1) if x.dim() == 3 else x
+        return per_example.norm(dim=-1).mean().item()
+
+    return (
+        f"  step {step}: |embedding| {norm(emb):.3f}  |context| {norm(context[:, 0]):.3f}  "
+        f"|h_before| {norm(before):.3f}  |h_after| {norm(after):.3f}  "
+        f"|h_after - h_before| {norm(after - before):.3f}"
+    )
+
+
+class BahdanauSeq2Seq(EncoderDecoder):
+    """GRU encoder + GRU decoder with additive attention (d2l's ``Seq2SeqAttentionDecoder``).
+
+    Set ``model.trace = print`` (any ``Callable[[str], None]``) to log every decoder step's
+    tensor shapes and, for the next batch, per-step norms; ``None`` (default) turns it off.
+    """
+
+    def __init__(self, config: Seq2SeqConfig) -> None:
+        super().__init__(config)
+        c = config
+        self.encoder = Seq2SeqEncoder(
+            c.src_vocab_size, c.embed_size, c.num_hiddens, c.num_layers, c.dropout
+        )
+        self.decoder = Seq2SeqAttentionDecoder(
+            c.tgt_vocab_size, c.embed_size, c.num_hiddens, c.num_layers, c.dropout
+        )
+
+    @property
+    def trace(self) -> Callable[[str], None] | None:
+        return self.decoder.trace
+
+    @trace.setter
+    def trace(self, fn: Callable[[str], None] | None) -> None:
+        self.decoder.trace = fn
+        self.decoder.trace_norms_pending = fn is not None
+
+    def forward(self, src: Tensor, src_valid_len: Tensor, dec_input: Tensor) -> Tensor:
+        state = self.encode(src, src_valid_len)
+        logits, _ = self.decoder(dec_input, state)
+        return logits
+
+    def encode(
+        self, src: Tensor, src_valid_len: Tensor, max_steps: int | None = None
+    ) -> BahdanauState:
+        enc_outputs, enc_state = self.encoder(src)
+        return self.decoder.init_state(enc_outputs, enc_state, src_valid_len)
+
+    def decode_step(
+        self, tokens: Tensor, state: BahdanauState
+    ) -> tuple[Tensor, BahdanauState, Tensor]:
+        self.decoder._weights = []
+        out = self.decoder._step(self.decoder.embedding(tokens), state, None)
+        attn = self.decoder.attention.attention_weights[:, 0]  # (batch, src_len)
+        return self.decoder.dense(out), state, attn
+
+    def reorder_state(self, state: BahdanauState, index: Tensor) -> BahdanauState:
+        index = index.to(state.hidden.device)
+        return BahdanauState(
+            enc_outputs=state.enc_outputs.index_select(0, index),
+            projected_keys=state.projected_keys.index_select(0, index),
+            src_valid_len=state.src_valid_len.index_select(0, index.to(state.src_valid_len.device)),
+            hidden=state.hidden.index_select(1, index),
+            step=state.step,
+        )

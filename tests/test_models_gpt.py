@@ -1,0 +1,274 @@
+"""qkv.models.gpt: the book's GPTModel, its config, the KV cache path and generate()."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from qkv.kv_cache import KVCache
+from qkv.models.gpt import (
+    PRESETS,
+    GPTConfig,
+    GPTModel,
+    LayerNorm,
+    TransformerBlock,
+    generate,
+    generate_text_simple,
+)
+
+# LLMs-from-scratch chapter 4
+GPT_CONFIG_124M = {
+    "vocab_size": 50257,
+    "context_length": 1024,
+    "emb_dim": 768,
+    "n_heads": 12,
+    "n_layers": 12,
+    "drop_rate": 0.1,
+    "qkv_bias": False,
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: one thread beats paying OpenMP's start-up on every small op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def raises_one_line(exc, match, fn, *args, **kwargs):
+    with pytest.raises(exc, match=match) as info:
+        fn(*args, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def tiny(**overrides) -> GPTModel:
+    cfg = dict(vocab_size=50, context_length=16, emb_dim=32, n_heads=4, n_layers=2,
+               drop_rate=0.0)
+    torch.manual_seed(0)
+    return GPTModel(GPTConfig(**{**cfg, **overrides})).double().eval()
+
+
+def prompt(batch=2, length=5, vocab=50, seed=1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------
+# Config
+
+
+def test_config_round_trip_presets_and_book_dict():
+    cfg = GPTConfig.preset("tiny", vocab_size=257, tie_weights=True)
+    assert (cfg.vocab_size, cfg.emb_dim, cfg.tie_weights) == (257, 64, True)
+    assert GPTConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert GPTConfig.from_dict(GPT_CONFIG_124M) == GPTConfig() == GPTConfig.preset("gpt2-small")
+    assert cfg["emb_dim"] == 64  # the book's classes read cfg["..."]
+    assert {"gpt2-small", "tiny", "mini"} <= set(PRESETS)
+    for name in PRESETS:
+        GPTConfig.preset(name)  # every preset is valid
+
+
+def test_config_errors_are_one_line():
+    raises_one_line(ValueError, r"emb_dim \(10\) must be divisible by num_heads \(4\)",
+                    GPTConfig, emb_dim=10, n_heads=4)
+    raises_one_line(ValueError, r"dropout must be a probability in \[0, 1\), got 1.0",
+                    GPTConfig, drop_rate=1.0)
+    raises_one_line(ValueError, "GPTConfig.n_layers must be a positive integer, got 0",
+                    GPTConfig, n_layers=0)
+    raises_one_line(ValueError, "GPTConfig.tie_weights must be True or False",
+                    GPTConfig, tie_weights="yes")
+    raises_one_line(ValueError, r"unknown GPTConfig field\(s\) \['emb_size'\]",
+                    GPTConfig.from_dict, {"emb_size": 4})
+    raises_one_line(ValueError, "unknown GPT preset 'huge'; choose one of: gpt2-small",
+                    GPTConfig.preset, "huge")
+    raises_one_line(ValueError, r"unknown GPTConfig field\(s\) \['layers'\]",
+                    GPTConfig.preset, "tiny", layers=3)
+
+
+# ----------------------------------------------------------------------------
+# Model
+
+
+def test_parameter_counts_of_gpt2_small():
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        untied = GPTModel(GPT_CONFIG_124M)
+        tied = GPTModel(GPTConfig(tie_weights=True))
+    assert n_params(untied) == 163_009_536
+    assert untied.out_head.weight.numel() == 38_597_376
+    assert n_params(tied) == 124_412_160
+    assert n_params(untied.trf_blocks[0].att) == 2_360_064
+
+
+def test_book_names_and_shapes():
+    model = tiny()
+    names = set(model.state_dict())
+    assert {"tok_emb.weight", "pos_emb.weight", "trf_blocks.0.att.W_query.weight",
+            "trf_blocks.1.att.out_proj.bias", "trf_blocks.0.ff.layers.0.weight",
+            "trf_blocks.0.ff.layers.2.bias", "trf_blocks.0.norm1.scale",
+            "trf_blocks.1.norm2.shift", "final_norm.scale", "out_head.weight"} <= names
+    # a checkpoint of the book's model also holds each layer's causal-mask buffer
+    book_state = {**model.state_dict(), "trf_blocks.0.att.mask": torch.ones(16, 16).triu(1),
+                  "trf_blocks.1.att.mask": torch.ones(16, 16).triu(1)}
+    tiny().load_state_dict(book_state, strict=True)
+    assert model(prompt()).shape == (2, 5, 50)
+    block = TransformerBlock(model.cfg).double()
+    x = torch.randn(3, 7, 32, dtype=torch.float64)
+    assert block(x).shape == (3, 7, 32)
+    ln = LayerNorm(32).double()
+    assert torch.allclose(ln(x), torch.nn.functional.layer_norm(x, (32,)))
+    raises_one_line(ValueError, "sequence of 17 tokens is longer than context_length=16",
+                    model, prompt(length=17))
+
+
+def test_seeded_model_reproduces_the_book():
+    # LLMs-from-scratch §4.7: torch.manual_seed(123), untrained 124M model, "Hello, I am"
+    torch.manual_seed(123)
+    model = GPTModel(GPT_CONFIG_124M)
+    model.eval()
+    out = generate_text_simple(model, torch.tensor([[15496, 11, 314, 716]]), 6, 1024)
+    assert out.tolist() == [[15496, 11, 314, 716, 27018, 24086, 47843, 30961, 42348, 7267]]
+
+
+def test_tied_weights_share_storage():
+    model = tiny(tie_weights=True)
+    assert model.out_head.weight is model.tok_emb.weight
+    assert model.out_head.weight.data_ptr() == model.tok_emb.weight.data_ptr()
+    untied = tiny()
+    assert n_params(untied) - n_params(model) == 50 * 32
+    # one update reaches both uses
+    model(prompt()).sum().backward()
+    with torch.no_grad():
+        model.tok_emb.weight -= 0.1 * model.tok_emb.weight.grad
+    assert torch.equal(model.out_head.weight, model.tok_emb.weight)
+    # a saved state dict loads back into a tied model and stays tied
+    again = tiny(tie_weights=True)
+    again.load_state_dict(model.state_dict())
+    assert again.out_head.weight is again.tok_emb.weight
+    assert torch.equal(again.tok_emb.weight, model.tok_emb.weight)
+
+
+def test_need_weights_are_causal_distributions():
+    model = tiny()
+    logits, weights = model(prompt(length=9), need_weights=True)
+    assert torch.allclose(logits, model(prompt(length=9)))
+    assert len(weights) == 2
+    for w in weights:
+        assert w.shape == (2, 4, 9, 9)
+        assert torch.allclose(w.sum(-1), torch.ones(2, 4, 9, dtype=w.dtype))
+        assert torch.all(w.triu(diagonal=1) == 0)
+
+
+def test_cached_forward_matches_the_full_forward():
+    model = tiny().float()
+    idx = prompt(length=12)
+    full = model(idx)
+    caches = model.new_caches(2)
+    assert len(caches) == 2 and all(isinstance(c, KVCache) for c in caches)
+    parts = [model(idx[:, :7], caches=caches)]
+    parts += [model(idx[:, t : t + 1], caches=caches) for t in range(7, 12)]
+    assert caches[0].pos == 12
+    assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
+    raises_one_line(ValueError, r"need one KVCache per layer \(2\), got 1",
+                    model, idx, caches=caches[:1])
+    raises_one_line(ValueError, r"max_len must be in \[1, context_length=16\], got 17",
+                    model.new_caches, 1, 17)
+
+
+def test_init_weights():
+    model = tiny().float().init_weights()
+    assert abs(model.tok_emb.weight.std().item() - 0.02) < 0.003
+    assert abs(model.trf_blocks[0].ff.layers[2].weight.std().item() - 0.01) < 0.002
+    assert torch.all(model.trf_blocks[0].ff.layers[0].bias == 0)
+
+
+# ----------------------------------------------------------------------------
+# Generation
+
+
+def test_greedy_with_cache_equals_without_past_the_context():
+    model = tiny()
+    idx = prompt(length=5)
+    cached = generate(model, idx, 40)  # 45 tokens through a 16-token context
+    plain = generate(model, idx, 40, use_cache=False)
+    assert cached.shape == (2, 45)
+    assert torch.equal(cached, plain)
+    assert torch.equal(cached[:, :5], idx)
+    # a prompt longer than the context is cropped the same way on both paths
+    long = prompt(length=30)
+    assert torch.equal(generate(model, long, 8), generate(model, long, 8, use_cache=False))
+    # and the book's crop, done by hand, gives the same tokens
+    ids = idx.clone()
+    with torch.no_grad():
+        for _ in range(40):
+            nxt = model(ids[:, -16:])[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat((ids, nxt), dim=1)
+    assert torch.equal(ids, plain)
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy():
+    model = tiny()
+    idx = prompt()
+
+    def sample(seed, **kw):
+        return generate(model, idx, 20, temperature=1.0,
+                        generator=torch.Generator().manual_seed(seed), **kw)
+
+    assert torch.equal(sample(7), sample(7))
+    assert not torch.equal(sample(7), sample(8))
+    assert torch.equal(sample(7), sample(7, use_cache=False))
+    greedy = generate(model, idx, 20)
+    assert torch.equal(sample(3, top_k=1), greedy)
+    # top_k restricts every sampled token to the k most likely
+    out = generate(model, idx[:1], 1, temperature=5.0, top_k=3,
+                   generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        top3 = model(idx[:1])[0, -1].topk(3).indices
+    assert out[0, -1] in top3
+
+
+def test_generate_runs_in_eval_mode_and_restores_it():
+    model = tiny(drop_rate=0.5)
+    idx = prompt()
+    expected = generate(model, idx, 10)
+    model.train()
+    assert torch.equal(generate(model, idx, 10), expected)
+    assert model.training
+
+
+def test_eos_stops_and_pads():
+    model = tiny()
+    idx = prompt()
+    greedy = generate(model, idx, 10)
+    eos = int(greedy[0, 5])  # the first token row 0 generates
+    out = generate(model, idx, 10, eos_id=eos)
+    assert torch.equal(out[0, 5:], torch.full_like(out[0, 5:], eos))
+    row1 = greedy[1, 5:].tolist()
+    if eos in row1:  # stops when the last row reaches eos
+        assert out.shape[1] == 5 + row1.index(eos) + 1
+    else:
+        assert torch.equal(out[1], greedy[1])
+
+
+def test_generate_argument_errors():
+    model = tiny()
+    idx = prompt()
+    raises_one_line(ValueError, "temperature must be a finite number >= 0", generate,
+                    model, idx, 3, temperature=-1.0)
+    raises_one_line(ValueError, "temperature must be a finite number >= 0", generate,
+                    model, idx, 3, temperature=math.nan)
+    raises_one_line(ValueError, "top_k must be a positive integer or None, got 0", generate,
+                    model, idx, 3, top_k=0)
+    raises_one_line(ValueError, "max_new_tokens must be >= 0", generate, model, idx, -1)
+    raises_one_line(ValueError, r"idx must be integer ids of shape \(batch, T >= 1\)",
+                    generate, model, idx[0], 3)
+    raises_one_line(ValueError, r"context_size must be in \[1, context_length=16\], got 32",
+                    generate, model, idx, 3, context_size=32)
+    assert torch.equal(generate(model, idx, 0), idx)
