@@ -14,10 +14,10 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from . import walkthrough
+from . import translate, walkthrough
 
 # Sub-command modules, in the order ``qkv --help`` lists them.
-COMMANDS = [walkthrough]
+COMMANDS = [translate, walkthrough]
 
 
 class UsageError(Exception):

@@ -1,0 +1,195 @@
+"""``qkv translate``: train, evaluate and run attention translators.
+
+    qkv translate train                       # dates -> ISO on the embedded corpus
+    qkv translate train --data fra-eng --run-dir runs/fra
+    qkv translate run --ckpt runs/translate-dates --text "3 mar 21" --heatmap a.png
+    qkv translate eval --ckpt runs/translate-dates
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+
+import torch
+
+# SPEC §7's four test sentences: the default input for an English->French model.
+FRA_ENG_EXAMPLES = ["go .", "i lost .", "he's calm .", "i'm home ."]
+DATE_EXAMPLES = [
+    "tuesday, march 3, 2021",
+    "3 mar 21",
+    "03/03/2021",
+    "the 4th of july, 1976",
+    "dec 25, 1999",
+    "2049 january 1",
+]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "translate",
+        help="train, evaluate and run seq2seq translators with attention",
+        description="Sequence-to-sequence translation with Bahdanau or Transformer attention.",
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    train = actions.add_parser("train", help="train a translator (default: dates -> ISO)")
+    train.add_argument("--data", default="dates",
+                       help="'dates' (embedded, default), 'fra-eng' (downloaded) or a "
+                            "source<TAB>target file")
+    train.add_argument("--model", choices=["bahdanau", "transformer"], default="bahdanau")
+    train.add_argument("--run-dir", type=Path, default=None,
+                       help="checkpoint directory (default: runs/translate-DATA)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run in --run-dir up to --epochs")
+    train.add_argument("--epochs", type=int, default=None,
+                       help="total epochs (default: 10 for dates, 250 otherwise)")
+    train.add_argument("--num-examples", type=int, default=None,
+                       help="pairs to read (default: 10000 for dates, 600 otherwise)")
+    train.add_argument("--num-steps", "--num_steps", type=int, default=None,
+                       help="tokens per sentence after truncation/padding")
+    train.add_argument("--held-out", type=float, default=None,
+                       help="fraction held out for evaluation (default: 0.1 dates, 0 else)")
+    train.add_argument("--min-freq", type=int, default=2)
+    train.add_argument("--embed-size", type=int, default=32)
+    train.add_argument("--num-hiddens", type=int, default=32)
+    train.add_argument("--num-layers", type=int, default=2)
+    train.add_argument("--dropout", type=float, default=0.1)
+    train.add_argument("--num-heads", type=int, default=4, help="transformer only")
+    train.add_argument("--ffn-num-hiddens", type=int, default=64, help="transformer only")
+    train.add_argument("--batch-size", type=int, default=64)
+    train.add_argument("--lr", type=float, default=0.005)
+    train.add_argument("--clip-norm", type=float, default=1.0)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    train.add_argument("--threads", type=int, default=None,
+                       help="CPU threads for torch (default: torch's choice)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--trace", action="store_true",
+                       help="log decoder tensor shapes per step and first-batch norms")
+    train.set_defaults(run=run_train)
+
+    run = actions.add_parser("run", help="translate sentences with a trained checkpoint")
+    run.add_argument("--ckpt", type=Path, required=True, help="run directory of a checkpoint")
+    run.add_argument("--text", nargs="+", default=None, help="sentences to translate")
+    run.add_argument("--num-steps", "--num_steps", type=int, default=None,
+                     help="default: the checkpoint's")
+    run.add_argument("--beam", type=int, default=1, help="beam size (1 = greedy)")
+    run.add_argument("--heatmap", type=Path, default=None,
+                     help="save target-vs-source attention to this PNG/PDF/SVG")
+    run.add_argument("--device", default="cpu")
+    run.set_defaults(run=run_translate)
+
+    evaluate = actions.add_parser("eval", help="BLEU and exact match of a checkpoint")
+    evaluate.add_argument("--ckpt", type=Path, required=True)
+    evaluate.add_argument("--data", default=None,
+                          help="evaluate on this data instead of the run's held-out split")
+    evaluate.add_argument("--num-examples", type=int, default=None)
+    evaluate.add_argument("--device", default="cpu")
+    evaluate.set_defaults(run=run_eval)
+
+
+def _print_translations(translations) -> None:
+    for t in translations:
+        score = "" if t.score is None else f"   (score {t.score:.3f})"
+        print(f"{t.source} => {t.text}{score}")
+
+
+def _print_metrics(label: str, metrics: dict[str, float]) -> None:
+    print(f"{label} ({int(metrics['n'])} pairs): exact match {metrics['exact_match']:.1%}, "
+          f"BLEU (d2l, k=2) {metrics['bleu']:.3f}, sacreBLEU {metrics['sacrebleu']:.1f}")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from ..translation import TranslateSettings, prepare_data, train_translator
+    from ..viz import check_image_path
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    run_dir = args.run_dir or Path("runs") / f"translate-{Path(args.data).stem}"
+    settings = TranslateSettings(
+        data=args.data, model=args.model, num_examples=args.num_examples,
+        num_steps=args.num_steps, held_out=args.held_out, min_freq=args.min_freq,
+        embed_size=args.embed_size, num_hiddens=args.num_hiddens, num_layers=args.num_layers,
+        dropout=args.dropout, num_heads=args.num_heads, ffn_num_hiddens=args.ffn_num_hiddens,
+        batch_size=args.batch_size, lr=args.lr, epochs=args.epochs, clip_norm=args.clip_norm,
+        seed=args.seed, device=args.device,
+    )
+    heatmap = check_image_path(run_dir / "attention.png")
+    try:
+        translator, _ = train_translator(
+            settings, run_dir, resume=args.resume, progress=not args.no_progress,
+            trace=print if args.trace else None,
+        )
+    except KeyboardInterrupt:
+        print(f"interrupted: the last completed epoch is saved in {run_dir}; "
+              f"continue with 'qkv translate train --run-dir {run_dir} --resume'")
+        return 130
+    print(f"checkpoint: {run_dir}  (loss curve: {run_dir / 'loss.png'})")
+
+    examples = DATE_EXAMPLES if translator.settings.data == "dates" else FRA_ENG_EXAMPLES
+    translations = translator.translate(examples)
+    print("\nsample translations:")
+    _print_translations(translations)
+    translator.heatmap(translations[:4], heatmap)
+
+    data = prepare_data(translator.settings, translator.src_vocab, translator.tgt_vocab)
+    if data.valid_pairs:
+        src = [s for s, _ in data.valid_pairs]
+        tgt = [t for _, t in data.valid_pairs]
+        print()
+        _print_metrics("held-out", translator.evaluate(src, tgt))
+    print(f"attention heatmap written to {heatmap}")
+    return 0
+
+
+def _load(args: argparse.Namespace):
+    from ..translation import Translator
+
+    return Translator.load(args.ckpt, device=args.device)
+
+
+def run_translate(args: argparse.Namespace) -> int:
+    from ..viz import check_image_path
+
+    if args.heatmap is not None:
+        check_image_path(args.heatmap)
+    translator = _load(args)
+    texts = args.text
+    if texts is None:
+        texts = DATE_EXAMPLES if translator.settings.data == "dates" else FRA_ENG_EXAMPLES
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        translations = translator.translate(texts, beam=args.beam, num_steps=args.num_steps)
+    for w in caught:
+        print(f"warning: {w.message}")
+    _print_translations(translations)
+    if args.heatmap is not None:
+        print(f"heatmap written to {translator.heatmap(translations, args.heatmap)}")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from ..translation import load_pairs, prepare_data
+
+    translator = _load(args)
+    settings = translator.settings
+    if args.data is None:
+        data = prepare_data(settings, translator.src_vocab, translator.tgt_vocab)
+        pairs, label = data.valid_pairs, "held-out"
+        if not pairs:
+            raise ValueError(f"{args.ckpt} was trained without a held-out split; pass --data")
+        src, tgt = [s for s, _ in pairs], [t for _, t in pairs]
+    else:
+        other = dataclasses.replace(settings, data=args.data, num_examples=args.num_examples)
+        if other.num_examples is None:
+            other = dataclasses.replace(other, num_examples=settings.num_examples)
+        src, tgt = load_pairs(other)
+        label = args.data
+    _print_metrics(label, translator.evaluate(src, tgt))
+    return 0

@@ -1,0 +1,82 @@
+"""Translation metrics: d2l's sentence BLEU, sacreBLEU's corpus BLEU, exact match.
+
+All three take already-tokenised text, tokens separated by whitespace, which is what
+the translation pipeline produces (SPEC §7: lower-cased, a space before ``, . ! ?``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+__all__ = ["bleu", "corpus_bleu", "exact_match"]
+
+
+def _ngrams(tokens: list[str], n: int) -> Counter[tuple[str, ...]]:
+    return Counter(tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1))
+
+
+def bleu(pred_seq: str, label_seq: str, k: int = 2) -> float:
+    """Sentence BLEU as *Dive into Deep Learning* defines it.
+
+    ``exp(min(0, 1 - len_label / len_pred)) * prod_{n=1..k} p_n ** (1 / 2**n)``, where
+    ``p_n`` is the clipped n-gram precision: matches between the prediction's n-grams and
+    the label's, each label n-gram usable as often as it occurs, over the prediction's
+    n-gram count. The weights ``1 / 2**n`` reward longer matches more.
+
+    A prediction shorter than ``k`` tokens (the empty one included) has no n-grams for
+    ``n = k``, so ``p_k`` is undefined; the score is then 0.0 (SPEC §7). d2l's own loop
+    instead stops at ``n = len_pred`` and so gives such predictions a positive score.
+    Tokens are split on whitespace (d2l splits on single spaces: equal for the
+    single-spaced text the pipeline produces).
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    pred_tokens, label_tokens = pred_seq.split(), label_seq.split()
+    len_pred, len_label = len(pred_tokens), len(label_tokens)
+    if len_pred < k:
+        return 0.0
+    score = math.exp(min(0.0, 1 - len_label / len_pred))  # brevity penalty
+    for n in range(1, k + 1):
+        label_counts = _ngrams(label_tokens, n)
+        pred_counts = _ngrams(pred_tokens, n)
+        # Clipping: a predicted n-gram matches at most as many times as the label has it.
+        matches = sum(min(count, label_counts[gram]) for gram, count in pred_counts.items())
+        score *= (matches / (len_pred - n + 1)) ** (0.5**n)
+    return score
+
+
+def corpus_bleu(preds: Sequence[str], refs: Sequence[str], *, tokenize: str = "none") -> float:
+    """Standard corpus-level BLEU-4 from sacreBLEU, on its 0-100 scale.
+
+    This is the number papers report, unlike :func:`bleu` (d2l's sentence score, 0-1,
+    k = 2 by default): n-gram counts are pooled over the corpus before the precisions
+    and the brevity penalty are taken.
+
+    ``tokenize="none"`` by default: predictions and references are already tokenised by
+    the translation pipeline, so each space-separated token is scored exactly as the model
+    produced it; sacreBLEU's ``"13a"`` would split some tokens again and score different
+    units than :func:`bleu`. Pass ``tokenize="13a"`` for raw, detokenised text.
+    One reference per prediction.
+    """
+    if len(preds) != len(refs):
+        raise ValueError(f"got {len(preds)} predictions but {len(refs)} references")
+    if not preds:
+        raise ValueError("corpus_bleu needs at least one prediction")
+    try:
+        import sacrebleu  # optional dependency: imported only when needed
+    except ImportError:
+        raise ImportError(
+            "corpus_bleu needs sacrebleu: pip install 'qkv[bleu]'"
+        ) from None
+    return float(sacrebleu.corpus_bleu(list(preds), [list(refs)], tokenize=tokenize).score)
+
+
+def exact_match(preds: Sequence[str], refs: Sequence[str]) -> float:
+    """Fraction of predictions whose token sequence equals the reference's (whitespace-split)."""
+    if len(preds) != len(refs):
+        raise ValueError(f"got {len(preds)} predictions but {len(refs)} references")
+    if not preds:
+        raise ValueError("exact_match needs at least one prediction")
+    return sum(p.split() == r.split() for p, r in zip(preds, refs, strict=True)) / len(preds)

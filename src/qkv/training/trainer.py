@@ -1,0 +1,432 @@
+"""A small reusable trainer: one loop for the seq2seq translator and, later, a GPT.
+
+The model-specific parts come in as two callables:
+
+- ``loss_fn(model, batch) -> (loss_sum, num_tokens)``: the summed loss over the batch's
+  real tokens and their count (see :func:`qkv.training.masked_cross_entropy`). The
+  trainer back-propagates ``loss_sum / num_tokens`` (mean per valid token) and reports
+  each epoch's loss as total ``loss_sum`` over total ``num_tokens``.
+- ``dataset_or_loader_factory(generator) -> iterable of batches``: called once per epoch
+  with a ``torch.Generator`` seeded from ``(config.seed, epoch)``. Shuffle with it (e.g.
+  ``DataLoader(..., shuffle=True, generator=generator)``) and epoch ``e`` sees the same
+  order in a run that was resumed as in one that was not.
+
+Reproducibility. Seeding the global RNGs before building the model is the caller's job
+(:func:`seed_everything`). The trainer seeds each epoch's shuffle generator and saves and
+restores the global RNG states with its checkpoints, so training N epochs straight and
+training k epochs, saving, resuming in a fresh process and training to N give
+bit-identical weights (on the same device and software; on GPU,
+``torch.use_deterministic_algorithms(True)`` may be needed as well).
+
+Ctrl-C. A ``KeyboardInterrupt`` during :meth:`Trainer.fit` (with a ``run_dir``) rolls the
+model, optimizer, RNGs and history back to the end of the last completed epoch, saves
+that as the checkpoint, and re-raises: granularity is one epoch, the partial epoch is
+lost, and :meth:`Trainer.resume` continues exactly. The rollback needs a copy of the
+model and optimizer state, taken (on the CPU) after every epoch.
+
+Distributed training is not implemented yet, but the seams are here: ``rank`` /
+``world_size`` come from ``torch.distributed`` when it is initialised, and only rank 0
+logs, shows progress, saves and plots. A DDP version needs to wrap the model, reduce the
+epoch's loss and token counts across ranks, and have the factory build a
+``DistributedSampler`` (its ``set_epoch`` plays the part of the per-epoch generator here;
+the factory can read ``trainer.epoch``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import random
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from .checkpoint import (
+    CheckpointError,
+    capture_rng_state,
+    load_trainer_state,
+    load_weights,
+    restore_rng_state,
+    save_checkpoint,
+    write_atomic,
+)
+
+__all__ = ["TrainConfig", "Trainer", "resolve_device", "seed_everything", "epoch_seed"]
+
+Batch = tuple[Tensor, ...]
+LossFn = Callable[[nn.Module, Batch], tuple[Tensor, Tensor]]
+DataFactory = Callable[[torch.Generator], Iterable[Batch]]
+
+LOSS_PLOT = "loss.png"
+# Seconds between progress-bar refreshes; each refresh reads the loss from the device.
+_PROGRESS_INTERVAL = 0.5
+
+
+@dataclass
+class TrainConfig:
+    """Hyperparameters of the loop itself (the model's own live in its config).
+
+    Attributes:
+        epochs: total epochs; after :meth:`Trainer.resume`, training continues up to this.
+        lr: learning rate of the default Adam optimizer.
+        clip_norm: clip gradients to this global L2 norm; None disables clipping.
+        device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"`` or
+            ``"cuda:N"``.
+        seed: seeds each epoch's shuffle generator (see :func:`epoch_seed`).
+        log_every: log a line every this many epochs (and after the last); 0: never.
+        checkpoint_every: save every this many epochs; 0: only at the end (and on Ctrl-C).
+        progress: show a tqdm progress bar on stderr.
+    """
+
+    epochs: int = 1
+    lr: float = 5e-3
+    clip_norm: float | None = 1.0
+    device: str = "auto"
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.epochs < 0:
+            raise ValueError(f"epochs must be >= 0, got {self.epochs}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm}")
+        if self.log_every < 0 or self.checkpoint_every < 0:
+            raise ValueError("log_every and checkpoint_every must be >= 0")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> CUDA if available else CPU; ``"cpu"``; ``"cuda"`` / ``"cuda:N"``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but CUDA is not available; "
+                             "use --device cpu or auto")
+        device = torch.device(name)
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} requested but only "
+                             f"{torch.cuda.device_count()} CUDA device(s) exist")
+        return device
+    raise ValueError(f"unknown device {name!r}: expected auto, cpu, cuda or cuda:N")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's global RNG and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        np.random.seed(seed % 2**32)  # NumPy's legacy seed is limited to 32 bits
+    torch.manual_seed(seed)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A 63-bit seed for epoch ``epoch``'s shuffle, a pure function of ``(seed, epoch)``.
+
+    Deriving it (rather than drawing from a running RNG) is what makes the shuffle of
+    epoch ``e`` independent of how many epochs ran in this process.
+    """
+    digest = hashlib.sha256(f"qkv/epoch/{seed}/{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _distributed() -> tuple[int, int]:
+    """``(rank, world_size)``; ``(0, 1)`` outside ``torch.distributed``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """Deep copy of nested state with every tensor copied to the CPU."""
+    if isinstance(obj, Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
+class Trainer:
+    """Train ``model`` with ``loss_fn`` on the batches of ``data``; checkpoint to ``run_dir``.
+
+    Args:
+        model: the module to train (moved to the configured device).
+        loss_fn: ``(model, batch) -> (loss_sum, num_tokens)``, batch already on the device.
+        dataset_or_loader_factory: ``generator -> iterable of batches`` (tuples of
+            tensors), called once per epoch with that epoch's seeded generator.
+        config: the loop's hyperparameters.
+        run_dir: where :meth:`save` writes the checkpoint and ``loss.png``; None: no saving.
+        checkpoint_config: JSON-able dict saved as the checkpoint's ``config.json`` (model
+            config, vocabularies, ... enough to rebuild the model).
+        optimizer: default ``Adam(model.parameters(), lr=config.lr)``.
+        validate: ``model -> {name: value}``, run after every epoch in eval mode under
+            ``torch.no_grad()``; the values go into the history as ``valid_<name>``.
+        log: receives each log line; default prints through ``tqdm.write`` so that lines
+            and the progress bar do not garble each other (a plain print without a bar).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        dataset_or_loader_factory: DataFactory,
+        config: TrainConfig,
+        *,
+        run_dir: str | Path | None = None,
+        checkpoint_config: dict[str, Any] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        validate: Callable[[nn.Module], dict[str, float]] | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model = model.to(self.device)
+        self.loss_fn = loss_fn
+        self.data = dataset_or_loader_factory
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.checkpoint_config = dict(checkpoint_config or {})
+        self.optimizer = optimizer or torch.optim.Adam(self.model.parameters(), lr=config.lr)
+        self.validate = validate
+        self.log = log or tqdm.write
+        self.rank, self.world_size = _distributed()
+        self.epoch = 0  # completed epochs
+        self.step = 0  # optimizer steps taken
+        self.history: dict[str, list] = {"epoch": [], "loss": [], "tokens_per_sec": []}
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def _can_save(self) -> bool:
+        return self.run_dir is not None and self.is_main_process
+
+    @property
+    def _module(self) -> nn.Module:
+        # A DDP wrapper keeps the real model in .module; checkpoints hold the unwrapped one.
+        return getattr(self.model, "module", self.model)
+
+    # ------------------------------------------------------------------ training
+
+    def fit(self) -> dict[str, list]:
+        """Train from the current epoch to ``config.epochs``; return the history.
+
+        The history maps ``"epoch"``, ``"loss"`` (per token), ``"tokens_per_sec"`` and each
+        ``"valid_<name>"`` to one value per completed epoch (resumed epochs included).
+        """
+        cfg = self.config
+        bar = tqdm(
+            desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
+            disable=not (cfg.progress and self.is_main_process),
+        )
+        # What Ctrl-C rolls back to: the state at the end of the last completed epoch.
+        rescue = self._capture() if self._can_save else None
+        try:
+            while self.epoch < cfg.epochs:
+                record = self._train_epoch(self.epoch, bar)
+                if self.validate is not None:
+                    record.update(self._run_validation())
+                self.epoch += 1
+                self._append_history(record)
+                if cfg.log_every and (self.epoch % cfg.log_every == 0 or self.epoch == cfg.epochs):
+                    self._log_epoch(record)
+                if self._can_save:
+                    rescue = self._capture()
+                    periodic = cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0
+                    if periodic and self.epoch < cfg.epochs:  # the last one is saved below
+                        self.save()
+        except KeyboardInterrupt:
+            bar.close()
+            if rescue is not None:
+                self._restore(rescue)
+                self.log(f"interrupted: saving the state after epoch {self.epoch} to "
+                         f"{self.run_dir}; resume() continues from there")
+                self.save()
+            raise
+        finally:
+            bar.close()
+        if self._can_save:
+            self.save()
+        if self.history["loss"] and self.is_main_process:
+            # The reference's closing line (d2l train_seq2seq): the last epoch's numbers.
+            self.log(f"loss {self.history['loss'][-1]:.3f}, "
+                     f"{self.history['tokens_per_sec'][-1]:.1f} tokens/sec on {self.device}")
+        return self.history
+
+    def _train_epoch(self, epoch: int, bar: tqdm) -> dict[str, float]:
+        cfg = self.config
+        self.model.train()
+        generator = torch.Generator().manual_seed(epoch_seed(cfg.seed, epoch))
+        start = time.perf_counter()  # includes data loading, as the reference's timer does
+        batches = self.data(generator)
+        if bar.total is None and hasattr(batches, "__len__"):
+            bar.reset(total=len(batches) * (cfg.epochs - epoch))
+        # Accumulate on the device: reading the loss every step would force a sync.
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        token_total = torch.zeros((), dtype=torch.int64, device=self.device)
+        last_refresh = start
+        for batch in batches:
+            batch = tuple(
+                t.to(self.device, non_blocking=True) if isinstance(t, Tensor) else t
+                for t in batch
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_sum, num_tokens = self.loss_fn(self.model, batch)
+            num_tokens = torch.as_tensor(num_tokens, device=self.device)
+            # Mean per valid token in this batch; clamp keeps an all-padding batch finite.
+            (loss_sum / num_tokens.clamp_min(1)).backward()
+            if cfg.clip_norm is not None:
+                nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_norm)
+            self.optimizer.step()
+            self.step += 1
+            loss_total += loss_sum.detach()
+            token_total += num_tokens.detach()
+            bar.update()
+            now = time.perf_counter()
+            if not bar.disable and now - last_refresh >= _PROGRESS_INTERVAL:
+                last_refresh = now
+                tokens = token_total.item()
+                bar.set_postfix(epoch=epoch + 1, loss=f"{loss_total.item() / max(tokens, 1):.3f}",
+                                tok_s=f"{tokens / (now - start):.0f}", refresh=False)
+        tokens = int(token_total.item())  # .item() synchronises, so the timing is honest
+        seconds = time.perf_counter() - start
+        if tokens == 0:
+            raise ValueError(f"epoch {epoch + 1}: the data yielded no tokens (no batches, "
+                             "or num_tokens was always 0)")
+        return {"loss": loss_total.item() / tokens, "tokens_per_sec": tokens / seconds}
+
+    def _run_validation(self) -> dict[str, float]:
+        assert self.validate is not None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                metrics = self.validate(self._module)
+        finally:
+            self.model.train(was_training)
+        return {f"valid_{name}": float(value) for name, value in metrics.items()}
+
+    def _append_history(self, record: dict[str, float]) -> None:
+        record = {"epoch": self.epoch, **record}
+        done = len(self.history["epoch"])
+        for key in [*self.history, *(k for k in record if k not in self.history)]:
+            # A metric that appears late (or disappears) is padded with None to stay aligned.
+            column = self.history.setdefault(key, [None] * done)
+            column.append(record.get(key))
+
+    def _log_epoch(self, record: dict[str, float]) -> None:
+        if not self.is_main_process:
+            return
+        extra = "".join(
+            f", {k} {v:.3f}" for k, v in record.items() if k.startswith("valid_")
+        )
+        self.log(f"epoch {self.epoch}/{self.config.epochs}: loss {record['loss']:.3f}, "
+                 f"{record['tokens_per_sec']:.1f} tokens/sec{extra}")
+
+    # ------------------------------------------------------------------ state
+
+    def _capture(self) -> dict[str, Any]:
+        return {
+            "model": _cpu_copy(self._module.state_dict()),
+            "optimizer": _cpu_copy(self.optimizer.state_dict()),
+            "rng": capture_rng_state(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "history": _cpu_copy(self.history),
+        }
+
+    def _restore(self, snapshot: dict[str, Any]) -> None:
+        self._module.load_state_dict(snapshot["model"])
+        self.optimizer.load_state_dict(snapshot["optimizer"])
+        restore_rng_state(snapshot["rng"])
+        self.epoch, self.step = snapshot["epoch"], snapshot["step"]
+        self.history = snapshot["history"]
+
+    def trainer_state(self) -> dict[str, Any]:
+        """The JSON-able loop state saved with a checkpoint."""
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "history": self.history,
+            "train_config": asdict(self.config),
+        }
+
+    def save(self) -> None:
+        """Checkpoint model, optimizer, RNGs and loop state to ``run_dir``; draw ``loss.png``.
+
+        Does nothing on ranks other than 0.
+        """
+        if self.run_dir is None:
+            raise ValueError("Trainer.save() needs a run_dir")
+        if not self.is_main_process:
+            return
+        save_checkpoint(self.run_dir, self._module, self.checkpoint_config,
+                        optimizer=self.optimizer, trainer_state=self.trainer_state())
+        if self.history["loss"]:
+            write_atomic(self.run_dir / LOSS_PLOT, plot_history(self.history))
+
+    def resume(self) -> None:
+        """Restore model, optimizer, RNGs, epoch and history from ``run_dir``.
+
+        Call it on a freshly built model and trainer, then :meth:`fit` to go on to
+        ``config.epochs``.
+        """
+        if self.run_dir is None:
+            raise ValueError("Trainer.resume() needs a run_dir")
+        load_weights(self.run_dir, self._module)
+        state = load_trainer_state(self.run_dir, self.optimizer)
+        if state is None:
+            raise CheckpointError(f"{self.run_dir}: checkpoint holds no trainer state; "
+                                  "it can be loaded but not resumed")
+        try:
+            self.epoch, self.step = int(state["epoch"]), int(state["step"])
+            self.history = {k: list(v) for k, v in state["history"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise CheckpointError(f"{self.run_dir}: trainer state needs epoch, step and "
+                                  "history") from None
+        saved = state.get("train_config") or {}
+        changed = [k for k in ("seed", "lr", "clip_norm")
+                   if k in saved and saved[k] != getattr(self.config, k)]
+        if changed and self.is_main_process:
+            self.log(f"note: resuming with a different {', '.join(changed)} than the "
+                     "checkpoint; the run will not match an uninterrupted one")
+
+
+def plot_history(history: dict[str, list]) -> bytes:
+    """A PNG of the per-epoch training loss (and ``valid_loss`` if present)."""
+    # The object API with the Agg canvas: no pyplot global state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5, 3.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for key, label in (("loss", "train"), ("valid_loss", "valid")):
+        points = [(e, v) for e, v in zip(history["epoch"], history.get(key, []), strict=False)
+                  if v is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), label=label)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss per token")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    return buffer.getvalue()

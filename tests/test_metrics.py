@@ -1,0 +1,112 @@
+"""d2l's sentence BLEU, sacreBLEU's corpus BLEU and exact match."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+
+import pytest
+
+from qkv.metrics import bleu, corpus_bleu, exact_match
+
+
+def test_identical_is_one():
+    assert bleu("je suis chez moi .", "je suis chez moi .", k=2) == 1.0
+    assert bleu("va !", "va !") == 1.0
+
+
+def test_d2l_k4_example_is_zero():
+    # No 4-gram of the prediction occurs in the label, so p_4 = 0 and the product is 0.
+    assert bleu("A B B C D", "A B C D E F", k=4) == 0.0
+
+
+def _d2l_bleu(pred_seq: str, label_seq: str, k: int) -> float:
+    """d2l's loop, transcribed: the independent reference for the cases where it is defined."""
+    pred_tokens, label_tokens = pred_seq.split(" "), label_seq.split(" ")
+    len_pred, len_label = len(pred_tokens), len(label_tokens)
+    score = math.exp(min(0, 1 - len_label / len_pred))
+    for n in range(1, min(k, len_pred) + 1):
+        num_matches, label_subs = 0, {}
+        for i in range(len_label - n + 1):
+            gram = " ".join(label_tokens[i:i + n])
+            label_subs[gram] = label_subs.get(gram, 0) + 1
+        for i in range(len_pred - n + 1):
+            gram = " ".join(pred_tokens[i:i + n])
+            if label_subs.get(gram, 0) > 0:
+                num_matches += 1
+                label_subs[gram] -= 1
+        score *= math.pow(num_matches / (len_pred - n + 1), math.pow(0.5, n))
+    return score
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_matches_d2l_loop_when_prediction_has_k_tokens(k):
+    rng = random.Random(k)
+    for _ in range(200):
+        pred = " ".join(rng.choice("abcd") for _ in range(rng.randint(k, 7)))
+        label = " ".join(rng.choice("abcd") for _ in range(rng.randint(1, 7)))
+        assert bleu(pred, label, k) == pytest.approx(_d2l_bleu(pred, label, k), rel=1e-12)
+
+
+def test_hand_computed_k2():
+    # label "a b c d" (4 tokens), prediction "a b d" (3 tokens):
+    #   brevity penalty = exp(min(0, 1 - 4/3)) = exp(-1/3)
+    #   p_1: unigrams a, b, d all occur in the label          -> 3/3 = 1
+    #   p_2: bigrams "a b" (in the label), "b d" (not)         -> 1/2
+    #   BLEU = exp(-1/3) * 1 ** (1/2) * (1/2) ** (1/4) = 0.7165313 * 0.8408964 = 0.6025286
+    expected = math.exp(-1 / 3) * 1.0**0.5 * 0.5**0.25
+    assert bleu("a b d", "a b c d", k=2) == pytest.approx(expected, rel=1e-12)
+    assert expected == pytest.approx(0.6025286, abs=1e-7)
+
+
+def test_clipped_precision():
+    # "the" appears twice in the label, so only two of the prediction's three count:
+    # p_1 = 2/3; the bigram "the the" occurs once in the label: p_2 = 1/2; no brevity penalty.
+    expected = (2 / 3) ** 0.5 * (1 / 2) ** 0.25
+    assert bleu("the the the", "the the", k=2) == pytest.approx(expected)
+
+
+def test_longer_prediction_has_no_brevity_penalty():
+    # Prediction longer than the label: exp(min(0, 1 - 2/4)) = 1; p_1 = 2/4, p_2 = 1/3.
+    assert bleu("a b x y", "a b", k=2) == pytest.approx((2 / 4) ** 0.5 * (1 / 3) ** 0.25)
+
+
+@pytest.mark.parametrize("pred", ["", "   ", "va"])
+def test_prediction_shorter_than_k_scores_zero(pred):
+    assert bleu(pred, "va !", k=2) == 0.0
+
+
+def test_empty_label():
+    assert bleu("a b", "", k=2) == 0.0
+
+
+def test_bad_k():
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        bleu("a", "a", k=0)
+
+
+def test_corpus_bleu():
+    refs = ["je suis chez moi .", "il est calme ."]
+    assert corpus_bleu(refs, refs) == pytest.approx(100.0)
+    assert 0.0 <= corpus_bleu(["je suis calme .", "il est calme ."], refs) < 100.0
+    # BLEU-4 on a corpus shorter than 4 tokens has no 4-grams: sacreBLEU scores it 0.
+    assert corpus_bleu(["j'ai perdu ."], ["j'ai perdu ."]) == 0.0
+    with pytest.raises(ValueError, match="2 predictions but 1 references"):
+        corpus_bleu(refs, refs[:1])
+    with pytest.raises(ValueError, match="at least one"):
+        corpus_bleu([], [])
+
+
+def test_corpus_bleu_without_sacrebleu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sacrebleu", None)  # makes `import sacrebleu` fail
+    with pytest.raises(ImportError, match=r"pip install 'qkv\[bleu\]'"):
+        corpus_bleu(["a"], ["a"])
+
+
+def test_exact_match():
+    assert exact_match(["va !", "je  suis", "x"], ["va !", "je suis", "y"]) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="1 predictions but 2 references"):
+        exact_match(["a"], ["a", "b"])
+    with pytest.raises(ValueError, match="at least one"):
+        exact_match([], [])

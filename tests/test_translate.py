@@ -1,0 +1,192 @@
+"""qkv translate end to end on corpora the tests write: train, run, eval, errors."""
+
+import hashlib
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qkv.cli import main
+from qkv.translation import TranslateSettings, Translator, train_translator
+
+PAIRS = [
+    ("Go.", "Va !"), ("I lost.", "J'ai perdu."), ("I'm home.", "Je suis chez moi."),
+    ("He's calm.", "Il est calme."), ("Hi.", "Salut !"), ("Run!", "Cours !"),
+    ("Who?", "Qui ?"), ("Wow!", "Ça alors !"), ("I won.", "J'ai gagné."),
+    ("Help!", "À l'aide !"), ("Stop!", "Arrête !"), ("Wait!", "Attends !"),
+    ("I see.", "Je comprends."), ("I try.", "J'essaye."), ("I paid.", "J'ai payé."),
+    ("Be calm.", "Sois calme !"), ("Be nice.", "Sois gentil !"), ("Get up.", "Lève-toi !"),
+    ("Go on.", "Poursuis."), ("I'm OK.", "Je vais bien."),
+]
+FAST = ["--min-freq", "1", "--dropout", "0", "--lr", "0.01", "--no-progress"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models: threading overhead dominates, and the suite shares 2 cores.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "tiny.txt"
+    # A third column (attribution) is ignored, like the Tatoeba export's.
+    path.write_text("".join(f"{s}\t{t}\tCC-BY\n" for s, t in PAIRS), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run") / "tiny"
+    code = main(["translate", "train", "--data", str(corpus), "--run-dir", str(run_dir),
+                 "--epochs", "80", "--batch-size", "4", *FAST])
+    assert code == 0
+    return run_dir
+
+
+def test_train_overfits_and_reports(trained, capsys):
+    # (output of the module fixture was captured earlier; check the artefacts instead)
+    for name in ("model.safetensors", "config.json", "checkpoint.json", "loss.png",
+                 "attention.png"):
+        assert (trained / name).is_file(), name
+    assert (trained / "attention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    config = json.loads((trained / "config.json").read_text())
+    assert config["settings"]["data"].endswith("tiny.txt")
+    assert config["model"]["src_vocab_size"] == len(config["src_vocab"]["idx_to_token"])
+
+
+def test_run_translates_the_training_pairs(trained, capsys):
+    assert main(["translate", "run", "--ckpt", str(trained), "--text", "go .", "i lost .",
+                 "I'm home.", "he's calm ."]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "go . => va !",
+        "i lost . => j'ai perdu .",
+        "I'm home. => je suis chez moi .",
+        "he's calm . => il est calme .",
+    ]
+
+
+def test_beam_search_and_heatmap(trained, tmp_path, capsys):
+    png = tmp_path / "a.png"
+    assert main(["translate", "run", "--ckpt", str(trained), "--beam", "3",
+                 "--text", "i won .", "--heatmap", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("i won . => j'ai gagné .   (score ")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_words_and_truncation_warning(trained, capsys):
+    assert main(["translate", "run", "--ckpt", str(trained), "--num_steps", "3",
+                 "--text", "zebra lost the game ."]) == 0
+    out = capsys.readouterr().out
+    assert "warning: 'zebra lost the game .' has 5 tokens; truncated to num_steps=3" in out
+    translator = Translator.load(trained)
+    (t,) = translator.translate(["zebra ."])
+    assert t.source_tokens == ["zebra", ".", "<eos>"]
+    assert translator.src_vocab["zebra"] == translator.src_vocab.unk
+
+
+def test_eval_on_the_training_file(trained, corpus, capsys):
+    assert main(["translate", "eval", "--ckpt", str(trained), "--data", str(corpus)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\(20 pairs\): exact match 100\.0%, BLEU \(d2l, k=2\) 1\.000, "
+                     r"sacreBLEU 100\.0", out), out
+
+
+def one_line_error(capsys, argv, match):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert re.search(match, captured.err), captured.err
+
+
+def _rehash(run_dir, name):
+    manifest = json.loads((run_dir / "checkpoint.json").read_text())
+    data = (run_dir / name).read_bytes()
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (run_dir / "checkpoint.json").write_text(json.dumps(manifest))
+
+
+def test_checkpoint_errors(trained, tmp_path, capsys):
+    one_line_error(capsys, ["translate", "run", "--ckpt", str(tmp_path / "nope")],
+                   "qkv translate: error: .*nope")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in trained.iterdir():
+        if f.is_file():
+            (bad / f.name).write_bytes(f.read_bytes())
+    # A vocabulary that no longer matches the weights (manifest re-hashed to match).
+    config = json.loads((bad / "config.json").read_text())
+    config["src_vocab"]["idx_to_token"].append("extra")
+    (bad / "config.json").write_text(json.dumps(config))
+    _rehash(bad, "config.json")
+    one_line_error(capsys, ["translate", "run", "--ckpt", str(bad)],
+                   r"vocabulary sizes .* do not match the model's")
+    # A corrupt weights file.
+    data = bytearray((trained / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (bad / "config.json").write_bytes((trained / "config.json").read_bytes())
+    _rehash(bad, "config.json")
+    (bad / "model.safetensors").write_bytes(bytes(data))
+    one_line_error(capsys, ["translate", "run", "--ckpt", str(bad)], r"model\.safetensors")
+
+
+def test_input_errors(trained, capsys):
+    one_line_error(capsys, ["translate", "run", "--ckpt", str(trained), "--text", "  "],
+                   "cannot translate '  ': it has no tokens")
+    one_line_error(capsys, ["translate", "run", "--ckpt", str(trained), "--beam", "0"],
+                   "beam must be >= 1, got 0")
+    one_line_error(capsys, ["translate", "run", "--ckpt", str(trained), "--heatmap", "x.bmp"],
+                   r"cannot write an image to 'x\.bmp'")
+    one_line_error(capsys, ["translate", "train", "--data", "/no/such/file.txt"],
+                   "neither 'dates', 'fra-eng' nor an existing file")
+    one_line_error(capsys, ["translate", "train", "--epochs", "-1"],
+                   "epochs must be a positive integer, got -1")
+    with pytest.raises(SystemExit) as info:
+        main(["translate", "run"])
+    assert info.value.code == 2
+    assert "the following arguments are required: --ckpt" in capsys.readouterr().err
+
+
+def test_resume_continues_exactly(corpus, tmp_path):
+    common = dict(data=str(corpus), min_freq=1, lr=0.01, seed=3)
+    straight, _ = train_translator(TranslateSettings(**common, epochs=6), tmp_path / "a",
+                                   progress=False, log=lambda _: None)
+    train_translator(TranslateSettings(**common, epochs=3), tmp_path / "b", progress=False,
+                     log=lambda _: None)
+    resumed, history = train_translator(TranslateSettings(epochs=6), tmp_path / "b",
+                                        resume=True, progress=False, log=lambda _: None)
+    assert history["epoch"] == [1, 2, 3, 4, 5, 6]
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(
+        tmp_path / "b" / "model.safetensors"
+    )
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_dates_default_runs_end_to_end(tmp_path, capsys):
+    run_dir = tmp_path / "dates"
+    assert main(["translate", "train", "--run-dir", str(run_dir), "--epochs", "1",
+                 "--num-examples", "400", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^loss [0-9.]+, [0-9.]+ tokens/sec on cpu$", out, flags=re.M)
+    assert "tuesday, march 3, 2021 => " in out
+    assert re.search(r"held-out \(40 pairs\): exact match [0-9.]+%", out)
+    assert (run_dir / "attention.png").is_file()
+
+
+def test_transformer_and_trace(corpus, tmp_path, capsys):
+    run_dir = tmp_path / "tr"
+    assert main(["translate", "train", "--data", str(corpus), "--model", "transformer",
+                 "--run-dir", str(run_dir), "--epochs", "2", "--trace", *FAST]) == 0
+    out = capsys.readouterr().out
+    assert "transformer translator:" in out
+    assert main(["translate", "run", "--ckpt", str(run_dir), "--text", "go ."]) == 0
+    assert capsys.readouterr().out.startswith("go . => ")
