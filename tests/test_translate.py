@@ -72,6 +72,17 @@ def test_run_translates_the_training_pairs(trained, capsys):
     ]
 
 
+def test_bleu_against_references(trained, capsys):
+    assert main(["translate", "run", "--ckpt", str(trained), "--text", "go .", "i lost .",
+                 "--ref", "Va !", "j'ai gagné."]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "go . => va !, bleu 1.000",
+        "i lost . => j'ai perdu ., bleu 0.000",
+    ]
+    one_line_error(capsys, ["translate", "run", "--ckpt", str(trained), "--text", "go .",
+                            "--ref", "a", "b"], "--ref has 2 sentences but there are 1")
+
+
 def test_beam_search_and_heatmap(trained, tmp_path, capsys):
     png = tmp_path / "a.png"
     assert main(["translate", "run", "--ckpt", str(trained), "--beam", "3",

@@ -265,6 +265,12 @@ class Translator:
             return normalize_date_text(text).split()
         return preprocess(text).split()
 
+    def tokenize_target(self, text: str) -> list[str]:
+        """A reference translation -> target tokens, as the corpus was tokenised."""
+        if self.settings.data == "dates":
+            return normalize_date_text(text).split()
+        return preprocess(text).split()
+
     def detokenize(self, tokens: Sequence[str]) -> str:
         if self.settings.data == "dates":
             return join_date_tokens(tokens)

@@ -75,6 +75,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--text", nargs="+", default=None, help="sentences to translate")
     run.add_argument("--num-steps", "--num_steps", type=int, default=None,
                      help="default: the checkpoint's")
+    run.add_argument("--ref", nargs="+", default=None,
+                     help="reference translations, one per --text: adds BLEU (d2l, k=2)")
     run.add_argument("--beam", type=int, default=1, help="beam size (1 = greedy)")
     run.add_argument("--heatmap", type=Path, default=None,
                      help="save target-vs-source attention to this PNG/PDF/SVG")
@@ -90,10 +92,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     evaluate.set_defaults(run=run_eval)
 
 
-def _print_translations(translations) -> None:
-    for t in translations:
-        score = "" if t.score is None else f"   (score {t.score:.3f})"
-        print(f"{t.source} => {t.text}{score}")
+def _print_translations(translations, refs: list[str] | None = None) -> None:
+    from ..metrics import bleu
+
+    for i, t in enumerate(translations):
+        extra = "" if refs is None else f", bleu {bleu(' '.join(t.tokens), refs[i], k=2):.3f}"
+        if t.score is not None:
+            extra += f"   (score {t.score:.3f})"
+        print(f"{t.source} => {t.text}{extra}")
 
 
 def _print_metrics(label: str, metrics: dict[str, float]) -> None:
@@ -161,12 +167,18 @@ def run_translate(args: argparse.Namespace) -> int:
     texts = args.text
     if texts is None:
         texts = DATE_EXAMPLES if translator.settings.data == "dates" else FRA_ENG_EXAMPLES
+    refs = args.ref
+    if refs is not None:
+        if len(refs) != len(texts):
+            raise ValueError(f"--ref has {len(refs)} sentences but there are {len(texts)} "
+                             "to translate; give one reference per --text")
+        refs = [" ".join(translator.tokenize_target(r)) for r in refs]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         translations = translator.translate(texts, beam=args.beam, num_steps=args.num_steps)
     for w in caught:
         print(f"warning: {w.message}")
-    _print_translations(translations)
+    _print_translations(translations, refs)
     if args.heatmap is not None:
         print(f"heatmap written to {translator.heatmap(translations, args.heatmap)}")
     return 0
