@@ -14,10 +14,10 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from . import translate, walkthrough
+from . import lm, translate, walkthrough
 
 # Sub-command modules, in the order ``qkv --help`` lists them.
-COMMANDS = [translate, walkthrough]
+COMMANDS = [translate, lm, walkthrough]
 
 
 class UsageError(Exception):

@@ -1,0 +1,130 @@
+"""``qkv lm``: train a small GPT, sample from it, and look at its attention.
+
+    qkv lm train                                   # on a corpus qkv generates itself
+    qkv lm train --text story.txt --tokenizer gpt2 --bpe-dir gpt2/ --preset mini
+    qkv lm generate --ckpt runs/lm --prompt "The cat" --max-new-tokens 60
+    qkv lm attention --ckpt runs/lm --prompt "The cat sat" --heatmap attn.png
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ..models.gpt import PRESETS
+
+    parser = sub.add_parser(
+        "lm",
+        help="train a small GPT language model, generate text, draw its attention",
+        description="A GPT-2 style causal language model built on qkv's multi-head attention.",
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    train = actions.add_parser("train", help="train a GPT on a text file (or a built-in one)")
+    train.add_argument("--text", default=None,
+                       help="UTF-8 text file (default: a corpus qkv generates itself)")
+    train.add_argument("--tokenizer", choices=["bytes", "gpt2"], default="bytes",
+                       help="bytes: 256 byte symbols, no download (default); gpt2: GPT-2 BPE")
+    train.add_argument("--bpe-dir", default=None,
+                       help="folder with GPT-2's encoder.json and vocab.bpe, for offline gpt2 "
+                            "(or set QKV_BPE_DIR)")
+    train.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    train.add_argument("--context-length", type=int, default=None,
+                       help="window length (default: the preset's)")
+    train.add_argument("--stride", type=int, default=None,
+                       help="step between windows (default: half the window length)")
+    train.add_argument("--dropout", type=float, default=None, help="default: the preset's")
+    train.add_argument("--tie-weights", action="store_true",
+                       help="share the token embedding with the output head")
+    train.add_argument("--batch-size", type=int, default=16)
+    train.add_argument("--epochs", type=int, default=10)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--weight-decay", type=float, default=0.1)
+    train.add_argument("--clip-norm", type=float, default=1.0)
+    train.add_argument("--val-fraction", type=float, default=0.1)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    train.add_argument("--run-dir", type=Path, default=Path("runs/lm"))
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run in --run-dir up to --epochs")
+    train.add_argument("--no-progress", action="store_true")
+    train.add_argument("--sample", default="The ",
+                       help="prompt for a sample printed after training ('' to skip)")
+    train.set_defaults(run=run_train)
+
+    gen = actions.add_parser("generate", help="continue a prompt with a trained model")
+    gen.add_argument("--ckpt", type=Path, required=True)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=50)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    gen.add_argument("--no-kv-cache", action="store_true",
+                     help="recompute the whole context for every token (slower, same tokens)")
+    gen.add_argument("--bpe-dir", default=None)
+    gen.add_argument("--device", default="cpu")
+    gen.set_defaults(run=run_generate)
+
+    att = actions.add_parser("attention", help="per-layer, per-head attention heatmaps")
+    att.add_argument("--ckpt", type=Path, required=True)
+    att.add_argument("--prompt", required=True)
+    att.add_argument("--heatmap", type=Path, required=True, help="PNG, PDF or SVG file")
+    att.add_argument("--layers", type=int, nargs="+", default=None,
+                     help="layers to draw (default: all)")
+    att.add_argument("--bpe-dir", default=None)
+    att.add_argument("--device", default="cpu")
+    att.set_defaults(run=run_attention)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from ..language_model import LMSettings, train_language_model
+
+    settings = LMSettings(
+        text=args.text, tokenizer=args.tokenizer, bpe_dir=args.bpe_dir, preset=args.preset,
+        context_length=args.context_length, stride=args.stride, drop_rate=args.dropout,
+        tie_weights=args.tie_weights, batch_size=args.batch_size, epochs=args.epochs,
+        lr=args.lr, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
+        val_fraction=args.val_fraction, seed=args.seed, device=args.device,
+    )
+    try:
+        lm, _ = train_language_model(settings, args.run_dir, resume=args.resume,
+                                     progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print(f"interrupted: the last completed epoch is saved in {args.run_dir}; continue "
+              f"with 'qkv lm train --run-dir {args.run_dir} --resume'")
+        return 130
+    print(f"checkpoint: {args.run_dir}  (loss curve: {args.run_dir / 'loss.png'})")
+    if args.sample:
+        sample = lm.generate(args.sample, max_new_tokens=80)
+        print(f"\nsample (greedy): {args.sample}{sample.text}")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from ..language_model import LanguageModel
+
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    lm = LanguageModel.load(args.ckpt, device=args.device, bpe_dir=args.bpe_dir)
+    out = lm.generate(args.prompt, args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, use_cache=not args.no_kv_cache, seed=args.seed)
+    print(f"{args.prompt}{out.text}")
+    cache = "without" if args.no_kv_cache else "with"
+    print(f"\n{out.new_tokens} tokens in {out.seconds:.2f} s: {out.tokens_per_sec:.1f} tokens/s "
+          f"({cache} KV cache, {torch.get_num_threads()} threads)")
+    return 0
+
+
+def run_attention(args: argparse.Namespace) -> int:
+    from ..language_model import LanguageModel
+    from ..viz import check_image_path
+
+    check_image_path(args.heatmap)
+    lm = LanguageModel.load(args.ckpt, device=args.device, bpe_dir=args.bpe_dir)
+    path = lm.heatmap(args.prompt, args.heatmap, layers=args.layers)
+    print(f"heatmap written to {path}")
+    return 0

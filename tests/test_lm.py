@@ -1,0 +1,129 @@
+"""qkv lm end to end on text the tests write: train, generate, attention, errors."""
+
+import re
+
+import pytest
+import torch
+
+from qkv.cli import main
+from qkv.language_model import LanguageModel, LMSettings, train_language_model
+from test_tokenizers import write_tiny_bpe
+
+TEXT = ("The cat sat on the mat. The dog sat on the log. A cat and a dog met on the mat. "
+        * 40)
+FAST = ["--context-length", "32", "--batch-size", "8", "--no-progress", "--sample", ""]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "story.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(text_file, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("lm") / "run"
+    assert main(["lm", "train", "--text", str(text_file), "--run-dir", str(run_dir),
+                 "--epochs", "4", *FAST]) == 0
+    return run_dir
+
+
+def test_train_writes_a_checkpoint(trained):
+    for name in ("model.safetensors", "config.json", "checkpoint.json", "loss.png"):
+        assert (trained / name).is_file(), name
+
+
+def test_generate_with_and_without_cache_agree(trained, capsys):
+    args = ["lm", "generate", "--ckpt", str(trained), "--prompt", "The cat",
+            "--max-new-tokens", "30"]
+    assert main(args) == 0
+    cached = capsys.readouterr().out
+    assert main([*args, "--no-kv-cache"]) == 0
+    uncached = capsys.readouterr().out
+    assert cached.splitlines()[0] == uncached.splitlines()[0]
+    assert cached.startswith("The cat")
+    assert re.search(r"30 tokens in [0-9.]+ s: [0-9.]+ tokens/s \(with KV cache", cached)
+    assert "without KV cache" in uncached
+
+
+def test_sampling_is_seedable(trained, capsys):
+    args = ["lm", "generate", "--ckpt", str(trained), "--prompt", "A", "--max-new-tokens",
+            "20", "--temperature", "1.5", "--top-k", "20"]
+    outs = []
+    for seed in ("1", "1", "2"):
+        assert main([*args, "--seed", seed]) == 0
+        outs.append(capsys.readouterr().out.splitlines()[0])
+    assert outs[0] == outs[1] and outs[0] != outs[2]
+
+
+def test_attention_heatmap(trained, tmp_path, capsys):
+    png = tmp_path / "attn.png"
+    assert main(["lm", "attention", "--ckpt", str(trained), "--prompt", "The cat sat",
+                 "--heatmap", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lm = LanguageModel.load(trained)
+    labels, weights = lm.attention("The cat sat")
+    assert labels[:4] == ["T", "h", "e", " "]
+    assert len(weights) == lm.model.cfg.n_layers
+    w = weights[0]
+    assert w.shape == (lm.model.cfg.n_heads, 11, 11)
+    torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:2]))
+    assert (w.triu(1) == 0).all()  # causal: nothing above the diagonal
+
+
+def one_line_error(capsys, argv, match):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert re.search(match, err), err
+
+
+def test_errors(trained, text_file, tmp_path, capsys):
+    one_line_error(capsys, ["lm", "train", "--text", str(tmp_path / "none.txt"), *FAST],
+                   "text file not found")
+    short = tmp_path / "short.txt"
+    short.write_text("tiny", encoding="utf-8")
+    one_line_error(capsys, ["lm", "train", "--text", str(short), "--run-dir",
+                            str(tmp_path / "r"), *FAST], r"too short|fewer than batch_size")
+    one_line_error(capsys, ["lm", "generate", "--ckpt", str(tmp_path / "nope"), "--prompt",
+                            "x"], "nope")
+    one_line_error(capsys, ["lm", "generate", "--ckpt", str(trained), "--prompt", ""],
+                   "has no tokens")
+    one_line_error(capsys, ["lm", "attention", "--ckpt", str(trained), "--prompt", "ab",
+                            "--heatmap", str(tmp_path / "a.png"), "--layers", "7"],
+                   "layer 7 does not exist; the model has layers 0..1")
+    one_line_error(capsys, ["lm", "attention", "--ckpt", str(trained), "--prompt", "x" * 40,
+                            "--heatmap", str(tmp_path / "a.png")],
+                   "the prompt has 40 tokens; the model's context_length is 32")
+    one_line_error(capsys, ["lm", "generate", "--ckpt", str(trained), "--prompt", "a",
+                            "--temperature", "-1"], "temperature")
+    with pytest.raises(SystemExit) as info:
+        main(["lm", "train", "--preset", "huge"])
+    assert info.value.code == 2
+
+
+def test_gpt2_tokenizer_offline_and_resume(text_file, tmp_path):
+    bpe = write_tiny_bpe(tmp_path / "bpe")
+    settings = LMSettings(text=str(text_file), tokenizer="gpt2", bpe_dir=str(bpe),
+                          context_length=16, batch_size=8, epochs=2)
+    lm, _ = train_language_model(settings, tmp_path / "a", progress=False, log=lambda _: None)
+    assert lm.tokenizer.name == "gpt2"
+    train_language_model(LMSettings(**{**settings.__dict__, "epochs": 1}), tmp_path / "b",
+                         progress=False, log=lambda _: None)
+    resumed, history = train_language_model(LMSettings(epochs=2), tmp_path / "b",
+                                            resume=True, progress=False, log=lambda _: None)
+    assert history["epoch"] == [1, 2]
+    for (name, a), (_, b) in zip(lm.model.state_dict().items(),
+                                 resumed.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    again = LanguageModel.load(tmp_path / "b")
+    assert again.generate("The", 10).text == resumed.generate("The", 10).text
