@@ -219,7 +219,8 @@ class LanguageModel:
             for head, matrix in enumerate(weights[layer]):
                 panels.append(matrix)
                 titles.append(f"layer {layer}, head {head}")
-        shown = [repr(t)[1:-1] for t in labels]  # make spaces and newlines visible
+        # Make whitespace tokens visible on the axes.
+        shown = [t.replace(" ", "·").replace("\n", "\\n").replace("\t", "\\t") for t in labels]
         return plot_attention_grid(
             panels, titles=titles, row_labels=shown, col_labels=shown, path=path,
             ncols=weights[0].shape[0], suptitle=f"Causal self-attention on {prompt!r}",
