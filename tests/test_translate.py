@@ -72,6 +72,20 @@ def test_run_translates_the_training_pairs(trained, capsys):
     ]
 
 
+def test_translate_pads_the_source_like_training(trained):
+    """The GRU encoder reads padding in training, so inference must pad the same way."""
+    translator = Translator.load(trained)
+    seen = []
+    encode = translator.model.encode
+    translator.model.encode = lambda src, valid, **kw: seen.append((src, valid)) or encode(
+        src, valid, **kw
+    )
+    translator.translate(["go ."])
+    src, valid = seen[0]
+    assert src.shape == (1, translator.settings.num_steps) and valid.tolist() == [3]
+    assert src[0, 3:].eq(translator.src_vocab["<pad>"]).all()
+
+
 def test_bleu_against_references(trained, capsys):
     assert main(["translate", "run", "--ckpt", str(trained), "--text", "go .", "i lost .",
                  "--ref", "Va !", "j'ai gagné."]) == 0

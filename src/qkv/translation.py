@@ -38,6 +38,7 @@ from .data.dates import DATES_NUM_STEPS, join_date_tokens, make_date_pairs, norm
 from .data.translation import (
     BOS,
     EOS,
+    PAD,
     TranslationData,
     Vocab,
     build_array,
@@ -307,7 +308,10 @@ class Translator:
         results = []
         for text in texts:
             src_tokens, ids = self._encode_source(text, num_steps)
-            src = torch.tensor([ids], device=self.device)
+            # Pad like the training batches: the GRU encoder reads the padding too, and
+            # its final state (the decoder's first) must look like it did in training.
+            padded = ids + [self.src_vocab[PAD]] * (num_steps - len(ids))
+            src = torch.tensor([padded], device=self.device)
             valid = torch.tensor([len(ids)], device=self.device)
             score = None
             if beam == 1:
@@ -320,8 +324,9 @@ class Translator:
                     beam_size=beam,
                 )
             tokens = self.tgt_vocab.to_tokens(list(out_ids))
+            attention = weights.detach().cpu()[:, : len(src_tokens)]  # drop the padding
             results.append(Translation(text, src_tokens, tokens, self.detokenize(tokens),
-                                       weights.detach().cpu(), score))
+                                       attention, score))
         return results
 
     @torch.no_grad()
