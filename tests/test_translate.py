@@ -215,3 +215,17 @@ def test_transformer_and_trace(corpus, tmp_path, capsys):
     assert "transformer translator:" in out
     assert main(["translate", "run", "--ckpt", str(run_dir), "--text", "go ."]) == 0
     assert capsys.readouterr().out.startswith("go . => ")
+
+
+def test_fra_eng_data_goes_through_the_verified_download(corpus, tmp_path, monkeypatch, capsys):
+    """--data fra-eng trains on whatever download_fra_eng returns (tested on a local server
+    in test_data_translation.py); here it is stubbed to the test corpus."""
+    import qkv.translation
+
+    calls = []
+    monkeypatch.setattr(qkv.translation, "download_fra_eng",
+                        lambda: calls.append(1) or corpus)
+    assert main(["translate", "train", "--data", "fra-eng", "--run-dir", str(tmp_path / "f"),
+                 "--epochs", "1", *FAST]) == 0
+    assert calls == [1]
+    assert "20 training pairs" in capsys.readouterr().out

@@ -425,8 +425,16 @@ def train_translator(
     log(f"{settings.model} translator: {num_parameters(model):,} trainable parameters; "
         f"{len(data.train[0]):,} training pairs, {len(data.valid[0]):,} held out; "
         f"vocabularies {len(data.src_vocab)} -> {len(data.tgt_vocab)}")
+    loss_fn = _loss_fn(data.tgt_vocab[BOS])
     if trace is not None:
+        # Trace the first training batch only: shapes of every decoder step, then norms.
         model.trace = trace
+        untraced = loss_fn
+
+        def loss_fn(m: torch.nn.Module, batch: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+            out = untraced(m, batch)
+            model.trace = None
+            return out
 
     translator = Translator(model, data.src_vocab, data.tgt_vocab, settings)
     # Exact match on (up to 1,000 of) the held-out pairs after every epoch.
@@ -438,7 +446,7 @@ def train_translator(
 
     trainer = Trainer(
         model,
-        _loss_fn(data.tgt_vocab[BOS]),
+        loss_fn,
         lambda g: data.train_loader(settings.batch_size, generator=g),
         TrainConfig(
             epochs=settings.epochs,
