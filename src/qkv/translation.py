@@ -229,6 +229,8 @@ class Translator:
         self.model = model.eval()
         self.src_vocab, self.tgt_vocab = src_vocab, tgt_vocab
         self.settings = settings
+        # The held-out (source, target) token lists, when this translator was just trained.
+        self.held_out: list[tuple[list[str], list[str]]] = []
 
     @classmethod
     def load(cls, run_dir: str | Path, device: str = "cpu") -> Translator:
@@ -437,6 +439,7 @@ def train_translator(
             return out
 
     translator = Translator(model, data.src_vocab, data.tgt_vocab, settings)
+    translator.held_out = data.valid_pairs
     # Exact match on (up to 1,000 of) the held-out pairs after every epoch.
     held_src = [s for s, _ in data.valid_pairs[:1000]]
     held_tgt = [t for _, t in data.valid_pairs[:1000]]

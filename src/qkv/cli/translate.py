@@ -108,7 +108,7 @@ def _print_metrics(label: str, metrics: dict[str, float]) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from ..translation import TranslateSettings, prepare_data, train_translator
+    from ..translation import TranslateSettings, train_translator
     from ..viz import check_image_path
 
     if args.threads is not None:
@@ -142,10 +142,9 @@ def run_train(args: argparse.Namespace) -> int:
     _print_translations(translations)
     translator.heatmap(translations[:4], heatmap)
 
-    data = prepare_data(translator.settings, translator.src_vocab, translator.tgt_vocab)
-    if data.valid_pairs:
-        src = [s for s, _ in data.valid_pairs]
-        tgt = [t for _, t in data.valid_pairs]
+    if translator.held_out:
+        src = [s for s, _ in translator.held_out]
+        tgt = [t for _, t in translator.held_out]
         print()
         _print_metrics("held-out", translator.evaluate(src, tgt))
     print(f"attention heatmap written to {heatmap}")
