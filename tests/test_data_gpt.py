@@ -16,33 +16,11 @@ from qkv.data.gpt import (
     create_dataloader_v1,
     generated_corpus,
 )
-from qkv.data.tokenizers import BPE_DIR_ENV, ByteTokenizer, get_tokenizer
+from qkv.data.tokenizers import ByteTokenizer, get_tokenizer
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
-@pytest.fixture(autouse=True)
-def no_downloads(monkeypatch):
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
-    monkeypatch.delenv(BPE_DIR_ENV, raising=False)
-    try:
-        import tiktoken
-    except ImportError:
-        return
-
-    def refuse(name):
-        raise AssertionError(f"test tried to download the {name!r} encoding")
-
-    monkeypatch.setattr(tiktoken, "get_encoding", refuse)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread beats paying OpenMP's start-up on every small op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def raises_one_line(exc, match, fn, *args, **kwargs):

@@ -14,13 +14,6 @@ TEXT = ("The cat sat on the mat. The dog sat on the log. A cat and a dog met on 
 FAST = ["--context-length", "32", "--batch-size", "8", "--no-progress", "--sample", ""]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):

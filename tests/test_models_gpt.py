@@ -31,14 +31,6 @@ GPT_CONFIG_124M = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one thread beats paying OpenMP's start-up on every small op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def raises_one_line(exc, match, fn, *args, **kwargs):
     with pytest.raises(exc, match=match) as info:

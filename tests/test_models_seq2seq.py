@@ -50,15 +50,6 @@ come home .\trentre à la maison ."""
 NUM_STEPS = 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: one thread is as fast as two and does not collapse when
-    other processes compete for the cores (two spinning threads then run ~10x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def tiny_data() -> TranslationData:
     pairs = [line.split("\t") for line in TINY_CORPUS.splitlines()]

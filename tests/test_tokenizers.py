@@ -27,21 +27,6 @@ from qkv.data.tokenizers import (
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
-@pytest.fixture(autouse=True)
-def no_downloads(monkeypatch):
-    """Fail any attempt to fetch an encoding; keep tiktoken's file cache out of /tmp."""
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
-    monkeypatch.delenv(BPE_DIR_ENV, raising=False)
-    try:
-        import tiktoken
-    except ImportError:
-        return
-
-    def refuse(name):
-        raise AssertionError(f"test tried to download the {name!r} encoding")
-
-    monkeypatch.setattr(tiktoken, "get_encoding", refuse)
-
 
 def raises_one_line(exc, match, fn, *args, **kwargs):
     with pytest.raises(exc, match=match) as info:

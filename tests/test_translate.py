@@ -23,14 +23,6 @@ PAIRS = [
 FAST = ["--min-freq", "1", "--dropout", "0", "--lr", "0.01", "--no-progress"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models: threading overhead dominates, and the suite shares 2 cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
