@@ -35,8 +35,12 @@ from .training import (
     CheckpointError,
     TrainConfig,
     Trainer,
+    get_rank_and_world_size,
+    init_distributed,
+    is_main_process,
     load_config,
     load_weights,
+    make_loader,
     resolve_device,
     seed_everything,
 )
@@ -247,9 +251,15 @@ def train_language_model(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> tuple[LanguageModel, dict[str, list]]:
-    """Train (or, with ``resume``, continue to ``settings.epochs``) a GPT in ``run_dir``."""
+    """Train (or, with ``resume``, continue to ``settings.epochs``) a GPT in ``run_dir``.
+
+    Under ``torchrun --nproc_per_node=N`` every process runs this on its shard of the
+    windows (``settings.batch_size`` per process); only rank 0 logs and saves.
+    """
     run_dir = Path(run_dir)
-    log = log or print
+    # Join the torchrun process group, if any, before anything logs or touches a device.
+    init_distributed(settings.device)
+    log = (log or print) if is_main_process() else _quiet
     if resume:
         saved = load_config(run_dir)
         if saved.get("task") != TASK:
@@ -268,11 +278,12 @@ def train_language_model(
     train_ids, val_ids = ids[:split], ids[split:]
     train_set = GPTDataset(train_ids, window, stride)
     val_set = GPTDataset(val_ids, window, window) if len(val_ids) > window else None
-    if len(train_set) < settings.batch_size:
+    _, world_size = get_rank_and_world_size()
+    if len(train_set) < settings.batch_size * world_size:
         raise ValueError(
             f"{len(train_ids):,} training tokens give {len(train_set)} windows of "
-            f"{window}, fewer than batch_size={settings.batch_size}; use more text, a "
-            "smaller --context-length or --batch-size"
+            f"{window}, fewer than batch_size={settings.batch_size} x {world_size} "
+            "process(es); use more text, a smaller --context-length or --batch-size"
         )
 
     model = GPTModel(cfg).init_weights()
@@ -303,8 +314,8 @@ def train_language_model(
     trainer = Trainer(
         model,
         lm_loss,
-        lambda g: create_dataloader(train_set, batch_size=settings.batch_size, shuffle=True,
-                                    drop_last=True, generator=g),
+        # This process's shard under torchrun; otherwise a seeded shuffle of all windows.
+        lambda g: make_loader(train_set, settings.batch_size, g, drop_last=True),
         TrainConfig(epochs=settings.epochs, lr=settings.lr, clip_norm=settings.clip_norm,
                     device=settings.device, seed=settings.seed, log_every=1,
                     progress=progress),
@@ -322,4 +333,8 @@ def train_language_model(
     if resume:
         trainer.resume()
     history = trainer.fit()
-    return LanguageModel(trainer._module, tokenizer, settings), history
+    return LanguageModel(trainer.module, tokenizer, settings), history
+
+
+def _quiet(line: str) -> None:
+    """The log of ranks other than 0: they train in silence."""

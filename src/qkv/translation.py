@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.data import TensorDataset
 
 from .data.dates import DATES_NUM_STEPS, join_date_tokens, make_date_pairs, normalize_date_text
 from .data.translation import (
@@ -61,8 +62,11 @@ from .training import (
     CheckpointError,
     TrainConfig,
     Trainer,
+    init_distributed,
+    is_main_process,
     load_config,
     load_weights,
+    make_loader,
     masked_cross_entropy,
     resolve_device,
     seed_everything,
@@ -403,9 +407,15 @@ def train_translator(
     With ``resume``, the data, model and vocabularies come from the checkpoint; only
     ``settings.epochs`` (the new total) and ``settings.device`` are taken from the
     arguments. Returns the trained :class:`Translator` and the training history.
+
+    Under ``torchrun --nproc_per_node=N`` every process runs this: each trains on its
+    shard of the data (``settings.batch_size`` per process), only rank 0 logs, traces
+    and saves, and every rank returns the same trained translator.
     """
     run_dir = Path(run_dir)
-    log = log or print
+    # Join the torchrun process group, if any, before anything logs or touches a device.
+    init_distributed(settings.device)
+    log = (log or print) if is_main_process() else _quiet
     if resume:
         saved = load_config(run_dir)
         if saved.get("task") != TASK:
@@ -428,7 +438,7 @@ def train_translator(
         f"{len(data.train[0]):,} training pairs, {len(data.valid[0]):,} held out; "
         f"vocabularies {len(data.src_vocab)} -> {len(data.tgt_vocab)}")
     loss_fn = _loss_fn(data.tgt_vocab[BOS])
-    if trace is not None:
+    if trace is not None and is_main_process():
         # Trace the first training batch only: shapes of every decoder step, then norms.
         model.trace = trace
         untraced = loss_fn
@@ -447,10 +457,12 @@ def train_translator(
     def validate(_: torch.nn.Module) -> dict[str, float]:
         return {"exact_match": translator.evaluate(held_src, held_tgt)["exact_match"]}
 
+    train_set = TensorDataset(*data.train)
     trainer = Trainer(
         model,
         loss_fn,
-        lambda g: data.train_loader(settings.batch_size, generator=g),
+        # This process's shard under torchrun; otherwise exactly data.train_loader's batches.
+        lambda g: make_loader(train_set, settings.batch_size, g),
         TrainConfig(
             epochs=settings.epochs,
             lr=settings.lr,
@@ -475,5 +487,9 @@ def train_translator(
         trainer.resume()
     history = trainer.fit()
     model.trace = None
-    translator.model = trainer.model.eval()
+    translator.model = trainer.module.eval()  # trainer.model is a DDP wrapper under DDP
     return translator, history
+
+
+def _quiet(line: str) -> None:
+    """The log of ranks other than 0: they train in silence."""

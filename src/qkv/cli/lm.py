@@ -82,6 +82,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from ..language_model import LMSettings, train_language_model
+    from ..training import is_main_process
 
     settings = LMSettings(
         text=args.text, tokenizer=args.tokenizer, bpe_dir=args.bpe_dir, preset=args.preset,
@@ -94,9 +95,13 @@ def run_train(args: argparse.Namespace) -> int:
         lm, _ = train_language_model(settings, args.run_dir, resume=args.resume,
                                      progress=not args.no_progress)
     except KeyboardInterrupt:
-        print(f"interrupted: the last completed epoch is saved in {args.run_dir}; continue "
-              f"with 'qkv lm train --run-dir {args.run_dir} --resume'")
+        if is_main_process():
+            print(f"interrupted: the last completed epoch is saved in {args.run_dir}; "
+                  f"continue with 'qkv lm train --run-dir {args.run_dir} --resume'")
         return 130
+    if not is_main_process():
+        # Under torchrun, rank 0 reports; the other ranks' work ended with training.
+        return 0
     print(f"checkpoint: {args.run_dir}  (loss curve: {args.run_dir / 'loss.png'})")
     if args.sample:
         sample = lm.generate(args.sample, max_new_tokens=80)

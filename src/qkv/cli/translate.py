@@ -108,6 +108,7 @@ def _print_metrics(label: str, metrics: dict[str, float]) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from ..training import is_main_process
     from ..translation import TranslateSettings, train_translator
     from ..viz import check_image_path
 
@@ -131,9 +132,13 @@ def run_train(args: argparse.Namespace) -> int:
             trace=print if args.trace else None,
         )
     except KeyboardInterrupt:
-        print(f"interrupted: the last completed epoch is saved in {run_dir}; "
-              f"continue with 'qkv translate train --run-dir {run_dir} --resume'")
+        if is_main_process():
+            print(f"interrupted: the last completed epoch is saved in {run_dir}; "
+                  f"continue with 'qkv translate train --run-dir {run_dir} --resume'")
         return 130
+    if not is_main_process():
+        # Under torchrun, rank 0 reports; the other ranks' work ended with training.
+        return 0
     print(f"checkpoint: {run_dir}  (loss curve: {run_dir / 'loss.png'})")
 
     examples = DATE_EXAMPLES if translator.settings.data == "dates" else FRA_ENG_EXAMPLES

@@ -1,7 +1,8 @@
 """Training utilities: masked losses, safe checkpoints and a small reusable trainer.
 
-See :mod:`qkv.training.checkpoint` for the run-directory layout and its guarantees, and
-:mod:`qkv.training.trainer` for the loop's reproducibility and Ctrl-C behaviour.
+See :mod:`qkv.training.checkpoint` for the run-directory layout and its guarantees,
+:mod:`qkv.training.trainer` for the loop's reproducibility and Ctrl-C behaviour, and
+:mod:`qkv.training.distributed` for data-parallel training under ``torchrun``.
 """
 
 from .checkpoint import (
@@ -11,6 +12,13 @@ from .checkpoint import (
     load_trainer_state,
     load_weights,
     save_checkpoint,
+)
+from .distributed import (
+    cleanup_distributed,
+    get_rank_and_world_size,
+    init_distributed,
+    is_main_process,
+    make_loader,
 )
 from .losses import MaskedSoftmaxCELoss, masked_cross_entropy
 from .trainer import TrainConfig, Trainer, epoch_seed, resolve_device, seed_everything
@@ -22,6 +30,11 @@ __all__ = [
     "load_trainer_state",
     "load_weights",
     "save_checkpoint",
+    "cleanup_distributed",
+    "get_rank_and_world_size",
+    "init_distributed",
+    "is_main_process",
+    "make_loader",
     "MaskedSoftmaxCELoss",
     "masked_cross_entropy",
     "TrainConfig",

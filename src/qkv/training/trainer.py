@@ -24,12 +24,19 @@ that as the checkpoint, and re-raises: granularity is one epoch, the partial epo
 lost, and :meth:`Trainer.resume` continues exactly. The rollback needs a copy of the
 model and optimizer state, taken (on the CPU) after every epoch.
 
-Distributed training is not implemented yet, but the seams are here: ``rank`` /
-``world_size`` come from ``torch.distributed`` when it is initialised, and only rank 0
-logs, shows progress, saves and plots. A DDP version needs to wrap the model, reduce the
-epoch's loss and token counts across ranks, and have the factory build a
-``DistributedSampler`` (its ``set_epoch`` plays the part of the per-epoch generator here;
-the factory can read ``trainer.epoch``).
+Distributed data parallel. Under ``torchrun --nproc_per_node=N`` the trainer joins the
+process group (:func:`qkv.training.init_distributed`: gloo on the CPU, NCCL on CUDA with
+``cuda:LOCAL_RANK``) and wraps the model in ``DistributedDataParallel``; the factory
+should shard the data with :func:`qkv.training.make_loader` (``batch_size`` is then per
+process, and every rank must yield the same number of batches). Each step all-reduces the
+batch's token count and back-propagates ``loss_sum * world_size / global_tokens``: DDP
+averages the ranks' gradients, so the update is that of the per-token mean over the
+combined batch, whatever each rank's share of the tokens. The epoch's loss, token count
+and time are all-reduced, and validation (run on every rank, on identical weights)
+records rank 0's metrics, so every rank holds the same history. Only rank 0 shows
+progress, logs, saves and plots; the others wait at a barrier after each save, so that
+the checkpoint exists everywhere once :meth:`Trainer.fit` returns. :meth:`Trainer.resume`
+loads on every rank. See ``docs/distributed.md``.
 """
 
 from __future__ import annotations
@@ -45,7 +52,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .checkpoint import (
@@ -57,6 +66,7 @@ from .checkpoint import (
     save_checkpoint,
     write_atomic,
 )
+from .distributed import get_rank_and_world_size, init_distributed
 
 __all__ = ["TrainConfig", "Trainer", "resolve_device", "seed_everything", "epoch_seed"]
 
@@ -78,7 +88,7 @@ class TrainConfig:
         lr: learning rate of the default Adam optimizer.
         clip_norm: clip gradients to this global L2 norm; None disables clipping.
         device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"`` or
-            ``"cuda:N"``.
+            ``"cuda:N"``. Under ``torchrun`` each process takes ``cuda:LOCAL_RANK``.
         seed: seeds each epoch's shuffle generator (see :func:`epoch_seed`).
         log_every: log a line every this many epochs (and after the last); 0: never.
         checkpoint_every: save every this many epochs; 0: only at the end (and on Ctrl-C).
@@ -146,10 +156,11 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 def _distributed() -> tuple[int, int]:
-    """``(rank, world_size)``; ``(0, 1)`` outside ``torch.distributed``."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+    """``(rank, world_size)``; ``(0, 1)`` outside ``torch.distributed``.
+
+    Kept for callers of the earlier seam; see :func:`qkv.training.get_rank_and_world_size`.
+    """
+    return get_rank_and_world_size()
 
 
 def _cpu_copy(obj: Any) -> Any:
@@ -196,16 +207,23 @@ class Trainer:
         log: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
-        self.model = model.to(self.device)
+        # Joins the process group under torchrun (a no-op otherwise) and picks this
+        # process's device: cuda:LOCAL_RANK for a multi-GPU run.
+        self.rank, self.world_size, self.device = init_distributed(config.device)
+        model = model.to(self.device)
         self.loss_fn = loss_fn
         self.data = dataset_or_loader_factory
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.checkpoint_config = dict(checkpoint_config or {})
-        self.optimizer = optimizer or torch.optim.Adam(self.model.parameters(), lr=config.lr)
+        self.optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=config.lr)
+        if self.world_size > 1:
+            # DDP broadcasts rank 0's weights now, so every rank starts from the same
+            # model, and averages the gradients across ranks in backward().
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=device_ids)
+        self.model = model
         self.validate = validate
         self.log = log or tqdm.write
-        self.rank, self.world_size = _distributed()
         self.epoch = 0  # completed epochs
         self.step = 0  # optimizer steps taken
         self.history: dict[str, list] = {"epoch": [], "loss": [], "tokens_per_sec": []}
@@ -217,6 +235,11 @@ class Trainer:
     @property
     def _can_save(self) -> bool:
         return self.run_dir is not None and self.is_main_process
+
+    @property
+    def module(self) -> nn.Module:
+        """The model being trained, unwrapped: ``self.model`` is a DDP wrapper under DDP."""
+        return self._module
 
     @property
     def _module(self) -> nn.Module:
@@ -237,6 +260,8 @@ class Trainer:
             disable=not (cfg.progress and self.is_main_process),
         )
         # What Ctrl-C rolls back to: the state at the end of the last completed epoch.
+        # Only the saving rank needs it. (The Ctrl-C path below runs no collective: the
+        # other ranks may be gone already.)
         rescue = self._capture() if self._can_save else None
         try:
             while self.epoch < cfg.epochs:
@@ -249,9 +274,9 @@ class Trainer:
                     self._log_epoch(record)
                 if self._can_save:
                     rescue = self._capture()
-                    periodic = cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0
-                    if periodic and self.epoch < cfg.epochs:  # the last one is saved below
-                        self.save()
+                periodic = cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0
+                if periodic and self.epoch < cfg.epochs:  # the last one is saved below
+                    self._save_and_wait()
         except KeyboardInterrupt:
             bar.close()
             if rescue is not None:
@@ -262,13 +287,24 @@ class Trainer:
             raise
         finally:
             bar.close()
-        if self._can_save:
-            self.save()
+        self._save_and_wait()
         if self.history["loss"] and self.is_main_process:
             # The reference's closing line (d2l train_seq2seq): the last epoch's numbers.
+            where = self.device if self.world_size == 1 else (
+                f"{self.world_size} x {self.device.type}")
             self.log(f"loss {self.history['loss'][-1]:.3f}, "
-                     f"{self.history['tokens_per_sec'][-1]:.1f} tokens/sec on {self.device}")
+                     f"{self.history['tokens_per_sec'][-1]:.1f} tokens/sec on {where}")
         return self.history
+
+    def _save_and_wait(self) -> None:
+        """Save on rank 0 (with a ``run_dir``); every rank then waits for the save."""
+        if self.run_dir is None:
+            return
+        self.save()  # a no-op on the other ranks
+        # The barrier is reached by every rank, outside any rank-0-only branch, so it
+        # cannot deadlock; after it the checkpoint is complete for anyone who reads it.
+        if self.world_size > 1:
+            dist.barrier()
 
     def _train_epoch(self, epoch: int, bar: tqdm) -> dict[str, float]:
         cfg = self.config
@@ -290,8 +326,17 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             loss_sum, num_tokens = self.loss_fn(self.model, batch)
             num_tokens = torch.as_tensor(num_tokens, device=self.device)
-            # Mean per valid token in this batch; clamp keeps an all-padding batch finite.
-            (loss_sum / num_tokens.clamp_min(1)).backward()
+            if self.world_size == 1:
+                # Mean per valid token in this batch; clamp keeps an all-padding batch finite.
+                (loss_sum / num_tokens.clamp_min(1)).backward()
+            else:
+                # The mean per valid token of the combined batch of all ranks. DDP averages
+                # gradients (divides their sum by world_size), so scale by world_size over
+                # the global token count; dividing by the local count instead would weight
+                # a rank's tokens by how few of them it happened to get.
+                global_tokens = num_tokens.detach().clone()
+                dist.all_reduce(global_tokens)
+                (loss_sum * self.world_size / global_tokens.clamp_min(1)).backward()
             if cfg.clip_norm is not None:
                 nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_norm)
             self.optimizer.step()
@@ -307,10 +352,22 @@ class Trainer:
                                 tok_s=f"{tokens / (now - start):.0f}", refresh=False)
         tokens = int(token_total.item())  # .item() synchronises, so the timing is honest
         seconds = time.perf_counter() - start
+        loss_sum_total = loss_total.item()
+        if self.world_size > 1:
+            # Every rank records the whole epoch: total loss and tokens over all ranks,
+            # and the slowest rank's time (the step is as fast as the slowest rank).
+            totals = torch.tensor([loss_sum_total, tokens], dtype=torch.float64,
+                                  device=self.device)
+            slowest = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+            dist.all_reduce(totals)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            loss_sum_total, tokens = totals[0].item(), int(totals[1].item())
+            seconds = slowest.item()
+        # After the all-reduce, so that every rank raises together (none waits forever).
         if tokens == 0:
             raise ValueError(f"epoch {epoch + 1}: the data yielded no tokens (no batches, "
                              "or num_tokens was always 0)")
-        return {"loss": loss_total.item() / tokens, "tokens_per_sec": tokens / seconds}
+        return {"loss": loss_sum_total / tokens, "tokens_per_sec": tokens / seconds}
 
     def _run_validation(self) -> dict[str, float]:
         assert self.validate is not None
@@ -321,7 +378,15 @@ class Trainer:
                 metrics = self.validate(self._module)
         finally:
             self.model.train(was_training)
-        return {f"valid_{name}": float(value) for name, value in metrics.items()}
+        record = {f"valid_{name}": float(value) for name, value in metrics.items()}
+        if self.world_size > 1:
+            # Every rank validated the same weights (which keeps their RNG streams in step
+            # and lets a validate() shard its own work); all record rank 0's numbers, so
+            # the histories match even where GPU kernels are not bit-reproducible.
+            shared = [record]
+            dist.broadcast_object_list(shared, src=0)
+            record = shared[0]
+        return record
 
     def _append_history(self, record: dict[str, float]) -> None:
         record = {"epoch": self.epoch, **record}
@@ -371,7 +436,9 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint model, optimizer, RNGs and loop state to ``run_dir``; draw ``loss.png``.
 
-        Does nothing on ranks other than 0.
+        Does nothing on ranks other than 0 (whose RNG state is the one saved). Under DDP,
+        a caller that saves outside :meth:`fit` and reads the checkpoint on another rank
+        must ``torch.distributed.barrier()`` after this on every rank.
         """
         if self.run_dir is None:
             raise ValueError("Trainer.save() needs a run_dir")
@@ -386,7 +453,9 @@ class Trainer:
         """Restore model, optimizer, RNGs, epoch and history from ``run_dir``.
 
         Call it on a freshly built model and trainer, then :meth:`fit` to go on to
-        ``config.epochs``.
+        ``config.epochs``. Under DDP every rank calls it and loads the same checkpoint
+        (rank 0's weights, optimizer state and RNG states), so ``run_dir`` must be
+        readable on every machine.
         """
         if self.run_dir is None:
             raise ValueError("Trainer.resume() needs a run_dir")
@@ -395,6 +464,11 @@ class Trainer:
         if state is None:
             raise CheckpointError(f"{self.run_dir}: checkpoint holds no trainer state; "
                                   "it can be loaded but not resumed")
+        if self.world_size > 1 and self.device.type == "cuda" and self.device.index != 0:
+            # Rank 0 saved the RNG state of every GPU as its process saw them, but only its
+            # own, cuda:0, drew numbers. The ranks draw in lockstep, each on its own GPU, so
+            # that state is the one this rank's GPU would have had.
+            torch.cuda.set_rng_state(torch.cuda.get_rng_state(0), self.device)
         try:
             self.epoch, self.step = int(state["epoch"]), int(state["step"])
             self.history = {k: list(v) for k, v in state["history"].items()}

@@ -1,0 +1,193 @@
+"""Data-parallel training under ``torchrun``: process group set-up and sharded loaders.
+
+Launch any script or CLI that uses :class:`~qkv.training.Trainer` with ``torchrun``::
+
+    torchrun --nproc_per_node=4 -m qkv translate train ...
+
+``torchrun`` starts one process per device and tells each who it is through the
+environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+:func:`init_distributed` reads it and joins the process group (gloo on the CPU, NCCL on
+CUDA with one GPU per process); without ``torchrun`` it does nothing, so the same code
+runs as a plain single process. The trainer calls it itself; calling it earlier (to learn
+the rank before building data, say) is harmless.
+
+:func:`make_loader` builds an epoch's loader: each process gets its own shard of the
+dataset (a ``DistributedSampler``) when distributed, a plain shuffled ``DataLoader``
+otherwise. ``batch_size`` is per process, so one optimizer step sees
+``batch_size * world_size`` samples.
+
+See ``docs/distributed.md`` for launching on one or several machines.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+__all__ = [
+    "init_distributed",
+    "cleanup_distributed",
+    "make_loader",
+    "get_rank_and_world_size",
+    "is_main_process",
+]
+
+
+def get_rank_and_world_size() -> tuple[int, int]:
+    """``(rank, world_size)`` of the initialised process group; ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_main_process() -> bool:
+    """True on rank 0, and in a process that is not part of a process group."""
+    return get_rank_and_world_size()[0] == 0
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except KeyError:
+        raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {name} is not set: "
+                           "launch with torchrun, which sets RANK, LOCAL_RANK, "
+                           "MASTER_ADDR and MASTER_PORT") from None
+    except ValueError:
+        raise RuntimeError(f"{name}={os.environ[name]!r} is not an integer") from None
+
+
+def _launched_world_size() -> int:
+    """The world size ``torchrun`` announced in the environment (1 when it did not)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
+
+
+def _process_device(name: str, world_size: int) -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` for a CUDA run on several processes."""
+    # Imported here because the trainer module imports this one.
+    from .trainer import resolve_device
+
+    device = resolve_device(name)
+    if device.type != "cuda" or world_size == 1:
+        return device
+    if device.index is not None:
+        # Every process would pick the same GPU; torchrun runs one per LOCAL_RANK instead.
+        raise ValueError(f"device {name!r} names one GPU, but under torchrun each process "
+                         "uses cuda:LOCAL_RANK; pass 'cuda' or 'auto'")
+    local_rank = _env_int("LOCAL_RANK")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"LOCAL_RANK={local_rank} but this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s): lower --nproc_per_node")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
+    """Join the ``torchrun`` process group if there is one; return ``(rank, world_size, device)``.
+
+    With ``WORLD_SIZE > 1`` in the environment (set by ``torchrun``), initialise the
+    default process group from it: the gloo backend when ``device`` resolves to the CPU,
+    NCCL when it resolves to CUDA, in which case this process uses ``cuda:LOCAL_RANK``.
+    Otherwise do nothing and return ``(0, 1, resolve_device(device))``. Idempotent: if a
+    process group already exists (ours or the caller's), it is used as it is.
+
+    Args:
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (see :func:`resolve_device`). Under
+            ``torchrun`` a specific ``"cuda:N"`` is an error: each process takes its own.
+    """
+    if dist.is_available() and dist.is_initialized():
+        rank, world_size = get_rank_and_world_size()
+        return rank, world_size, _process_device(device, world_size)
+    world_size = _launched_world_size()
+    if world_size <= 1:
+        return 0, 1, _process_device(device, 1)
+    if not dist.is_available():
+        raise RuntimeError(f"WORLD_SIZE={world_size}, but this torch build has no "
+                           "torch.distributed")
+    # Check the whole launch environment first: a bad one fails here, in one line, rather
+    # than hanging in the rendezvous.
+    rank = _env_int("RANK")
+    _env_int("LOCAL_RANK")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise RuntimeError(f"WORLD_SIZE={world_size} but {name} is not set: "
+                               "launch with torchrun")
+    process_device = _process_device(device, world_size)
+    if process_device.type == "cuda":
+        # Bind this process to its GPU before NCCL creates anything on the default one.
+        torch.cuda.set_device(process_device)
+        dist.init_process_group("nccl", device_id=process_device)
+    else:
+        dist.init_process_group("gloo")
+    # Leave cleanly even when the caller forgets cleanup_distributed() (NCCL warns and
+    # can leak otherwise); a no-op if it was called.
+    atexit.register(cleanup_distributed)
+    return rank, world_size, process_device
+
+
+def cleanup_distributed() -> None:
+    """Leave and destroy the default process group, if there is one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    generator: torch.Generator | None,
+    *,
+    shuffle: bool = True,
+    drop_last: bool = False,
+) -> DataLoader:
+    """One epoch's batches: this process's shard when distributed, all of them otherwise.
+
+    Meant for a trainer's ``dataset_or_loader_factory``:
+    ``lambda g: make_loader(dataset, batch_size, g)``.
+
+    Single process: ``DataLoader(dataset, batch_size, shuffle=shuffle, generator=generator,
+    drop_last=drop_last)``, exactly.
+
+    Distributed (``world_size > 1``): a ``DistributedSampler`` gives rank ``r`` the samples
+    at positions ``r, r + world_size, ...`` of one shared permutation (or of the dataset's
+    order with ``shuffle=False``), so the ranks' shards never overlap and together cover
+    the dataset. Unless ``drop_last``, the sampler repeats the first few samples so that
+    ``len(dataset)`` divides evenly: every rank then takes the same number of steps, which
+    the collective operations of training require.
+
+    The permutation is seeded with ``generator.initial_seed()``, identical on every rank.
+    The Trainer passes a generator freshly seeded from ``(config.seed, epoch)``, so that
+    seed plays the part of ``DistributedSampler.set_epoch``: a new order every epoch, the
+    same order in a resumed run. (It is not the single-process order: that one comes
+    from ``RandomSampler`` drawing on the generator after the ``DataLoader`` has.)
+
+    Args:
+        dataset: a map-style dataset (with ``__len__``), e.g. a ``TensorDataset``.
+        batch_size: samples per batch **per process**; the global batch of one step is
+            ``batch_size * world_size``.
+        generator: the epoch's seeded generator; None shuffles from torch's global RNG
+            in a single process and with seed 0 when distributed.
+        shuffle: shuffle every epoch (False: the dataset's order).
+        drop_last: drop the last incomplete batch (and, when distributed, the tail of the
+            dataset that does not divide evenly, instead of repeating samples).
+    """
+    rank, world_size = get_rank_and_world_size()
+    if world_size == 1:
+        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator,
+                          drop_last=drop_last)
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=shuffle,
+        seed=0 if generator is None else generator.initial_seed(),
+        drop_last=drop_last,
+    )
+    # The DataLoader draws its workers' base seed from `generator`; giving it one keeps
+    # that draw off torch's global RNG, which (as in a single process) is left to dropout.
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=generator,
+                      drop_last=drop_last)

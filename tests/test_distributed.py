@@ -1,0 +1,333 @@
+"""Data-parallel training: two CPU processes under torchrun (gloo) match one process.
+
+The main test launches ``python -m torch.distributed.run --nproc_per_node=2`` on a small
+worker script (written to ``tmp_path``) that trains a tiny attention model with the
+shared Trainer, and checks that:
+
+- both ranks end with identical weights, equal (within 1e-6) to a single process that
+  takes the same steps on the combined batches of both ranks;
+- every rank records the same history; rank 0 alone logs, shows progress and saves;
+- a run resumed from rank 0's checkpoint is bit-identical to an uninterrupted one;
+- the ranks' shards from ``make_loader`` do not overlap and cover the dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader, TensorDataset
+
+import qkv.training.distributed as distributed
+from qkv.training import (
+    Trainer,
+    epoch_seed,
+    init_distributed,
+    load_trainer_state,
+    make_loader,
+    seed_everything,
+)
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+LAUNCH_TIMEOUT = 180  # seconds; the run itself takes a few
+
+needs_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()) or sys.platform == "win32",
+    reason="needs torch.distributed with the gloo backend (and a POSIX torchrun)",
+)
+
+WORKER = '''
+"""Run by torchrun for tests/test_distributed.py; also imported there for its helpers."""
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import qkv
+from qkv.training import (
+    TrainConfig,
+    Trainer,
+    epoch_seed,
+    init_distributed,
+    make_loader,
+    masked_cross_entropy,
+    seed_everything,
+)
+
+VOCAB, STEPS, N = 13, 6, 44
+BATCH = 4  # per rank: each step sees 2 x 4 samples
+EPOCHS, SEED = 2, 3
+
+
+class TinyAttentionLM(nn.Module):
+    """Embedding -> causal multi-head attention -> vocabulary logits; no dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.attn = qkv.MultiHeadAttention(8, 8, num_heads=2)
+        self.out = nn.Linear(8, VOCAB)
+
+    def forward(self, x):
+        return self.out(self.attn(self.emb(x)))
+
+
+def dataset():
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randint(0, VOCAB, (N, STEPS), generator=gen)
+    # Random valid lengths: the ranks' batches hold different numbers of tokens.
+    valid_len = torch.randint(1, STEPS + 1, (N,), generator=gen)
+    return TensorDataset(x, (3 * x + 1) % VOCAB, valid_len)
+
+
+def loss_fn(model, batch):
+    x, y, valid_len = batch
+    return masked_cross_entropy(model(x), y, valid_len)
+
+
+def config(epochs, **kwargs):
+    return TrainConfig(epochs=epochs, lr=1e-2, clip_norm=1.0, device="cpu", seed=SEED,
+                       **kwargs)
+
+
+def validate(model):
+    x, y, valid_len = dataset()[:8]
+    loss_sum, tokens = loss_fn(model, (x, y, valid_len))
+    # A rank-dependent value shows whose numbers end up in every rank's history.
+    return {"loss": (loss_sum / tokens).item(), "rank": float(dist.get_rank())}
+
+
+def trainer(epochs, run_dir, **kwargs):
+    data = dataset()
+    return Trainer(TinyAttentionLM(), loss_fn, lambda g: make_loader(data, BATCH, g),
+                   config(epochs, **kwargs.pop("config", {})), run_dir=run_dir,
+                   checkpoint_config={"model": "tiny"}, **kwargs)
+
+
+def main(out):
+    rank, world_size, device = init_distributed("cpu")
+    assert (world_size, device.type, dist.get_backend()) == (2, "cpu", "gloo")
+    with open(out / f"rank{rank}.out", "w") as stdout, \\
+            open(out / f"rank{rank}.err", "w") as stderr, \\
+            contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        # Each rank's shard of a 12-sample index dataset, two epochs.
+        indices = TensorDataset(torch.arange(12))
+        shards = [
+            [int(i) for (batch,) in make_loader(
+                indices, 4, torch.Generator().manual_seed(epoch_seed(SEED, epoch)))
+             for i in batch]
+            for epoch in range(2)
+        ]
+        # Straight run: progress bar and the default log (print via tqdm.write).
+        seed_everything(0)
+        straight = trainer(EPOCHS, out / "run", validate=validate,
+                           config={"progress": True, "log_every": 1})
+        history = straight.fit()
+        # Half the epochs, then a fresh trainer (other RNG state) resumes on every rank.
+        quiet = {"config": {"progress": False}, "log": lambda line: None}
+        seed_everything(0)
+        trainer(1, out / "half", **quiet).fit()
+        seed_everything(999)
+        resumed = trainer(EPOCHS, out / "half", **quiet)
+        resumed.resume()
+        resumed.fit()
+    save_file(straight._module.state_dict(), out / f"rank{rank}.safetensors")
+    save_file(resumed._module.state_dict(), out / f"rank{rank}-resumed.safetensors")
+    (out / f"rank{rank}.json").write_text(json.dumps({"history": history, "shards": shards}))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(script: Path, out: Path) -> None:
+    """``torchrun --nproc_per_node=2 script out`` on 127.0.0.1, killed after a timeout."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"  # torchrun's default too; set here to skip its warning
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(script),
+               str(out)]
+    # A session of its own, so that a hang can be ended with its workers.
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
+    if proc.returncode != 0:
+        logs = "".join(f"\n--- {p.name}\n{p.read_text()[-2000:]}"
+                       for p in sorted(out.glob("rank*.err")))
+        pytest.fail(f"torchrun exited with {proc.returncode}:\n{output[-4000:]}{logs}")
+
+
+@needs_gloo
+def test_two_cpu_processes_match_one_process_on_the_combined_batch(tmp_path):
+    script = tmp_path / "ddp_worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    _torchrun(script, out)
+    worker = runpy.run_path(str(script), run_name="ddp_worker")
+
+    # (a) Both ranks hold the same weights, and rank 0 checkpointed exactly those.
+    rank0, rank1 = (load_file(out / f"rank{r}.safetensors") for r in (0, 1))
+    checkpoint = load_file(out / "run" / "model.safetensors")
+    assert rank0.keys() == rank1.keys() == checkpoint.keys()
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name
+        assert torch.equal(rank0[name], checkpoint[name]), name
+
+    # (b) One process stepping on the union of both ranks' batches. DistributedSampler
+    # shuffles with randperm(seeded with seed + epoch, its epoch staying 0) and gives rank
+    # r the positions r, r + 2, ...: step k of the pair covers positions 8k .. 8k + 7.
+    data = worker["dataset"]()
+    step = 2 * worker["BATCH"]
+
+    def combined_batches(generator: torch.Generator) -> list:
+        perm = torch.randperm(len(data),
+                              generator=torch.Generator().manual_seed(generator.initial_seed()))
+        return [data[perm[i:i + step]] for i in range(0, len(data), step)]
+
+    seed_everything(0)
+    single = Trainer(worker["TinyAttentionLM"](), worker["loss_fn"], combined_batches,
+                     worker["config"](worker["EPOCHS"], progress=False), log=lambda line: None)
+    single_history = single.fit()
+    for name, value in single.model.state_dict().items():
+        torch.testing.assert_close(rank1[name], value, rtol=0, atol=1e-6, msg=name)
+
+    # Every rank records the same history: the loss of the combined batches, and rank 0's
+    # validation numbers.
+    histories = [json.loads((out / f"rank{r}.json").read_text())["history"] for r in (0, 1)]
+    assert histories[0] == histories[1]
+    history = histories[0]
+    assert history["epoch"] == [1, 2] and history["valid_rank"] == [0.0, 0.0]
+    torch.testing.assert_close(torch.tensor(history["loss"]),
+                               torch.tensor(single_history["loss"]), rtol=1e-6, atol=0)
+
+    # (c) Rank 0 logged, drew the progress bar and saved; rank 1 printed nothing.
+    lines = (out / "rank0.out").read_text().splitlines()
+    assert [line.split(":")[0] for line in lines[:-1]] == ["epoch 1/2", "epoch 2/2"]
+    assert re.fullmatch(r"loss [0-9.]+, [0-9.]+ tokens/sec on 2 x cpu", lines[-1])
+    assert "train" in (out / "rank0.err").read_text()
+    assert (out / "rank1.out").read_text() == "" and (out / "rank1.err").read_text() == ""
+    assert (out / "run" / "loss.png").is_file()
+    state = load_trainer_state(out / "run", None)
+    assert state["epoch"] == 2 and state["history"]["loss"] == history["loss"]
+
+    # Resuming from rank 0's checkpoint on both ranks continues bit-exactly.
+    for r in (0, 1):
+        resumed = load_file(out / f"rank{r}-resumed.safetensors")
+        for name in rank0:
+            assert torch.equal(resumed[name], rank0[name]), (r, name)
+
+    # The shards of a real 2-process group: disjoint, covering, reshuffled every epoch.
+    shards = [json.loads((out / f"rank{r}.json").read_text())["shards"] for r in (0, 1)]
+    for epoch in range(2):
+        first, second = shards[0][epoch], shards[1][epoch]
+        assert len(first) == len(second) == 6
+        assert sorted(first + second) == list(range(12))
+    assert shards[0][0] != shards[0][1]
+
+
+# ---------------------------------------------------------------------------- make_loader
+
+
+def _indices(loader: DataLoader) -> list[int]:
+    return [int(i) for (batch,) in loader for i in batch]
+
+
+def _as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world_size: int) -> None:
+    monkeypatch.setattr(distributed, "get_rank_and_world_size", lambda: (rank, world_size))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_make_loader_shards_without_overlap_and_covers_the_dataset(monkeypatch, drop_last):
+    n, world_size = 10, 3
+    data = TensorDataset(torch.arange(n))
+    shards = []
+    for rank in range(world_size):
+        _as_rank(monkeypatch, rank, world_size)
+        generator = torch.Generator().manual_seed(epoch_seed(0, 5))
+        shards.append(_indices(make_loader(data, 3, generator, drop_last=drop_last)))
+    # Every rank takes the same number of samples, hence of steps.
+    assert len({len(shard) for shard in shards}) == 1
+    together = sorted(i for shard in shards for i in shard)
+    if drop_last:  # 9 of the 10 samples, each exactly once
+        assert len(together) == 9 and len(set(together)) == 9
+    else:  # all 10, two of them repeated to fill the last round
+        assert set(together) == set(range(n)) and len(together) == 12
+    # Rank r holds positions r, r + 3, ... of one permutation seeded with the epoch seed.
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(0, 5)))
+    interleaved = [shards[p % world_size][p // world_size] for p in range(len(together))]
+    assert interleaved[:9] == perm[:9].tolist()
+
+
+def test_make_loader_reshuffles_per_epoch_and_repeats_per_seed(monkeypatch):
+    _as_rank(monkeypatch, 1, 2)
+    data = TensorDataset(torch.arange(20))
+
+    def shard(epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(epoch_seed(0, epoch))
+        return _indices(make_loader(data, 4, generator))
+
+    assert shard(0) == shard(0) and shard(0) != shard(1)
+    ordered = _indices(make_loader(data, 4, torch.Generator(), shuffle=False))
+    assert ordered == list(range(1, 20, 2))
+
+
+def test_make_loader_in_one_process_is_the_plain_loader():
+    data = TensorDataset(torch.arange(30))
+    loader = make_loader(data, 4, torch.Generator().manual_seed(7), drop_last=True)
+    plain = DataLoader(data, batch_size=4, shuffle=True, drop_last=True,
+                       generator=torch.Generator().manual_seed(7))
+    assert _indices(loader) == _indices(plain)
+    assert len(loader) == 7
+
+
+# ---------------------------------------------------------------------------- set-up
+
+
+def test_init_distributed_without_torchrun_is_a_no_op(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert init_distributed("cpu") == (0, 1, torch.device("cpu"))
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun --nproc_per_node=1: one plain process
+    assert init_distributed("cpu") == (0, 1, torch.device("cpu"))
+    assert not dist.is_initialized()
+
+
+def test_init_distributed_rejects_a_partial_launch_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="RANK is not set: launch with torchrun"):
+        init_distributed("cpu")
+    assert not dist.is_initialized()
