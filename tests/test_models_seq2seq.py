@@ -256,7 +256,7 @@ def test_trace_logs_shapes_every_step_and_norms_once():
     model(src, valid, dec_input)
     assert sum("decoder step" in line for line in lines) == 4
     assert (
-        "query (3, 1, 16), context (3, 1, 16), GRU output (1, 3, 16), hidden (2, 3, 16)"
+        "query (3, 1, 16), context (3, 1, 16), GRU output (3, 16), hidden (2, 3, 16)"
         in (lines[0])
     )
     assert sum("|h_after - h_before|" in line for line in lines) == 4

@@ -75,8 +75,9 @@ class AdditiveAttention(nn.Module):
     ``values (batch, n_k, d_v)`` ``-> (batch, n_q, d_v)``.
 
     A decoder calls this once per output step against the same keys. Pass
-    ``projected_keys=attn.project_keys(keys)`` computed once per source
-    sentence to skip the repeated ``W_k`` product.
+    ``projected_keys=attn.project_keys(keys)`` and ``mask=`` (the keep mask
+    ``lengths_to_mask(valid_lens, n_k)``), both computed once per source
+    sentence, to skip rebuilding them at every step.
     """
 
     def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0):
@@ -100,12 +101,13 @@ class AdditiveAttention(nn.Module):
         valid_lens: Tensor | None = None,
         *,
         projected_keys: Tensor | None = None,
+        mask: Tensor | None = None,
     ) -> Tensor:
         k = self.project_keys(keys) if projected_keys is None else projected_keys
         q = self.W_q(queries)
         # (batch, n_q, 1, h) + (batch, 1, n_k, h): every query meets every key
         features = torch.tanh(q.unsqueeze(2) + k.unsqueeze(1))
         scores = self.w_v(features).squeeze(-1)
-        keep = _keep_mask(valid_lens, queries, scores.shape[-1])
+        keep = mask if mask is not None else _keep_mask(valid_lens, queries, scores.shape[-1])
         self.attention_weights = softmax_with_mask(scores, keep)
         return self.dropout(self.attention_weights) @ values

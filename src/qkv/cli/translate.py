@@ -63,8 +63,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--clip-norm", type=float, default=1.0)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    train.add_argument("--threads", type=int, default=None,
-                       help="CPU threads for torch (default: torch's choice)")
+    train.add_argument("--threads", type=int, default=1,
+                       help="CPU threads for torch (default 1: these models are small, a "
+                            "second thread gains nothing and collapses when the cores are "
+                            "busy)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--trace", action="store_true",
                        help="log decoder tensor shapes per step and first-batch norms")
@@ -112,10 +114,9 @@ def run_train(args: argparse.Namespace) -> int:
     from ..translation import TranslateSettings, train_translator
     from ..viz import check_image_path
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     run_dir = args.run_dir or Path("runs") / f"translate-{Path(args.data).stem}"
     settings = TranslateSettings(
         data=args.data, model=args.model, num_examples=args.num_examples,

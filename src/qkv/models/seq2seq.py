@@ -27,8 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..functional import lengths_to_mask
 from ..multihead import check_dropout
 from ..scoring import AdditiveAttention
 
@@ -281,6 +283,7 @@ class BahdanauState:
     enc_outputs: ``(batch, src_len, num_hiddens)``, batch-major for attention (values).
     projected_keys: ``attention.W_k(enc_outputs)``, ``(batch, src_len, num_hiddens)``.
     src_valid_len: ``(batch,)``.
+    mask: ``(batch, 1, src_len)`` bool, True on real source tokens; built once.
     hidden: ``(num_layers, batch, num_hiddens)``, the decoder GRU state.
     step: number of decoder steps taken (for trace messages).
     """
@@ -288,6 +291,7 @@ class BahdanauState:
     enc_outputs: Tensor
     projected_keys: Tensor
     src_valid_len: Tensor
+    mask: Tensor
     hidden: Tensor
     step: int = 0
 
@@ -338,6 +342,7 @@ class Seq2SeqAttentionDecoder(nn.Module):
             enc_outputs=outputs,
             projected_keys=self.attention.project_keys(outputs),
             src_valid_len=src_valid_len,
+            mask=lengths_to_mask(src_valid_len.to(outputs.device), outputs.shape[1]),
             hidden=enc_state,
         )
 
@@ -353,13 +358,14 @@ class Seq2SeqAttentionDecoder(nn.Module):
             query,
             state.enc_outputs,
             state.enc_outputs,
-            state.src_valid_len,
             projected_keys=state.projected_keys,
+            mask=state.mask,
         )  # (batch, 1, num_hiddens)
         # Detached: kept for heatmaps, not for the backward pass (which has its own ref).
         self._weights.append(self.attention.attention_weights.detach())
-        x = torch.cat([context, emb.unsqueeze(1)], dim=-1).transpose(0, 1)  # (1, batch, e + h)
-        out, new_hidden = self.rnn(x, hidden)
+        x = torch.cat([context[:, 0], emb], dim=-1)  # (batch, num_hiddens + embed_size)
+        new_hidden = self._gru_step(x, hidden)
+        out = new_hidden[-1]
         if self.trace is not None:
             self.trace(
                 f"decoder step {state.step}: query {tuple(query.shape)}, "
@@ -370,7 +376,30 @@ class Seq2SeqAttentionDecoder(nn.Module):
                 norms.append(_step_norms(state.step, emb, context, hidden, new_hidden))
         state.hidden = new_hidden
         state.step += 1
-        return out[0]
+        return out
+
+    def _gru_step(self, x: Tensor, hidden: Tensor) -> Tensor:
+        """``self.rnn`` advanced by one time step, one fused cell call per layer.
+
+        Same parameters and arithmetic as calling the ``nn.GRU`` on a length-1
+        sequence (dropout between layers in training), but without its per-call
+        set-up, which dominates at these sizes: about a quarter of the training time.
+        ``x (batch, in)``, ``hidden (layers, batch, h) -> (layers, batch, h)``.
+        """
+        rnn, layers = self.rnn, []
+        for layer in range(rnn.num_layers):
+            h = torch.gru_cell(
+                x,
+                hidden[layer],
+                getattr(rnn, f"weight_ih_l{layer}"),
+                getattr(rnn, f"weight_hh_l{layer}"),
+                getattr(rnn, f"bias_ih_l{layer}"),
+                getattr(rnn, f"bias_hh_l{layer}"),
+            )
+            layers.append(h)
+            last = layer == rnn.num_layers - 1
+            x = h if last else F.dropout(h, rnn.dropout, self.training)
+        return torch.stack(layers)
 
     def forward(self, X: Tensor, state: BahdanauState) -> tuple[Tensor, BahdanauState]:
         """Teacher forcing over all steps: ``X (batch, T)`` int64
@@ -461,6 +490,7 @@ class BahdanauSeq2Seq(EncoderDecoder):
             enc_outputs=state.enc_outputs.index_select(0, index),
             projected_keys=state.projected_keys.index_select(0, index),
             src_valid_len=state.src_valid_len.index_select(0, index.to(state.src_valid_len.device)),
+            mask=state.mask.index_select(0, index),
             hidden=state.hidden.index_select(1, index),
             step=state.step,
         )
