@@ -14,10 +14,10 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from . import lm, translate, walkthrough
+from . import bench, lm, translate, walkthrough
 
 # Sub-command modules, in the order ``qkv --help`` lists them.
-COMMANDS = [translate, lm, walkthrough]
+COMMANDS = [translate, lm, bench, walkthrough]
 
 
 class UsageError(Exception):

@@ -1,0 +1,143 @@
+"""``qkv bench``: measure every attention path against its peers.
+
+    qkv bench attention                # batch 8 x 1,024 tokens x 768 dims, 12 heads
+    qkv bench attention --sweep        # plus 128 ... 8,192 tokens at batch 1, eager vs fused
+    qkv bench generate                 # GPT-2 small, 200 tokens, with and without KV cache
+    qkv bench translate                # Bahdanau training against d2l's algorithm
+    qkv bench data                     # sliding-window dataset against a list of tensors
+    qkv bench all --quick              # every suite on small shapes, in under two minutes
+
+Each suite prints markdown tables (medians, min-max, ratios, targets) and writes
+``SUITE.json`` and ``SUITE.png`` into ``--out``. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUITES = ("attention", "generate", "translate", "data")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ..bench.timing import DTYPE_NAMES, MEMORY_MODES
+
+    parser = sub.add_parser(
+        "bench",
+        help="benchmark attention paths, KV-cache generation, translator training, datasets",
+        description="Time (median, min-max over interleaved repeats) and measure the peak "
+                    "memory of qkv against its peers; write JSON and PNG files.",
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--quick", action="store_true",
+                        help="small shapes that run in seconds (smoke test, CI)")
+    common.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per case (default: the suite's)")
+    common.add_argument("--warmup", type=int, default=None,
+                        help="untimed runs per case first (default: the suite's)")
+    common.add_argument("--device", default="auto",
+                        help="auto (CUDA if available), cpu, cuda or cuda:N")
+    common.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
+                        help="auto: bfloat16 on CUDA, float32 on the CPU")
+    common.add_argument("--memory", choices=MEMORY_MODES, default="isolated",
+                        help="CPU peak memory: one fresh process per case (default, exact), "
+                             "in this process (faster) or off")
+    common.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice)")
+    common.add_argument("--out", type=Path, default=Path("runs/bench"),
+                        help="folder for SUITE.json and SUITE.png (default: runs/bench)")
+    attention_flags = argparse.ArgumentParser(add_help=False)
+    attention_flags.add_argument("--sweep", action="store_true",
+                                 help="also sweep 128 ... 8,192 tokens (batch 1, forward): "
+                                      "time and memory of eager vs fused")
+    attention_flags.add_argument("--no-compile", action="store_true",
+                                 help="run FlexAttention uncompiled (no C++ compiler needed)")
+
+    suites = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
+    helps = {
+        "attention": "ten attention paths: forward and forward+backward time, peak memory",
+        "generate": "greedy GPT-2 small generation with and without the KV cache",
+        "translate": "Bahdanau translator training tokens/s against d2l's algorithm",
+        "data": "sliding-window GPT dataset against a list of tensors: build time, memory",
+        "all": "every suite, one after the other",
+    }
+    for name, text in helps.items():
+        parents = [common, attention_flags] if name in ("attention", "all") else [common]
+        suite = suites.add_parser(name, parents=parents, help=text, description=text)
+        suite.set_defaults(run=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.repeats is not None and args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.warmup is not None and args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+
+
+def _overrides(args: argparse.Namespace, *, warmup: bool = True) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if args.repeats is not None:
+        out["repeats"] = args.repeats
+    if warmup and args.warmup is not None:
+        out["warmup"] = args.warmup
+    return out
+
+
+def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Build the suite's config from the flags and run it; returns its report."""
+    if name == "attention":
+        from ..bench.attention import AttentionConfig, run_attention
+
+        kwargs = {**_overrides(args), "device": args.device, "dtype": args.dtype,
+                  "memory": args.memory, "sweep": args.sweep,
+                  "compile_flex": not args.no_compile}
+        config = AttentionConfig.quick(**kwargs) if args.quick else AttentionConfig(**kwargs)
+        return run_attention(config, args.out)
+    if name == "generate":
+        from ..bench.generate import GenerateConfig, run_generate
+
+        kwargs = {**_overrides(args), "device": args.device, "dtype": args.dtype}
+        config = GenerateConfig.quick(**kwargs) if args.quick else GenerateConfig(**kwargs)
+        return run_generate(config, args.out)
+    if name == "translate":
+        from ..bench.translate import TranslateBenchConfig, run_translate
+
+        if args.dtype not in ("auto", "float32"):
+            raise ValueError(f"the translate suite trains in float32 as qkv's trainer does; "
+                             f"--dtype {args.dtype} is not supported")
+        kwargs = {**_overrides(args), "device": args.device}
+        config = (TranslateBenchConfig.quick(**kwargs) if args.quick
+                  else TranslateBenchConfig(**kwargs))
+        return run_translate(config, args.out)
+    from ..bench.data import DataBenchConfig, run_data
+
+    # Building a dataset is CPU work whatever --device says; there is no warm-up either:
+    # every build runs in a fresh process, which is the point.
+    kwargs = {**_overrides(args, warmup=False), "memory": args.memory}
+    config = DataBenchConfig.quick(**kwargs) if args.quick else DataBenchConfig(**kwargs)
+    return run_data(config, args.out)
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    names = SUITES if args.suite == "all" else (args.suite,)
+    reports = {}
+    for i, name in enumerate(names):
+        if i:
+            print()
+        reports[name] = run_suite(name, args)
+    if len(names) > 1:
+        note = " (--quick shapes: the targets are defined for the default sizes)"
+        print(f"\nall targets{note if args.quick else ''}:")
+        for name, report in reports.items():
+            for target in report.get("targets", []):
+                print(f"  {'MET   ' if target['met'] else 'MISSED'} [{name}] {target['name']}: "
+                      f"{target['value_text']}")
+    return 0
