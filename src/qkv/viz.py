@@ -19,15 +19,16 @@ is imported on first use, keeping ``import qkv`` light.
 
 from __future__ import annotations
 
-import contextlib
+import io
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from .fileio import write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -259,18 +260,9 @@ def _new_figure(width: float, height: float) -> Figure:
 
 def _save(fig: Figure, path: Path) -> Path:
     """Write ``fig`` to ``path`` atomically: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format=path.suffix[1:].lower(), dpi=_DPI)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; an image is not a secret
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=path.suffix[1:].lower(), dpi=_DPI)
+    return write_atomic(path, buffer.getvalue())
 
 
 # ---------------------------------------------------------------------------

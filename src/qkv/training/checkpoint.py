@@ -43,7 +43,6 @@ import hashlib
 import json
 import os
 import random
-import secrets
 import shutil
 import struct
 import warnings
@@ -54,6 +53,8 @@ from typing import Any
 import safetensors.torch
 import torch
 from torch import Tensor, nn
+
+from ..fileio import fsync_dir, write_atomic, write_durable
 
 __all__ = [
     "CheckpointError",
@@ -100,41 +101,6 @@ def _fail(path: Path | str, problem: str) -> CheckpointError:
 
 # ----------------------------------------------------------------------------
 # Durable, atomic file writes
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make renames inside ``path`` durable (POSIX; Windows cannot open a directory)."""
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, whole.
-
-    The bytes go to a temporary file in the same directory (a rename is only atomic
-    within one filesystem), are fsync'ed, and the temporary file replaces ``path``.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        _write_durable(tmp, data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 # ----------------------------------------------------------------------------
@@ -342,9 +308,9 @@ def _finish_pending(run_dir: Path) -> None:
     for name in names:
         if (staging / name).exists():
             os.replace(staging / name, run_dir / name)
-    _fsync_dir(run_dir)
+    fsync_dir(run_dir)
     os.replace(staged_manifest, run_dir / MANIFEST)
-    _fsync_dir(run_dir)
+    fsync_dir(run_dir)
     for stale in _OPTIONAL:  # e.g. trainer files of a previous save, not in this one
         if stale not in names:
             (run_dir / stale).unlink(missing_ok=True)
@@ -395,8 +361,8 @@ def save_checkpoint(
     staging = run_dir / STAGING
     staging.mkdir()
     for name, data in files.items():
-        _write_durable(staging / name, data)
-    _fsync_dir(staging)
+        write_durable(staging / name, data)
+    fsync_dir(staging)
     write_atomic(staging / MANIFEST, manifest)  # the commit point
     _finish_pending(run_dir)
     return run_dir
