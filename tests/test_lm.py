@@ -120,3 +120,8 @@ def test_gpt2_tokenizer_offline_and_resume(text_file, tmp_path):
         assert torch.equal(a, b), name
     again = LanguageModel.load(tmp_path / "b")
     assert again.generate("The", 10).text == resumed.generate("The", 10).text
+
+
+def test_a_checkpoint_of_another_task_is_refused(trained, tmp_path, capsys):
+    one_line_error(capsys, ["translate", "run", "--ckpt", str(trained)],
+                   r"holds a 'lm' checkpoint, not a 'translate' one")

@@ -37,9 +37,9 @@ from .training import (
     Trainer,
     get_rank_and_world_size,
     init_distributed,
-    is_main_process,
     load_config,
     load_weights,
+    main_process_log,
     make_loader,
     resolve_device,
     seed_everything,
@@ -143,10 +143,7 @@ class LanguageModel:
     @classmethod
     def load(cls, run_dir: str | Path, device: str = "cpu", bpe_dir: str | None = None):
         """Rebuild from a checkpoint; anything malformed is one ``CheckpointError`` line."""
-        config = load_config(run_dir)
-        if config.get("task") != TASK:
-            raise CheckpointError(f"{run_dir} is not a language-model checkpoint "
-                                  f"(task={config.get('task')!r})")
+        config = load_config(run_dir, task=TASK)
         try:
             settings = LMSettings.from_dict(config["settings"])
             model_config = GPTConfig.from_dict(config["model"])
@@ -259,11 +256,9 @@ def train_language_model(
     run_dir = Path(run_dir)
     # Join the torchrun process group, if any, before anything logs or touches a device.
     init_distributed(settings.device)
-    log = (log or print) if is_main_process() else _quiet
+    log = main_process_log(log)
     if resume:
-        saved = load_config(run_dir)
-        if saved.get("task") != TASK:
-            raise CheckpointError(f"{run_dir} is not a language-model checkpoint")
+        saved = load_config(run_dir, task=TASK)
         old = LMSettings.from_dict(saved["settings"])
         settings = dataclasses.replace(old, epochs=settings.epochs, device=settings.device)
     settings.validate()
@@ -334,7 +329,3 @@ def train_language_model(
         trainer.resume()
     history = trainer.fit()
     return LanguageModel(trainer.module, tokenizer, settings), history
-
-
-def _quiet(line: str) -> None:
-    """The log of ranks other than 0: they train in silence."""

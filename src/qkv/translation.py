@@ -66,6 +66,7 @@ from .training import (
     is_main_process,
     load_config,
     load_weights,
+    main_process_log,
     make_loader,
     masked_cross_entropy,
     resolve_device,
@@ -239,10 +240,7 @@ class Translator:
     @classmethod
     def load(cls, run_dir: str | Path, device: str = "cpu") -> Translator:
         """Rebuild from a checkpoint; anything malformed is one ``CheckpointError`` line."""
-        config = load_config(run_dir)
-        if config.get("task") != TASK:
-            raise CheckpointError(f"{run_dir} is not a translation checkpoint "
-                                  f"(task={config.get('task')!r})")
+        config = load_config(run_dir, task=TASK)
         try:
             settings = TranslateSettings.from_dict(config["settings"])
             model_config = Seq2SeqConfig.from_dict(config["model"])
@@ -415,11 +413,9 @@ def train_translator(
     run_dir = Path(run_dir)
     # Join the torchrun process group, if any, before anything logs or touches a device.
     init_distributed(settings.device)
-    log = (log or print) if is_main_process() else _quiet
+    log = main_process_log(log)
     if resume:
-        saved = load_config(run_dir)
-        if saved.get("task") != TASK:
-            raise CheckpointError(f"{run_dir} is not a translation checkpoint")
+        saved = load_config(run_dir, task=TASK)
         old = TranslateSettings.from_dict(saved["settings"])
         settings = dataclasses.replace(
             old, epochs=settings.epochs or old.epochs, device=settings.device
@@ -489,7 +485,3 @@ def train_translator(
     model.trace = None
     translator.model = trainer.module.eval()  # trainer.model is a DDP wrapper under DDP
     return translator, history
-
-
-def _quiet(line: str) -> None:
-    """The log of ranks other than 0: they train in silence."""

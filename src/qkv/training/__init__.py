@@ -18,6 +18,7 @@ from .distributed import (
     get_rank_and_world_size,
     init_distributed,
     is_main_process,
+    main_process_log,
     make_loader,
 )
 from .losses import MaskedSoftmaxCELoss, masked_cross_entropy
@@ -34,6 +35,7 @@ __all__ = [
     "get_rank_and_world_size",
     "init_distributed",
     "is_main_process",
+    "main_process_log",
     "make_loader",
     "MaskedSoftmaxCELoss",
     "masked_cross_entropy",

@@ -460,12 +460,13 @@ def is_checkpoint(run_dir: str | os.PathLike[str]) -> bool:
     return True
 
 
-def load_config(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+def load_config(run_dir: str | os.PathLike[str], task: str | None = None) -> dict[str, Any]:
     """The ``config`` dict saved with the checkpoint.
 
     Validates the manifest, checks that every listed file is present with its recorded
     size, and checks ``config.json`` against its SHA-256. (Each other file's hash is
-    checked by the loader that reads it.)
+    checked by the loader that reads it.) With ``task``, the config's ``"task"`` entry
+    must equal it (a translator's run directory is not a language model's).
     """
     ckpt = _Checkpoint(run_dir)
     for name in ckpt.files:
@@ -473,6 +474,10 @@ def load_config(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     config = ckpt.read_json(CONFIG)
     if not isinstance(config, dict):
         raise _fail(ckpt.path(CONFIG), f"expected a JSON object, found {type(config).__name__}")
+    if task is not None and config.get("task") != task:
+        raise CheckpointError(
+            f"{run_dir} holds a {config.get('task')!r} checkpoint, not a {task!r} one"
+        )
     return config
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ __all__ = [
     "make_loader",
     "get_rank_and_world_size",
     "is_main_process",
+    "main_process_log",
 ]
 
 
@@ -47,6 +49,14 @@ def get_rank_and_world_size() -> tuple[int, int]:
 def is_main_process() -> bool:
     """True on rank 0, and in a process that is not part of a process group."""
     return get_rank_and_world_size()[0] == 0
+
+
+def main_process_log(log: Callable[[str], None] | None) -> Callable[[str], None]:
+    """``log`` (default ``print``) on rank 0; a function that drops the line elsewhere,
+    so the other ranks of a torchrun job train in silence."""
+    if is_main_process():
+        return log or print
+    return lambda line: None
 
 
 def _env_int(name: str) -> int:
