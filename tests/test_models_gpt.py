@@ -147,6 +147,46 @@ def test_tied_weights_share_storage():
     assert torch.equal(again.tok_emb.weight, model.tok_emb.weight)
 
 
+def test_eval_mode_transposes_only_the_wide_weights_and_changes_no_value(tmp_path):
+    from qkv.training.checkpoint import load_weights, save_checkpoint
+
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(vocab_size=50, context_length=16, emb_dim=32, n_heads=4,
+                               n_layers=2, drop_rate=0.0))
+    params = {name: p for name, p in model.named_parameters()}
+    before = {name: p.detach().clone() for name, p in params.items()}
+    x = prompt()
+    train_logits = model(x)
+    wide = {"out_head.weight"} | {f"trf_blocks.{i}.ff.layers.0.weight" for i in range(2)}
+    assert all(p.is_contiguous() for p in params.values())
+
+    model.eval()
+    for name, p in model.named_parameters():
+        assert p is params[name]  # same Parameter objects: optimizers are unaffected
+        assert torch.equal(p, before[name])
+        # wide (out > in) weights are stored as their transpose, all others untouched
+        assert p.is_contiguous() == (name not in wide), name
+        if name in wide:
+            assert p.t().is_contiguous()
+    torch.testing.assert_close(model(x), train_logits, rtol=1e-5, atol=1e-5)
+
+    # a checkpoint written in eval mode loads into a fresh model, values intact
+    save_checkpoint(tmp_path, model, {"task": "lm"})
+    fresh = GPTModel(model.cfg)
+    load_weights(tmp_path, fresh)
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p, before[name])
+
+    model.train()
+    assert all(p.is_contiguous() for p in model.parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name])
+
+    tied = tiny(tie_weights=True)  # eval mode: the shared embedding keeps its layout
+    assert tied.tok_emb.weight.is_contiguous()
+    assert tied.out_head.weight is tied.tok_emb.weight
+
+
 def test_need_weights_are_causal_distributions():
     model = tiny()
     logits, weights = model(prompt(length=9), need_weights=True)

@@ -308,6 +308,39 @@ class GPTModel(nn.Module):
         logits = self.out_head(self.final_norm(x))
         return (logits, all_weights) if need_weights else logits
 
+    def train(self, mode: bool = True) -> GPTModel:
+        """Set training (``True``) or evaluation mode, as ``nn.Module.train``.
+
+        On the CPU, evaluation mode also keeps the weights of the wide layers (those with
+        more outputs than inputs: the output head and each feed-forward's first layer)
+        transposed in memory: same values, same shape, same parameters. Decoding with a
+        KV cache multiplies one token at a time by every weight matrix, so it is bound by
+        how fast the weights stream from memory, and for these layers the CPU's
+        matrix-vector kernel streams the transposed layout about 1.5x faster (see
+        ``docs/benchmarks.md``, "Generation"). Training mode restores ``nn.Linear``'s own
+        layout, which training's matrix products and optimizers run best on. Switching costs
+        one copy of those weights (about 0.3 s for GPT-2 small).
+        """
+        super().train(mode)
+        with torch.no_grad():
+            for linear in self._wide_linears():
+                weight = linear.weight
+                if mode and not weight.is_contiguous():
+                    weight.data = weight.data.contiguous()
+                elif not mode and weight.device.type == "cpu" and weight.is_contiguous():
+                    weight.data = weight.data.t().contiguous().t()
+        return self
+
+    def _wide_linears(self) -> list[nn.Linear]:
+        # a tied head is the embedding table, whose rows must stay contiguous for lookups
+        return [
+            m
+            for m in self.modules()
+            if isinstance(m, nn.Linear)
+            and m.out_features > m.in_features
+            and m.weight is not self.tok_emb.weight
+        ]
+
     def new_caches(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
         """One empty :class:`KVCache` per layer, on the model's device and dtype.
 
