@@ -33,6 +33,14 @@ from torch import Tensor, nn
 from ..functional import lengths_to_mask
 from ..multihead import check_dropout
 from ..scoring import AdditiveAttention
+from .attention_gru import (
+    GRULayer,
+    attention_gru,
+    decoder_step,
+    dropout_keep,
+    gru_layers,
+    score_bias,
+)
 
 __all__ = [
     "MODEL_NAMES",
@@ -283,7 +291,9 @@ class BahdanauState:
     enc_outputs: ``(batch, src_len, num_hiddens)``, batch-major for attention (values).
     projected_keys: ``attention.W_k(enc_outputs)``, ``(batch, src_len, num_hiddens)``.
     src_valid_len: ``(batch,)``.
-    mask: ``(batch, 1, src_len)`` bool, True on real source tokens; built once.
+    bias: ``(batch, src_len)``, 0 on real source tokens and ``-inf`` on padding, added to
+        the attention scores; ``row_ok``: ``(batch, 1)``, or None when no source is empty
+        (see :func:`qkv.models.attention_gru.score_bias`). Both built once.
     hidden: ``(num_layers, batch, num_hiddens)``, the decoder GRU state.
     step: number of decoder steps taken (for trace messages).
     """
@@ -291,7 +301,8 @@ class BahdanauState:
     enc_outputs: Tensor
     projected_keys: Tensor
     src_valid_len: Tensor
-    mask: Tensor
+    bias: Tensor
+    row_ok: Tensor | None
     hidden: Tensor
     step: int = 0
 
@@ -303,9 +314,13 @@ class Seq2SeqAttentionDecoder(nn.Module):
     attention over the (masked) encoder outputs gives a context vector; ``[context,
     embedding(y_t)]`` is fed to the GRU; a dense layer maps the GRU output to the vocabulary.
 
+    The parameters are d2l's (``attention``: :class:`qkv.AdditiveAttention`, ``rnn``:
+    ``nn.GRU``, ``dense``), and so are the maths; the step loop runs as one autograd node
+    (:mod:`qkv.models.attention_gru`), several times faster to train at d2l's sizes.
+
     Attributes:
         attention_weights: ``(batch, steps, src_len)`` weights of the last :meth:`forward`
-            (or the last step only, ``steps = 1``, after a single step).
+            (or of the last step only, ``steps = 1``, after :meth:`step`).
         trace: optional callable receiving one line per decoder step (tensor shapes) and,
             for the first batch after it was switched on, per-step norms.
     """
@@ -323,104 +338,109 @@ class Seq2SeqAttentionDecoder(nn.Module):
         self.embedding = nn.Embedding(vocab_size, embed_size)
         self.rnn = nn.GRU(embed_size + num_hiddens, num_hiddens, num_layers, dropout=dropout)
         self.dense = nn.Linear(num_hiddens, vocab_size)
-        self._weights: list[Tensor] = []
+        self.attention_weights: Tensor | None = None
         self.trace: Callable[[str], None] | None = None
         self.trace_norms_pending = False
-
-    @property
-    def attention_weights(self) -> Tensor | None:
-        if not self._weights:
-            return None
-        return torch.cat(self._weights, dim=1)
 
     def init_state(
         self, enc_outputs: Tensor, enc_state: Tensor, src_valid_len: Tensor
     ) -> BahdanauState:
         """Start decoding from the encoder's ``(outputs, state)``; projects the keys once."""
         outputs = enc_outputs.transpose(0, 1)  # (batch, src_len, num_hiddens)
+        keep = lengths_to_mask(src_valid_len.to(outputs.device), outputs.shape[1])[:, 0]
+        bias, row_ok = score_bias(keep, outputs.dtype)
         return BahdanauState(
             enc_outputs=outputs,
             projected_keys=self.attention.project_keys(outputs),
             src_valid_len=src_valid_len,
-            mask=lengths_to_mask(src_valid_len.to(outputs.device), outputs.shape[1]),
+            bias=bias,
+            row_ok=row_ok,
             hidden=enc_state,
         )
 
-    def _step(self, emb: Tensor, state: BahdanauState, norms: list[str] | None) -> Tensor:
-        """One step from the input embedding ``emb (batch, embed_size)``.
-
-        Returns the GRU output ``(batch, num_hiddens)`` and advances ``state`` in place
-        (it is private to the decoder at this point).
-        """
-        hidden = state.hidden
-        query = hidden[-1].unsqueeze(1)  # (batch, 1, num_hiddens)
-        context = self.attention(
-            query,
-            state.enc_outputs,
-            state.enc_outputs,
-            projected_keys=state.projected_keys,
-            mask=state.mask,
-        )  # (batch, 1, num_hiddens)
-        # Detached: kept for heatmaps, not for the backward pass (which has its own ref).
-        self._weights.append(self.attention.attention_weights.detach())
-        x = torch.cat([context[:, 0], emb], dim=-1)  # (batch, num_hiddens + embed_size)
-        new_hidden = self._gru_step(x, hidden)
-        out = new_hidden[-1]
-        if self.trace is not None:
-            self.trace(
-                f"decoder step {state.step}: query {tuple(query.shape)}, "
-                f"context {tuple(context.shape)}, GRU output {tuple(out.shape)}, "
-                f"hidden {tuple(new_hidden.shape)}"
-            )
-            if norms is not None:
-                norms.append(_step_norms(state.step, emb, context, hidden, new_hidden))
-        state.hidden = new_hidden
-        state.step += 1
-        return out
-
-    def _gru_step(self, x: Tensor, hidden: Tensor) -> Tensor:
-        """``self.rnn`` advanced by one time step, one fused cell call per layer.
-
-        Same parameters and arithmetic as calling the ``nn.GRU`` on a length-1
-        sequence (dropout between layers in training), but without its per-call
-        set-up, which dominates at these sizes: about a quarter of the training time.
-        ``x (batch, in)``, ``hidden (layers, batch, h) -> (layers, batch, h)``.
-        """
-        rnn, layers = self.rnn, []
-        for layer in range(rnn.num_layers):
-            h = torch.gru_cell(
-                x,
-                hidden[layer],
-                getattr(rnn, f"weight_ih_l{layer}"),
-                getattr(rnn, f"weight_hh_l{layer}"),
-                getattr(rnn, f"bias_ih_l{layer}"),
-                getattr(rnn, f"bias_hh_l{layer}"),
-            )
-            layers.append(h)
-            last = layer == rnn.num_layers - 1
-            x = h if last else F.dropout(h, rnn.dropout, self.training)
-        return torch.stack(layers)
+    def _weights(self) -> tuple[Tensor, Tensor, Tensor, list[GRULayer]]:
+        """``(W_emb, b_ih0, W_ctx, layers)``: the GRU's layer-0 input weight split into its
+        embedding and context columns (the input is ``[context, embedding]``)."""
+        H, layers = self.rnn.hidden_size, gru_layers(self.rnn)
+        return layers[0].W_ih[:, H:], layers[0].b_ih, layers[0].W_ih[:, :H], layers
 
     def forward(self, X: Tensor, state: BahdanauState) -> tuple[Tensor, BahdanauState]:
         """Teacher forcing over all steps: ``X (batch, T)`` int64
         ``-> (logits (batch, T, vocab), state)``.
 
-        The recurrence forces a Python loop over steps, so everything that does not depend
-        on the previous step (the embeddings, the output layer) runs once for all steps.
+        The recurrence forces a loop over steps; everything that does not depend on the
+        previous step (the embeddings and their share of the GRU's input projection, the
+        output layer, the weight gradients) runs once for all steps.
         """
+        W_emb, b_ih0, W_ctx, layers = self._weights()
         embs = self.embedding(X.t())  # (T, batch, embed_size)
-        self._weights = []
-        norms: list[str] | None = None
-        if self.trace is not None and self.trace_norms_pending:
-            norms = []
-            self.trace_norms_pending = False  # only the first batch after switching on
-        outputs = [self._step(embs[t], state, norms) for t in range(embs.shape[0])]
-        if norms:
-            self.trace("per-step norms (mean L2 over the batch), first batch only:")
-            for line in norms:
-                self.trace(line)
-        logits = self.dense(torch.stack(outputs, dim=1))  # (batch, T, vocab)
-        return logits, state
+        top, last, weights, contexts, states = attention_gru(
+            F.linear(embs, W_emb, b_ih0),
+            state.enc_outputs,
+            state.projected_keys,
+            state.hidden,
+            state.bias,
+            state.row_ok,
+            self.attention.W_q.weight,
+            self.attention.w_v.weight,
+            W_ctx,
+            layers,
+            attn_dropout=self.attention.dropout.p,
+            layer_dropout=self.rnn.dropout,
+            training=self.training,
+        )
+        self.attention_weights = weights.transpose(0, 1)  # (batch, T, src_len)
+        if self.trace is not None:
+            norms = self.trace_norms_pending
+            self.trace_norms_pending = False  # norms for the first batch after switching on
+            before = torch.cat([state.hidden.unsqueeze(0), states[:-1]])
+            for t in range(embs.shape[0]):
+                self._trace_step(state.step + t, state.hidden.shape)
+            if norms:
+                self.trace("per-step norms (mean L2 over the batch), first batch only:")
+                for t in range(embs.shape[0]):
+                    self.trace(_step_norms(state.step + t, embs[t], contexts[t], before[t],
+                                           states[t]))
+        state.hidden = last
+        state.step += embs.shape[0]
+        return self.dense(top.transpose(0, 1)), state  # (batch, T, vocab)
+
+    def step(self, tokens: Tensor, state: BahdanauState) -> tuple[Tensor, Tensor]:
+        """One step from ``tokens (batch,)``: ``-> (GRU output (batch, H), weights (batch,
+        src_len))``; advances ``state`` in place. Same maths as :meth:`forward` for one
+        token (dropout too, in training mode), differentiable by autograd."""
+        W_emb, b_ih0, W_ctx, layers = self._weights()
+        batch, H = tokens.shape[0], self.rnn.hidden_size
+        like = state.enc_outputs
+        out = decoder_step(
+            F.linear(self.embedding(tokens), W_emb, b_ih0),
+            state.hidden.unbind(0),
+            state.enc_outputs,
+            state.projected_keys,
+            state.bias,
+            state.row_ok,
+            self.attention.W_q.weight,
+            self.attention.w_v.weight,
+            W_ctx,
+            layers,
+            attn_keep=dropout_keep(like, state.bias.shape, self.attention.dropout.p,
+                                   self.training),
+            layer_keep=dropout_keep(like, (len(layers) - 1, batch, H), self.rnn.dropout,
+                                    self.training) if len(layers) > 1 else None,
+        )
+        self.attention_weights = out.weights.unsqueeze(1)  # (batch, 1, src_len)
+        if self.trace is not None:
+            self._trace_step(state.step, state.hidden.shape)
+        state.hidden = torch.stack(out.hidden)
+        state.step += 1
+        return out.hidden[-1], out.weights
+
+    def _trace_step(self, step: int, hidden_shape: torch.Size) -> None:
+        layers, batch, H = hidden_shape
+        self.trace(
+            f"decoder step {step}: query {(batch, 1, H)}, context {(batch, 1, H)}, "
+            f"GRU output {(batch, H)}, hidden {(layers, batch, H)}"
+        )
 
 
 @torch.no_grad()
@@ -433,7 +453,7 @@ def _step_norms(step: int, emb: Tensor, context: Tensor, before: Tensor, after: 
         return per_example.norm(dim=-1).mean().item()
 
     return (
-        f"  step {step}: |embedding| {norm(emb):.3f}  |context| {norm(context[:, 0]):.3f}  "
+        f"  step {step}: |embedding| {norm(emb):.3f}  |context| {norm(context):.3f}  "
         f"|h_before| {norm(before):.3f}  |h_after| {norm(after):.3f}  "
         f"|h_after - h_before| {norm(after - before):.3f}"
     )
@@ -479,9 +499,7 @@ class BahdanauSeq2Seq(EncoderDecoder):
     def decode_step(
         self, tokens: Tensor, state: BahdanauState
     ) -> tuple[Tensor, BahdanauState, Tensor]:
-        self.decoder._weights = []
-        out = self.decoder._step(self.decoder.embedding(tokens), state, None)
-        attn = self.decoder.attention.attention_weights[:, 0]  # (batch, src_len)
+        out, attn = self.decoder.step(tokens, state)
         return self.decoder.dense(out), state, attn
 
     def reorder_state(self, state: BahdanauState, index: Tensor) -> BahdanauState:
@@ -490,7 +508,8 @@ class BahdanauSeq2Seq(EncoderDecoder):
             enc_outputs=state.enc_outputs.index_select(0, index),
             projected_keys=state.projected_keys.index_select(0, index),
             src_valid_len=state.src_valid_len.index_select(0, index.to(state.src_valid_len.device)),
-            mask=state.mask.index_select(0, index),
+            bias=state.bias.index_select(0, index),
+            row_ok=None if state.row_ok is None else state.row_ok.index_select(0, index),
             hidden=state.hidden.index_select(1, index),
             step=state.step,
         )
