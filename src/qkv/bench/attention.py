@@ -636,8 +636,10 @@ def run_attention(
                 results[n][mode]["peak_bytes"] = memory["bytes"]
                 results[n][mode]["memory_method"] = memory["method"]
         if config.memory != "off":
-            log(f"peak memory of {MODE_LABELS[mode]} measured "
-                f"({'one fresh process per path' if config.memory == 'isolated' else 'here'})")
+            where = ("the CUDA allocator's counters, in this process" if device.type == "cuda"
+                     else "one fresh process per path" if config.memory == "isolated"
+                     else "in this process")
+            log(f"peak memory of {MODE_LABELS[mode]} measured ({where})")
     for name in paths:
         if not supports_backward(name, device):
             skipped.setdefault(f"{name} forward+backward",
@@ -671,7 +673,8 @@ def run_attention(
     write_json(out_dir / "attention.json", report)
     plot(report, out_dir / "attention.png")
     if config.sweep:
-        plot_sweep(report["sweep"], out_dir / "attention-sweep.png")
+        where = f"{report['dtype']} on {machine.get('gpu', machine['device'])}"
+        plot_sweep(report["sweep"], out_dir / "attention-sweep.png", where)
     log(f"\nwrote {out_dir / 'attention.json'} and {out_dir / 'attention.png'}"
         + (f" and {out_dir / 'attention-sweep.png'}" if config.sweep else ""))
     return report
@@ -828,14 +831,16 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(range(len(names)), [PATHS.get(n, n) for n in names])
     axes[0].invert_yaxis()
+    device = report["machine"].get("gpu", report["machine"]["device"])
     fig.suptitle(f"causal self-attention, batch {cfg['batch']} x {cfg['tokens']} tokens x "
                  f"{cfg['dim']} dims, {cfg['heads']} heads, {report['dtype']} on "
-                 f"{report['machine']['device']}", fontsize=10)
+                 f"{device}", fontsize=10)
     return save_figure(fig, path)
 
 
-def plot_sweep(sweep: dict[str, Any], path: Path) -> Path:
-    """Forward time and peak memory against sequence length, log-log."""
+def plot_sweep(sweep: dict[str, Any], path: Path, where: str | None = None) -> Path:
+    """Forward time and peak memory against sequence length, log-log. ``where`` (e.g.
+    ``"bfloat16 on NVIDIA H200"``) goes into the figure's title."""
     has_memory = any("peak_bytes" in p for pts in sweep["paths"].values() for p in pts)
     fig = new_figure(11 if has_memory else 6, 4.2)
     axes = fig.subplots(1, 2 if has_memory else 1, squeeze=False)[0]
@@ -854,7 +859,8 @@ def plot_sweep(sweep: dict[str, Any], path: Path) -> Path:
             ax.set_yscale("log")  # tiny shapes measured in-process can read 0 MiB
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{title}, batch {sweep['batch']}")
+        ax.set_title(f"{title}, batch {sweep['batch']}" + (f"\n{where}" if where else ""),
+                     fontsize=10)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     return save_figure(fig, path)

@@ -367,9 +367,26 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "device": str(device),
     }
     if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
         info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["gpu_multiprocessors"] = props.multi_processor_count
+        info["gpu_capability"] = f"{props.major}.{props.minor}"
         info["cuda"] = torch.version.cuda
+        info["cudnn"] = torch.backends.cudnn.version()
+        info["driver"] = _nvidia_driver()
     return info
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver version as ``nvidia-smi`` reports it; None where it cannot run."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout.split()
+        return out[0] if out else None
+    return None
 
 
 def _cpu_model() -> str:

@@ -5,6 +5,7 @@
     qkv bench generate                 # GPT-2 small, 200 tokens, with and without KV cache
     qkv bench translate                # Bahdanau training against d2l's algorithm
     qkv bench data                     # sliding-window dataset against a list of tensors
+    qkv bench flops                    # attention TFLOP/s at 8,192 tokens vs the matmul rate
     qkv bench all --quick              # every suite on small shapes, in under two minutes
 
 Each suite prints markdown tables (medians, min-max, ratios, targets) and writes
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-SUITES = ("attention", "generate", "translate", "data")
+SUITES = ("attention", "generate", "translate", "data", "flops")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,12 +50,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="torch CPU threads (default: torch's choice)")
     common.add_argument("--out", type=Path, default=Path("runs/bench"),
                         help="folder for SUITE.json and SUITE.png (default: runs/bench)")
-    attention_flags = argparse.ArgumentParser(add_help=False)
-    attention_flags.add_argument("--sweep", action="store_true",
-                                 help="also sweep 128 ... 8,192 tokens (batch 1, forward): "
-                                      "time and memory of eager vs fused")
-    attention_flags.add_argument("--no-compile", action="store_true",
-                                 help="run FlexAttention uncompiled (no C++ compiler needed)")
+    sweep_flag = argparse.ArgumentParser(add_help=False)
+    sweep_flag.add_argument("--sweep", action="store_true",
+                            help="also sweep 128 ... 8,192 tokens (batch 1, forward): "
+                                 "time and memory of eager vs fused")
+    compile_flag = argparse.ArgumentParser(add_help=False)
+    compile_flag.add_argument("--no-compile", action="store_true",
+                              help="run FlexAttention uncompiled (no C++ compiler or Triton "
+                                   "needed; it then materialises the scores)")
 
     suites = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
     helps = {
@@ -62,10 +65,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "generate": "greedy GPT-2 small generation with and without the KV cache",
         "translate": "Bahdanau translator training tokens/s against d2l's algorithm",
         "data": "sliding-window GPT dataset against a list of tensors: build time, memory",
+        "flops": "attention TFLOP/s (SDPA backends, FlexAttention, qkv) at 8,192 tokens, "
+                 "head dim 128, against the device's measured matmul rate",
         "all": "every suite, one after the other",
     }
+    extra_flags = {"attention": [sweep_flag, compile_flag], "all": [sweep_flag, compile_flag],
+                   "flops": [compile_flag]}
     for name, text in helps.items():
-        parents = [common, attention_flags] if name in ("attention", "all") else [common]
+        parents = [common, *extra_flags.get(name, [])]
         suite = suites.add_parser(name, parents=parents, help=text, description=text)
         suite.set_defaults(run=run)
 
@@ -114,6 +121,16 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
         config = (TranslateBenchConfig.quick(**kwargs) if args.quick
                   else TranslateBenchConfig(**kwargs))
         return run_translate(config, args.out)
+    if name == "flops":
+        from ..bench.flops import FlopsConfig, run_flops
+
+        # --memory does not apply: this suite measures rates, not memory. FlexAttention
+        # compiles unless --no-compile (--quick alone keeps it uncompiled: seconds).
+        kwargs = {**_overrides(args), "device": args.device, "dtype": args.dtype}
+        if args.no_compile:
+            kwargs["compile_flex"] = False
+        config = FlopsConfig.quick(**kwargs) if args.quick else FlopsConfig(**kwargs)
+        return run_flops(config, args.out)
     from ..bench.data import DataBenchConfig, run_data
 
     # Building a dataset is CPU work whatever --device says; there is no warm-up either:
