@@ -13,6 +13,7 @@ import torch
 
 from qkv.bench import attention, data, generate, timing, translate
 from qkv.cli import bench as bench_cli
+from qkv.translation import translation_loss
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -168,7 +169,7 @@ def test_d2l_reference_gradients_match(small_translation):
     reference.load_state_dict(model.state_dict())
     src, src_len, tgt, tgt_len = (t[:16] for t in data_.train)
     model.zero_grad()
-    loss_sum, tokens = translate.qkv_loss_fn(bos)(model, (src, src_len, tgt, tgt_len))
+    loss_sum, tokens = translation_loss(bos)(model, (src, src_len, tgt, tgt_len))
     (loss_sum / tokens).backward()
     translate.d2l_loss(reference(src, teacher_forcing_input(tgt, bos), src_len), tgt,
                        tgt_len).backward()

@@ -221,3 +221,39 @@ def test_fra_eng_data_goes_through_the_verified_download(corpus, tmp_path, monke
                  "--epochs", "1", *FAST]) == 0
     assert calls == [1]
     assert "20 training pairs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model_name", ["bahdanau", "transformer"])
+def test_loss_skips_all_padding_steps_without_changing_loss_or_gradients(model_name):
+    from qkv.models.seq2seq import Seq2SeqConfig, build_model, teacher_forcing_input
+    from qkv.training.losses import masked_cross_entropy
+    from qkv.translation import translation_loss
+
+    torch.manual_seed(0)
+    config = Seq2SeqConfig(model=model_name, src_vocab_size=12, tgt_vocab_size=12,
+                           embed_size=16, num_hiddens=16, dropout=0.0)
+    model = build_model(config).double()
+    src = torch.randint(4, 12, (5, 9))
+    src_len = torch.tensor([9, 4, 2, 7, 5])
+    tgt = torch.randint(4, 12, (5, 9))
+    tgt_len = torch.tensor([3, 6, 1, 4, 6])  # every row ends by step 6 of 9
+    tgt[torch.arange(9)[None, :] >= tgt_len[:, None]] = 1  # <pad>
+    bos = 2
+
+    # independent reference: the model over all 9 steps, the loss masked afterwards
+    full = masked_cross_entropy(model(src, src_len, teacher_forcing_input(tgt, bos)), tgt,
+                                tgt_len)
+    ref_grads = torch.autograd.grad(full[0], list(model.parameters()), allow_unused=True)
+    steps_seen = []
+    handle = model.register_forward_hook(lambda m, args, out: steps_seen.append(out.shape[1]))
+    loss_sum, tokens = translation_loss(bos)(model, (src, src_len, tgt, tgt_len))
+    handle.remove()
+    assert steps_seen == [6]
+    assert int(tokens) == int(full[1]) == 20
+    torch.testing.assert_close(loss_sum, full[0])
+    grads = torch.autograd.grad(loss_sum, list(model.parameters()), allow_unused=True)
+    for a, b in zip(grads, ref_grads, strict=True):
+        if b is None:
+            assert a is None or not a.any()
+        else:
+            torch.testing.assert_close(a, b)

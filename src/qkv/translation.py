@@ -80,6 +80,7 @@ __all__ = [
     "load_pairs",
     "prepare_data",
     "train_translator",
+    "translation_loss",
 ]
 
 logger = logging.getLogger(__name__)
@@ -382,9 +383,21 @@ class Translator:
 # Training
 
 
-def _loss_fn(bos_id: int) -> Callable[..., tuple[Tensor, Tensor]]:
+def translation_loss(bos_id: int) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The trainer's loss for a translation batch ``(src, src_valid_len, tgt,
+    tgt_valid_len)``: teacher forcing, then the summed masked cross-entropy and the number
+    of target tokens (SPEC §8: the trainer divides one by the other).
+
+    Target positions past the batch's longest sentence are padding in every row: they
+    add nothing to the loss or its gradients, and a decoder step never depends on later
+    ones, so the model is run only up to that length (the batch keeps its ``num_steps``
+    padding; the loss is the same to the last bit of what the model computes).
+    """
+
     def loss_fn(model: torch.nn.Module, batch: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
         src, src_valid_len, tgt, tgt_valid_len = batch
+        steps = max(int(tgt_valid_len.max()), 1) if tgt_valid_len.numel() else tgt.shape[1]
+        tgt = tgt[:, :steps]
         logits = model(src, src_valid_len, teacher_forcing_input(tgt, bos_id))
         return masked_cross_entropy(logits, tgt, tgt_valid_len)
 
@@ -433,7 +446,7 @@ def train_translator(
     log(f"{settings.model} translator: {num_parameters(model):,} trainable parameters; "
         f"{len(data.train[0]):,} training pairs, {len(data.valid[0]):,} held out; "
         f"vocabularies {len(data.src_vocab)} -> {len(data.tgt_vocab)}")
-    loss_fn = _loss_fn(data.tgt_vocab[BOS])
+    loss_fn = translation_loss(data.tgt_vocab[BOS])
     if trace is not None and is_main_process():
         # Trace the first training batch only: shapes of every decoder step, then norms.
         model.trace = trace

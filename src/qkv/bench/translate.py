@@ -42,10 +42,9 @@ from ..training import (
     TrainConfig,
     Trainer,
     epoch_seed,
-    masked_cross_entropy,
     seed_everything,
 )
-from ..translation import TranslateSettings, prepare_data
+from ..translation import TranslateSettings, prepare_data, translation_loss
 from .timing import (
     hbars,
     machine_info,
@@ -209,18 +208,6 @@ def d2l_train_epoch(
 # Checking the reference
 
 
-def qkv_loss_fn(bos_id: int) -> Callable[[nn.Module, tuple[Tensor, ...]], tuple[Tensor, Tensor]]:
-    """The loss ``qkv translate train`` gives its trainer: summed masked cross-entropy and
-    the token count (the trainer divides one by the other)."""
-
-    def loss_fn(model: nn.Module, batch: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-        src, src_valid_len, tgt, tgt_valid_len = batch
-        logits = model(src, src_valid_len, teacher_forcing_input(tgt, bos_id))
-        return masked_cross_entropy(logits, tgt, tgt_valid_len)
-
-    return loss_fn
-
-
 def compare_losses(
     model: nn.Module, reference: D2LSeq2Seq, batch: tuple[Tensor, ...], bos_id: int,
 ) -> tuple[float, float]:
@@ -235,7 +222,7 @@ def compare_losses(
     reference.eval()
     try:
         with torch.no_grad():
-            loss_sum, tokens = qkv_loss_fn(bos_id)(model, batch)
+            loss_sum, tokens = translation_loss(bos_id)(model, batch)
             src, src_valid_len, tgt, tgt_valid_len = batch
             ref = d2l_loss(reference(src, teacher_forcing_input(tgt, bos_id), src_valid_len),
                            tgt, tgt_valid_len)
@@ -317,7 +304,7 @@ def run_translate(
         f"both start from the same weights (loss {ours_loss:.4f} = {ref_loss:.4f})")
 
     trainer = Trainer(
-        model, qkv_loss_fn(bos_id),
+        model, translation_loss(bos_id),
         lambda g: data.train_loader(settings.batch_size, generator=g),
         TrainConfig(epochs=0, lr=settings.lr, clip_norm=settings.clip_norm,
                     device=str(device), seed=settings.seed, log_every=0, progress=False),
