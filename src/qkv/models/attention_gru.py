@@ -354,14 +354,13 @@ class _GRURecurrence(torch.autograd.Function):
                     dh[i - 1] = dh[i - 1] + dx
             # context = kept @ V, kept = dropout(weights), weights = softmax(scores + bias)
             torch.mm(D_gi[t][0], W_ctx, out=d_context[t])
-            # (batch, S); a broadcast product beats a batch of 64 tiny bmm's here
-            d_w = (values * d_context[t].unsqueeze(1)).sum(-1)
-            if attn_keep is not None:
-                d_w = d_w * attn_keep[t]
-            if row_ok is not None:
-                d_w = d_w * row_ok
-            a = weights[t]
-            torch.mul(a, d_w - (a * d_w).sum(-1, keepdim=True), out=d_scores[t])
+            # d kept, (batch, S); a broadcast product beats a batch of 64 tiny bmm's here
+            d_kept = (values * d_context[t].unsqueeze(1)).sum(-1)
+            # Softmax backward with dropout and the empty-row guard folded in: with
+            # kept = a * keep (a = weights, zero on guarded rows), d a = d_kept * keep, and
+            # d scores = a * (d a - sum(a * d a)) = kept * d_kept - a * sum(kept * d_kept).
+            kd = kept[t] * d_kept
+            torch.addcmul(kd, weights[t], kd.sum(-1, keepdim=True), value=-1, out=d_scores[t])
             # d score / d tanh argument, (batch, S, H): w_v (1 - tanh^2) = 4 w_v s (1 - s).
             # Per step, not for all steps at once: this size stays in cache.
             f = features[t]
