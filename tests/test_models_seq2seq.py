@@ -542,3 +542,48 @@ def test_decoder_step_equals_forward_one_token_at_a_time():
     state = model.encode(src_d, valid)
     steps = [model.decode_step(dec_input[:, t], state)[0] for t in range(6)]
     torch.testing.assert_close(torch.stack(steps, 1), full)
+
+
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_gru_equals_nn_gru_values_and_gradients_float64(num_layers):
+    from qkv.models.attention_gru import gru
+
+    torch.manual_seed(num_layers)
+    rnn = nn.GRU(4, 6, num_layers).double()
+    x = torch.randn(5, 3, 4, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(num_layers, 3, 6, dtype=torch.float64, requires_grad=True)
+    ref_out, ref_last = rnn(x, h0)
+    out, last = gru(x, rnn, h0)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(last, ref_last)
+    d_out, d_last = torch.randn_like(out), torch.randn_like(last)
+    inputs = [x, h0, *rnn.parameters()]
+    ours = torch.autograd.grad((out * d_out).sum() + (last * d_last).sum(), inputs)
+    ref = torch.autograd.grad((ref_out * d_out).sum() + (ref_last * d_last).sum(), inputs)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_gru_dropout_between_layers_matches_nn_gru_layer_by_layer():
+    from qkv.models.attention_gru import gru
+
+    torch.manual_seed(0)
+    rnn = nn.GRU(4, 6, 2, dropout=0.5).double()
+    x = torch.randn(3, 2, 4, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(gru(x, rnn)[0], rnn.eval()(x)[0])  # eval: no dropout
+    out, _ = gru(x, rnn, training=True, generator=torch.Generator().manual_seed(1))
+    # the same draw by hand: layer 1 reads layer 0's outputs, half zeroed, the rest doubled
+    keep = (torch.rand((3, 1, 2, 6), generator=torch.Generator().manual_seed(1)) < 0.5) * 2.0
+    first, second = nn.GRU(4, 6).double(), nn.GRU(6, 6).double()
+    first.load_state_dict({k[:-1] + "0": v for k, v in rnn.state_dict().items()
+                           if k.endswith("l0")})
+    second.load_state_dict({k[:-1] + "0": v for k, v in rnn.state_dict().items()
+                            if k.endswith("l1")})
+    ref = second(first(x)[0] * keep[:, 0])[0]
+    torch.testing.assert_close(out, ref)
+    d = torch.randn_like(out)
+    ours = torch.autograd.grad((out * d).sum(), [x, *rnn.parameters()])
+    theirs = torch.autograd.grad((ref * d).sum(), [x, *first.parameters(),
+                                                   *second.parameters()])
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b)

@@ -44,6 +44,7 @@ __all__ = [
     "attention_gru",
     "decoder_step",
     "dropout_keep",
+    "gru",
     "gru_layers",
     "score_bias",
 ]
@@ -231,6 +232,158 @@ def _step(
     return out
 
 
+def _gate_factors(
+    rz: Tensor, n: Tensor, gh_n: Tensor, before: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The local derivatives of GRU cells, for any number of steps and layers at once.
+
+    ``rz (..., 2H)``, ``n``, ``gh_n``, ``before`` (the state each step read) ``(..., H)``
+    ``-> (g_i, g_h (..., 3, H), z (..., H))``. Every gradient of a cell's pre-activations
+    is the gradient of its new state times a factor known from forward:
+
+        d n_pre = dh (1 - z)(1 - n^2)        d z_pre = dh (h - n) z (1 - z)
+        d r_pre = d n_pre gh_n r (1 - r)
+
+    so ``d gi = dh * g_i`` and ``d gh = dh * g_h`` (gate order r, z, n; the hidden
+    projection's n part is scaled by r), and backward through a cell is two products and
+    one matrix product. Computed once, in a few large operations.
+    """
+    H = n.shape[-1]
+    r, z = rz[..., :H], rz[..., H:]
+    f_n = (1 - z) * (1 - n * n)
+    f_r = f_n * gh_n * (r - r * r)
+    f_z = (before - n) * (z - z * z)
+    return torch.stack((f_r, f_z, f_n), -2), torch.stack((f_r, f_z, f_n * r), -2), z
+
+
+def _cell_backward(
+    dh: Tensor, g_i: Tensor, g_h: Tensor, z: Tensor, W_hh: Tensor, d_gi: Tensor, d_gh: Tensor
+) -> Tensor:
+    """Backward through one GRU cell: ``dh (batch, H)``, the gradient of its new state ->
+    the gradient of the state it read. Writes the gradients of its input and hidden
+    projections into ``d_gi``, ``d_gh`` (contiguous ``(batch, 3H)``); ``g_i``, ``g_h``,
+    ``z`` from :func:`_gate_factors`."""
+    dh3 = dh.unsqueeze(1)  # (batch, 1, H) against (batch, 3, H)
+    torch.mul(dh3, g_i, out=d_gi.view(g_i.shape))
+    torch.mul(dh3, g_h, out=d_gh.view(g_h.shape))
+    return torch.addmm(dh * z, d_gh, W_hh)
+
+
+class _GRUStack(torch.autograd.Function):
+    """A stacked GRU (the encoder's ``nn.GRU``) with the recurrence's backward.
+
+    Forward runs PyTorch's own GRU kernel (a C++ loop over steps) one layer at a time,
+    without recording anything for autograd. Backward recomputes every step's gates from
+    the saved states in a few matrix products over all steps at once, then runs the
+    recurrence backwards with :func:`_cell_backward`, one layer after the other: a layer
+    never feeds back into the one below, so each is finished before the next.
+
+    Inputs: ``x (T, batch, in)``, ``hidden (L, batch, H)``, ``layer_keep (T, L-1, batch,
+    H)`` or None, then per layer ``W_ih, b_ih, W_hh, b_hh``. Outputs: ``(T, batch, H)``
+    the top layer's states, ``(L, batch, H)`` the last state of every layer.
+    """
+
+    @staticmethod
+    def forward(ctx, x, hidden, layer_keep, *flat):  # noqa: ANN001, ANN205
+        layers = [GRULayer(*flat[i : i + 4]) for i in range(0, len(flat), 4)]
+        outputs, inputs = [], x
+        for i, layer in enumerate(layers):
+            if i > 0:
+                inputs = outputs[-1] if layer_keep is None else outputs[-1] * layer_keep[:, i - 1]
+            out, _ = torch.gru(
+                inputs, hidden[i : i + 1], [layer.W_ih, layer.W_hh, layer.b_ih, layer.b_hh],
+                True, 1, 0.0, False, False, False,  # biases, 1 layer, no dropout, eval, ...
+            )
+            outputs.append(out)
+        ctx.save_for_backward(x, hidden, layer_keep, *flat, *outputs)
+        ctx.num_layers = len(layers)
+        return outputs[-1].clone(), torch.stack([out[-1] for out in outputs])
+
+    @staticmethod
+    def backward(ctx, d_top, d_last):  # noqa: ANN001, ANN205
+        L = ctx.num_layers
+        x, hidden, layer_keep, *rest = ctx.saved_tensors
+        flat, outputs = rest[: 4 * L], rest[4 * L :]
+        layers = [GRULayer(*flat[i : i + 4]) for i in range(0, len(flat), 4)]
+        T, B, H = outputs[0].shape
+        need = ctx.needs_input_grad
+        grads: list[Tensor | None] = [None] * (3 + 4 * L)
+        d_out = d_top  # gradient of the current layer's outputs, (T, batch, H) or None
+        d_hidden = []
+        for i in reversed(range(L)):
+            layer = layers[i]
+            if i == 0:
+                inputs = x
+            else:
+                keep = None if layer_keep is None else layer_keep[:, i - 1]
+                inputs = outputs[i - 1] if keep is None else outputs[i - 1] * keep
+            before = torch.cat([hidden[i].unsqueeze(0), outputs[i][:-1]])
+            # the forward pass's gates, recomputed for all steps at once
+            gi = torch.addmm(layer.b_ih, inputs.reshape(T * B, -1), layer.W_ih.t())
+            gh = torch.addmm(layer.b_hh, before.reshape(T * B, H), layer.W_hh.t())
+            gi, gh = gi.view(T, B, 3 * H), gh.view(T, B, 3 * H)
+            rz = torch.sigmoid(gi[..., : 2 * H] + gh[..., : 2 * H])
+            gh_n = gh[..., 2 * H :]
+            n = torch.tanh(torch.addcmul(gi[..., 2 * H :], rz[..., :H], gh_n))
+            G_i, G_h, Z = (f.unbind(0) for f in _gate_factors(rz, n, gh_n, before))
+            d_gi, d_gh = gi.new_empty(T, B, 3 * H), gh.new_empty(T, B, 3 * H)
+            D_gi, D_gh = d_gi.unbind(0), d_gh.unbind(0)
+            dh = d_last[i] if d_last is not None else x.new_zeros(B, H)
+            d_outs = d_out.unbind(0) if d_out is not None else None
+            for t in reversed(range(T)):
+                if d_outs is not None:
+                    dh = dh + d_outs[t]
+                dh = _cell_backward(dh, G_i[t], G_h[t], Z[t], layer.W_hh, D_gi[t], D_gh[t])
+            d_hidden.append(dh)
+            flat_gi, flat_gh = d_gi.view(T * B, 3 * H), d_gh.view(T * B, 3 * H)
+            base = 3 + 4 * i
+            if need[base]:
+                grads[base] = flat_gi.t() @ inputs.reshape(T * B, -1)
+            if need[base + 1]:
+                grads[base + 1] = flat_gi.sum(0)
+            if need[base + 2]:
+                grads[base + 2] = flat_gh.t() @ before.reshape(T * B, H)
+            if need[base + 3]:
+                grads[base + 3] = flat_gh.sum(0)
+            # the gradient of this layer's inputs, for all steps at once
+            if i > 0 or need[0]:
+                d_in = (flat_gi @ layer.W_ih).view(T, B, -1)
+                if i > 0 and layer_keep is not None:
+                    d_in = d_in * layer_keep[:, i - 1]
+                d_out = d_in
+        grads[0] = d_out if need[0] else None
+        grads[1] = torch.stack(d_hidden[::-1]) if need[1] else None
+        return tuple(grads)
+
+
+def gru(
+    x: Tensor,
+    rnn: torch.nn.GRU,
+    hidden: Tensor | None = None,
+    *,
+    training: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``rnn(x, hidden)`` for a unidirectional, time-major ``nn.GRU``, with its dropout
+    between layers in training: ``x (T, batch, in) -> (outputs (T, batch, H),
+    last (L, batch, H))``.
+
+    Same maths, parameters and kernel as calling ``rnn``; the backward is
+    :class:`_GRUStack`'s, which issues a fraction of the operations autograd's does
+    through ``nn.GRU`` at small sizes.
+    """
+    layers = gru_layers(rnn)
+    T, B = x.shape[:2]
+    L, H = len(layers), rnn.hidden_size
+    if hidden is None:
+        hidden = x.new_zeros(L, B, H)
+    layer_keep = (
+        dropout_keep(x, (T, L - 1, B, H), rnn.dropout, training, generator) if L > 1 else None
+    )
+    flat = [t for layer in layers for t in (layer.W_ih, layer.b_ih, layer.W_hh, layer.b_hh)]
+    return _GRUStack.apply(x, hidden, layer_keep, *flat)
+
+
 class _GRURecurrence(torch.autograd.Function):
     """The decoder's stacked GRU over ``T`` steps, attending at each, with a hand-written
     backward (see the module docstring).
@@ -319,13 +472,7 @@ class _GRURecurrence(torch.autograd.Function):
         d_query = before.new_empty(T, B, H)  # d (W_q query)
         d_context = before.new_empty(T, B, H)
 
-        # Every local derivative is known once forward is done: compute them for all
-        # steps in a few large operations, so that the loop only multiplies by them.
-        z = rz_all[..., H:]
-        d_sigmoid = rz_all - rz_all * rz_all  # s (1 - s)
-        f_n = (1 - z) * (1 - n_all * n_all)  # d n's pre-activation / d h_new
-        f_r = ghn_all * d_sigmoid[..., :H]  # d r's pre-activation / d n's pre-activation
-        f_z = (before - n_all) * d_sigmoid[..., H:]  # d z's pre-activation / d h_new
+        factors = _gate_factors(rz_all, n_all, ghn_all, before)
         w_v4 = 4 * w_v[0]
         d_keys = keys.new_zeros(keys.shape) if ctx.needs_input_grad[4] else None
 
@@ -333,20 +480,16 @@ class _GRURecurrence(torch.autograd.Function):
             # per step and layer, split once (in C++) rather than indexed in the loop
             return [row.unbind(0) for row in x.unbind(0)]
 
-        F_n, F_r, F_z, Z, R = views(f_n), views(f_r), views(f_z), views(z), views(rz_all[..., :H])
+        G_i, G_h, Z = (views(f) for f in factors)
         D_gi, D_gh = views(d_gi.transpose(0, 1)), views(d_gh.transpose(0, 1))
         keeps = views(layer_keep) if layer_keep is not None else None
         for t in reversed(range(T)):
             if d_tops is not None:
                 dh[L - 1] = dh[L - 1] + d_tops[t]
             for i in reversed(range(L)):
-                dhn, gi, gh = dh[i], D_gi[t][i], D_gh[t][i]
-                d_n = torch.mul(dhn, F_n[t][i], out=gi[:, 2 * H :])
-                torch.mul(d_n, R[t][i], out=gh[:, 2 * H :])
-                torch.mul(d_n, F_r[t][i], out=gi[:, :H])
-                torch.mul(dhn, F_z[t][i], out=gi[:, H : 2 * H])
-                gh[:, : 2 * H].copy_(gi[:, : 2 * H])  # r and z: same pre-activation
-                dh[i] = torch.addmm(dhn * Z[t][i], gh, layers[i].W_hh)
+                gi = D_gi[t][i]
+                dh[i] = _cell_backward(dh[i], G_i[t][i], G_h[t][i], Z[t][i], layers[i].W_hh,
+                                       gi, D_gh[t][i])
                 if i > 0:
                     dx = gi @ layers[i].W_ih
                     if keeps is not None:

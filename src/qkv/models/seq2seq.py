@@ -38,6 +38,7 @@ from .attention_gru import (
     attention_gru,
     decoder_step,
     dropout_keep,
+    gru,
     gru_layers,
     score_bias,
 )
@@ -281,7 +282,9 @@ class Seq2SeqEncoder(nn.Module):
     def forward(self, X: Tensor) -> tuple[Tensor, Tensor]:
         # Transpose the ids (cheap) rather than the embeddings: the GRU wants time first.
         embs = self.embedding(X.t())
-        return self.rnn(embs)
+        # self.rnn's maths, parameters and forward kernel, with qkv's GRU backward
+        # (a fraction of autograd's operations at these sizes): qkv.models.attention_gru
+        return gru(embs, self.rnn, training=self.training)
 
 
 @dataclass
