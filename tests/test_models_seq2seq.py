@@ -438,30 +438,22 @@ def test_beam_score_at_least_greedy_on_random_model():
 # The decoder recurrence's hand-written backward (qkv.models.attention_gru)
 
 
-def _reference_decoder(gi_emb, values, keys, hidden, keep, W_q, w_v, W_ctx, layers,
-                       attn_keep, layer_keep):
+def _reference_decoder(embs, values, keys, hidden, keep, W_q, w_v, layers, attn_keep,
+                       layer_keep):
     """The same recurrence written with autograd: torch.gru_cell and a masked softmax."""
     from qkv.functional import softmax_with_mask
 
-    H = values.shape[-1]
     state = list(hidden.unbind(0))
     tops = []
-    for t in range(gi_emb.shape[0]):
+    for t in range(embs.shape[0]):
         q = state[-1] @ W_q.t()
         scores = (torch.tanh(keys + q[:, None]) * w_v[0]).sum(-1)
         weights = softmax_with_mask(scores, keep)
         context = ((weights * attn_keep[t])[:, :, None] * values).sum(1)
         new = []
         for i, (W_ih, b_ih, W_hh, b_hh) in enumerate(layers):
-            if i == 0:
-                # gi_emb already holds the embedding part and b_ih: feed the context alone
-                x, W, b = context, W_ctx, gi_emb[t]
-            else:
-                x, W, b = new[-1] * layer_keep[t, i - 1], W_ih, b_ih
-            gx = x @ W.t() + b
-            # gru_cell(x, h, W_ih, W_hh, b_ih, b_hh) with gx already projected: identity W_ih
-            eye = torch.eye(3 * H, dtype=x.dtype)
-            new.append(torch.gru_cell(gx, state[i], eye, W_hh, None, b_hh))
+            x = torch.cat([context, embs[t]], -1) if i == 0 else new[-1] * layer_keep[t, i - 1]
+            new.append(torch.gru_cell(x, state[i], W_ih, W_hh, b_ih, b_hh))
         state = new
         tops.append(new[-1])
     return torch.stack(tops), torch.stack(state)
@@ -469,20 +461,20 @@ def _reference_decoder(gi_emb, values, keys, hidden, keep, W_q, w_v, W_ctx, laye
 
 @pytest.mark.parametrize("num_layers", [1, 2, 3])
 def test_attention_gru_values_and_gradients_match_autograd_float64(num_layers):
-    from qkv.models.attention_gru import _GRURecurrence, score_bias
+    from qkv.models.attention_gru import _AttentionGRU, score_bias
 
     g = torch.Generator().manual_seed(num_layers)
-    T, B, S, H = 4, 3, 5, 6
+    T, B, S, H, E = 4, 3, 5, 6, 7
     dt = torch.float64
 
     def rand(*shape):
         return (torch.randn(*shape, generator=g, dtype=dt) * 0.5).requires_grad_()
 
-    gi_emb, values, keys, hidden = rand(T, B, 3 * H), rand(B, S, H), rand(B, S, H), rand(
+    embs, values, keys, hidden = rand(T, B, E), rand(B, S, H), rand(B, S, H), rand(
         num_layers, B, H)
-    W_q, w_v, W_ctx = rand(H, H), rand(1, H), rand(3 * H, H)
-    layers = [(None if i == 0 else rand(3 * H, H), None if i == 0 else rand(3 * H),
-               rand(3 * H, H), rand(3 * H)) for i in range(num_layers)]
+    W_q, w_v = rand(H, H), rand(1, H)
+    layers = [(rand(3 * H, H + E if i == 0 else H), rand(3 * H), rand(3 * H, H), rand(3 * H))
+              for i in range(num_layers)]
     keep = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
     attn_keep = torch.bernoulli(torch.full((T, B, S), 0.7, dtype=dt), generator=g) / 0.7
     layer_keep = torch.bernoulli(torch.full((T, max(num_layers - 1, 1), B, H), 0.7,
@@ -491,17 +483,16 @@ def test_attention_gru_values_and_gradients_match_autograd_float64(num_layers):
     assert row_ok is not None  # the empty second row must be guarded
 
     flat = [x for layer in layers for x in layer]
-    top, last, _, weights, _ = _GRURecurrence.apply(
-        gi_emb, hidden, layer_keep if num_layers > 1 else None, values, keys, bias, row_ok,
-        attn_keep, W_q, w_v, W_ctx, *flat)
-    ref_top, ref_last = _reference_decoder(gi_emb, values, keys, hidden, keep, W_q, w_v,
-                                           W_ctx, layers, attn_keep, layer_keep)
+    top, last, _, weights, _ = _AttentionGRU.apply(
+        embs, hidden, layer_keep if num_layers > 1 else None, values, keys, bias, row_ok,
+        attn_keep, W_q, w_v, *flat)
+    ref_top, ref_last = _reference_decoder(embs, values, keys, hidden, keep, W_q, w_v,
+                                           layers, attn_keep, layer_keep)
     torch.testing.assert_close(top, ref_top)
     torch.testing.assert_close(last, ref_last)
     assert torch.equal(weights[:, 1], torch.zeros(T, S, dtype=dt))  # empty source: zeros
 
-    inputs = [gi_emb, values, keys, hidden, W_q, w_v, W_ctx] + [x for x in flat
-                                                                 if x is not None]
+    inputs = [embs, values, keys, hidden, W_q, w_v, *flat]
     d_top, d_last = torch.randn_like(top), torch.randn_like(last)
     ours = torch.autograd.grad((top * d_top).sum() + (last * d_last).sum(), inputs)
     ref = torch.autograd.grad((ref_top * d_top).sum() + (ref_last * d_last).sum(), inputs)
@@ -511,23 +502,23 @@ def test_attention_gru_values_and_gradients_match_autograd_float64(num_layers):
 
 
 def test_attention_gru_passes_gradcheck():
-    from qkv.models.attention_gru import _GRURecurrence, score_bias
+    from qkv.models.attention_gru import _AttentionGRU, score_bias
 
     g = torch.Generator().manual_seed(0)
-    T, B, S, H = 3, 2, 3, 2
+    T, B, S, H, E = 3, 2, 3, 2, 2
 
     def rand(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
 
     bias, row_ok = score_bias(torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool),
                               torch.float64)
-    args = (rand(T, B, 3 * H), rand(2, B, H), None, rand(B, S, H), rand(B, S, H), bias,
-            row_ok, None, rand(H, H), rand(1, H), rand(3 * H, H),
-            None, None, rand(3 * H, H), rand(3 * H),
+    args = (rand(T, B, E), rand(2, B, H), None, rand(B, S, H), rand(B, S, H), bias, row_ok,
+            None, rand(H, H), rand(1, H),
+            rand(3 * H, H + E), rand(3 * H), rand(3 * H, H), rand(3 * H),
             rand(3 * H, H), rand(3 * H), rand(3 * H, H), rand(3 * H))
 
     def first_two(*a):
-        return _GRURecurrence.apply(*a)[:2]
+        return _AttentionGRU.apply(*a)[:2]
 
     assert torch.autograd.gradcheck(first_two, args)
 

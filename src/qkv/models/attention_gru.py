@@ -1,4 +1,4 @@
-"""The recurrence of Bahdanau's decoder (d2l §11.4), stepped and differentiated as one unit.
+"""The recurrences of Bahdanau's translator (d2l §11.4), each differentiated as one unit.
 
 At every target step the decoder asks additive attention for a context vector over the
 source, feeds ``[context, embedding]`` through a stack of GRU cells, and passes the top
@@ -7,12 +7,14 @@ and at d2l's size (batch 64, 32 hidden units) each operation in it takes microse
 teacher-forced training is dominated by the cost of issuing operations, not by
 arithmetic: autograd records and replays several hundred nodes per step.
 
-:func:`attention_gru` runs the whole loop as one autograd node. Forward is the step
-below, once per target token. Backward walks the steps in reverse with hand-derived
-gradients, and defers every weight gradient to after the loop, where it is one matrix
-product over all steps instead of one per step. Together that issues about a tenth of the
-operations. :func:`decoder_step` is the same step for decoding one token at a time; the
-maths exists once.
+:func:`attention_gru` (the decoder) and :func:`gru` (the encoder's ``nn.GRU``) each run
+as one autograd node. Forward steps PyTorch's own GRU cell (``torch.gru_cell``; the
+encoder, PyTorch's whole-sequence GRU kernel) without recording anything. Backward
+recomputes every step's gates from the saved states in a few matrix products over all
+steps, walks the steps in reverse with hand-derived gradients (two products and one
+matrix product per cell), and computes every weight gradient after the loop as one
+matrix product over all steps. :func:`decoder_step` is the decoder's step for decoding
+one token at a time; the maths exists once.
 
 The maths, per step ``t`` with ``h[l]`` the previous state of layer ``l``
 (PyTorch's GRU gate order ``r, z, n``):
@@ -26,14 +28,14 @@ The maths, per step ``t`` with ``h[l]`` the previous state of layer ``l``
     n       = tanh(g_i[2H:] + r * g_h[2H:])
     h_new   = n + z * (h[l] - n)
 
-``tests/test_models_seq2seq.py`` checks values and every gradient against the same model
-written with autograd (``torch.gru_cell``, :class:`qkv.AdditiveAttention`) in float64.
+``tests/test_models_seq2seq.py`` checks values and every gradient against the same
+models written with autograd (``torch.gru_cell``, ``nn.GRU``) in float64.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -52,20 +54,16 @@ __all__ = [
 
 @dataclass
 class GRULayer:
-    """One layer's GRU parameters as ``nn.GRU`` stores them (``(3H, in)``, ``(3H, H)``, ...).
+    """One layer's GRU parameters as ``nn.GRU`` stores them: ``W_ih (3H, in)``,
+    ``b_ih (3H,)``, ``W_hh (3H, H)``, ``b_hh (3H,)``, gates in the order r, z, n."""
 
-    ``W_ih`` and ``b_ih`` of layer 0 may be None where its input projection is computed
-    before the loop.
-
-    Layer 0's input weight is split by the caller: its context columns go to
-    :func:`decoder_step` as ``W_ctx``; its embedding columns are applied to every step's
-    embedding at once, before the loop.
-    """
-
-    W_ih: Tensor | None
-    b_ih: Tensor | None
+    W_ih: Tensor
+    b_ih: Tensor
     W_hh: Tensor
     b_hh: Tensor
+
+    def flat(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self.W_ih, self.b_ih, self.W_hh, self.b_hh
 
 
 def gru_layers(rnn: torch.nn.GRU) -> list[GRULayer]:
@@ -79,19 +77,20 @@ def gru_layers(rnn: torch.nn.GRU) -> list[GRULayer]:
     ]
 
 
+def _unflatten(flat: Sequence[Tensor]) -> list[GRULayer]:
+    return [GRULayer(*flat[i : i + 4]) for i in range(0, len(flat), 4)]
+
+
 @dataclass
 class StepOutput:
-    """What one step computes: the new state and, for backward, its intermediates."""
+    """What one decoder step computes: the new state and what backward needs."""
 
-    hidden: list[Tensor]  # new state per layer, each (batch, H)
     weights: Tensor  # (batch, S) attention weights (before dropout)
     kept: Tensor  # (batch, S) the weights the context used (after dropout)
     features: Tensor  # (batch, S, H) sigmoid(2 (K + W_q query)), i.e. (1 + tanh) / 2
     context: Tensor  # (batch, H)
-    inputs: list[Tensor]  # per layer l > 0, its input (batch, H) after dropout
-    rz: list[Tensor]  # per layer, (batch, 2H) reset and update gates
-    n: list[Tensor]  # per layer, (batch, H) candidate state
-    gh_n: list[Tensor]  # per layer, (batch, H) the candidate's hidden projection
+    hidden: list[Tensor] = field(default_factory=list)  # new state per layer, (batch, H)
+    inputs: list[Tensor] = field(default_factory=list)  # input of layers > 0, after dropout
 
 
 def score_bias(keep: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
@@ -129,7 +128,7 @@ def dropout_keep(
 
 
 def decoder_step(
-    gi_emb: Tensor,
+    emb: Tensor,
     hidden: Sequence[Tensor],
     values: Tensor,
     keys: Tensor,
@@ -137,33 +136,30 @@ def decoder_step(
     row_ok: Tensor | None,
     W_q: Tensor,
     w_v: Tensor,
-    W_ctx: Tensor,
     layers: Sequence[GRULayer],
     attn_keep: Tensor | None = None,
     layer_keep: Tensor | None = None,
 ) -> StepOutput:
-    """One decoder step.
+    """One decoder step (differentiable by autograd).
 
     Args:
-        gi_emb: ``(batch, 3H)``, layer 0's input projection of this step's embedding,
-            plus ``b_ih`` of layer 0.
+        emb: ``(batch, embed_size)``, this step's input token embedded.
         hidden: ``num_layers`` tensors ``(batch, H)``, the previous state.
         values: ``(batch, S, H)`` encoder outputs; ``keys``: ``W_k(values)``, same shape.
         bias, row_ok: from :func:`score_bias`.
-        W_q: ``(H, H)``; ``w_v``: ``(1, H)``; ``W_ctx``: ``(3H, H)``, layer 0's input
-            weight columns for the context.
-        layers: the GRU layers (layer 0's ``W_ih``, ``b_ih`` are not used here).
+        W_q: ``(H, H)``; ``w_v``: ``(1, H)``: the additive attention's weights.
+        layers: the GRU's layers; layer 0 reads ``[context, emb]``.
         attn_keep: ``(batch, S)`` dropout multiplier of the attention weights (0 or
             ``1/(1-p)``), or None for no dropout.
         layer_keep: ``(num_layers - 1, batch, H)`` dropout multipliers between layers.
     """
-    attention = _Attention.of(values, keys, bias, row_ok, W_q, w_v, W_ctx)
-    return _step(gi_emb, hidden, attention, _transposed(layers), attn_keep, layer_keep)
+    attention = _Attention.of(values, keys, bias, row_ok, W_q, w_v)
+    return _step(emb, hidden, attention, layers, attn_keep, layer_keep)
 
 
 @dataclass
 class _Attention:
-    """The attention inputs of a step, weights pre-transposed for ``x @ W``."""
+    """A decoder's attention inputs, prepared once per sequence."""
 
     values: Tensor
     keys2: Tensor  # 2 K, (batch, S, H)
@@ -171,65 +167,56 @@ class _Attention:
     row_ok: Tensor | None
     W_q_t2: Tensor  # 2 W_q^T, (H, H)
     w_v2: Tensor  # 2 w_v, (H,)
-    W_ctx_t: Tensor  # (H, 3H)
 
     @classmethod
     def of(cls, values: Tensor, keys: Tensor, bias: Tensor, row_ok: Tensor | None,
-           W_q: Tensor, w_v: Tensor, W_ctx: Tensor) -> _Attention:
+           W_q: Tensor, w_v: Tensor) -> _Attention:
         # tanh(u) = 2 sigmoid(2u) - 1, and sigmoid runs ~6x faster than tanh on the CPU
         # (the (batch, S, H) features are the largest tensor of a step). The scores
         # w_v . tanh(u) = 2 w_v . sigmoid(2u) - sum(w_v): the constant drops out of the
         # softmax, so the step computes sigmoid(2u) and scores with 2 w_v.
-        return cls(values, 2 * keys, bias, row_ok, 2 * W_q.t(), 2 * w_v[0], W_ctx.t())
-
-
-def _transposed(layers: Sequence[GRULayer]) -> list[GRULayer]:
-    # Transposed views once per sequence rather than once per step and matrix.
-    return [
-        GRULayer(None if x.W_ih is None else x.W_ih.t(), x.b_ih, x.W_hh.t(), x.b_hh)
-        for x in layers
-    ]
+        return cls(values, 2 * keys, bias, row_ok, 2 * W_q.t(), 2 * w_v[0])
 
 
 def _step(
-    gi0: Tensor,
+    emb: Tensor,
     hidden: Sequence[Tensor],
     att: _Attention,
-    layers_t: Sequence[GRULayer],
+    layers: Sequence[GRULayer],
     attn_keep: Tensor | None,
     layer_keep: Tensor | None,
 ) -> StepOutput:
-    """One step: attend, then the stacked GRU.
-
-    ``gi0 (batch, 3H)``: layer 0's input projection of the embedding (the context's share
-    is added here). ``layers_t``: weights transposed, ``(in, 3H)``.
-    """
-    H = hidden[0].shape[-1]
-    query = hidden[-1]
+    """One step: attend with the top layer's state, then the stacked GRU cells."""
     # sigmoid(2 (K + W_q query)) = (1 + tanh(K + W_q query)) / 2, (batch, S, H)
-    features = torch.sigmoid(att.keys2 + (query @ att.W_q_t2).unsqueeze(1))
+    features = torch.sigmoid(att.keys2 + (hidden[-1] @ att.W_q_t2).unsqueeze(1))
     weights = torch.softmax(torch.matmul(features, att.w_v2) + att.bias, dim=-1)
     if att.row_ok is not None:
         weights = weights * att.row_ok
     kept = weights if attn_keep is None else weights * attn_keep
     context = torch.bmm(kept.unsqueeze(1), att.values).squeeze(1)  # (batch, H)
-    out = StepOutput([], weights, kept, features, context, [], [], [], [])
-    gi = torch.addmm(gi0, context, att.W_ctx_t)
-    for i, layer in enumerate(layers_t):
+    out = StepOutput(weights, kept, features, context)
+    x = torch.cat((context, emb), 1)
+    for i, layer in enumerate(layers):
         if i > 0:
             x = out.hidden[-1] if layer_keep is None else out.hidden[-1] * layer_keep[i - 1]
             out.inputs.append(x)
-            gi = torch.addmm(layer.b_ih, x, layer.W_ih)
-        h = hidden[i]
-        gh = torch.addmm(layer.b_hh, h, layer.W_hh)
-        rz = torch.sigmoid(gi[:, : 2 * H] + gh[:, : 2 * H])
-        gh_n = gh[:, 2 * H :]
-        n = torch.tanh(torch.addcmul(gi[:, 2 * H :], rz[:, :H], gh_n))
-        out.hidden.append(torch.lerp(n, h, rz[:, H:]))  # n + z * (h - n)
-        out.rz.append(rz)
-        out.n.append(n)
-        out.gh_n.append(gh_n)
+        out.hidden.append(torch.gru_cell(x, hidden[i], layer.W_ih, layer.W_hh, layer.b_ih,
+                                         layer.b_hh))
     return out
+
+
+def _recompute_gates(
+    inputs: Tensor, before: Tensor, layer: GRULayer
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One layer's gate derivatives for all steps at once: ``inputs (T, batch, in)``,
+    ``before (T, batch, H)`` (the state each step read) -> :func:`_gate_factors`."""
+    T, B, H = before.shape
+    gi = torch.addmm(layer.b_ih, inputs.reshape(T * B, -1), layer.W_ih.t()).view(T, B, 3 * H)
+    gh = torch.addmm(layer.b_hh, before.reshape(T * B, H), layer.W_hh.t()).view(T, B, 3 * H)
+    rz = torch.sigmoid(gi[..., : 2 * H] + gh[..., : 2 * H])
+    gh_n = gh[..., 2 * H :]
+    n = torch.tanh(torch.addcmul(gi[..., 2 * H :], rz[..., :H], gh_n))
+    return _gate_factors(rz, n, gh_n, before)
 
 
 def _gate_factors(
@@ -269,14 +256,26 @@ def _cell_backward(
     return torch.addmm(dh * z, d_gh, W_hh)
 
 
+def _weight_grads(
+    d_gi: Tensor, d_gh: Tensor, inputs: Tensor, before: Tensor, need: Sequence[bool]
+) -> list[Tensor | None]:
+    """``W_ih, b_ih, W_hh, b_hh`` gradients of one layer, each one product over all
+    steps: ``d_gi``, ``d_gh (T, batch, 3H)``, ``inputs (T, batch, in)``, ``before``."""
+    d_gi, d_gh = d_gi.reshape(-1, d_gi.shape[-1]), d_gh.reshape(-1, d_gh.shape[-1])
+    return [
+        d_gi.t() @ inputs.reshape(d_gi.shape[0], -1) if need[0] else None,
+        d_gi.sum(0) if need[1] else None,
+        d_gh.t() @ before.reshape(d_gh.shape[0], -1) if need[2] else None,
+        d_gh.sum(0) if need[3] else None,
+    ]
+
+
 class _GRUStack(torch.autograd.Function):
     """A stacked GRU (the encoder's ``nn.GRU``) with the recurrence's backward.
 
-    Forward runs PyTorch's own GRU kernel (a C++ loop over steps) one layer at a time,
-    without recording anything for autograd. Backward recomputes every step's gates from
-    the saved states in a few matrix products over all steps at once, then runs the
-    recurrence backwards with :func:`_cell_backward`, one layer after the other: a layer
-    never feeds back into the one below, so each is finished before the next.
+    Forward runs PyTorch's own GRU kernel (a C++ loop over steps) one layer at a time.
+    Backward goes one layer after the other, top first (a layer never feeds back into
+    the one below), each in reverse over the steps with :func:`_cell_backward`.
 
     Inputs: ``x (T, batch, in)``, ``hidden (L, batch, H)``, ``layer_keep (T, L-1, batch,
     H)`` or None, then per layer ``W_ih, b_ih, W_hh, b_hh``. Outputs: ``(T, batch, H)``
@@ -285,9 +284,8 @@ class _GRUStack(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, hidden, layer_keep, *flat):  # noqa: ANN001, ANN205
-        layers = [GRULayer(*flat[i : i + 4]) for i in range(0, len(flat), 4)]
         outputs, inputs = [], x
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(_unflatten(flat)):
             if i > 0:
                 inputs = outputs[-1] if layer_keep is None else outputs[-1] * layer_keep[:, i - 1]
             out, _ = torch.gru(
@@ -296,15 +294,14 @@ class _GRUStack(torch.autograd.Function):
             )
             outputs.append(out)
         ctx.save_for_backward(x, hidden, layer_keep, *flat, *outputs)
-        ctx.num_layers = len(layers)
+        ctx.num_layers = len(outputs)
         return outputs[-1].clone(), torch.stack([out[-1] for out in outputs])
 
     @staticmethod
     def backward(ctx, d_top, d_last):  # noqa: ANN001, ANN205
         L = ctx.num_layers
         x, hidden, layer_keep, *rest = ctx.saved_tensors
-        flat, outputs = rest[: 4 * L], rest[4 * L :]
-        layers = [GRULayer(*flat[i : i + 4]) for i in range(0, len(flat), 4)]
+        layers, outputs = _unflatten(rest[: 4 * L]), rest[4 * L :]
         T, B, H = outputs[0].shape
         need = ctx.needs_input_grad
         grads: list[Tensor | None] = [None] * (3 + 4 * L)
@@ -312,21 +309,11 @@ class _GRUStack(torch.autograd.Function):
         d_hidden = []
         for i in reversed(range(L)):
             layer = layers[i]
-            if i == 0:
-                inputs = x
-            else:
-                keep = None if layer_keep is None else layer_keep[:, i - 1]
-                inputs = outputs[i - 1] if keep is None else outputs[i - 1] * keep
+            keep = None if i == 0 or layer_keep is None else layer_keep[:, i - 1]
+            inputs = x if i == 0 else outputs[i - 1] if keep is None else outputs[i - 1] * keep
             before = torch.cat([hidden[i].unsqueeze(0), outputs[i][:-1]])
-            # the forward pass's gates, recomputed for all steps at once
-            gi = torch.addmm(layer.b_ih, inputs.reshape(T * B, -1), layer.W_ih.t())
-            gh = torch.addmm(layer.b_hh, before.reshape(T * B, H), layer.W_hh.t())
-            gi, gh = gi.view(T, B, 3 * H), gh.view(T, B, 3 * H)
-            rz = torch.sigmoid(gi[..., : 2 * H] + gh[..., : 2 * H])
-            gh_n = gh[..., 2 * H :]
-            n = torch.tanh(torch.addcmul(gi[..., 2 * H :], rz[..., :H], gh_n))
-            G_i, G_h, Z = (f.unbind(0) for f in _gate_factors(rz, n, gh_n, before))
-            d_gi, d_gh = gi.new_empty(T, B, 3 * H), gh.new_empty(T, B, 3 * H)
+            G_i, G_h, Z = (f.unbind(0) for f in _recompute_gates(inputs, before, layer))
+            d_gi, d_gh = x.new_empty(T, B, 3 * H), x.new_empty(T, B, 3 * H)
             D_gi, D_gh = d_gi.unbind(0), d_gh.unbind(0)
             dh = d_last[i] if d_last is not None else x.new_zeros(B, H)
             d_outs = d_out.unbind(0) if d_out is not None else None
@@ -335,22 +322,13 @@ class _GRUStack(torch.autograd.Function):
                     dh = dh + d_outs[t]
                 dh = _cell_backward(dh, G_i[t], G_h[t], Z[t], layer.W_hh, D_gi[t], D_gh[t])
             d_hidden.append(dh)
-            flat_gi, flat_gh = d_gi.view(T * B, 3 * H), d_gh.view(T * B, 3 * H)
-            base = 3 + 4 * i
-            if need[base]:
-                grads[base] = flat_gi.t() @ inputs.reshape(T * B, -1)
-            if need[base + 1]:
-                grads[base + 1] = flat_gi.sum(0)
-            if need[base + 2]:
-                grads[base + 2] = flat_gh.t() @ before.reshape(T * B, H)
-            if need[base + 3]:
-                grads[base + 3] = flat_gh.sum(0)
-            # the gradient of this layer's inputs, for all steps at once
+            grads[3 + 4 * i : 7 + 4 * i] = _weight_grads(d_gi, d_gh, inputs, before,
+                                                         need[3 + 4 * i : 7 + 4 * i])
             if i > 0 or need[0]:
-                d_in = (flat_gi @ layer.W_ih).view(T, B, -1)
-                if i > 0 and layer_keep is not None:
-                    d_in = d_in * layer_keep[:, i - 1]
-                d_out = d_in
+                # the gradient of this layer's inputs, all steps at once
+                d_out = (d_gi.view(T * B, 3 * H) @ layer.W_ih).view(T, B, -1)
+                if keep is not None:
+                    d_out = d_out * keep
         grads[0] = d_out if need[0] else None
         grads[1] = torch.stack(d_hidden[::-1]) if need[1] else None
         return tuple(grads)
@@ -368,7 +346,7 @@ def gru(
     between layers in training: ``x (T, batch, in) -> (outputs (T, batch, H),
     last (L, batch, H))``.
 
-    Same maths, parameters and kernel as calling ``rnn``; the backward is
+    Same maths, parameters and forward kernel as calling ``rnn``; the backward is
     :class:`_GRUStack`'s, which issues a fraction of the operations autograd's does
     through ``nn.GRU`` at small sizes.
     """
@@ -380,19 +358,17 @@ def gru(
     layer_keep = (
         dropout_keep(x, (T, L - 1, B, H), rnn.dropout, training, generator) if L > 1 else None
     )
-    flat = [t for layer in layers for t in (layer.W_ih, layer.b_ih, layer.W_hh, layer.b_hh)]
+    flat = [t for layer in layers for t in layer.flat()]
     return _GRUStack.apply(x, hidden, layer_keep, *flat)
 
 
-class _GRURecurrence(torch.autograd.Function):
-    """The decoder's stacked GRU over ``T`` steps, attending at each, with a hand-written
-    backward (see the module docstring).
+class _AttentionGRU(torch.autograd.Function):
+    """The decoder's loop over ``T`` teacher-forced steps, with a hand-written backward.
 
-    Inputs, in order: ``gi0 (T, batch, 3H)`` (layer 0's input projection of the
-    embeddings, its ``b_ih`` included), ``hidden (L, batch, H)``, ``layer_keep (T, L-1,
-    batch, H)`` or None, the attention's ``values``, ``keys`` ``(batch, S, H)``, ``bias``,
-    ``row_ok``, ``attn_keep (T, batch, S)`` or None, ``W_q``, ``w_v``, ``W_ctx``, then per
-    layer ``W_ih, b_ih, W_hh, b_hh`` (layer 0's ``W_ih, b_ih`` are None).
+    Inputs, in order: ``embs (T, batch, E)``, ``hidden (L, batch, H)``, ``layer_keep
+    (T, L-1, batch, H)`` or None, the attention's ``values``, ``keys`` ``(batch, S, H)``,
+    ``bias``, ``row_ok``, ``attn_keep (T, batch, S)`` or None, ``W_q``, ``w_v``, then per
+    layer ``W_ih, b_ih, W_hh, b_hh``.
 
     Outputs: ``top (T, batch, H)`` the top layer's state after each step, ``last (L, batch,
     H)`` the final state, and, not differentiable, every layer's state ``(T, L, batch, H)``,
@@ -400,19 +376,18 @@ class _GRURecurrence(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, gi0, hidden, layer_keep, values, keys, bias, row_ok, attn_keep,
-                W_q, w_v, W_ctx, *flat):  # noqa: ANN001, ANN205 (autograd's signature)
-        layers = [GRULayer(*flat[i : i + 4]) for i in range(0, len(flat), 4)]
-        att = _Attention.of(values, keys, bias, row_ok, W_q, w_v, W_ctx)
-        layers_t = _transposed(layers)
+    def forward(ctx, embs, hidden, layer_keep, values, keys, bias, row_ok, attn_keep,
+                W_q, w_v, *flat):  # noqa: ANN001, ANN205 (autograd's signature)
+        layers = _unflatten(flat)
+        att = _Attention.of(values, keys, bias, row_ok, W_q, w_v)
         state = list(hidden.unbind(0))
         steps: list[StepOutput] = []
-        gi0_steps = gi0.unbind(0)
+        emb_steps = embs.unbind(0)
         attn_keeps = attn_keep.unbind(0) if attn_keep is not None else None
         layer_keeps = layer_keep.unbind(0) if layer_keep is not None else None
-        for t in range(len(gi0_steps)):
+        for t in range(len(emb_steps)):
             step = _step(
-                gi0_steps[t], state, att, layers_t,
+                emb_steps[t], state, att, layers,
                 None if attn_keeps is None else attn_keeps[t],
                 None if layer_keeps is None else layer_keeps[t],
             )
@@ -421,29 +396,19 @@ class _GRURecurrence(torch.autograd.Function):
 
         L, T = len(layers), len(steps)
 
-        def by_step_and_layer(per_layer: list[list[Tensor]]) -> Tensor:
-            # one stack for all steps and layers: (T, layers, batch, X)
-            flat = [x for layer_list in per_layer for x in layer_list]
-            return torch.stack(flat).view(T, -1, *flat[0].shape)
+        def by_step_and_layer(per_step: list[list[Tensor]]) -> Tensor:
+            # one stack for all steps and layers, then a view: (T, layers, batch, X)
+            flat_list = [x for step_list in per_step for x in step_list]
+            return torch.stack(flat_list).view(T, -1, *flat_list[0].shape)
 
         states = by_step_and_layer([s.hidden for s in steps])  # (T, L, batch, H)
-        before = torch.cat([hidden.unsqueeze(0), states[:-1]])  # the state each step read
-        saved = [
-            before,
-            by_step_and_layer([s.rz for s in steps]),
-            by_step_and_layer([s.n for s in steps]),
-            by_step_and_layer([s.gh_n for s in steps]),
-            by_step_and_layer([s.inputs for s in steps]) if L > 1 else None,
-        ]
+        inputs = by_step_and_layer([s.inputs for s in steps]) if L > 1 else None
         weights = torch.stack([s.weights for s in steps])
         contexts = torch.stack([s.context for s in steps])
-        saved += [
-            weights, contexts,
-            torch.stack([s.features for s in steps]),
-            torch.stack([s.kept for s in steps]) if attn_keep is not None else weights,
-        ]
-        ctx.save_for_backward(layer_keep, values, keys, row_ok, attn_keep, W_q, w_v, W_ctx,
-                              *flat, *saved)
+        features = torch.stack([s.features for s in steps])
+        kept = torch.stack([s.kept for s in steps]) if attn_keep is not None else weights
+        ctx.save_for_backward(embs, hidden, layer_keep, values, row_ok, attn_keep, W_q, w_v,
+                              *flat, states, inputs, weights, contexts, features, kept)
         ctx.num_layers = L
         ctx.mark_non_differentiable(states, weights, contexts)
         # copies, not views: autograd tracks each differentiable output on its own
@@ -452,52 +417,51 @@ class _GRURecurrence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_top, d_last, _s, _w, _c):  # noqa: ANN001, ANN205
         L = ctx.num_layers
-        layer_keep, values, keys, row_ok, attn_keep, W_q, w_v, W_ctx, *rest = ctx.saved_tensors
-        flat, saved = rest[: 4 * L], rest[4 * L :]
-        layers = [GRULayer(*flat[i : i + 4]) for i in range(0, len(flat), 4)]
-        before, rz_all, n_all, ghn_all, inputs, weights, contexts, features, kept = saved
-        T, _, B, H = before.shape
-
-        # Gradients of every step's pre-activations, filled in reverse; the weight
-        # gradients are one product each over all steps, after the loop.
+        embs, hidden, layer_keep, values, row_ok, attn_keep, W_q, w_v, *rest = (
+            ctx.saved_tensors
+        )
+        layers = _unflatten(rest[: 4 * L])
+        states, inputs, weights, contexts, features, kept = rest[4 * L :]
+        T, _, B, H = states.shape
+        need = ctx.needs_input_grad
+        before = torch.cat([hidden.unsqueeze(0), states[:-1]])  # the state each step read
+        layer_inputs = [
+            torch.cat([contexts, embs], -1) if i == 0 else inputs[:, i - 1] for i in range(L)
+        ]
+        # every cell's gate derivatives, recomputed per layer for all steps at once
+        factors = [
+            [f.unbind(0) for f in _recompute_gates(layer_inputs[i], before[:, i], layers[i])]
+            for i in range(L)
+        ]
         d_gi = before.new_empty(L, T, B, 3 * H)
         d_gh = before.new_empty(L, T, B, 3 * H)
-        dh = (
-            list(d_last.unbind(0))
-            if d_last is not None
-            else [before.new_zeros(B, H) for _ in range(L)]
-        )
+        D_gi = [d.unbind(0) for d in d_gi]
+        D_gh = [d.unbind(0) for d in d_gh]
+        dh = list(d_last.unbind(0)) if d_last is not None else [
+            before.new_zeros(B, H) for _ in range(L)
+        ]
         d_tops = d_top.unbind(0) if d_top is not None else None
+        keeps = [k.unbind(0) for k in layer_keep.unbind(0)] if layer_keep is not None else None
         d_scores = weights.new_empty(weights.shape)  # (T, batch, S)
         d_query = before.new_empty(T, B, H)  # d (W_q query)
         d_context = before.new_empty(T, B, H)
-
-        factors = _gate_factors(rz_all, n_all, ghn_all, before)
+        d_keys = values.new_zeros(values.shape) if need[4] else None
+        W_ctx = layers[0].W_ih[:, :H]  # layer 0's input is [context, embedding]
         w_v4 = 4 * w_v[0]
-        d_keys = keys.new_zeros(keys.shape) if ctx.needs_input_grad[4] else None
-
-        def views(x: Tensor) -> list[tuple[Tensor, ...]]:
-            # per step and layer, split once (in C++) rather than indexed in the loop
-            return [row.unbind(0) for row in x.unbind(0)]
-
-        G_i, G_h, Z = (views(f) for f in factors)
-        D_gi, D_gh = views(d_gi.transpose(0, 1)), views(d_gh.transpose(0, 1))
-        keeps = views(layer_keep) if layer_keep is not None else None
         for t in reversed(range(T)):
             if d_tops is not None:
                 dh[L - 1] = dh[L - 1] + d_tops[t]
             for i in reversed(range(L)):
-                gi = D_gi[t][i]
-                dh[i] = _cell_backward(dh[i], G_i[t][i], G_h[t][i], Z[t][i], layers[i].W_hh,
-                                       gi, D_gh[t][i])
+                G_i, G_h, Z = factors[i]
+                dh[i] = _cell_backward(dh[i], G_i[t], G_h[t], Z[t], layers[i].W_hh,
+                                       D_gi[i][t], D_gh[i][t])
                 if i > 0:
-                    dx = gi @ layers[i].W_ih
+                    dx = D_gi[i][t] @ layers[i].W_ih
                     if keeps is not None:
                         dx = dx * keeps[t][i - 1]
                     dh[i - 1] = dh[i - 1] + dx
-            # context = kept @ V, kept = dropout(weights), weights = softmax(scores + bias)
-            torch.mm(D_gi[t][0], W_ctx, out=d_context[t])
-            # d kept, (batch, S); a broadcast product beats a batch of 64 tiny bmm's here
+            torch.mm(D_gi[0][t], W_ctx, out=d_context[t])
+            # context = kept @ V: d kept, (batch, S) (a broadcast product beats 64 tiny bmm's)
             d_kept = (values * d_context[t].unsqueeze(1)).sum(-1)
             # Softmax backward with dropout and the empty-row guard folded in: with
             # kept = a * keep (a = weights, zero on guarded rows), d a = d_kept * keep, and
@@ -514,13 +478,12 @@ class _GRURecurrence(torch.autograd.Function):
             if d_keys is not None:
                 d_keys.addcmul_(d_scores[t].unsqueeze(-1), g_f)
 
-        need = ctx.needs_input_grad
-
         def flat2(x: Tensor) -> Tensor:
             return x.reshape(-1, x.shape[-1])
 
-        grads: list[Tensor | None] = [None] * (11 + 4 * L)
-        grads[0] = d_gi[0] if need[0] else None
+        grads: list[Tensor | None] = [None] * (10 + 4 * L)
+        if need[0]:
+            grads[0] = (flat2(d_gi[0]) @ layers[0].W_ih[:, H:]).view(T, B, -1)
         grads[1] = torch.stack(dh) if need[1] else None
         if need[3]:
             # sum over steps of kept^T d_context: (batch, S, T) @ (batch, T, H)
@@ -531,31 +494,15 @@ class _GRURecurrence(torch.autograd.Function):
         if need[9]:
             # d score / d w_v = tanh = 2 s - 1, summed against d_scores without forming it
             grads[9] = 2 * (d_scores.reshape(1, -1) @ flat2(features)) - d_scores.sum()
-        if need[10]:
-            grads[10] = flat2(d_gi[0]).t() @ flat2(contexts)
         for i in range(L):
-            base = 11 + 4 * i
-            if i > 0 and need[base]:
-                grads[base] = flat2(d_gi[i]).t() @ flat2(inputs[:, i - 1])
-            if i > 0 and need[base + 1]:
-                grads[base + 1] = d_gi[i].sum((0, 1))
-            if need[base + 2]:
-                grads[base + 2] = flat2(d_gh[i]).t() @ flat2(before[:, i])
-            if need[base + 3]:
-                grads[base + 3] = d_gh[i].sum((0, 1))
+            base = 10 + 4 * i
+            grads[base : base + 4] = _weight_grads(d_gi[i], d_gh[i], layer_inputs[i],
+                                                   before[:, i], need[base : base + 4])
         return tuple(grads)
 
 
-def _flat_layers(layers: Sequence[GRULayer]) -> list[Tensor | None]:
-    flat: list[Tensor | None] = []
-    for i, layer in enumerate(layers):
-        flat += [None, None] if i == 0 else [layer.W_ih, layer.b_ih]
-        flat += [layer.W_hh, layer.b_hh]
-    return flat
-
-
 def attention_gru(
-    gi_emb: Tensor,
+    embs: Tensor,
     values: Tensor,
     keys: Tensor,
     hidden: Tensor,
@@ -563,7 +510,6 @@ def attention_gru(
     row_ok: Tensor | None,
     W_q: Tensor,
     w_v: Tensor,
-    W_ctx: Tensor,
     layers: Sequence[GRULayer],
     *,
     attn_dropout: float = 0.0,
@@ -573,17 +519,17 @@ def attention_gru(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Run the decoder over ``T`` teacher-forced steps.
 
-    ``gi_emb (T, batch, 3H)``: layer 0's input projection of every step's embedding (plus
-    its ``b_ih``); the other arguments as :func:`decoder_step`. Dropout on the attention
-    weights (``attn_dropout``, as :class:`qkv.AdditiveAttention`) and between GRU layers
-    (``layer_dropout``, as ``nn.GRU``) is drawn for all steps at once when ``training``.
+    ``embs (T, batch, E)``: every step's input token embedded; the other arguments as
+    :func:`decoder_step`. Dropout on the attention weights (``attn_dropout``, as
+    :class:`qkv.AdditiveAttention`) and between GRU layers (``layer_dropout``, as
+    ``nn.GRU``) is drawn for all steps at once when ``training``.
 
     Returns ``top (T, batch, H)`` (the top layer's state after each step),
     ``last (L, batch, H)`` (the final state), and, not differentiable, the attention
     weights ``(T, batch, S)``, the contexts ``(T, batch, H)`` and every state
     ``(T, L, batch, H)``.
     """
-    T, B = gi_emb.shape[:2]
+    T, B = embs.shape[:2]
     L, H, S = len(layers), values.shape[-1], values.shape[1]
     attn_keep = dropout_keep(values, (T, B, S), attn_dropout, training, generator)
     layer_keep = (
@@ -591,8 +537,8 @@ def attention_gru(
         if L > 1
         else None
     )
-    top, last, states, weights, contexts = _GRURecurrence.apply(
-        gi_emb, hidden, layer_keep, values, keys, bias, row_ok, attn_keep, W_q, w_v, W_ctx,
-        *_flat_layers(layers),
+    top, last, states, weights, contexts = _AttentionGRU.apply(
+        embs, hidden, layer_keep, values, keys, bias, row_ok, attn_keep, W_q, w_v,
+        *(t for layer in layers for t in layer.flat()),
     )
     return top, last, weights, contexts, states

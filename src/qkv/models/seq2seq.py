@@ -27,14 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..functional import lengths_to_mask
 from ..multihead import check_dropout
 from ..scoring import AdditiveAttention
 from .attention_gru import (
-    GRULayer,
     attention_gru,
     decoder_step,
     dropout_keep,
@@ -361,24 +359,17 @@ class Seq2SeqAttentionDecoder(nn.Module):
             hidden=enc_state,
         )
 
-    def _weights(self) -> tuple[Tensor, Tensor, Tensor, list[GRULayer]]:
-        """``(W_emb, b_ih0, W_ctx, layers)``: the GRU's layer-0 input weight split into its
-        embedding and context columns (the input is ``[context, embedding]``)."""
-        H, layers = self.rnn.hidden_size, gru_layers(self.rnn)
-        return layers[0].W_ih[:, H:], layers[0].b_ih, layers[0].W_ih[:, :H], layers
-
     def forward(self, X: Tensor, state: BahdanauState) -> tuple[Tensor, BahdanauState]:
         """Teacher forcing over all steps: ``X (batch, T)`` int64
         ``-> (logits (batch, T, vocab), state)``.
 
         The recurrence forces a loop over steps; everything that does not depend on the
-        previous step (the embeddings and their share of the GRU's input projection, the
-        output layer, the weight gradients) runs once for all steps.
+        previous step (the embeddings, the output layer, the weight gradients) runs once
+        for all steps.
         """
-        W_emb, b_ih0, W_ctx, layers = self._weights()
         embs = self.embedding(X.t())  # (T, batch, embed_size)
         top, last, weights, contexts, states = attention_gru(
-            F.linear(embs, W_emb, b_ih0),
+            embs,
             state.enc_outputs,
             state.projected_keys,
             state.hidden,
@@ -386,8 +377,7 @@ class Seq2SeqAttentionDecoder(nn.Module):
             state.row_ok,
             self.attention.W_q.weight,
             self.attention.w_v.weight,
-            W_ctx,
-            layers,
+            gru_layers(self.rnn),
             attn_dropout=self.attention.dropout.p,
             layer_dropout=self.rnn.dropout,
             training=self.training,
@@ -412,11 +402,11 @@ class Seq2SeqAttentionDecoder(nn.Module):
         """One step from ``tokens (batch,)``: ``-> (GRU output (batch, H), weights (batch,
         src_len))``; advances ``state`` in place. Same maths as :meth:`forward` for one
         token (dropout too, in training mode), differentiable by autograd."""
-        W_emb, b_ih0, W_ctx, layers = self._weights()
+        layers = gru_layers(self.rnn)
         batch, H = tokens.shape[0], self.rnn.hidden_size
         like = state.enc_outputs
         out = decoder_step(
-            F.linear(self.embedding(tokens), W_emb, b_ih0),
+            self.embedding(tokens),
             state.hidden.unbind(0),
             state.enc_outputs,
             state.projected_keys,
@@ -424,7 +414,6 @@ class Seq2SeqAttentionDecoder(nn.Module):
             state.row_ok,
             self.attention.W_q.weight,
             self.attention.w_v.weight,
-            W_ctx,
             layers,
             attn_keep=dropout_keep(like, state.bias.shape, self.attention.dropout.p,
                                    self.training),
