@@ -129,9 +129,9 @@ def dropout_keep(
 
 def decoder_step(
     emb: Tensor,
-    hidden: Sequence[Tensor],
     values: Tensor,
     keys: Tensor,
+    hidden: Tensor,
     bias: Tensor,
     row_ok: Tensor | None,
     W_q: Tensor,
@@ -144,8 +144,8 @@ def decoder_step(
 
     Args:
         emb: ``(batch, embed_size)``, this step's input token embedded.
-        hidden: ``num_layers`` tensors ``(batch, H)``, the previous state.
         values: ``(batch, S, H)`` encoder outputs; ``keys``: ``W_k(values)``, same shape.
+        hidden: ``(num_layers, batch, H)``, the previous state.
         bias, row_ok: from :func:`score_bias`.
         W_q: ``(H, H)``; ``w_v``: ``(1, H)``: the additive attention's weights.
         layers: the GRU's layers; layer 0 reads ``[context, emb]``.
@@ -154,7 +154,7 @@ def decoder_step(
         layer_keep: ``(num_layers - 1, batch, H)`` dropout multipliers between layers.
     """
     attention = _Attention.of(values, keys, bias, row_ok, W_q, w_v)
-    return _step(emb, hidden, attention, layers, attn_keep, layer_keep)
+    return _step(emb, hidden.unbind(0), attention, layers, attn_keep, layer_keep)
 
 
 @dataclass

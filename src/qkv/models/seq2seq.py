@@ -359,6 +359,20 @@ class Seq2SeqAttentionDecoder(nn.Module):
             hidden=enc_state,
         )
 
+    def _recurrence_inputs(self, state: BahdanauState) -> tuple[Any, ...]:
+        """``(values, keys, hidden, bias, row_ok, W_q, w_v, layers)``: what a step reads
+        besides its input, in :func:`~qkv.models.attention_gru.decoder_step`'s order."""
+        return (
+            state.enc_outputs,
+            state.projected_keys,
+            state.hidden,
+            state.bias,
+            state.row_ok,
+            self.attention.W_q.weight,
+            self.attention.w_v.weight,
+            gru_layers(self.rnn),
+        )
+
     def forward(self, X: Tensor, state: BahdanauState) -> tuple[Tensor, BahdanauState]:
         """Teacher forcing over all steps: ``X (batch, T)`` int64
         ``-> (logits (batch, T, vocab), state)``.
@@ -370,14 +384,7 @@ class Seq2SeqAttentionDecoder(nn.Module):
         embs = self.embedding(X.t())  # (T, batch, embed_size)
         top, last, weights, contexts, states = attention_gru(
             embs,
-            state.enc_outputs,
-            state.projected_keys,
-            state.hidden,
-            state.bias,
-            state.row_ok,
-            self.attention.W_q.weight,
-            self.attention.w_v.weight,
-            gru_layers(self.rnn),
+            *self._recurrence_inputs(state),
             attn_dropout=self.attention.dropout.p,
             layer_dropout=self.rnn.dropout,
             training=self.training,
@@ -402,19 +409,12 @@ class Seq2SeqAttentionDecoder(nn.Module):
         """One step from ``tokens (batch,)``: ``-> (GRU output (batch, H), weights (batch,
         src_len))``; advances ``state`` in place. Same maths as :meth:`forward` for one
         token (dropout too, in training mode), differentiable by autograd."""
-        layers = gru_layers(self.rnn)
-        batch, H = tokens.shape[0], self.rnn.hidden_size
+        inputs = self._recurrence_inputs(state)
+        layers, batch, H = inputs[-1], tokens.shape[0], self.rnn.hidden_size
         like = state.enc_outputs
         out = decoder_step(
             self.embedding(tokens),
-            state.hidden.unbind(0),
-            state.enc_outputs,
-            state.projected_keys,
-            state.bias,
-            state.row_ok,
-            self.attention.W_q.weight,
-            self.attention.w_v.weight,
-            layers,
+            *inputs,
             attn_keep=dropout_keep(like, state.bias.shape, self.attention.dropout.p,
                                    self.training),
             layer_keep=dropout_keep(like, (len(layers) - 1, batch, H), self.rnn.dropout,
