@@ -237,10 +237,16 @@ def _gate_factors(
     """
     H = n.shape[-1]
     r, z = rz[..., :H], rz[..., H:]
-    f_n = (1 - z) * (1 - n * n)
-    f_r = f_n * gh_n * (r - r * r)
-    f_z = (before - n) * (z - z * z)
-    return torch.stack((f_r, f_z, f_n), -2), torch.stack((f_r, f_z, f_n * r), -2), z
+    # written straight into the two results: temporaries of this size cost more in
+    # fresh memory than in arithmetic
+    g_i = n.new_empty(*n.shape[:-1], 3, H)
+    f_r, f_z, f_n = g_i.unbind(-2)
+    torch.mul(1 - z, 1 - n * n, out=f_n)
+    torch.mul(f_n * gh_n, r - r * r, out=f_r)
+    torch.mul(before - n, z - z * z, out=f_z)
+    g_h = g_i.clone()
+    g_h[..., 2, :].mul_(r)
+    return g_i, g_h, z
 
 
 def _cell_backward(
@@ -248,12 +254,12 @@ def _cell_backward(
 ) -> Tensor:
     """Backward through one GRU cell: ``dh (batch, H)``, the gradient of its new state ->
     the gradient of the state it read. Writes the gradients of its input and hidden
-    projections into ``d_gi``, ``d_gh`` (contiguous ``(batch, 3H)``); ``g_i``, ``g_h``,
+    projections into ``d_gi``, ``d_gh`` (contiguous, ``(batch, 3, H)``); ``g_i``, ``g_h``,
     ``z`` from :func:`_gate_factors`."""
     dh3 = dh.unsqueeze(1)  # (batch, 1, H) against (batch, 3, H)
-    torch.mul(dh3, g_i, out=d_gi.view(g_i.shape))
-    torch.mul(dh3, g_h, out=d_gh.view(g_h.shape))
-    return torch.addmm(dh * z, d_gh, W_hh)
+    torch.mul(dh3, g_i, out=d_gi)
+    torch.mul(dh3, g_h, out=d_gh)
+    return torch.addmm(dh * z, d_gh.view(dh.shape[0], -1), W_hh)
 
 
 def _weight_grads(
@@ -314,7 +320,7 @@ class _GRUStack(torch.autograd.Function):
             before = torch.cat([hidden[i].unsqueeze(0), outputs[i][:-1]])
             G_i, G_h, Z = (f.unbind(0) for f in _recompute_gates(inputs, before, layer))
             d_gi, d_gh = x.new_empty(T, B, 3 * H), x.new_empty(T, B, 3 * H)
-            D_gi, D_gh = d_gi.unbind(0), d_gh.unbind(0)
+            D_gi, D_gh = d_gi.view(T, B, 3, H).unbind(0), d_gh.view(T, B, 3, H).unbind(0)
             dh = d_last[i] if d_last is not None else x.new_zeros(B, H)
             d_outs = d_out.unbind(0) if d_out is not None else None
             for t in reversed(range(T)):
@@ -435,8 +441,8 @@ class _AttentionGRU(torch.autograd.Function):
         ]
         d_gi = before.new_empty(L, T, B, 3 * H)
         d_gh = before.new_empty(L, T, B, 3 * H)
-        D_gi = [d.unbind(0) for d in d_gi]
-        D_gh = [d.unbind(0) for d in d_gh]
+        D_gi = [d.unbind(0) for d in d_gi.view(L, T, B, 3, H)]  # rows (batch, 3, H)
+        D_gh = [d.unbind(0) for d in d_gh.view(L, T, B, 3, H)]
         dh = list(d_last.unbind(0)) if d_last is not None else [
             before.new_zeros(B, H) for _ in range(L)
         ]
@@ -456,11 +462,11 @@ class _AttentionGRU(torch.autograd.Function):
                 dh[i] = _cell_backward(dh[i], G_i[t], G_h[t], Z[t], layers[i].W_hh,
                                        D_gi[i][t], D_gh[i][t])
                 if i > 0:
-                    dx = D_gi[i][t] @ layers[i].W_ih
+                    dx = d_gi[i, t] @ layers[i].W_ih
                     if keeps is not None:
                         dx = dx * keeps[t][i - 1]
                     dh[i - 1] = dh[i - 1] + dx
-            torch.mm(D_gi[0][t], W_ctx, out=d_context[t])
+            torch.mm(d_gi[0, t], W_ctx, out=d_context[t])
             # context = kept @ V: d kept, (batch, S) (a broadcast product beats 64 tiny bmm's)
             d_kept = (values * d_context[t].unsqueeze(1)).sum(-1)
             # Softmax backward with dropout and the empty-row guard folded in: with
