@@ -230,11 +230,29 @@ def softmax_with_mask(scores: Tensor, keep: Tensor | None) -> Tensor:
     ``scores (..., q, k)``, ``keep`` broadcastable to it (True = may attend).
     A row with no True at all becomes all zeros, never NaN.
     """
+    return _masked_softmax(scores, keep, in_place=False, may_have_empty_rows=True)
+
+
+def _masked_softmax(
+    scores: Tensor, keep: Tensor | None, *, in_place: bool, may_have_empty_rows: bool
+) -> Tensor:
+    """:func:`softmax_with_mask`, optionally filling ``scores`` in place.
+
+    ``in_place``: the caller owns ``scores`` and no gradient needs its values (a matrix
+    product's output), so the mask is written into it rather than into a copy: one pass
+    and one ``T x T`` buffer fewer. ``may_have_empty_rows=False`` (a causal mask, where
+    every query sees itself) skips the guard and its pass over the weights.
+    """
     if keep is None:
         return torch.softmax(scores, dim=-1)
-    keep, row_ok = _guard_empty_rows(keep)
-    weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
-    return weights * row_ok
+    row_ok = None
+    if may_have_empty_rows:
+        keep, row_ok = _guard_empty_rows(keep)
+    hidden = ~keep
+    masked = scores.masked_fill_(hidden, float("-inf")) if in_place else scores.masked_fill(
+        hidden, float("-inf"))
+    weights = torch.softmax(masked, dim=-1)
+    return weights if row_ok is None else weights * row_ok
 
 
 # ---------------------------------------------------------------------------
@@ -277,6 +295,9 @@ def attention(
     # PyTorch's is_causal is aligned top-left, so it only means "causal" when
     # queries and keys coincide; a single new query against a cache sees all.
     use_is_causal = False
+    # A causal mask alone leaves every query at least one key, unless there are more
+    # queries than keys (the first ones then precede every key).
+    may_have_empty_rows = mask is not None or num_queries > num_keys
     if causal and num_queries > 1:
         if mask is None and num_queries == num_keys and not need_weights:
             use_is_causal = True
@@ -285,7 +306,11 @@ def attention(
             mask = tri if mask is None else mask & tri
 
     if need_weights:
-        weights = softmax_with_mask((query @ key.transpose(-2, -1)) * scale, mask)
+        # Scale the (T, d) queries rather than the (T, T) scores; the scores are ours, so
+        # the mask is written into them: three passes over T x T in all.
+        scores = (query * scale) @ key.transpose(-2, -1)
+        weights = _masked_softmax(scores, mask, in_place=True,
+                                  may_have_empty_rows=may_have_empty_rows)
         dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
         return dropped @ value, weights
 
