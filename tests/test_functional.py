@@ -102,3 +102,4 @@ def test_attention_custom_scale():
     torch.testing.assert_close(w, torch.softmax(q @ k.transpose(1, 2), -1))
     fused, _ = qkv.attention(q, k, v, scale=1.0)
     torch.testing.assert_close(fused, out)
+

@@ -295,9 +295,9 @@ def attention(
     # PyTorch's is_causal is aligned top-left, so it only means "causal" when
     # queries and keys coincide; a single new query against a cache sees all.
     use_is_causal = False
-    # A causal mask alone leaves every query at least one key, unless there are more
-    # queries than keys (the first ones then precede every key).
-    may_have_empty_rows = mask is not None or num_queries > num_keys
+    # A causal mask alone leaves every query at least its own key (causal_mask refuses
+    # more queries than keys); only a caller's mask can hide a whole row.
+    may_have_empty_rows = mask is not None
     if causal and num_queries > 1:
         if mask is None and num_queries == num_keys and not need_weights:
             use_is_causal = True
