@@ -319,7 +319,10 @@ class GPTModel(nn.Module):
         matrix-vector kernel streams the transposed layout about 1.5x faster (see
         ``docs/benchmarks.md``, "Generation"). Training mode restores ``nn.Linear``'s own
         layout, which training's matrix products and optimizers run best on. Switching costs
-        one copy of those weights (about 0.3 s for GPT-2 small).
+        one copy of those weights (about 0.3 s for GPT-2 small). In eval mode
+        ``state_dict()`` holds those weights as non-contiguous tensors: qkv's checkpoints
+        store them contiguously, while ``safetensors.torch.save_file`` wants
+        ``{k: v.contiguous() for k, v in model.state_dict().items()}``.
         """
         super().train(mode)
         with torch.no_grad():
