@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..functional import _guard_empty_rows
+
 __all__ = [
     "GRULayer",
     "StepOutput",
@@ -101,8 +103,7 @@ def score_bias(keep: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]
     ``softmax = 0/0``; its bias is opened to all zeros and ``row_ok (batch, 1)`` (None when
     every row has a token) zeroes its weights, as :func:`qkv.functional.softmax_with_mask`.
     """
-    row_ok = keep.any(dim=-1, keepdim=True)
-    guarded = keep | ~row_ok
+    guarded, row_ok = _guard_empty_rows(keep)
     bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
     bias = bias.masked_fill(~guarded, float("-inf"))
     return bias, (None if bool(row_ok.all()) else row_ok.to(dtype))
@@ -413,7 +414,7 @@ class _AttentionGRU(torch.autograd.Function):
         contexts = torch.stack([s.context for s in steps])
         features = torch.stack([s.features for s in steps])
         kept = torch.stack([s.kept for s in steps]) if attn_keep is not None else weights
-        ctx.save_for_backward(embs, hidden, layer_keep, values, row_ok, attn_keep, W_q, w_v,
+        ctx.save_for_backward(embs, hidden, layer_keep, values, W_q, w_v,
                               *flat, states, inputs, weights, contexts, features, kept)
         ctx.num_layers = L
         ctx.mark_non_differentiable(states, weights, contexts)
@@ -423,9 +424,8 @@ class _AttentionGRU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_top, d_last, _s, _w, _c):  # noqa: ANN001, ANN205
         L = ctx.num_layers
-        embs, hidden, layer_keep, values, row_ok, attn_keep, W_q, w_v, *rest = (
-            ctx.saved_tensors
-        )
+        # (dropout and the empty-row guard reach backward through kept and weights)
+        embs, hidden, layer_keep, values, W_q, w_v, *rest = ctx.saved_tensors
         layers = _unflatten(rest[: 4 * L])
         states, inputs, weights, contexts, features, kept = rest[4 * L :]
         T, _, B, H = states.shape
