@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import attention
+from .attention import causal_mask_mod
 from .timing import (
     Stats,
     format_ms,
@@ -177,11 +178,6 @@ def _sdpa(backend_name: str) -> Kernel:
     return run
 
 
-def _causal_mask_mod(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    """FlexAttention's description of causality: a query sees keys at or before it."""
-    return q_idx >= kv_idx
-
-
 def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -219,7 +215,7 @@ class _Flex:
         key = (tokens, str(device))
         if key not in self._block_masks:
             self._block_masks[key] = create_block_mask(
-                _causal_mask_mod, None, None, tokens, tokens, device=device
+                causal_mask_mod, None, None, tokens, tokens, device=device
             )
         return self._block_masks[key]
 
