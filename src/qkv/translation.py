@@ -108,17 +108,18 @@ class TranslateSettings:
     """
 
     data: str = "dates"
-    model: str = "bahdanau"
+    model: str = Seq2SeqConfig.model
     num_examples: int | None = None
     num_steps: int | None = None
     held_out: float | None = None
     min_freq: int = 2
-    embed_size: int = 32
-    num_hiddens: int = 32
-    num_layers: int = 2
-    dropout: float = 0.1
-    num_heads: int = 4
-    ffn_num_hiddens: int = 64
+    # the model's defaults live once, in Seq2SeqConfig
+    embed_size: int = Seq2SeqConfig.embed_size
+    num_hiddens: int = Seq2SeqConfig.num_hiddens
+    num_layers: int = Seq2SeqConfig.num_layers
+    dropout: float = Seq2SeqConfig.dropout
+    num_heads: int = Seq2SeqConfig.num_heads
+    ffn_num_hiddens: int = Seq2SeqConfig.ffn_num_hiddens
     batch_size: int = 64
     lr: float = 0.005
     epochs: int | None = None
