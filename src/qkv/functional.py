@@ -248,10 +248,8 @@ def _masked_softmax(
     row_ok = None
     if may_have_empty_rows:
         keep, row_ok = _guard_empty_rows(keep)
-    hidden = ~keep
-    masked = scores.masked_fill_(hidden, float("-inf")) if in_place else scores.masked_fill(
-        hidden, float("-inf"))
-    weights = torch.softmax(masked, dim=-1)
+    fill = scores.masked_fill_ if in_place else scores.masked_fill
+    weights = torch.softmax(fill(~keep, float("-inf")), dim=-1)
     return weights if row_ok is None else weights * row_ok
 
 
