@@ -116,6 +116,17 @@ def test_eval_on_the_training_file(trained, corpus, capsys):
                      r"sacreBLEU 100\.0", out), out
 
 
+def test_eval_without_sacrebleu_reports_the_rest(trained, corpus, capsys, monkeypatch):
+    import sys
+
+    # sacreBLEU is an optional extra; `pip install -e .` alone must still train and evaluate
+    monkeypatch.setitem(sys.modules, "sacrebleu", None)  # makes `import sacrebleu` fail
+    assert main(["translate", "eval", "--ckpt", str(trained), "--data", str(corpus)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\(20 pairs\): exact match 100\.0%, BLEU \(d2l, k=2\) 1\.000, "
+                     r"sacreBLEU n/a \(pip install 'qkv\[bleu\]'\)", out), out
+
+
 def one_line_error(capsys, argv, match):
     assert main(argv) == 2
     captured = capsys.readouterr()

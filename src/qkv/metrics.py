@@ -10,7 +10,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-__all__ = ["bleu", "corpus_bleu", "exact_match"]
+__all__ = ["bleu", "corpus_bleu", "exact_match", "has_sacrebleu"]
 
 
 def _ngrams(tokens: list[str], n: int) -> Counter[tuple[str, ...]]:
@@ -45,6 +45,15 @@ def bleu(pred_seq: str, label_seq: str, k: int = 2) -> float:
         matches = sum(min(count, label_counts[gram]) for gram, count in pred_counts.items())
         score *= (matches / (len_pred - n + 1)) ** (0.5**n)
     return score
+
+
+def has_sacrebleu() -> bool:
+    """Whether the optional sacreBLEU package (``pip install 'qkv[bleu]'``) is installed."""
+    try:
+        import sacrebleu  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def corpus_bleu(preds: Sequence[str], refs: Sequence[str], *, tokenize: str = "none") -> float:

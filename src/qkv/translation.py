@@ -48,7 +48,7 @@ from .data.translation import (
     preprocess,
     read_pairs,
 )
-from .metrics import bleu, corpus_bleu, exact_match
+from .metrics import bleu, corpus_bleu, exact_match, has_sacrebleu
 from .models import (
     EncoderDecoder,
     Seq2SeqConfig,
@@ -338,11 +338,12 @@ class Translator:
     @torch.no_grad()
     def evaluate(
         self, src: list[list[str]], tgt: list[list[str]], *, batch_size: int = 256
-    ) -> dict[str, float]:
+    ) -> dict[str, float | None]:
         """Greedy translations of token lists scored against references.
 
         Returns ``bleu`` (d2l's per-sentence BLEU, k=2, averaged), ``sacrebleu`` (corpus
-        BLEU-4 on the tokenised text, 0-100), ``exact_match`` (fraction) and ``n``.
+        BLEU-4 on the tokenised text, 0-100; None without the optional sacreBLEU package),
+        ``exact_match`` (fraction) and ``n``.
         """
         if not src:
             raise ValueError("nothing to evaluate: the evaluation set is empty")
@@ -357,7 +358,7 @@ class Translator:
         refs = [" ".join(t) for t in tgt]
         return {
             "bleu": sum(bleu(p, r, k=2) for p, r in zip(preds, refs, strict=True)) / len(refs),
-            "sacrebleu": corpus_bleu(preds, refs),
+            "sacrebleu": corpus_bleu(preds, refs) if has_sacrebleu() else None,
             "exact_match": exact_match(preds, refs),
             "n": float(len(refs)),
         }

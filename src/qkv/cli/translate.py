@@ -104,9 +104,11 @@ def _print_translations(translations, refs: list[str] | None = None) -> None:
         print(f"{t.source} => {t.text}{extra}")
 
 
-def _print_metrics(label: str, metrics: dict[str, float]) -> None:
+def _print_metrics(label: str, metrics: dict[str, float | None]) -> None:
+    sacre = metrics["sacrebleu"]
+    sacre_text = "n/a (pip install 'qkv[bleu]')" if sacre is None else f"{sacre:.1f}"
     print(f"{label} ({int(metrics['n'])} pairs): exact match {metrics['exact_match']:.1%}, "
-          f"BLEU (d2l, k=2) {metrics['bleu']:.3f}, sacreBLEU {metrics['sacrebleu']:.1f}")
+          f"BLEU (d2l, k=2) {metrics['bleu']:.3f}, sacreBLEU {sacre_text}")
 
 
 def run_train(args: argparse.Namespace) -> int:
