@@ -206,9 +206,7 @@ def _step(
     return out
 
 
-def _recompute_gates(
-    inputs: Tensor, before: Tensor, layer: GRULayer
-) -> tuple[Tensor, Tensor, Tensor]:
+def _recompute_gates(inputs: Tensor, before: Tensor, layer: GRULayer) -> Tensor:
     """One layer's gate derivatives for all steps at once: ``inputs (T, batch, in)``,
     ``before (T, batch, H)`` (the state each step read) -> :func:`_gate_factors`."""
     T, B, H = before.shape
@@ -220,61 +218,81 @@ def _recompute_gates(
     return _gate_factors(rz, n, gh_n, before)
 
 
-def _gate_factors(
-    rz: Tensor, n: Tensor, gh_n: Tensor, before: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
+def _gate_factors(rz: Tensor, n: Tensor, gh_n: Tensor, before: Tensor) -> Tensor:
     """The local derivatives of GRU cells, for any number of steps and layers at once.
 
     ``rz (..., 2H)``, ``n``, ``gh_n``, ``before`` (the state each step read) ``(..., H)``
-    ``-> (g_i, g_h (..., 3, H), z (..., H))``. Every gradient of a cell's pre-activations
-    is the gradient of its new state times a factor known from forward:
+    ``-> G (..., 5, H)``. Every gradient a cell passes back is the gradient ``dh`` of its
+    new state times a factor known from forward:
 
         d n_pre = dh (1 - z)(1 - n^2)        d z_pre = dh (h - n) z (1 - z)
-        d r_pre = d n_pre gh_n r (1 - r)
+        d r_pre = d n_pre gh_n r (1 - r)     d h (direct) = dh z
 
-    so ``d gi = dh * g_i`` and ``d gh = dh * g_h`` (gate order r, z, n; the hidden
-    projection's n part is scaled by r), and backward through a cell is two products and
-    one matrix product. Computed once, in a few large operations.
+    ``G`` stacks them as ``[r, z, n, n * r, z]``: ``dh * G`` holds the gradients of the
+    input projection (blocks 0-2), of the hidden projection (blocks 0, 1, 3; its n part is
+    scaled by r) and the direct path (block 4), so that :func:`_cell_backward` is one
+    product and one matrix product. Computed once, in a few large operations.
     """
     H = n.shape[-1]
     r, z = rz[..., :H], rz[..., H:]
-    # written straight into the two results: temporaries of this size cost more in
-    # fresh memory than in arithmetic
-    g_i = n.new_empty(*n.shape[:-1], 3, H)
-    f_r, f_z, f_n = g_i.unbind(-2)
+    # written straight into the result: temporaries of this size cost more in fresh
+    # memory than in arithmetic
+    G = n.new_empty(*n.shape[:-1], 5, H)
+    f_r, f_z, f_n, f_nr, f_h = G.unbind(-2)
     torch.mul(1 - z, 1 - n * n, out=f_n)
-    torch.mul(f_n * gh_n, r - r * r, out=f_r)
+    torch.mul(f_n, r, out=f_nr)
+    torch.mul(f_nr * gh_n, 1 - r, out=f_r)
     torch.mul(before - n, z - z * z, out=f_z)
-    g_h = g_i.clone()
-    g_h[..., 2, :].mul_(r)
-    return g_i, g_h, z
+    f_h.copy_(z)
+    return G
 
 
-def _cell_backward(
-    dh: Tensor, g_i: Tensor, g_h: Tensor, z: Tensor, W_hh: Tensor, d_gi: Tensor, d_gh: Tensor
-) -> Tensor:
+def _hidden_map(W_hh: Tensor) -> Tensor:
+    """``W_hh (3H, H) -> (5H, H)``: the rows that take ``dh * G`` (see
+    :func:`_gate_factors`) to the gradient of the state the cell read, ``[W_hh_r; W_hh_z;
+    0; W_hh_n; I]``."""
+    H = W_hh.shape[1]
+    eye = torch.eye(H, dtype=W_hh.dtype, device=W_hh.device)
+    return torch.cat([W_hh[: 2 * H], torch.zeros_like(eye), W_hh[2 * H :], eye])
+
+
+def _cell_backward(dh: Tensor, G: Tensor, hidden_map: Tensor, D: Tensor) -> Tensor:
     """Backward through one GRU cell: ``dh (batch, H)``, the gradient of its new state ->
-    the gradient of the state it read. Writes the gradients of its input and hidden
-    projections into ``d_gi``, ``d_gh`` (contiguous, ``(batch, 3, H)``); ``g_i``, ``g_h``,
-    ``z`` from :func:`_gate_factors`."""
-    dh3 = dh.unsqueeze(1)  # (batch, 1, H) against (batch, 3, H)
-    torch.mul(dh3, g_i, out=d_gi)
-    torch.mul(dh3, g_h, out=d_gh)
-    return torch.addmm(dh * z, d_gh.view(dh.shape[0], -1), W_hh)
+    the gradient of the state it read. Writes ``dh * G`` (:func:`_gate_factors`, ``(batch,
+    5, H)``) into ``D``, from which :func:`_input_grads` and :func:`_weight_grads` read
+    the projections' gradients; ``hidden_map`` from :func:`_hidden_map`."""
+    torch.mul(dh.unsqueeze(1), G, out=D)
+    return D.view(dh.shape[0], -1) @ hidden_map
+
+
+def _input_grads(D: Tensor) -> Tensor:
+    """``D (..., 5, H)`` from :func:`_cell_backward` -> the gradient of the input
+    projection's output ``(N, 3H)``, a view (blocks r, z, n)."""
+    return D[..., :3, :].reshape(-1, 3 * D.shape[-1])
 
 
 def _weight_grads(
-    d_gi: Tensor, d_gh: Tensor, inputs: Tensor, before: Tensor, need: Sequence[bool]
+    D: Tensor, inputs: Tensor, before: Tensor, need: Sequence[bool]
 ) -> list[Tensor | None]:
     """``W_ih, b_ih, W_hh, b_hh`` gradients of one layer, each one product over all
-    steps: ``d_gi``, ``d_gh (T, batch, 3H)``, ``inputs (T, batch, in)``, ``before``."""
-    d_gi, d_gh = d_gi.reshape(-1, d_gi.shape[-1]), d_gh.reshape(-1, d_gh.shape[-1])
-    return [
-        d_gi.t() @ inputs.reshape(d_gi.shape[0], -1) if need[0] else None,
-        d_gi.sum(0) if need[1] else None,
-        d_gh.t() @ before.reshape(d_gh.shape[0], -1) if need[2] else None,
-        d_gh.sum(0) if need[3] else None,
-    ]
+    steps: ``D (T, batch, 5, H)`` from :func:`_cell_backward`, ``inputs (T, batch, in)``,
+    ``before (T, batch, H)``."""
+    H = D.shape[-1]
+    d_gi = _input_grads(D)
+    rows = D.shape[0] * D.shape[1]
+    grads: list[Tensor | None] = [None] * 4
+    if need[0]:
+        grads[0] = d_gi.t() @ inputs.reshape(rows, -1)
+    if need[2]:
+        # blocks 0, 1 and 3 are the hidden projection's r, z, n: one product over blocks
+        # 0-3, then the unused block 2 is dropped
+        d_w = D[..., :4, :].reshape(rows, 4 * H).t() @ before.reshape(rows, H)
+        grads[2] = torch.cat([d_w[: 2 * H], d_w[3 * H :]])
+    if need[1] or need[3]:
+        sums = D.sum((0, 1))  # (5, H)
+        grads[1] = sums[:3].reshape(-1) if need[1] else None
+        grads[3] = torch.cat([sums[:2].reshape(-1), sums[3]]) if need[3] else None
+    return grads
 
 
 class _GRUStack(torch.autograd.Function):
@@ -319,21 +337,22 @@ class _GRUStack(torch.autograd.Function):
             keep = None if i == 0 or layer_keep is None else layer_keep[:, i - 1]
             inputs = x if i == 0 else outputs[i - 1] if keep is None else outputs[i - 1] * keep
             before = torch.cat([hidden[i].unsqueeze(0), outputs[i][:-1]])
-            G_i, G_h, Z = (f.unbind(0) for f in _recompute_gates(inputs, before, layer))
-            d_gi, d_gh = x.new_empty(T, B, 3 * H), x.new_empty(T, B, 3 * H)
-            D_gi, D_gh = d_gi.view(T, B, 3, H).unbind(0), d_gh.view(T, B, 3, H).unbind(0)
+            G = _recompute_gates(inputs, before, layer).unbind(0)
+            hidden_map = _hidden_map(layer.W_hh)
+            D = x.new_empty(T, B, 5, H)
+            D_steps = D.unbind(0)
             dh = d_last[i] if d_last is not None else x.new_zeros(B, H)
             d_outs = d_out.unbind(0) if d_out is not None else None
             for t in reversed(range(T)):
                 if d_outs is not None:
                     dh = dh + d_outs[t]
-                dh = _cell_backward(dh, G_i[t], G_h[t], Z[t], layer.W_hh, D_gi[t], D_gh[t])
+                dh = _cell_backward(dh, G[t], hidden_map, D_steps[t])
             d_hidden.append(dh)
-            grads[3 + 4 * i : 7 + 4 * i] = _weight_grads(d_gi, d_gh, inputs, before,
+            grads[3 + 4 * i : 7 + 4 * i] = _weight_grads(D, inputs, before,
                                                          need[3 + 4 * i : 7 + 4 * i])
             if i > 0 or need[0]:
                 # the gradient of this layer's inputs, all steps at once
-                d_out = (d_gi.view(T * B, 3 * H) @ layer.W_ih).view(T, B, -1)
+                d_out = (_input_grads(D) @ layer.W_ih).view(T, B, -1)
                 if keep is not None:
                     d_out = d_out * keep
         grads[0] = d_out if need[0] else None
@@ -436,13 +455,12 @@ class _AttentionGRU(torch.autograd.Function):
         ]
         # every cell's gate derivatives, recomputed per layer for all steps at once
         factors = [
-            [f.unbind(0) for f in _recompute_gates(layer_inputs[i], before[:, i], layers[i])]
+            _recompute_gates(layer_inputs[i], before[:, i], layers[i]).unbind(0)
             for i in range(L)
         ]
-        d_gi = before.new_empty(L, T, B, 3 * H)
-        d_gh = before.new_empty(L, T, B, 3 * H)
-        D_gi = [d.unbind(0) for d in d_gi.view(L, T, B, 3, H)]  # rows (batch, 3, H)
-        D_gh = [d.unbind(0) for d in d_gh.view(L, T, B, 3, H)]
+        hidden_maps = [_hidden_map(layer.W_hh) for layer in layers]
+        D = before.new_empty(L, T, B, 5, H)  # dh * factors, per layer and step
+        D_steps = [d.unbind(0) for d in D.unbind(0)]
         dh = list(d_last.unbind(0)) if d_last is not None else [
             before.new_zeros(B, H) for _ in range(L)
         ]
@@ -458,15 +476,14 @@ class _AttentionGRU(torch.autograd.Function):
             if d_tops is not None:
                 dh[L - 1] = dh[L - 1] + d_tops[t]
             for i in reversed(range(L)):
-                G_i, G_h, Z = factors[i]
-                dh[i] = _cell_backward(dh[i], G_i[t], G_h[t], Z[t], layers[i].W_hh,
-                                       D_gi[i][t], D_gh[i][t])
+                dh[i] = _cell_backward(dh[i], factors[i][t], hidden_maps[i], D_steps[i][t])
                 if i > 0:
-                    dx = d_gi[i, t] @ layers[i].W_ih
+                    dx = _input_grads(D_steps[i][t]) @ layers[i].W_ih
                     if keeps is not None:
-                        dx = dx * keeps[t][i - 1]
-                    dh[i - 1] = dh[i - 1] + dx
-            torch.mm(d_gi[0, t], W_ctx, out=d_context[t])
+                        dh[i - 1] = torch.addcmul(dh[i - 1], dx, keeps[t][i - 1])
+                    else:
+                        dh[i - 1] = dh[i - 1] + dx
+            torch.mm(_input_grads(D_steps[0][t]), W_ctx, out=d_context[t])
             # context = kept @ V: d kept, (batch, S) (a broadcast product beats 64 tiny bmm's)
             d_kept = (values * d_context[t].unsqueeze(1)).sum(-1)
             # Softmax backward with dropout and the empty-row guard folded in: with
@@ -489,7 +506,7 @@ class _AttentionGRU(torch.autograd.Function):
 
         grads: list[Tensor | None] = [None] * (10 + 4 * L)
         if need[0]:
-            grads[0] = (flat2(d_gi[0]) @ layers[0].W_ih[:, H:]).view(T, B, -1)
+            grads[0] = (_input_grads(D[0]) @ layers[0].W_ih[:, H:]).view(T, B, -1)
         grads[1] = torch.stack(dh) if need[1] else None
         if need[3]:
             # sum over steps of kept^T d_context: (batch, S, T) @ (batch, T, H)
@@ -502,8 +519,8 @@ class _AttentionGRU(torch.autograd.Function):
             grads[9] = 2 * (d_scores.reshape(1, -1) @ flat2(features)) - d_scores.sum()
         for i in range(L):
             base = 10 + 4 * i
-            grads[base : base + 4] = _weight_grads(d_gi[i], d_gh[i], layer_inputs[i],
-                                                   before[:, i], need[base : base + 4])
+            grads[base : base + 4] = _weight_grads(D[i], layer_inputs[i], before[:, i],
+                                                   need[base : base + 4])
         return tuple(grads)
 
 
