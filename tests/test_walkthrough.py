@@ -285,3 +285,26 @@ def test_plot_attention_formats_and_errors(tmp_path):
         plot_attention(torch.zeros(2, 3, 4))
     with pytest.raises(ValueError, match="row_labels"):
         plot_attention(weights, row_labels=["x"])
+
+
+def test_plot_attention_grid_packs_panels_of_different_widths():
+    from qkv.viz import plot_attention_grid
+
+    # A wide and a narrow sentence side by side, then two more: every row packs its
+    # panels from the left, instead of giving each the width of the widest.
+    shapes = [(4, 9), (7, 3), (5, 5), (3, 12)]
+    mats = [torch.full(shape, 1.0 / shape[1]) for shape in shapes]
+    fig = plot_attention_grid(mats, titles=list("abcd"), ncols=2)
+    fig.canvas.draw()  # runs the constrained layout
+    images = [ax for ax in fig.axes if ax.images and ax.get_title() in "abcd"]
+    boxes = {ax.get_title(): ax.get_window_extent() for ax in images}
+    dpi = fig.dpi
+    for left, right in (("a", "b"), ("c", "d")):
+        # inches: the colour bar and the tick labels of the next panel (4.4 for a-b when
+        # every panel was as wide as the widest)
+        gap = (boxes[right].x0 - boxes[left].x1) / dpi
+        assert 0 < gap < 2.5, (left, right, gap)
+    # panels keep square cells: width / height follows the matrix shape
+    for (rows, cols), title in zip(shapes, "abcd", strict=True):
+        box = boxes[title]
+        assert box.width / box.height == pytest.approx(cols / rows, rel=0.05)

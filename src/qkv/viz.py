@@ -32,7 +32,7 @@ from .fileio import write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure, SubFigure
 
 __all__ = ["plot_attention", "plot_attention_grid", "check_image_path", "SUPPORTED_FORMATS"]
 
@@ -165,7 +165,7 @@ def _panel_size(
 
 
 def _draw(
-    fig: Figure,
+    fig: Figure | SubFigure,
     ax: Axes,
     m: np.ndarray,
     *,
@@ -382,21 +382,41 @@ def plot_attention_grid(
 
     cell = _cell_size(mats)
     sizes = [_panel_size(m.shape, cell, r, c) for m, r, c in zip(mats, rows, cols, strict=True)]
-    panel_w = max(w for w, _ in sizes)
-    panel_h = max(h for _, h in sizes)
-    fig = _new_figure(ncols * panel_w, nrows * panel_h + (0.4 if suptitle else 0.0))
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    for i, ax in enumerate(axes):
-        if i >= n:
-            ax.set_visible(False)  # the last row may not be full
-            continue
+    extra = 0.4 if suptitle else 0.0
+    places: list[tuple[Figure | SubFigure, Axes]] = []  # where panel k is drawn
+    unused: list[Axes] = []
+    if len(set(sizes)) == 1:
+        # Equal panels (the heads of a layer): one grid, columns aligned across rows.
+        w, h = sizes[0]
+        fig = _new_figure(ncols * w, nrows * h + extra)
+        grid = fig.subplots(nrows, ncols, squeeze=False).ravel()
+        places = [(fig, ax) for ax in grid[:n]]
+        unused = list(grid[n:])  # the last row may not be full
+    else:
+        # Panels of different shapes (sentences of different lengths): one sub-figure
+        # per row, each panel at its own width, so that a narrow panel leaves no gap.
+        rows_of = [range(i * ncols, min((i + 1) * ncols, n)) for i in range(nrows)]
+        widths = [[sizes[k][0] for k in ks] for ks in rows_of]
+        width = max(sum(ws) for ws in widths)
+        heights = [max(sizes[k][1] for k in ks) for ks in rows_of]
+        fig = _new_figure(width, sum(heights) + extra)
+        subfigs = fig.subfigures(nrows, 1, squeeze=False, height_ratios=heights)[:, 0]
+        for subfig, ks, ws in zip(subfigs, rows_of, widths, strict=True):
+            spare = width - sum(ws)
+            ratios = ws + ([spare] if spare > 0.1 else [])  # an empty slot keeps widths true
+            axes = subfig.subplots(1, len(ratios), squeeze=False, width_ratios=ratios)[0]
+            places += [(subfig, ax) for ax in axes[: len(ks)]]
+            unused += list(axes[len(ks) :])
+    for ax in unused:
+        ax.set_visible(False)
+    for (parent, ax), m, r, c, title in zip(places, mats, rows, cols, titles, strict=True):
         _draw(
-            fig,
+            parent,
             ax,
-            mats[i],
-            rows=rows[i],
-            cols=cols[i],
-            title=titles[i],
+            m,
+            rows=r,
+            cols=c,
+            title=title,
             cmap=cmap,
             annotate=annotate,
             cell=cell,
