@@ -256,19 +256,35 @@ def _hidden_map(W_hh: Tensor) -> Tensor:
     return torch.cat([W_hh[: 2 * H], torch.zeros_like(eye), W_hh[2 * H :], eye])
 
 
-def _cell_backward(dh: Tensor, G: Tensor, hidden_map: Tensor, D: Tensor) -> Tensor:
-    """Backward through one GRU cell: ``dh (batch, H)``, the gradient of its new state ->
-    the gradient of the state it read. Writes ``dh * G`` (:func:`_gate_factors`, ``(batch,
-    5, H)``) into ``D``, from which :func:`_input_grads` and :func:`_weight_grads` read
-    the projections' gradients; ``hidden_map`` from :func:`_hidden_map`."""
-    torch.mul(dh.unsqueeze(1), G, out=D)
-    return D.view(dh.shape[0], -1) @ hidden_map
+def _cell_backward(
+    dh: Tensor, G: Tensor, hidden_map: Tensor, D: _StepViews, t: int, add: Tensor | None
+) -> Tensor:
+    """Backward through step ``t`` of one GRU cell: ``dh (batch, H)``, the gradient of its
+    new state -> the gradient of the state it read, plus ``add`` (what that state receives
+    from outside the recurrence, or None). Writes ``dh * G`` (:func:`_gate_factors`,
+    ``(batch, 5, H)``) into step ``t`` of ``D``, where :func:`_weight_grads` and the input
+    gradients read it; ``hidden_map`` from :func:`_hidden_map`."""
+    torch.mul(dh.unsqueeze(1), G, out=D.blocks[t])
+    flat = D.flat[t]
+    return flat @ hidden_map if add is None else torch.addmm(add, flat, hidden_map)
 
 
 def _input_grads(D: Tensor) -> Tensor:
     """``D (..., 5, H)`` from :func:`_cell_backward` -> the gradient of the input
-    projection's output ``(N, 3H)``, a view (blocks r, z, n)."""
-    return D[..., :3, :].reshape(-1, 3 * D.shape[-1])
+    projection's output ``(..., 3H)``, a view (blocks r, z, n)."""
+    return D[..., :3, :].reshape(*D.shape[:-2], 3 * D.shape[-1])
+
+
+class _StepViews:
+    """Per-step views of a layer's ``D (T, batch, 5, H)``, made once per backward: the
+    loops index them instead of slicing tensors at every step (each slice is a call)."""
+
+    def __init__(self, D: Tensor) -> None:
+        T, B, _, H = D.shape
+        self.D = D
+        self.blocks = D.unbind(0)  # (batch, 5, H)
+        self.flat = D.view(T, B, 5 * H).unbind(0)  # (batch, 5H)
+        self.inputs = _input_grads(D).unbind(0)  # (batch, 3H), the input projection's
 
 
 def _weight_grads(
@@ -278,8 +294,8 @@ def _weight_grads(
     steps: ``D (T, batch, 5, H)`` from :func:`_cell_backward`, ``inputs (T, batch, in)``,
     ``before (T, batch, H)``."""
     H = D.shape[-1]
-    d_gi = _input_grads(D)
     rows = D.shape[0] * D.shape[1]
+    d_gi = _input_grads(D).reshape(rows, 3 * H)
     grads: list[Tensor | None] = [None] * 4
     if need[0]:
         grads[0] = d_gi.t() @ inputs.reshape(rows, -1)
@@ -339,20 +355,22 @@ class _GRUStack(torch.autograd.Function):
             before = torch.cat([hidden[i].unsqueeze(0), outputs[i][:-1]])
             G = _recompute_gates(inputs, before, layer).unbind(0)
             hidden_map = _hidden_map(layer.W_hh)
-            D = x.new_empty(T, B, 5, H)
-            D_steps = D.unbind(0)
+            D = _StepViews(x.new_empty(T, B, 5, H))
             dh = d_last[i] if d_last is not None else x.new_zeros(B, H)
             d_outs = d_out.unbind(0) if d_out is not None else None
+            if d_outs is not None:
+                dh = dh + d_outs[T - 1]
             for t in reversed(range(T)):
-                if d_outs is not None:
-                    dh = dh + d_outs[t]
-                dh = _cell_backward(dh, G[t], hidden_map, D_steps[t])
+                # step t - 1's output gradient joins in the cell's matrix product
+                add = d_outs[t - 1] if d_outs is not None and t > 0 else None
+                dh = _cell_backward(dh, G[t], hidden_map, D, t, add)
+            D = D.D
             d_hidden.append(dh)
             grads[3 + 4 * i : 7 + 4 * i] = _weight_grads(D, inputs, before,
                                                          need[3 + 4 * i : 7 + 4 * i])
             if i > 0 or need[0]:
                 # the gradient of this layer's inputs, all steps at once
-                d_out = (_input_grads(D) @ layer.W_ih).view(T, B, -1)
+                d_out = _input_grads(D) @ layer.W_ih
                 if keep is not None:
                     d_out = d_out * keep
         grads[0] = d_out if need[0] else None
@@ -459,56 +477,69 @@ class _AttentionGRU(torch.autograd.Function):
             for i in range(L)
         ]
         hidden_maps = [_hidden_map(layer.W_hh) for layer in layers]
-        D = before.new_empty(L, T, B, 5, H)  # dh * factors, per layer and step
-        D_steps = [d.unbind(0) for d in D.unbind(0)]
+        D = [_StepViews(before.new_empty(T, B, 5, H)) for _ in range(L)]  # dh * factors
         dh = list(d_last.unbind(0)) if d_last is not None else [
             before.new_zeros(B, H) for _ in range(L)
         ]
         d_tops = d_top.unbind(0) if d_top is not None else None
         keeps = [k.unbind(0) for k in layer_keep.unbind(0)] if layer_keep is not None else None
+        # Every per-step tensor the loop reads or writes, as views made once: (batch, 1, S)
+        # rows for the attention's products, (batch, S, 1) columns for d_keys.
         d_scores = weights.new_empty(weights.shape)  # (T, batch, S)
         d_query = before.new_empty(T, B, H)  # d (W_q query)
-        d_context = before.new_empty(T, B, H)
+        d_scores_rows = d_scores.unsqueeze(2).unbind(0)
+        d_scores_cols = d_scores.unsqueeze(3).unbind(0)
+        d_query_steps, d_query_rows = d_query.unbind(0), d_query.unsqueeze(2).unbind(0)
+        kept_rows, weights_rows = kept.unsqueeze(2).unbind(0), weights.unsqueeze(2).unbind(0)
+        features_steps = features.unbind(0)
         d_keys = values.new_zeros(values.shape) if need[4] else None
         W_ctx = layers[0].W_ih[:, :H]  # layer 0's input is [context, embedding]
+        # Layer 0 reads context @ W_ctx^T = kept @ (V W_ctx^T): d kept is one product per
+        # step with this (batch, 3H, S) map (d_context follows after the loop, for all
+        # steps at once); in this orientation the bmm is fast.
+        ctx_map = torch.matmul(W_ctx, values.transpose(1, 2))
+        d_gi0_rows = _input_grads(D[0].D).unsqueeze(2).unbind(0)  # (batch, 1, 3H)
         w_v4 = 4 * w_v[0]
+        if d_tops is not None:
+            dh[L - 1] = dh[L - 1] + d_tops[T - 1]
         for t in reversed(range(T)):
-            if d_tops is not None:
-                dh[L - 1] = dh[L - 1] + d_tops[t]
             for i in reversed(range(L)):
-                dh[i] = _cell_backward(dh[i], factors[i][t], hidden_maps[i], D_steps[i][t])
+                # the top layer's output gradient of step t - 1 joins in its matrix product
+                add = d_tops[t - 1] if i == L - 1 and d_tops is not None and t > 0 else None
+                dh[i] = _cell_backward(dh[i], factors[i][t], hidden_maps[i], D[i], t, add)
                 if i > 0:
-                    dx = _input_grads(D_steps[i][t]) @ layers[i].W_ih
-                    if keeps is not None:
-                        dh[i - 1] = torch.addcmul(dh[i - 1], dx, keeps[t][i - 1])
+                    if keeps is None:
+                        dh[i - 1] = torch.addmm(dh[i - 1], D[i].inputs[t], layers[i].W_ih)
                     else:
-                        dh[i - 1] = dh[i - 1] + dx
-            torch.mm(_input_grads(D_steps[0][t]), W_ctx, out=d_context[t])
-            # context = kept @ V: d kept, (batch, S) (a broadcast product beats 64 tiny bmm's)
-            d_kept = (values * d_context[t].unsqueeze(1)).sum(-1)
+                        dx = D[i].inputs[t] @ layers[i].W_ih
+                        dh[i - 1] = torch.addcmul(dh[i - 1], dx, keeps[t][i - 1])
+            d_kept = torch.bmm(d_gi0_rows[t], ctx_map)  # (batch, 1, S)
             # Softmax backward with dropout and the empty-row guard folded in: with
             # kept = a * keep (a = weights, zero on guarded rows), d a = d_kept * keep, and
             # d scores = a * (d a - sum(a * d a)) = kept * d_kept - a * sum(kept * d_kept).
-            kd = kept[t] * d_kept
-            torch.addcmul(kd, weights[t], kd.sum(-1, keepdim=True), value=-1, out=d_scores[t])
+            kd = kept_rows[t] * d_kept
+            torch.addcmul(kd, weights_rows[t], kd.sum(-1, keepdim=True), value=-1,
+                          out=d_scores_rows[t])
             # d score / d tanh argument, (batch, S, H): w_v (1 - tanh^2) = 4 w_v s (1 - s).
             # Per step, not for all steps at once: this size stays in cache.
-            f = features[t]
+            f = features_steps[t]
             g_f = torch.addcmul(f, f, f, value=-1).mul_(w_v4)
             # d (W_q query) = sum over source positions of d_score * g_f
-            torch.bmm(d_scores[t].unsqueeze(1), g_f, out=d_query[t].unsqueeze(1))
-            dh[L - 1] = torch.addmm(dh[L - 1], d_query[t], W_q)
+            torch.bmm(d_scores_rows[t], g_f, out=d_query_rows[t])
+            dh[L - 1] = torch.addmm(dh[L - 1], d_query_steps[t], W_q)
             if d_keys is not None:
-                d_keys.addcmul_(d_scores[t].unsqueeze(-1), g_f)
+                d_keys.addcmul_(d_scores_cols[t], g_f)
+        D = [d.D for d in D]
 
         def flat2(x: Tensor) -> Tensor:
             return x.reshape(-1, x.shape[-1])
 
         grads: list[Tensor | None] = [None] * (10 + 4 * L)
         if need[0]:
-            grads[0] = (_input_grads(D[0]) @ layers[0].W_ih[:, H:]).view(T, B, -1)
+            grads[0] = _input_grads(D[0]) @ layers[0].W_ih[:, H:]
         grads[1] = torch.stack(dh) if need[1] else None
         if need[3]:
+            d_context = _input_grads(D[0]) @ W_ctx  # (T, batch, H)
             # sum over steps of kept^T d_context: (batch, S, T) @ (batch, T, H)
             grads[3] = torch.bmm(kept.permute(1, 2, 0), d_context.transpose(0, 1))
         grads[4] = d_keys
