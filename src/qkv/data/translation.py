@@ -35,6 +35,8 @@ from typing import Any, overload
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from .loading import batch_loader
+
 FRA_ENG_URL = "http://d2l-data.s3-accelerate.amazonaws.com/fra-eng.zip"
 FRA_ENG_SHA1 = "94646ad1522d915e7b0f9296181140edcf86a4f5"
 
@@ -413,13 +415,12 @@ class TranslationData:
 
         Pass a seeded `generator` for a reproducible shuffle.
         """
-        return DataLoader(
-            TensorDataset(*self.train), batch_size=batch_size, shuffle=shuffle, generator=generator
-        )
+        return batch_loader(TensorDataset(*self.train), batch_size, shuffle=shuffle,
+                            generator=generator)
 
     def valid_loader(self, batch_size: int) -> DataLoader:
         """Batches of the held-out split, in order (empty when nothing was held out)."""
-        return DataLoader(TensorDataset(*self.valid), batch_size=batch_size, shuffle=False)
+        return batch_loader(TensorDataset(*self.valid), batch_size)
 
 
 def load_data_nmt(

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from ..data.loading import batch_loader
+
 __all__ = [
     "init_distributed",
     "cleanup_distributed",
@@ -159,8 +161,10 @@ def make_loader(
     Meant for a trainer's ``dataset_or_loader_factory``:
     ``lambda g: make_loader(dataset, batch_size, g)``.
 
-    Single process: ``DataLoader(dataset, batch_size, shuffle=shuffle, generator=generator,
-    drop_last=drop_last)``, exactly.
+    Single process: the batches of ``DataLoader(dataset, batch_size, shuffle=shuffle,
+    generator=generator, drop_last=drop_last)``, exactly (through
+    :func:`qkv.data.loading.batch_loader`, which indexes a ``TensorDataset`` a whole batch
+    at a time).
 
     Distributed (``world_size > 1``): a ``DistributedSampler`` gives rank ``r`` the samples
     at positions ``r, r + world_size, ...`` of one shared permutation (or of the dataset's
@@ -187,8 +191,8 @@ def make_loader(
     """
     rank, world_size = get_rank_and_world_size()
     if world_size == 1:
-        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator,
-                          drop_last=drop_last)
+        return batch_loader(dataset, batch_size, shuffle=shuffle, generator=generator,
+                            drop_last=drop_last)
     sampler = DistributedSampler(
         dataset,
         num_replicas=world_size,
@@ -199,5 +203,5 @@ def make_loader(
     )
     # The DataLoader draws its workers' base seed from `generator`; giving it one keeps
     # that draw off torch's global RNG, which (as in a single process) is left to dropout.
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=generator,
-                      drop_last=drop_last)
+    return batch_loader(dataset, batch_size, sampler=sampler, generator=generator,
+                        drop_last=drop_last)
