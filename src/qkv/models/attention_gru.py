@@ -11,7 +11,7 @@ arithmetic: autograd records and replays several hundred nodes per step.
 as one autograd node. Forward steps PyTorch's own GRU cell (``torch.gru_cell``; the
 encoder, PyTorch's whole-sequence GRU kernel) without recording anything. Backward
 recomputes every step's gates from the saved states in a few matrix products over all
-steps, walks the steps in reverse with hand-derived gradients (two products and one
+steps, walks the steps in reverse with hand-derived gradients (one product and one
 matrix product per cell), and computes every weight gradient after the loop as one
 matrix product over all steps. :func:`decoder_step` is the decoder's step for decoding
 one token at a time; the maths exists once.
@@ -257,15 +257,15 @@ def _hidden_map(W_hh: Tensor) -> Tensor:
 
 
 def _cell_backward(
-    dh: Tensor, G: Tensor, hidden_map: Tensor, D: _StepViews, t: int, add: Tensor | None
+    dh: Tensor, G: Tensor, hidden_map: Tensor, views: _StepViews, t: int, add: Tensor | None
 ) -> Tensor:
     """Backward through step ``t`` of one GRU cell: ``dh (batch, H)``, the gradient of its
     new state -> the gradient of the state it read, plus ``add`` (what that state receives
     from outside the recurrence, or None). Writes ``dh * G`` (:func:`_gate_factors`,
-    ``(batch, 5, H)``) into step ``t`` of ``D``, where :func:`_weight_grads` and the input
-    gradients read it; ``hidden_map`` from :func:`_hidden_map`."""
-    torch.mul(dh.unsqueeze(1), G, out=D.blocks[t])
-    flat = D.flat[t]
+    ``(batch, 5, H)``) into step ``t`` of ``views``, where :func:`_weight_grads` and the
+    input gradients read it; ``hidden_map`` from :func:`_hidden_map`."""
+    torch.mul(dh.unsqueeze(1), G, out=views.blocks[t])
+    flat = views.flat[t]
     return flat @ hidden_map if add is None else torch.addmm(add, flat, hidden_map)
 
 
@@ -284,7 +284,7 @@ class _StepViews:
         self.D = D
         self.blocks = D.unbind(0)  # (batch, 5, H)
         self.flat = D.view(T, B, 5 * H).unbind(0)  # (batch, 5H)
-        self.inputs = _input_grads(D).unbind(0)  # (batch, 3H), the input projection's
+        self.inputs = _input_grads(D).unbind(0)  # (batch, 3H): the input projection's
 
 
 def _weight_grads(
@@ -355,7 +355,7 @@ class _GRUStack(torch.autograd.Function):
             before = torch.cat([hidden[i].unsqueeze(0), outputs[i][:-1]])
             G = _recompute_gates(inputs, before, layer).unbind(0)
             hidden_map = _hidden_map(layer.W_hh)
-            D = _StepViews(x.new_empty(T, B, 5, H))
+            views = _StepViews(x.new_empty(T, B, 5, H))
             dh = d_last[i] if d_last is not None else x.new_zeros(B, H)
             d_outs = d_out.unbind(0) if d_out is not None else None
             if d_outs is not None:
@@ -363,8 +363,8 @@ class _GRUStack(torch.autograd.Function):
             for t in reversed(range(T)):
                 # step t - 1's output gradient joins in the cell's matrix product
                 add = d_outs[t - 1] if d_outs is not None and t > 0 else None
-                dh = _cell_backward(dh, G[t], hidden_map, D, t, add)
-            D = D.D
+                dh = _cell_backward(dh, G[t], hidden_map, views, t, add)
+            D = views.D
             d_hidden.append(dh)
             grads[3 + 4 * i : 7 + 4 * i] = _weight_grads(D, inputs, before,
                                                          need[3 + 4 * i : 7 + 4 * i])
@@ -477,7 +477,7 @@ class _AttentionGRU(torch.autograd.Function):
             for i in range(L)
         ]
         hidden_maps = [_hidden_map(layer.W_hh) for layer in layers]
-        D = [_StepViews(before.new_empty(T, B, 5, H)) for _ in range(L)]  # dh * factors
+        views = [_StepViews(before.new_empty(T, B, 5, H)) for _ in range(L)]  # dh * factors
         dh = list(d_last.unbind(0)) if d_last is not None else [
             before.new_zeros(B, H) for _ in range(L)
         ]
@@ -498,7 +498,7 @@ class _AttentionGRU(torch.autograd.Function):
         # step with this (batch, 3H, S) map (d_context follows after the loop, for all
         # steps at once); in this orientation the bmm is fast.
         ctx_map = torch.matmul(W_ctx, values.transpose(1, 2))
-        d_gi0_rows = _input_grads(D[0].D).unsqueeze(2).unbind(0)  # (batch, 1, 3H)
+        d_gi0_rows = _input_grads(views[0].D).unsqueeze(2).unbind(0)  # (batch, 1, 3H)
         w_v4 = 4 * w_v[0]
         if d_tops is not None:
             dh[L - 1] = dh[L - 1] + d_tops[T - 1]
@@ -506,12 +506,13 @@ class _AttentionGRU(torch.autograd.Function):
             for i in reversed(range(L)):
                 # the top layer's output gradient of step t - 1 joins in its matrix product
                 add = d_tops[t - 1] if i == L - 1 and d_tops is not None and t > 0 else None
-                dh[i] = _cell_backward(dh[i], factors[i][t], hidden_maps[i], D[i], t, add)
+                dh[i] = _cell_backward(dh[i], factors[i][t], hidden_maps[i], views[i], t, add)
                 if i > 0:
+                    d_gi = views[i].inputs[t]
                     if keeps is None:
-                        dh[i - 1] = torch.addmm(dh[i - 1], D[i].inputs[t], layers[i].W_ih)
+                        dh[i - 1] = torch.addmm(dh[i - 1], d_gi, layers[i].W_ih)
                     else:
-                        dx = D[i].inputs[t] @ layers[i].W_ih
+                        dx = d_gi @ layers[i].W_ih
                         dh[i - 1] = torch.addcmul(dh[i - 1], dx, keeps[t][i - 1])
             d_kept = torch.bmm(d_gi0_rows[t], ctx_map)  # (batch, 1, S)
             # Softmax backward with dropout and the empty-row guard folded in: with
@@ -529,7 +530,7 @@ class _AttentionGRU(torch.autograd.Function):
             dh[L - 1] = torch.addmm(dh[L - 1], d_query_steps[t], W_q)
             if d_keys is not None:
                 d_keys.addcmul_(d_scores_cols[t], g_f)
-        D = [d.D for d in D]
+        D = [v.D for v in views]
 
         def flat2(x: Tensor) -> Tensor:
             return x.reshape(-1, x.shape[-1])
