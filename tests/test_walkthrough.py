@@ -290,21 +290,37 @@ def test_plot_attention_formats_and_errors(tmp_path):
 def test_plot_attention_grid_packs_panels_of_different_widths():
     from qkv.viz import plot_attention_grid
 
-    # A wide and a narrow sentence side by side, then two more: every row packs its
-    # panels from the left, instead of giving each the width of the widest.
-    shapes = [(4, 9), (7, 3), (5, 5), (3, 12)]
-    mats = [torch.full(shape, 1.0 / shape[1]) for shape in shapes]
-    fig = plot_attention_grid(mats, titles=list("abcd"), ncols=2)
+    # Three translations of different source lengths, as `qkv translate run --heatmap`
+    # draws them: each row packs its panels from the left, instead of giving every
+    # panel the width of the widest, and nothing is cut off at the edges.
+    sources = [["3", "mar", "2", "1"], ["july", "4", "th", "1", "9", "7", "6"],
+               ["1", "2", "/", "2", "5", "/", "1", "9", "9", "9"]]
+    outputs = ["2", "0", "2", "1", "-", "0", "3", "-", "0", "3", "<eos>"]
+    shapes = [(len(outputs), len(src) + 1) for src in sources]
+    fig = plot_attention_grid(
+        [torch.full(shape, 1.0 / shape[1]) for shape in shapes],
+        titles=list("abc"),
+        row_labels=outputs,
+        col_labels=[[*src, "<eos>"] for src in sources],
+        suptitle="What the decoder attends to",
+        xlabel="source tokens (attended to)",
+        ylabel="output tokens",
+    )
     fig.canvas.draw()  # runs the constrained layout
-    images = [ax for ax in fig.axes if ax.images and ax.get_title() in "abcd"]
+    images = [ax for ax in fig.axes if ax.images and ax.get_title() in "abc"]
     boxes = {ax.get_title(): ax.get_window_extent() for ax in images}
-    dpi = fig.dpi
-    for left, right in (("a", "b"), ("c", "d")):
-        # inches: the colour bar and the tick labels of the next panel (4.4 for a-b when
-        # every panel was as wide as the widest)
-        gap = (boxes[right].x0 - boxes[left].x1) / dpi
-        assert 0 < gap < 2.5, (left, right, gap)
+    # inches between panels a and b: the colour bar and b's tick labels (2.3 when every
+    # panel was as wide as the widest)
+    gap = (boxes["b"].x0 - boxes["a"].x1) / fig.dpi
+    assert 0 < gap < 1.9, gap  # 1.6 here
+    renderer = fig.canvas.get_renderer()
+    texts = [fig._suptitle] + [t for ax in images for t in (ax.title, ax.xaxis.label,
+                                                             ax.yaxis.label)]
+    for text in texts:  # (one sub-figure per row cut the last x label off by 6 pixels)
+        box = text.get_window_extent(renderer)
+        assert box.x0 >= -1 and box.y0 >= -1, (text.get_text(), box)  # pixels
+        assert box.x1 <= fig.bbox.width + 1 and box.y1 <= fig.bbox.height + 1, text
     # panels keep square cells: width / height follows the matrix shape
-    for (rows, cols), title in zip(shapes, "abcd", strict=True):
+    for (rows, cols), title in zip(shapes, "abc", strict=True):
         box = boxes[title]
         assert box.width / box.height == pytest.approx(cols / rows, rel=0.05)

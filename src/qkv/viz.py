@@ -32,7 +32,7 @@ from .fileio import write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-    from matplotlib.figure import Figure, SubFigure
+    from matplotlib.figure import Figure
 
 __all__ = ["plot_attention", "plot_attention_grid", "check_image_path", "SUPPORTED_FORMATS"]
 
@@ -165,7 +165,7 @@ def _panel_size(
 
 
 def _draw(
-    fig: Figure | SubFigure,
+    fig: Figure,
     ax: Axes,
     m: np.ndarray,
     *,
@@ -383,7 +383,7 @@ def plot_attention_grid(
     cell = _cell_size(mats)
     sizes = [_panel_size(m.shape, cell, r, c) for m, r, c in zip(mats, rows, cols, strict=True)]
     extra = 0.4 if suptitle else 0.0
-    places: list[tuple[Figure | SubFigure, Axes]] = []  # where panel k is drawn
+    places: list[tuple[Figure, Axes]] = []  # where panel k is drawn
     unused: list[Axes] = []
     if len(set(sizes)) == 1:
         # Equal panels (the heads of a layer): one grid, columns aligned across rows.
@@ -393,20 +393,21 @@ def plot_attention_grid(
         places = [(fig, ax) for ax in grid[:n]]
         unused = list(grid[n:])  # the last row may not be full
     else:
-        # Panels of different shapes (sentences of different lengths): one sub-figure
-        # per row, each panel at its own width, so that a narrow panel leaves no gap.
+        # Panels of different shapes (sentences of different lengths): a grid of its own
+        # for each row, each panel at its own width, so that a narrow panel leaves no gap.
         rows_of = [range(i * ncols, min((i + 1) * ncols, n)) for i in range(nrows)]
         widths = [[sizes[k][0] for k in ks] for ks in rows_of]
         width = max(sum(ws) for ws in widths)
         heights = [max(sizes[k][1] for k in ks) for ks in rows_of]
         fig = _new_figure(width, sum(heights) + extra)
-        subfigs = fig.subfigures(nrows, 1, squeeze=False, height_ratios=heights)[:, 0]
-        for subfig, ks, ws in zip(subfigs, rows_of, widths, strict=True):
+        grid = fig.add_gridspec(nrows, 1, height_ratios=heights)
+        for row, ks, ws in zip(grid, rows_of, widths, strict=True):
             spare = width - sum(ws)
             ratios = ws + ([spare] if spare > 0.1 else [])  # an empty slot keeps widths true
-            axes = subfig.subplots(1, len(ratios), squeeze=False, width_ratios=ratios)[0]
-            places += [(subfig, ax) for ax in axes[: len(ks)]]
-            unused += list(axes[len(ks) :])
+            cells = row.subgridspec(1, len(ratios), width_ratios=ratios)
+            axes = [fig.add_subplot(cells[0, j]) for j in range(len(ratios))]
+            places += [(fig, ax) for ax in axes[: len(ks)]]
+            unused += axes[len(ks) :]
     for ax in unused:
         ax.set_visible(False)
     for (parent, ax), m, r, c, title in zip(places, mats, rows, cols, titles, strict=True):
