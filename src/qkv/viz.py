@@ -383,14 +383,14 @@ def plot_attention_grid(
     cell = _cell_size(mats)
     sizes = [_panel_size(m.shape, cell, r, c) for m, r, c in zip(mats, rows, cols, strict=True)]
     extra = 0.4 if suptitle else 0.0
-    places: list[tuple[Figure, Axes]] = []  # where panel k is drawn
+    panels: list[Axes] = []  # where matrix k is drawn
     unused: list[Axes] = []
     if len(set(sizes)) == 1:
         # Equal panels (the heads of a layer): one grid, columns aligned across rows.
         w, h = sizes[0]
         fig = _new_figure(ncols * w, nrows * h + extra)
         grid = fig.subplots(nrows, ncols, squeeze=False).ravel()
-        places = [(fig, ax) for ax in grid[:n]]
+        panels = list(grid[:n])
         unused = list(grid[n:])  # the last row may not be full
     else:
         # Panels of different shapes (sentences of different lengths): a grid of its own
@@ -406,13 +406,13 @@ def plot_attention_grid(
             ratios = ws + ([spare] if spare > 0.1 else [])  # an empty slot keeps widths true
             cells = row.subgridspec(1, len(ratios), width_ratios=ratios)
             axes = [fig.add_subplot(cells[0, j]) for j in range(len(ratios))]
-            places += [(fig, ax) for ax in axes[: len(ks)]]
+            panels += axes[: len(ks)]
             unused += axes[len(ks) :]
     for ax in unused:
         ax.set_visible(False)
-    for (parent, ax), m, r, c, title in zip(places, mats, rows, cols, titles, strict=True):
+    for ax, m, r, c, title in zip(panels, mats, rows, cols, titles, strict=True):
         _draw(
-            parent,
+            fig,
             ax,
             m,
             rows=r,
