@@ -185,8 +185,8 @@ def default_optimizer(model: nn.Module, lr: float, device: torch.device) -> torc
     """``Adam(model.parameters(), lr)``, fused into one kernel where PyTorch has one.
 
     Same algorithm, same state dict; the fused update replaces about ten operations per
-    parameter tensor, which at the translator's size (16 small tensors) makes the
-    optimizer step about 4x faster on the CPU.
+    parameter tensor, which at the translator's size (the Bahdanau model's 23 small
+    tensors) makes the optimizer step about 4x faster on the CPU.
     """
     fused = device.type in ("cpu", "cuda") and all(
         p.is_floating_point() for p in model.parameters()
