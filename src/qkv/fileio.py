@@ -2,16 +2,38 @@
 
 Every file qkv writes (checkpoints, configurations, figures, benchmark results) goes
 through :func:`write_atomic`: readers see the old file or the new one, whole, even if
-the process dies mid-write.
+the process dies mid-write. A process killed mid-write (SIGKILL, power loss) can leave
+its temporary file behind; :func:`remove_stale_temp_files` clears those.
+
+:func:`deferred_signals` holds Ctrl-C and SIGTERM back while a multi-file write runs,
+and :func:`check_writable` tells, before an hour of training, whether a file can be
+written at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import secrets
+import signal
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["write_atomic", "write_durable", "fsync_dir"]
+__all__ = [
+    "write_atomic",
+    "write_durable",
+    "fsync_dir",
+    "remove_stale_temp_files",
+    "deferred_signals",
+    "check_writable",
+    "process_alive",
+]
+
+# write_atomic's temporary names: ".{name}.{pid}.{8 hex digits}.tmp".
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp$")
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -50,4 +72,106 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+    return path
+
+
+def process_alive(pid: int) -> bool:
+    """True if a process ``pid`` runs on this host (this one included)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, but another user's (or the question cannot be asked)
+        return True
+    return True
+
+
+def remove_stale_temp_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete the temporary files that killed :func:`write_atomic` calls left in ``directory``.
+
+    Only regular files named as :func:`write_atomic` names them, whose writing process is
+    gone, are removed: a file of another name, a symlink, or the temporary file of a write
+    still in progress (in this or another live process) stays. Returns what was removed.
+    """
+    removed = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(directory):
+            match = _TEMP_NAME.match(entry.name)
+            if match is None or not entry.is_file(follow_symlinks=False):
+                continue
+            if process_alive(int(match["pid"])):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
+# Signals whose default effect would cut a multi-file write short.
+_DEFERRED = tuple(s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None)) if s is not None)
+
+
+@contextlib.contextmanager
+def deferred_signals(
+    on_deferred: Callable[[int], None] | None = None,
+) -> Iterator[list[int]]:
+    """Hold SIGINT and SIGTERM back until the ``with`` block ends, then deliver them.
+
+    For a write that must not stop halfway (a checkpoint of several files): a Ctrl-C
+    during the block waits for it; each signal that arrived is then re-raised once, in
+    order, under the handlers that were installed before the block (so Ctrl-C becomes a
+    ``KeyboardInterrupt`` right after the write, and SIGTERM does whatever it did).
+    ``on_deferred(signum)`` is called when a signal arrives, to tell the user it will
+    wait. Yields the list of signals received so far. Only the main thread can handle
+    signals; elsewhere the block runs unprotected, as Python allows nothing else.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield []
+        return
+    received: list[int] = []
+
+    def hold(signum: int, _frame: object) -> None:
+        received.append(signum)
+        if on_deferred is not None:
+            on_deferred(signum)
+
+    previous = {}
+    try:
+        for signum in _DEFERRED:
+            previous[signum] = signal.signal(signum, hold)
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    for signum in dict.fromkeys(received):  # once each, in arrival order
+        signal.raise_signal(signum)
+
+
+def check_writable(path: str | os.PathLike[str], *, directory: bool = False) -> Path:
+    """Raise a one-line ``OSError`` unless ``path`` can be written (created if need be).
+
+    With ``directory=True``, ``path`` is a directory that files will be written into;
+    otherwise a file. Missing parent directories are created, as the writer would. A
+    probe file is created and removed, which catches read-only mounts and permissions
+    that ``os.access`` misjudges (root, ACLs). Returns ``path``.
+    """
+    path = Path(path)
+    folder = path if directory else path.parent
+    if not directory and path.is_dir():
+        raise IsADirectoryError(f"cannot write {str(path)!r}: it is a directory; "
+                                "name a file instead")
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"cannot write into {str(folder)!r}: it exists and is "
+                                 "not a directory")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".qkv-write-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise OSError(f"cannot write into {str(folder)!r}: {reason}; "
+                      "choose a writable location") from None
     return path

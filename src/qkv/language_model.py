@@ -17,6 +17,7 @@ tiktoken, offline from ``bpe_dir`` (or ``$QKV_BPE_DIR``) holding ``encoder.json`
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,15 +33,18 @@ from .data.tokenizers import Tokenizer, get_tokenizer, tokenizer_from_dict
 from .data.translation import load_corpus
 from .models.gpt import PRESETS, GPTConfig, GPTModel, generate
 from .training import (
+    LOSS_PLOT,
     CheckpointError,
     TrainConfig,
     Trainer,
+    check_resume_target,
     get_rank_and_world_size,
     init_distributed,
     load_config,
     load_weights,
     main_process_log,
     make_loader,
+    open_run_dir,
     resolve_device,
     seed_everything,
 )
@@ -57,6 +61,8 @@ class LMSettings:
     ``context_length`` (default: the preset's) is the window length; ``stride`` (default:
     half the window, like the book's 256/128) the step between windows.
     ``val_fraction`` of the token ids, taken from the end, is held out for validation.
+    ``epochs`` and ``lr`` left at None take 10 and 1e-3 (:meth:`resolved`); on a resume,
+    None means the run's own.
     """
 
     text: str | None = None
@@ -68,8 +74,8 @@ class LMSettings:
     drop_rate: float | None = None
     tie_weights: bool = False
     batch_size: int = 16
-    epochs: int = 10
-    lr: float = 1e-3
+    epochs: int | None = None
+    lr: float | None = None
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     val_fraction: float = 0.1
@@ -78,16 +84,34 @@ class LMSettings:
     device: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def resolved(self) -> LMSettings:
+        """A copy with ``epochs`` and ``lr`` defaulted (10, 1e-3); validated."""
+        out = dataclasses.replace(self, epochs=10 if self.epochs is None else self.epochs,
+                                  lr=1e-3 if self.lr is None else self.lr)
+        out.validate()
+        return out
+
     def validate(self) -> None:
+        """Refuse, in one line, values that cannot train (non-finite ones included)."""
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
         for name in ("batch_size", "corpus_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.epochs < 0:
+        if self.epochs is not None and self.epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {self.epochs}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        # `not a < x < b` also refuses NaN, which fails every comparison.
+        for name in ("lr", "clip_norm"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"weight_decay must be a finite number >= 0, "
+                             f"got {self.weight_decay}")
+        if self.drop_rate is not None and not 0.0 <= self.drop_rate < 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1), got {self.drop_rate}")
         for name in ("context_length", "stride"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -245,10 +269,17 @@ def train_language_model(
     run_dir: str | Path,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> tuple[LanguageModel, dict[str, list]]:
-    """Train (or, with ``resume``, continue to ``settings.epochs``) a GPT in ``run_dir``.
+    """Train (or, with ``resume``, continue) a GPT in ``run_dir``.
+
+    With ``resume``, everything but ``settings.epochs`` (the new total; None: the run's
+    own), ``settings.lr`` (None: the run's own), ``settings.bpe_dir`` (None: the run's
+    own) and ``settings.device`` comes from the checkpoint. Without it, a ``run_dir``
+    that holds a checkpoint is refused unless ``overwrite`` (see
+    :func:`qkv.training.open_run_dir`).
 
     Under ``torchrun --nproc_per_node=N`` every process runs this on its shard of the
     windows (``settings.batch_size`` per process); only rank 0 logs and saves.
@@ -257,11 +288,32 @@ def train_language_model(
     # Join the torchrun process group, if any, before anything logs or touches a device.
     init_distributed(settings.device)
     log = main_process_log(log)
+    with open_run_dir(run_dir, resume=resume, overwrite=overwrite, outputs=(LOSS_PLOT,),
+                      log=log):
+        return _train(settings, run_dir, resume=resume, progress=progress, log=log)
+
+
+def _train(
+    settings: LMSettings,
+    run_dir: Path,
+    *,
+    resume: bool,
+    progress: bool,
+    log: Callable[[str], None],
+) -> tuple[LanguageModel, dict[str, list]]:
     if resume:
         saved = load_config(run_dir, task=TASK)
         old = LMSettings.from_dict(saved["settings"])
-        settings = dataclasses.replace(old, epochs=settings.epochs, device=settings.device)
-    settings.validate()
+        settings = dataclasses.replace(
+            old,
+            epochs=old.epochs if settings.epochs is None else settings.epochs,
+            lr=old.lr if settings.lr is None else settings.lr,
+            device=settings.device,
+            bpe_dir=settings.bpe_dir or old.bpe_dir,  # the folder may have moved
+        )
+    settings = settings.resolved()
+    if resume:
+        check_resume_target(run_dir, settings.epochs)
     seed_everything(settings.seed)
 
     tokenizer = get_tokenizer(settings.tokenizer, bpe_dir=settings.bpe_dir)

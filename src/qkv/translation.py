@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,9 +60,11 @@ from .models import (
     teacher_forcing_input,
 )
 from .training import (
+    LOSS_PLOT,
     CheckpointError,
     TrainConfig,
     Trainer,
+    check_resume_target,
     init_distributed,
     is_main_process,
     load_config,
@@ -69,6 +72,7 @@ from .training import (
     main_process_log,
     make_loader,
     masked_cross_entropy,
+    open_run_dir,
     resolve_device,
     seed_everything,
 )
@@ -92,8 +96,9 @@ ATTENTION_PLOT = "attention.png"
 # and it needs far fewer epochs than the reference's 600 pairs x 250 epochs.
 _DATA_DEFAULTS = {
     "dates": {"num_examples": 10_000, "num_steps": DATES_NUM_STEPS, "epochs": 10,
-              "held_out": 0.1},
-    "other": {"num_examples": 600, "num_steps": 10, "epochs": 250, "held_out": 0.0},
+              "held_out": 0.1, "lr": 0.005},
+    "other": {"num_examples": 600, "num_steps": 10, "epochs": 250, "held_out": 0.0,
+              "lr": 0.005},
 }
 
 
@@ -104,7 +109,7 @@ class TranslateSettings:
     ``None`` fields take a default that depends on ``data`` (see ``_DATA_DEFAULTS``):
     the dates corpus uses 10,000 pairs, ``num_steps`` 14, 10 epochs and a 10 % held-out
     split; fra-eng and files use SPEC §7's 600 pairs, ``num_steps`` 10, 250 epochs and
-    no split. The model and optimiser defaults are SPEC §7's.
+    no split. The model and optimiser defaults are SPEC §7's (``lr`` 0.005).
     """
 
     data: str = "dates"
@@ -121,7 +126,7 @@ class TranslateSettings:
     num_heads: int = Seq2SeqConfig.num_heads
     ffn_num_hiddens: int = Seq2SeqConfig.ffn_num_hiddens
     batch_size: int = 64
-    lr: float = 0.005
+    lr: float | None = None
     epochs: int | None = None
     clip_norm: float = 1.0
     seed: int = 0
@@ -140,6 +145,13 @@ class TranslateSettings:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 0.0 <= out.held_out < 1.0:
             raise ValueError(f"held_out must be a fraction in [0, 1), got {out.held_out}")
+        # `not a < x < b` also refuses NaN, which fails every comparison.
+        for name in ("lr", "clip_norm"):
+            if not 0 < getattr(out, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got "
+                                 f"{getattr(out, name)}")
+        if not 0.0 <= out.dropout < 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1), got {out.dropout}")
         return out
 
     def model_config(self, src_vocab: Vocab, tgt_vocab: Vocab) -> Seq2SeqConfig:
@@ -411,6 +423,7 @@ def train_translator(
     run_dir: str | Path,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     trace: Callable[[str], None] | None = None,
@@ -418,8 +431,11 @@ def train_translator(
     """Train (or, with ``resume``, continue) a translator in ``run_dir``.
 
     With ``resume``, the data, model and vocabularies come from the checkpoint; only
-    ``settings.epochs`` (the new total) and ``settings.device`` are taken from the
-    arguments. Returns the trained :class:`Translator` and the training history.
+    ``settings.epochs`` (the new total; None: the run's own), ``settings.lr`` (None: the
+    run's own) and ``settings.device`` are taken from the arguments. Without it, a
+    ``run_dir`` that holds a checkpoint is refused unless ``overwrite`` (see
+    :func:`qkv.training.open_run_dir`: one writer at a time, outputs checked writable
+    first). Returns the trained :class:`Translator` and the training history.
 
     Under ``torchrun --nproc_per_node=N`` every process runs this: each trains on its
     shard of the data (``settings.batch_size`` per process), only rank 0 logs, traces
@@ -429,12 +445,31 @@ def train_translator(
     # Join the torchrun process group, if any, before anything logs or touches a device.
     init_distributed(settings.device)
     log = main_process_log(log)
+    with open_run_dir(run_dir, resume=resume, overwrite=overwrite,
+                      outputs=(LOSS_PLOT, ATTENTION_PLOT), log=log):
+        return _train(settings, run_dir, resume=resume, progress=progress, log=log,
+                      trace=trace)
+
+
+def _train(
+    settings: TranslateSettings,
+    run_dir: Path,
+    *,
+    resume: bool,
+    progress: bool,
+    log: Callable[[str], None],
+    trace: Callable[[str], None] | None,
+) -> tuple[Translator, dict[str, list]]:
     if resume:
         saved = load_config(run_dir, task=TASK)
         old = TranslateSettings.from_dict(saved["settings"])
         settings = dataclasses.replace(
-            old, epochs=settings.epochs or old.epochs, device=settings.device
-        )
+            old,
+            epochs=old.epochs if settings.epochs is None else settings.epochs,
+            lr=old.lr if settings.lr is None else settings.lr,
+            device=settings.device,
+        ).resolved()
+        check_resume_target(run_dir, settings.epochs)
         src_vocab, tgt_vocab = Vocab.from_dict(saved["src_vocab"]), Vocab.from_dict(
             saved["tgt_vocab"]
         )

@@ -2,19 +2,32 @@
 
 Each sub-command lives in its own module with two functions:
 ``add_parser(subparsers)`` declares its flags and ``run(args)`` does the work
-by calling the library. This file wires them together and turns user errors
-into one line on stderr and exit status 2 (a traceback only with ``--debug``).
+by calling the library. This file wires them together and makes every failure
+one line on stderr (a traceback only with ``--debug``):
+
+- bad input (``ValueError``, ``OSError``): exit status 2;
+- a training run that stopped early (Ctrl-C, SIGTERM, a diverging loss) has
+  already reported what is on disk: 130, 143 or 1;
+- anything else, a bug or the machine running out of memory: 1.
+
+SIGTERM, which schedulers and ``kill`` send, is handled like Ctrl-C. A closed
+stdout or stderr (``qkv ... | head -1``) stops the output, never the work.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, TextIO
 
 from .. import __version__
 from . import bench, lm, translate, walkthrough
+from .runs import RunStoppedError, Terminated
 
 # Sub-command modules, in the order ``qkv --help`` lists them.
 COMMANDS = [translate, lm, bench, walkthrough]
@@ -46,23 +59,105 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _OutputGuard:
+    """A text stream whose reader may go away: then output is dropped, work goes on.
+
+    ``qkv translate train | head -1`` closes the pipe after one line; the next write
+    would raise ``BrokenPipeError`` in the middle of training. Instead the stream's
+    file descriptor is pointed at ``/dev/null`` (so that the final flush at exit is
+    quiet too) and ``lost`` is set.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.lost = False
+
+    def write(self, text: str) -> int:
+        if not self.lost:
+            try:
+                self.stream.write(text)
+            except BrokenPipeError:
+                self._lose()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.lost:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._lose()
+
+    def _lose(self) -> None:
+        self.lost = True
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...
+        return getattr(self.stream, name)
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _guarded_process() -> Iterator[tuple[_OutputGuard, _OutputGuard]]:
+    """SIGTERM raises :class:`Terminated`; stdout and stderr survive a closed pipe."""
+    out, err = _OutputGuard(sys.stdout), _OutputGuard(sys.stderr)
+    previous_streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = out, err  # type: ignore[assignment]
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous_term = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        yield out, err
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous_term)
+        with contextlib.suppress(Exception):
+            out.flush()
+            err.flush()
+        sys.stdout, sys.stderr = previous_streams
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    with _guarded_process() as (out, _):
+        code = _run(args)
+        if out.lost and getattr(args, "action", None) == "train":
+            print(f"qkv {args.command} train: stdout was closed, so output stopped; "
+                  "training ran on to the end", file=sys.stderr)
+        return code
+
+
+def _run(args: argparse.Namespace) -> int:
+    where = f"qkv {args.command}"
     try:
         return args.run(args) or 0
-    except BrokenPipeError:
-        # Output piped into `head` and the like: stop quietly, as Unix tools do.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except KeyboardInterrupt:
-        print("qkv: interrupted", file=sys.stderr)
-        return 130
-    except (UsageError, ValueError, FileNotFoundError, OSError) as e:
+    except RunStoppedError as stopped:  # already reported, in one line
+        return stopped.code
+    except KeyboardInterrupt as stop:
+        print(f"{where}: interrupted", file=sys.stderr)
+        return 143 if isinstance(stop, Terminated) else 130
+    except (UsageError, ValueError, OSError) as e:
         if args.debug:
             raise
-        print(f"qkv {args.command}: error: {e}", file=sys.stderr)
+        print(f"{where}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except Exception as e:  # a bug, or the machine ran out of memory
+        if args.debug:
+            raise
+        kind = "out of memory" if isinstance(e, MemoryError) else type(e).__name__
+        print(f"{where}: error: {kind}: {_one_line(e)} (rerun with --debug for the "
+              "traceback)", file=sys.stderr)
+        return 1
+
+
+def _one_line(error: BaseException) -> str:
+    # However the library that raised it wrote it; quoted values keep their spaces.
+    return " ".join(str(error).splitlines())

@@ -13,6 +13,17 @@ from pathlib import Path
 
 import torch
 
+from .runs import check_resume_flags, given_settings, reporting_stops
+
+# LMSettings field -> the argparse destination of its flag.
+SETTINGS_FLAGS = {
+    "text": "text", "tokenizer": "tokenizer", "bpe_dir": "bpe_dir", "preset": "preset",
+    "context_length": "context_length", "stride": "stride", "drop_rate": "dropout",
+    "tie_weights": "tie_weights", "batch_size": "batch_size", "epochs": "epochs", "lr": "lr",
+    "weight_decay": "weight_decay", "clip_norm": "clip_norm", "val_fraction": "val_fraction",
+    "seed": "seed", "device": "device",
+}
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from ..models.gpt import PRESETS
@@ -24,33 +35,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
+    # Settings flags default to None: a new run takes LMSettings' defaults (shown in the
+    # help), and --resume can tell a flag the user gave from one left alone.
     train = actions.add_parser("train", help="train a GPT on a text file (or a built-in one)")
     train.add_argument("--text", default=None,
                        help="UTF-8 text file (default: a corpus qkv generates itself)")
-    train.add_argument("--tokenizer", choices=["bytes", "gpt2"], default="bytes",
+    train.add_argument("--tokenizer", choices=["bytes", "gpt2"], default=None,
                        help="bytes: 256 byte symbols, no download (default); gpt2: GPT-2 BPE")
     train.add_argument("--bpe-dir", default=None,
                        help="folder with GPT-2's encoder.json and vocab.bpe, for offline gpt2 "
                             "(or set QKV_BPE_DIR)")
-    train.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    train.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="model size (default: tiny)")
     train.add_argument("--context-length", type=int, default=None,
                        help="window length (default: the preset's)")
     train.add_argument("--stride", type=int, default=None,
                        help="step between windows (default: half the window length)")
     train.add_argument("--dropout", type=float, default=None, help="default: the preset's")
-    train.add_argument("--tie-weights", action="store_true",
+    train.add_argument("--tie-weights", action="store_true", default=None,
                        help="share the token embedding with the output head")
-    train.add_argument("--batch-size", type=int, default=16)
-    train.add_argument("--epochs", type=int, default=10)
-    train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--weight-decay", type=float, default=0.1)
-    train.add_argument("--clip-norm", type=float, default=1.0)
-    train.add_argument("--val-fraction", type=float, default=0.1)
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--batch-size", type=int, default=None, help="default: 16")
+    train.add_argument("--epochs", type=int, default=None,
+                       help="total epochs (default: 10; with --resume, the run's own)")
+    train.add_argument("--lr", type=float, default=None,
+                       help="learning rate (default: 0.001; with --resume, the run's own)")
+    train.add_argument("--weight-decay", type=float, default=None, help="default: 0.1")
+    train.add_argument("--clip-norm", type=float, default=None, help="default: 1.0")
+    train.add_argument("--val-fraction", type=float, default=None, help="default: 0.1")
+    train.add_argument("--seed", type=int, default=None, help="default: 0")
     train.add_argument("--device", default="auto", help="auto, cpu or cuda")
     train.add_argument("--run-dir", type=Path, default=Path("runs/lm"))
     train.add_argument("--resume", action="store_true",
-                       help="continue the run in --run-dir up to --epochs")
+                       help="continue the run in --run-dir (to its own target, or --epochs)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start a new run in a --run-dir that holds a checkpoint (kept "
+                            "until the new run saves)")
     train.add_argument("--no-progress", action="store_true")
     train.add_argument("--sample", default="The ",
                        help="prompt for a sample printed after training ('' to skip)")
@@ -84,21 +103,15 @@ def run_train(args: argparse.Namespace) -> int:
     from ..language_model import LMSettings, train_language_model
     from ..training import is_main_process
 
-    settings = LMSettings(
-        text=args.text, tokenizer=args.tokenizer, bpe_dir=args.bpe_dir, preset=args.preset,
-        context_length=args.context_length, stride=args.stride, drop_rate=args.dropout,
-        tie_weights=args.tie_weights, batch_size=args.batch_size, epochs=args.epochs,
-        lr=args.lr, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
-        val_fraction=args.val_fraction, seed=args.seed, device=args.device,
-    )
-    try:
+    given = given_settings(args, SETTINGS_FLAGS)
+    if args.resume:
+        check_resume_flags(args.run_dir, "lm", given, SETTINGS_FLAGS)
+    settings = LMSettings(**given)
+    if not args.resume:
+        settings.resolved()  # refuse bad values before the run directory is touched
+    with reporting_stops("lm", args.run_dir, args):
         lm, _ = train_language_model(settings, args.run_dir, resume=args.resume,
-                                     progress=not args.no_progress)
-    except KeyboardInterrupt:
-        if is_main_process():
-            print(f"interrupted: the last completed epoch is saved in {args.run_dir}; "
-                  f"continue with 'qkv lm train --run-dir {args.run_dir} --resume'")
-        return 130
+                                     overwrite=args.overwrite, progress=not args.no_progress)
     if not is_main_process():
         # Under torchrun, rank 0 reports; the other ranks' work ended with training.
         return 0

@@ -14,6 +14,16 @@ from pathlib import Path
 
 import torch
 
+from ..translation import TranslateSettings
+from .runs import check_resume_flags, given_settings, reporting_stops
+
+# TranslateSettings field -> the argparse destination of its flag.
+SETTINGS_FLAGS = {name: name for name in (
+    "data", "model", "num_examples", "num_steps", "held_out", "min_freq", "embed_size",
+    "num_hiddens", "num_layers", "dropout", "num_heads", "ffn_num_hiddens", "batch_size",
+    "lr", "epochs", "clip_norm", "seed", "device",
+)}
+
 # SPEC §7's four test sentences: the default input for an English->French model.
 FRA_ENG_EXAMPLES = ["go .", "i lost .", "he's calm .", "i'm home ."]
 DATE_EXAMPLES = [
@@ -34,15 +44,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
+    # Settings flags default to None: a new run takes TranslateSettings' defaults (shown
+    # in the help), and --resume can tell a flag the user gave from one left alone.
     train = actions.add_parser("train", help="train a translator (default: dates -> ISO)")
-    train.add_argument("--data", default="dates",
+    train.add_argument("--data", default=None,
                        help="'dates' (embedded, default), 'fra-eng' (downloaded) or a "
                             "source<TAB>target file")
-    train.add_argument("--model", choices=["bahdanau", "transformer"], default="bahdanau")
+    train.add_argument("--model", choices=["bahdanau", "transformer"], default=None,
+                       help="default: bahdanau")
     train.add_argument("--run-dir", type=Path, default=None,
                        help="checkpoint directory (default: runs/translate-DATA)")
     train.add_argument("--resume", action="store_true",
-                       help="continue the run in --run-dir up to --epochs")
+                       help="continue the run in --run-dir (to its own target, or --epochs)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start a new run in a --run-dir that holds a checkpoint (kept "
+                            "until the new run saves)")
     train.add_argument("--epochs", type=int, default=None,
                        help="total epochs (default: 10 for dates, 250 otherwise)")
     train.add_argument("--num-examples", type=int, default=None,
@@ -51,17 +67,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="tokens per sentence after truncation/padding")
     train.add_argument("--held-out", type=float, default=None,
                        help="fraction held out for evaluation (default: 0.1 dates, 0 else)")
-    train.add_argument("--min-freq", type=int, default=2)
-    train.add_argument("--embed-size", type=int, default=32)
-    train.add_argument("--num-hiddens", type=int, default=32)
-    train.add_argument("--num-layers", type=int, default=2)
-    train.add_argument("--dropout", type=float, default=0.1)
-    train.add_argument("--num-heads", type=int, default=4, help="transformer only")
-    train.add_argument("--ffn-num-hiddens", type=int, default=64, help="transformer only")
-    train.add_argument("--batch-size", type=int, default=64)
-    train.add_argument("--lr", type=float, default=0.005)
-    train.add_argument("--clip-norm", type=float, default=1.0)
-    train.add_argument("--seed", type=int, default=0)
+    defaults = TranslateSettings()
+    for flag, kind, note in (
+        ("--min-freq", int, ""), ("--embed-size", int, ""), ("--num-hiddens", int, ""),
+        ("--num-layers", int, ""), ("--dropout", float, ""),
+        ("--num-heads", int, "transformer only; "),
+        ("--ffn-num-hiddens", int, "transformer only; "), ("--batch-size", int, ""),
+        ("--clip-norm", float, ""), ("--seed", int, ""),
+    ):
+        default = getattr(defaults, flag[2:].replace("-", "_"))
+        train.add_argument(flag, type=kind, default=None, help=f"{note}default: {default}")
+    train.add_argument("--lr", type=float, default=None,
+                       help="learning rate (default: 0.005; with --resume, the run's own)")
     train.add_argument("--device", default="auto", help="auto, cpu or cuda")
     train.add_argument("--threads", type=int, default=1,
                        help="CPU threads for torch (default 1: these models are small, a "
@@ -113,32 +130,25 @@ def _print_metrics(label: str, metrics: dict[str, float | None]) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from ..training import is_main_process
-    from ..translation import TranslateSettings, train_translator
+    from ..translation import train_translator
     from ..viz import check_image_path
 
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
-    run_dir = args.run_dir or Path("runs") / f"translate-{Path(args.data).stem}"
-    settings = TranslateSettings(
-        data=args.data, model=args.model, num_examples=args.num_examples,
-        num_steps=args.num_steps, held_out=args.held_out, min_freq=args.min_freq,
-        embed_size=args.embed_size, num_hiddens=args.num_hiddens, num_layers=args.num_layers,
-        dropout=args.dropout, num_heads=args.num_heads, ffn_num_hiddens=args.ffn_num_hiddens,
-        batch_size=args.batch_size, lr=args.lr, epochs=args.epochs, clip_norm=args.clip_norm,
-        seed=args.seed, device=args.device,
-    )
+    given = given_settings(args, SETTINGS_FLAGS)
+    run_dir = args.run_dir or Path("runs") / f"translate-{Path(args.data or 'dates').stem}"
+    if args.resume:
+        check_resume_flags(run_dir, "translate", given, SETTINGS_FLAGS)
+    settings = TranslateSettings(**given)
+    if not args.resume:
+        settings.resolved()  # refuse bad values before the run directory is touched
     heatmap = check_image_path(run_dir / "attention.png")
-    try:
+    with reporting_stops("translate", run_dir, args):
         translator, _ = train_translator(
-            settings, run_dir, resume=args.resume, progress=not args.no_progress,
-            trace=print if args.trace else None,
+            settings, run_dir, resume=args.resume, overwrite=args.overwrite,
+            progress=not args.no_progress, trace=print if args.trace else None,
         )
-    except KeyboardInterrupt:
-        if is_main_process():
-            print(f"interrupted: the last completed epoch is saved in {run_dir}; "
-                  f"continue with 'qkv translate train --run-dir {run_dir} --resume'")
-        return 130
     if not is_main_process():
         # Under torchrun, rank 0 reports; the other ranks' work ended with training.
         return 0

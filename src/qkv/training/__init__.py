@@ -7,6 +7,7 @@ See :mod:`qkv.training.checkpoint` for the run-directory layout and its guarante
 
 from .checkpoint import (
     CheckpointError,
+    checkpoint_progress,
     is_checkpoint,
     load_config,
     load_trainer_state,
@@ -21,11 +22,22 @@ from .distributed import (
     main_process_log,
     make_loader,
 )
+from .lock import RunDirBusyError, holds_run_dir_lock, run_dir_lock
 from .losses import MaskedSoftmaxCELoss, masked_cross_entropy
-from .trainer import TrainConfig, Trainer, epoch_seed, resolve_device, seed_everything
+from .rundir import check_resume_target, checkpoint_files, describe_run_dir, open_run_dir
+from .trainer import (
+    LOSS_PLOT,
+    TrainConfig,
+    Trainer,
+    TrainingDivergedError,
+    epoch_seed,
+    resolve_device,
+    seed_everything,
+)
 
 __all__ = [
     "CheckpointError",
+    "checkpoint_progress",
     "is_checkpoint",
     "load_config",
     "load_trainer_state",
@@ -37,10 +49,19 @@ __all__ = [
     "is_main_process",
     "main_process_log",
     "make_loader",
+    "RunDirBusyError",
+    "holds_run_dir_lock",
+    "run_dir_lock",
+    "check_resume_target",
+    "checkpoint_files",
+    "describe_run_dir",
+    "open_run_dir",
     "MaskedSoftmaxCELoss",
     "masked_cross_entropy",
+    "LOSS_PLOT",
     "TrainConfig",
     "Trainer",
+    "TrainingDivergedError",
     "epoch_seed",
     "resolve_device",
     "seed_everything",

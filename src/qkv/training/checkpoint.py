@@ -29,7 +29,14 @@ discards the leftovers). One that dies during step 3 leaves a committed checkpoi
 between the two directories: loaders read each file from the staging directory when it is
 still there and from ``run_dir`` otherwise, and the next save completes the move. Either
 way a loader sees the old checkpoint or the new one, never a mix. Loaders never write.
-Concurrent writers to one run directory are not supported (train on rank 0 only).
+
+One writer at a time. A save holds the run directory's lock (:mod:`qkv.training.lock`),
+so a second process saving into the same directory is refused, not interleaved. Ctrl-C
+and SIGTERM arriving during a save wait until it is complete (then interrupt as usual),
+so an interrupted save is one that was never started or one that finished. Before
+writing, a save removes the temporary files of writes killed earlier (SIGKILL, power
+loss) and refuses a staging directory that is not its own: a symlink, a file, or one
+holding files it did not write.
 
 Tied weights: ``state_dict()`` lists a shared parameter under every name; safetensors
 refuses to store shared memory, so the first name stores the tensor and the others are
@@ -44,6 +51,7 @@ import json
 import os
 import random
 import shutil
+import stat
 import struct
 import warnings
 from collections.abc import Mapping
@@ -54,7 +62,15 @@ import safetensors.torch
 import torch
 from torch import Tensor, nn
 
-from ..fileio import fsync_dir, write_atomic, write_durable
+from ..fileio import (
+    deferred_signals,
+    fsync_dir,
+    remove_stale_temp_files,
+    write_atomic,
+    write_durable,
+)
+from ..testing import pause_point
+from .lock import run_dir_lock
 
 __all__ = [
     "CheckpointError",
@@ -65,6 +81,7 @@ __all__ = [
     "load_weights",
     "load_trainer_state",
     "is_checkpoint",
+    "checkpoint_progress",
     "write_atomic",
     "capture_rng_state",
     "restore_rng_state",
@@ -82,6 +99,8 @@ _REQUIRED = (MODEL, CONFIG)
 _OPTIONAL = (TRAINER_TENSORS, TRAINER_JSON)
 _KNOWN = frozenset(_REQUIRED + _OPTIONAL)
 STAGING = ".checkpoint-incoming"
+# Everything a save writes into the staging directory.
+_STAGED = _KNOWN | {MANIFEST}
 
 _ALIAS_KEY = "qkv.aliases"
 _TENSOR_TAG = "__safetensors_key__"  # JSON placeholder for a tensor stored in safetensors
@@ -295,11 +314,33 @@ def _manifest(files: Mapping[str, bytes]) -> dict[str, Any]:
     }
 
 
+def _staging_dir(run_dir: Path) -> Path | None:
+    """``run_dir``'s staging directory if there is one; refuse one that is not a plain
+    directory (a symlink would let a save write, and a loader read, somewhere else)."""
+    staging = run_dir / STAGING
+    try:
+        mode = os.lstat(staging).st_mode
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(mode):
+        kind = "a symlink" if stat.S_ISLNK(mode) else "not a directory"
+        raise _fail(staging, f"is {kind}, not the staging directory a qkv save makes; "
+                             "move it out of the run directory")
+    return staging
+
+
 def _finish_pending(run_dir: Path) -> None:
     """Complete a committed save (step 3 above) or discard an uncommitted one."""
-    staging = run_dir / STAGING
-    if not staging.is_dir():
+    staging = _staging_dir(run_dir)
+    if staging is None:
         return
+    remove_stale_temp_files(staging)
+    foreign = sorted(entry.name for entry in os.scandir(staging)
+                     if entry.name not in _STAGED or not entry.is_file(follow_symlinks=False))
+    if foreign:
+        # Deleting them with the staging directory could destroy someone's files.
+        raise _fail(staging, f"holds {_describe(foreign)}, which no qkv save writes; "
+                             "move them out of the run directory")
     staged_manifest = staging / MANIFEST
     if not staged_manifest.is_file():
         shutil.rmtree(staging)  # never committed: the checkpoint in run_dir is intact
@@ -308,6 +349,7 @@ def _finish_pending(run_dir: Path) -> None:
     for name in names:
         if (staging / name).exists():
             os.replace(staging / name, run_dir / name)
+            pause_point("save-moving")  # the checkpoint is split between two directories
     fsync_dir(run_dir)
     os.replace(staged_manifest, run_dir / MANIFEST)
     fsync_dir(run_dir)
@@ -356,16 +398,27 @@ def save_checkpoint(
         files[TRAINER_JSON] = _json_bytes(state, "trainer_state")
     manifest = _json_bytes(_manifest(files), "manifest")
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _finish_pending(run_dir)  # an earlier save that died after its commit
-    staging = run_dir / STAGING
-    staging.mkdir()
-    for name, data in files.items():
-        write_durable(staging / name, data)
-    fsync_dir(staging)
-    write_atomic(staging / MANIFEST, manifest)  # the commit point
-    _finish_pending(run_dir)
+    with run_dir_lock(run_dir), deferred_signals(_say_saving):
+        pause_point("save-begin")
+        remove_stale_temp_files(run_dir)
+        _finish_pending(run_dir)  # an earlier save that died after its commit
+        staging = run_dir / STAGING
+        staging.mkdir()
+        for name, data in files.items():
+            write_durable(staging / name, data)
+        fsync_dir(staging)
+        pause_point("save-staged")
+        write_atomic(staging / MANIFEST, manifest)  # the commit point
+        pause_point("save-committed")
+        _finish_pending(run_dir)
+        pause_point("save-done")
     return run_dir
+
+
+def _say_saving(signum: int) -> None:
+    # Runs in a signal handler: os.write, not print, which could re-enter sys.stdout's
+    # buffer in the middle of a write.
+    os.write(2, b"qkv: a checkpoint is being written; stopping as soon as it is complete\n")
 
 
 # ----------------------------------------------------------------------------
@@ -408,10 +461,10 @@ class _Checkpoint:
         self.run_dir = Path(run_dir)
         if not self.run_dir.is_dir():
             raise _fail(self.run_dir, "checkpoint directory does not exist")
-        staging = self.run_dir / STAGING
+        staging = _staging_dir(self.run_dir)
         # A committed save still being moved into place is the newest checkpoint.
-        self.pending = (staging / MANIFEST).is_file()
-        manifest_dir = staging if self.pending else self.run_dir
+        self.pending = staging is not None and (staging / MANIFEST).is_file()
+        manifest_dir = staging if staging is not None and self.pending else self.run_dir
         self.files: dict[str, dict[str, Any]] = _parse_manifest(manifest_dir / MANIFEST)["files"]
 
     def has(self, name: str) -> bool:
@@ -419,6 +472,8 @@ class _Checkpoint:
 
     def path(self, name: str) -> Path:
         staged = self.run_dir / STAGING / name
+        if self.pending and staged.is_symlink():
+            raise _fail(staged, "is a symlink; a qkv save never stages one")
         return staged if self.pending and staged.exists() else self.run_dir / name
 
     def check_size(self, name: str) -> None:
@@ -449,6 +504,29 @@ class _Checkpoint:
 
     def read_tensors(self, name: str) -> dict[str, Tensor]:
         return _bytes_to_tensors(self.path(name), self.read(name))
+
+
+def checkpoint_progress(run_dir: str | os.PathLike[str]) -> tuple[int, int | None] | None:
+    """``(completed epochs, target epochs)`` of the checkpoint in ``run_dir``.
+
+    None when the checkpoint holds no trainer state (it loads, but cannot be resumed);
+    the target is None when the trainer state does not record one. Reads only the
+    manifest and ``trainer.json`` (hash checked); raises :class:`CheckpointError` when
+    there is no valid checkpoint. For messages that must say what is on disk.
+    """
+    ckpt = _Checkpoint(run_dir)
+    if not ckpt.has(TRAINER_JSON):
+        return None
+    saved = ckpt.read_json(TRAINER_JSON)
+    state = saved.get("trainer_state") if isinstance(saved, dict) else None
+    epoch = state.get("epoch") if isinstance(state, dict) else None
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise _fail(ckpt.path(TRAINER_JSON), f"trainer_state.epoch must be an integer >= 0, "
+                                             f"got {epoch!r}")
+    train_config = state.get("train_config")
+    target = train_config.get("epochs") if isinstance(train_config, dict) else None
+    valid_target = isinstance(target, int) and not isinstance(target, bool) and target >= 0
+    return epoch, target if valid_target else None
 
 
 def is_checkpoint(run_dir: str | os.PathLike[str]) -> bool:

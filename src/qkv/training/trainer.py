@@ -20,9 +20,18 @@ bit-identical weights (on the same device and software; on GPU,
 
 Ctrl-C. A ``KeyboardInterrupt`` during :meth:`Trainer.fit` (with a ``run_dir``) rolls the
 model, optimizer, RNGs and history back to the end of the last completed epoch, saves
-that as the checkpoint, and re-raises: granularity is one epoch, the partial epoch is
-lost, and :meth:`Trainer.resume` continues exactly. The rollback needs a copy of the
-model and optimizer state, taken (on the CPU) after every epoch.
+that as the checkpoint unless it is already on disk, and re-raises: granularity is one
+epoch, the partial epoch is lost, and :meth:`Trainer.resume` continues exactly. An
+interruption before the first epoch completes saves nothing (there is nothing to keep,
+and an earlier checkpoint in ``run_dir`` stays as it was). The rollback needs a copy of
+the model and optimizer state, taken (on the CPU) after every epoch. A save itself is
+never cut short: a Ctrl-C during one takes effect when it is complete.
+
+Divergence. A loss that is not finite (NaN or infinite), or weights that are not finite
+at the end of an epoch, stop training with :class:`TrainingDivergedError` naming the epoch
+and step; the model is rolled back and saved as for Ctrl-C, so ``run_dir`` keeps the
+last finite state. The check costs no synchronisation: a device-side flag per step,
+read at most every half second and at the end of each epoch.
 
 Distributed data parallel. Under ``torchrun --nproc_per_node=N`` the trainer joins the
 process group (:func:`qkv.training.init_distributed`: gloo on the CPU, NCCL on CUDA with
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import random
 import sys
 import time
@@ -57,6 +67,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from ..testing import pause_point
 from .checkpoint import (
     CheckpointError,
     capture_rng_state,
@@ -69,8 +80,10 @@ from .checkpoint import (
 from .distributed import get_rank_and_world_size, init_distributed
 
 __all__ = [
+    "LOSS_PLOT",
     "TrainConfig",
     "Trainer",
+    "TrainingDivergedError",
     "default_optimizer",
     "resolve_device",
     "seed_everything",
@@ -114,10 +127,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {self.epochs}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if self.clip_norm is not None and not 0 < self.clip_norm < math.inf:
+            raise ValueError(f"clip_norm must be a finite number > 0 or None, "
+                             f"got {self.clip_norm}")
         if self.log_every < 0 or self.checkpoint_every < 0:
             raise ValueError("log_every and checkpoint_every must be >= 0")
 
@@ -194,6 +208,14 @@ def default_optimizer(model: nn.Module, lr: float, device: torch.device) -> torc
     return torch.optim.Adam(model.parameters(), lr=lr, fused=fused or None)
 
 
+class TrainingDivergedError(RuntimeError):
+    """The loss or the weights stopped being finite: one line naming epoch and step."""
+
+    def __init__(self, message: str, epoch: int, step: int, lr: float) -> None:
+        super().__init__(message)
+        self.epoch, self.step, self.lr = epoch, step, lr
+
+
 class Trainer:
     """Train ``model`` with ``loss_fn`` on the batches of ``data``; checkpoint to ``run_dir``.
 
@@ -247,6 +269,8 @@ class Trainer:
         self.log = log or tqdm.write
         self.epoch = 0  # completed epochs
         self.step = 0  # optimizer steps taken
+        # The epoch of the checkpoint in run_dir that this trainer saved or resumed from.
+        self.saved_epoch: int | None = None
         self.history: dict[str, list] = {"epoch": [], "loss": [], "tokens_per_sec": []}
 
     @property
@@ -285,6 +309,7 @@ class Trainer:
         # other ranks may be gone already.)
         rescue = self._capture() if self._can_save else None
         try:
+            pause_point("train-start")
             while self.epoch < cfg.epochs:
                 record = self._train_epoch(self.epoch, bar)
                 if self.validate is not None:
@@ -295,16 +320,14 @@ class Trainer:
                     self._log_epoch(record)
                 if self._can_save:
                     rescue = self._capture()
+                pause_point("epoch-end")
                 periodic = cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0
                 if periodic and self.epoch < cfg.epochs:  # the last one is saved below
                     self._save_and_wait()
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, TrainingDivergedError) as stop:
             bar.close()
             if rescue is not None:
-                self._restore(rescue)
-                self.log(f"interrupted: saving the state after epoch {self.epoch} to "
-                         f"{self.run_dir}; resume() continues from there")
-                self.save()
+                self._keep_last_completed_epoch(rescue, stop)
             raise
         finally:
             bar.close()
@@ -316,6 +339,16 @@ class Trainer:
             self.log(f"loss {self.history['loss'][-1]:.3f}, "
                      f"{self.history['tokens_per_sec'][-1]:.1f} tokens/sec on {where}")
         return self.history
+
+    def _keep_last_completed_epoch(self, rescue: dict[str, Any], stop: BaseException) -> None:
+        """Roll back to ``rescue`` (the end of the last completed epoch) and save it,
+        unless it is the checkpoint already on disk or there is no completed epoch."""
+        self._restore(rescue)
+        if self.epoch == 0 or self.epoch == self.saved_epoch:
+            return
+        why = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped"
+        self.log(f"{why}: saving the state after epoch {self.epoch} to {self.run_dir}")
+        self.save()
 
     def _save_and_wait(self) -> None:
         """Save on rank 0 (with a ``run_dir``); every rank then waits for the save."""
@@ -338,7 +371,10 @@ class Trainer:
         # Accumulate on the device: reading the loss every step would force a sync.
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         token_total = torch.zeros((), dtype=torch.int64, device=self.device)
-        last_refresh = start
+        # The first step whose loss was not finite, or -1; kept on the device and read
+        # only every _PROGRESS_INTERVAL, so that checking costs no synchronisation.
+        bad_step = torch.full((), -1, dtype=torch.int64, device=self.device)
+        last_refresh = last_check = start
         for batch in batches:
             batch = tuple(
                 t.to(self.device, non_blocking=True) if isinstance(t, Tensor) else t
@@ -346,6 +382,8 @@ class Trainer:
             )
             self.optimizer.zero_grad(set_to_none=True)
             loss_sum, num_tokens = self.loss_fn(self.model, batch)
+            bad_step = torch.where((bad_step < 0) & ~loss_sum.detach().isfinite(),
+                                   self.step + 1, bad_step)
             num_tokens = torch.as_tensor(num_tokens, device=self.device)
             if self.world_size == 1:
                 # Mean per valid token in this batch; clamp keeps an all-padding batch finite.
@@ -366,12 +404,16 @@ class Trainer:
             token_total += num_tokens.detach()
             bar.update()
             now = time.perf_counter()
+            if now - last_check >= _PROGRESS_INTERVAL:
+                last_check = now
+                self._check_finite(epoch, bad_step)
             if not bar.disable and now - last_refresh >= _PROGRESS_INTERVAL:
                 last_refresh = now
                 tokens = token_total.item()
                 bar.set_postfix(epoch=epoch + 1, loss=f"{loss_total.item() / max(tokens, 1):.3f}",
                                 tok_s=f"{tokens / (now - start):.0f}", refresh=False)
         tokens = int(token_total.item())  # .item() synchronises, so the timing is honest
+        self._check_finite(epoch, bad_step, weights=True)
         seconds = time.perf_counter() - start
         loss_sum_total = loss_total.item()
         if self.world_size > 1:
@@ -389,6 +431,24 @@ class Trainer:
             raise ValueError(f"epoch {epoch + 1}: the data yielded no tokens (no batches, "
                              "or num_tokens was always 0)")
         return {"loss": loss_sum_total / tokens, "tokens_per_sec": tokens / seconds}
+
+    def _check_finite(self, epoch: int, bad_step: Tensor, weights: bool = False) -> None:
+        """Raise :class:`TrainingDivergedError` if a step's loss (or, with ``weights``, a
+        parameter) is not finite. Every rank raises together: all see the same weights,
+        and a non-finite loss on any rank reaches every rank through the gradients."""
+        step = int(bad_step.item())
+        if step < 0 and weights:
+            finite = all(bool(p.detach().isfinite().all()) for p in self._module.parameters())
+            step = -1 if finite else self.step
+        if step < 0:
+            return
+        raise TrainingDivergedError(
+            f"training diverged at epoch {epoch + 1}, step {step:,}: the loss or the weights "
+            f"stopped being finite (NaN or infinite) with lr {self._lr():g}; a smaller lr "
+            "or clip_norm usually helps", epoch + 1, step, self._lr())
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def _run_validation(self) -> dict[str, float]:
         assert self.validate is not None
@@ -467,6 +527,7 @@ class Trainer:
             return
         save_checkpoint(self.run_dir, self._module, self.checkpoint_config,
                         optimizer=self.optimizer, trainer_state=self.trainer_state())
+        self.saved_epoch = self.epoch
         if self.history["loss"]:
             write_atomic(self.run_dir / LOSS_PLOT, plot_history(self.history))
 
@@ -496,12 +557,21 @@ class Trainer:
         except (KeyError, TypeError, ValueError, AttributeError):
             raise CheckpointError(f"{self.run_dir}: trainer state needs epoch, step and "
                                   "history") from None
+        self.saved_epoch = self.epoch
         saved = state.get("train_config") or {}
-        changed = [k for k in ("seed", "lr", "clip_norm")
+        saved_lr = saved.get("lr")
+        if isinstance(saved_lr, (int, float)) and 0 < saved_lr < math.inf \
+                and saved_lr != self.config.lr:
+            # The optimizer state just loaded carries the old rate; this run asked for
+            # another. Scale every group alike, so groups keep their ratios.
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * self.config.lr / saved_lr
+        changed = [f"{k} {saved[k]} -> {getattr(self.config, k)}"
+                   for k in ("seed", "lr", "clip_norm")
                    if k in saved and saved[k] != getattr(self.config, k)]
         if changed and self.is_main_process:
-            self.log(f"note: resuming with a different {', '.join(changed)} than the "
-                     "checkpoint; the run will not match an uninterrupted one")
+            self.log(f"note: resuming at epoch {self.epoch} with {', '.join(changed)}; the "
+                     "run will not match an uninterrupted one")
 
 
 def plot_history(history: dict[str, list]) -> bytes:

@@ -1,0 +1,150 @@
+"""What ``qkv translate train`` and ``qkv lm train`` share: the rules of ``--resume`` and
+an honest report when a run stops early.
+
+- The settings flags default to None, so a flag the user gave can be told from one
+  left alone: a new run fills the rest from the settings' own defaults, and a resume
+  takes the run's saved settings and refuses a flag that would change one of them
+  (except the total ``--epochs``, ``--lr``, ``--device`` and ``--bpe-dir``, which a
+  resume may set).
+- When a run stops (Ctrl-C, SIGTERM, a diverging loss) the message says what the run
+  directory holds, read back from disk, and the exact command that continues it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..training import (
+    TrainingDivergedError,
+    checkpoint_progress,
+    describe_run_dir,
+    is_main_process,
+    load_config,
+)
+from ..training.checkpoint import MANIFEST
+
+# Settings a resume may change (the BPE folder may have moved since training); every
+# other one belongs to the run.
+RESUMABLE = frozenset({"epochs", "lr", "device", "bpe_dir"})
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers and ``kill`` send), handled like Ctrl-C."""
+
+
+class RunStoppedError(Exception):
+    """A training run stopped early and said why; ``code`` is the exit status."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def given_settings(args: argparse.Namespace, flags: Mapping[str, str]) -> dict[str, Any]:
+    """``{settings field: value}`` for the flags the user gave; ``flags`` maps each
+    settings field to its argparse destination (flags that default to None)."""
+    return {field: getattr(args, dest) for field, dest in flags.items()
+            if getattr(args, dest) is not None}
+
+
+def _same(field: str, given: Any, saved: Any) -> bool:
+    if field in ("data", "text") and isinstance(saved, str) and isinstance(given, str):
+        # The same file, however the path is spelled.
+        with contextlib.suppress(OSError):
+            return given == saved or os.path.samefile(given, saved)
+    return given == saved
+
+
+def check_resume_flags(run_dir: Path, task: str, given: Mapping[str, Any],
+                       flags: Mapping[str, str]) -> None:
+    """Refuse flags that a resume of ``run_dir`` would otherwise silently ignore."""
+    saved = load_config(run_dir, task=task).get("settings")
+    saved = saved if isinstance(saved, dict) else {}
+    changed = [f"--{flags[field].replace('_', '-')} {value} (the run has {saved.get(field)})"
+               for field, value in given.items()
+               if field not in RESUMABLE and not _same(field, value, saved.get(field))]
+    if changed:
+        raise ValueError(f"--resume continues {run_dir} as it was set up, so "
+                         f"{'; '.join(changed)} cannot change; drop "
+                         f"{'it' if len(changed) == 1 else 'them'}, or start a new run "
+                         "with --overwrite")
+
+
+def resume_command(task: str, run_dir: Path, args: argparse.Namespace, **extra: Any) -> str:
+    """The command that continues the run in ``run_dir`` with this process's options."""
+    words = ["qkv", task, "train", "--run-dir", str(run_dir), "--resume"]
+    if args.device not in (None, "auto"):
+        words += ["--device", args.device]
+    if getattr(args, "threads", 1) != 1:
+        words += ["--threads", str(args.threads)]
+    for flag, value in extra.items():
+        words += [f"--{flag.replace('_', '-')}", str(value)]
+    return shlex.join(words)
+
+
+def _manifest(run_dir: Path) -> bytes | None:
+    try:
+        return (run_dir / MANIFEST).read_bytes()
+    except OSError:
+        return None
+
+
+def _resumable(run_dir: Path) -> bool:
+    """True if ``run_dir`` holds a checkpoint that ``--resume`` can take further."""
+    try:
+        progress = checkpoint_progress(run_dir)
+    except ValueError:
+        return False
+    return progress is not None and (progress[1] is None or progress[0] < progress[1])
+
+
+def _rerun_command() -> str:
+    return shlex.join(["qkv", *sys.argv[1:]])
+
+
+@contextlib.contextmanager
+def reporting_stops(task: str, run_dir: Path, args: argparse.Namespace) -> Iterator[None]:
+    """Turn an interrupted or diverged run into a truthful report and :class:`RunStoppedError`.
+
+    The report reads the run directory back from disk: whether this run saved anything
+    (its manifest changed), what the directory holds now, and the command to go on.
+    """
+    before = _manifest(run_dir)
+    try:
+        yield
+    except (KeyboardInterrupt, TrainingDivergedError) as stop:
+        interrupted = isinstance(stop, KeyboardInterrupt)
+        code = (143 if isinstance(stop, Terminated) else 130) if interrupted else 1
+        if not is_main_process():  # rank 0 reports for everyone
+            raise RunStoppedError(code) from None
+        if interrupted:
+            head = f"interrupted ({'SIGTERM' if isinstance(stop, Terminated) else 'Ctrl-C'})"
+            extra: dict[str, Any] = {}
+        else:
+            head = f"error: {stop}"
+            extra = {"lr": f"{stop.lr / 2:g}"}
+        after = _manifest(run_dir)
+        saved = after is not None and after != before
+        if saved:
+            state = f"{run_dir} holds {describe_run_dir(run_dir)}"
+        elif before is not None:
+            state = f"this run saved nothing; {run_dir} still holds {describe_run_dir(run_dir)}"
+        else:
+            state = f"no epoch had completed, so nothing was saved ({run_dir} holds no checkpoint)"
+        if not saved and (before is None or getattr(args, "overwrite", False)):
+            advice = "; start again with: " + _rerun_command()
+            if not interrupted:
+                advice += " and a smaller --lr"
+        elif _resumable(run_dir):
+            advice = f"; continue with: {resume_command(task, run_dir, args, **extra)}"
+        else:
+            advice = ""
+        print(f"qkv {task} train: {head}: {state}{advice}", file=sys.stderr)
+        raise RunStoppedError(code) from None

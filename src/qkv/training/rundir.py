@@ -1,0 +1,117 @@
+"""A run directory's rules, checked before a training run reads or writes anything.
+
+- **One writer.** The saving process (rank 0) holds the directory's lock
+  (:func:`qkv.training.lock.run_dir_lock`) for the whole run; a second run is refused
+  with one line naming the holder.
+- **No checkpoint replaced by accident.** A new run (not ``resume``) into a directory
+  that holds a checkpoint, or any file a save would replace, is refused unless
+  ``overwrite``; even then the old checkpoint stays, loadable, until the new run's first
+  save replaces it in one step.
+- **Writable before, not after, an hour of training.** The directory and every output
+  file the run will write (plots) are checked up front.
+
+:func:`describe_run_dir` says what a directory holds, read back from disk, so that a
+message after an interruption or a failure states what is really there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from ..fileio import check_writable
+from .checkpoint import (
+    CONFIG,
+    MANIFEST,
+    MODEL,
+    STAGING,
+    TRAINER_JSON,
+    TRAINER_TENSORS,
+    CheckpointError,
+    checkpoint_progress,
+)
+from .distributed import is_main_process
+from .lock import run_dir_lock
+
+__all__ = ["open_run_dir", "describe_run_dir", "checkpoint_files", "check_resume_target"]
+
+# Every name a save writes or replaces in a run directory.
+_SAVED_NAMES = (MANIFEST, MODEL, CONFIG, TRAINER_TENSORS, TRAINER_JSON, STAGING)
+
+
+def checkpoint_files(run_dir: str | os.PathLike[str]) -> list[str]:
+    """The names in ``run_dir`` that a checkpoint save would replace."""
+    run_dir = Path(run_dir)
+    return [name for name in _SAVED_NAMES
+            if os.path.lexists(run_dir / name)]
+
+
+def describe_run_dir(run_dir: str | os.PathLike[str]) -> str:
+    """What ``run_dir`` holds, read from disk, as a phrase for a message.
+
+    "no checkpoint", "the checkpoint after epoch 3 of 10", "a checkpoint without
+    trainer state" or "a checkpoint that does not load (why)".
+    """
+    if not checkpoint_files(run_dir):
+        return "no checkpoint"
+    try:
+        progress = checkpoint_progress(run_dir)
+    except CheckpointError as error:
+        return f"a checkpoint that does not load ({error})"
+    if progress is None:
+        return "a checkpoint without trainer state (it loads, but cannot be resumed)"
+    epoch, target = progress
+    return f"the checkpoint after epoch {epoch}" + ("" if target is None else f" of {target}")
+
+
+@contextlib.contextmanager
+def open_run_dir(
+    run_dir: str | os.PathLike[str],
+    *,
+    resume: bool,
+    overwrite: bool = False,
+    outputs: Iterable[str] = (),
+    log: Callable[[str], None] | None = None,
+) -> Iterator[Path]:
+    """Hold ``run_dir`` for one training run, after checking the rules above.
+
+    ``outputs`` names the files (relative to ``run_dir``) the run will write besides the
+    checkpoint, such as plots. On ranks other than 0 of a ``torchrun`` job, which never
+    write, this only yields. Raises ``ValueError`` or ``OSError`` subclasses, each one
+    line: :class:`qkv.training.lock.RunDirBusyError`, ``FileExistsError`` for a checkpoint
+    a new run would replace, ``OSError`` for a location that cannot be written.
+    """
+    run_dir = Path(run_dir)
+    if resume and overwrite:
+        raise ValueError("resume and overwrite contradict each other: resume continues the "
+                         f"checkpoint in {run_dir}, overwrite replaces it; choose one")
+    if not is_main_process():
+        yield run_dir
+        return
+    if run_dir.exists() and not run_dir.is_dir():
+        raise NotADirectoryError(f"run directory {str(run_dir)!r} exists and is not a "
+                                 "directory; choose another --run-dir")
+    with run_dir_lock(run_dir, log=log):
+        existing = checkpoint_files(run_dir)
+        if existing and not resume and not overwrite:
+            raise FileExistsError(
+                f"{run_dir} already holds {describe_run_dir(run_dir)}; continue it with "
+                "--resume, or start a new run over it with --overwrite (the old checkpoint "
+                "stays until the new run saves)"
+            )
+        for name in outputs:
+            check_writable(run_dir / name)
+        yield run_dir
+
+
+def check_resume_target(run_dir: str | os.PathLike[str], epochs: int) -> None:
+    """Refuse (one-line ``ValueError``) to resume ``run_dir`` up to ``epochs`` when its
+    checkpoint is already there: nothing would be trained."""
+    progress = checkpoint_progress(run_dir)
+    if progress is not None and epochs <= progress[0]:
+        done = progress[0]
+        raise ValueError(f"nothing to train: {run_dir} holds {describe_run_dir(run_dir)} "
+                         f"and the target is epoch {epochs}; pass a larger total, such as "
+                         f"--epochs {done + max(1, done // 2)}")
