@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .fileio import write_atomic
+from .fileio import check_writable, write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -116,9 +116,11 @@ def _per_panel(labels: Any, n: int, name: str) -> list[Any]:
 
 
 def check_image_path(path: str | os.PathLike[str]) -> Path:
-    """Return ``path`` as a Path if its extension is one we can write, else raise.
+    """Return ``path`` as a Path if an image can be written there, else raise one line.
 
-    Call it before a long computation so a typo in the file name fails fast.
+    Checks the extension and that the location is writable (creating missing parent
+    folders, as saving will). Call it before a long computation so that a typo or a
+    read-only folder fails fast.
     """
     path = Path(path)
     if path.suffix.lower() not in SUPPORTED_FORMATS:
@@ -127,7 +129,7 @@ def check_image_path(path: str | os.PathLike[str]) -> Path:
             f"cannot write an image to {str(path)!r} ({ext}); "
             f"use one of {', '.join(SUPPORTED_FORMATS)}"
         )
-    return path
+    return check_writable(path)
 
 
 # ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from ..training import (
     load_config,
 )
 from ..training.checkpoint import MANIFEST
+from ..training.lock import busy_error, running_holder
 
 # Settings a resume may change (the BPE folder may have moved since training); every
 # other one belongs to the run.
@@ -65,7 +66,14 @@ def _same(field: str, given: Any, saved: Any) -> bool:
 def check_resume_flags(run_dir: Path, task: str, given: Mapping[str, Any],
                        flags: Mapping[str, str]) -> None:
     """Refuse flags that a resume of ``run_dir`` would otherwise silently ignore."""
-    saved = load_config(run_dir, task=task).get("settings")
+    try:
+        config = load_config(run_dir, task=task)
+    except ValueError:
+        holder = running_holder(run_dir)
+        if holder is not None:  # mid-way through its first save: say who, not "missing"
+            raise busy_error(run_dir, holder) from None
+        raise
+    saved = config.get("settings")
     saved = saved if isinstance(saved, dict) else {}
     changed = [f"--{flags[field].replace('_', '-')} {value} (the run has {saved.get(field)})"
                for field, value in given.items()
@@ -139,12 +147,12 @@ def reporting_stops(task: str, run_dir: Path, args: argparse.Namespace) -> Itera
         else:
             state = f"no epoch had completed, so nothing was saved ({run_dir} holds no checkpoint)"
         if not saved and (before is None or getattr(args, "overwrite", False)):
-            advice = "; start again with: " + _rerun_command()
-            if not interrupted:
-                advice += " and a smaller --lr"
+            smaller = "" if interrupted else " with a smaller --lr"
+            advice = f"; start again{smaller}: {_rerun_command()}"
         elif _resumable(run_dir):
-            advice = f"; continue with: {resume_command(task, run_dir, args, **extra)}"
+            how = "with" if interrupted else "with a smaller lr"
+            advice = f"; continue {how}: {resume_command(task, run_dir, args, **extra)}"
         else:
             advice = ""
-        print(f"qkv {task} train: {head}: {state}{advice}", file=sys.stderr)
+        print(f"qkv {task} train: {head}; {state}{advice}", file=sys.stderr)
         raise RunStoppedError(code) from None

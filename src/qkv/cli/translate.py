@@ -130,8 +130,7 @@ def _print_metrics(label: str, metrics: dict[str, float | None]) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from ..training import is_main_process
-    from ..translation import train_translator
-    from ..viz import check_image_path
+    from ..translation import ATTENTION_PLOT, train_translator
 
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -143,7 +142,7 @@ def run_train(args: argparse.Namespace) -> int:
     settings = TranslateSettings(**given)
     if not args.resume:
         settings.resolved()  # refuse bad values before the run directory is touched
-    heatmap = check_image_path(run_dir / "attention.png")
+    heatmap = run_dir / ATTENTION_PLOT  # checked writable with the run directory
     with reporting_stops("translate", run_dir, args):
         translator, _ = train_translator(
             settings, run_dir, resume=args.resume, overwrite=args.overwrite,

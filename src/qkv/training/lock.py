@@ -39,7 +39,15 @@ try:
 except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_FILE", "RunDirBusyError", "LockHolder", "run_dir_lock", "holds_run_dir_lock"]
+__all__ = [
+    "LOCK_FILE",
+    "RunDirBusyError",
+    "LockHolder",
+    "run_dir_lock",
+    "holds_run_dir_lock",
+    "running_holder",
+    "busy_error",
+]
 
 LOCK_FILE = ".qkv-lock"
 _MAX_LOCK_BYTES = 4096  # what a holder record may take; anything beyond is ignored
@@ -107,6 +115,20 @@ def _key(run_dir: Path) -> str:
     return os.path.realpath(run_dir)
 
 
+def running_holder(run_dir: str | os.PathLike[str]) -> LockHolder | None:
+    """The process that seems to hold ``run_dir``'s lock now, from its record; None if
+    there is none, or its holder is known to be dead. Reads only: for messages."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        with open(path, "rb") as f:
+            holder = LockHolder.parse(f.read(_MAX_LOCK_BYTES))
+    except OSError:
+        return None
+    if holder is None or holder.host == socket.gethostname() and not process_alive(holder.pid):
+        return None
+    return holder
+
+
 def holds_run_dir_lock(run_dir: str | os.PathLike[str]) -> bool:
     """True if this process holds ``run_dir``'s lock."""
     return _key(Path(run_dir)) in _held
@@ -124,7 +146,8 @@ def _write_holder(fd: int) -> None:
     os.fsync(fd)
 
 
-def _busy(run_dir: Path, holder: LockHolder | None) -> RunDirBusyError:
+def busy_error(run_dir: Path, holder: LockHolder | None) -> RunDirBusyError:
+    """The one-line error that refuses a second writer."""
     who = holder.describe() if holder else "another process"
     return RunDirBusyError(f"{run_dir} is in use by {who}: one run writes to a run directory "
                       "at a time; wait for it to finish, or choose another --run-dir")
@@ -146,7 +169,7 @@ def _acquire_flock(run_dir: Path, path: Path) -> tuple[int, LockHolder | None]:
         except BlockingIOError:
             holder = LockHolder.parse(_read(fd))
             os.close(fd)
-            raise _busy(run_dir, holder) from None
+            raise busy_error(run_dir, holder) from None
         except BaseException:
             os.close(fd)
             raise
@@ -174,10 +197,10 @@ def _acquire_exclusive(run_dir: Path, path: Path) -> tuple[int, LockHolder | Non
         except FileExistsError:
             holder = LockHolder.parse(path.read_bytes())
             if holder is None or holder.host != socket.gethostname() or process_alive(holder.pid):
-                raise _busy(run_dir, holder) from None
+                raise busy_error(run_dir, holder) from None
             stale = holder
             path.unlink(missing_ok=True)
-    raise _busy(run_dir, None)
+    raise busy_error(run_dir, None)
 
 
 @contextlib.contextmanager

@@ -93,17 +93,23 @@ def open_run_dir(
     if run_dir.exists() and not run_dir.is_dir():
         raise NotADirectoryError(f"run directory {str(run_dir)!r} exists and is not a "
                                  "directory; choose another --run-dir")
-    with run_dir_lock(run_dir, log=log):
-        existing = checkpoint_files(run_dir)
-        if existing and not resume and not overwrite:
-            raise FileExistsError(
-                f"{run_dir} already holds {describe_run_dir(run_dir)}; continue it with "
-                "--resume, or start a new run over it with --overwrite (the old checkpoint "
-                "stays until the new run saves)"
-            )
-        for name in outputs:
-            check_writable(run_dir / name)
-        yield run_dir
+    created = not run_dir.exists()
+    try:
+        with run_dir_lock(run_dir, log=log):
+            existing = checkpoint_files(run_dir)
+            if existing and not resume and not overwrite:
+                raise FileExistsError(
+                    f"{run_dir} already holds {describe_run_dir(run_dir)}; continue it with "
+                    "--resume, or start a new run over it with --overwrite (the old "
+                    "checkpoint stays until the new run saves)"
+                )
+            for name in outputs:
+                check_writable(run_dir / name)
+            yield run_dir
+    finally:
+        if created:  # a run that saved nothing leaves no empty directory behind
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
 
 
 def check_resume_target(run_dir: str | os.PathLike[str], epochs: int) -> None:
