@@ -109,16 +109,16 @@ def run_train(args: argparse.Namespace) -> int:
     settings = LMSettings(**given)
     if not args.resume:
         settings.resolved()  # refuse bad values before the run directory is touched
+    # Also around the report: a Ctrl-C while it runs still says what is on disk.
     with reporting_stops("lm", args.run_dir, args):
         lm, _ = train_language_model(settings, args.run_dir, resume=args.resume,
                                      overwrite=args.overwrite, progress=not args.no_progress)
-    if not is_main_process():
         # Under torchrun, rank 0 reports; the other ranks' work ended with training.
-        return 0
-    print(f"checkpoint: {args.run_dir}  (loss curve: {args.run_dir / 'loss.png'})")
-    if args.sample:
-        sample = lm.generate(args.sample, max_new_tokens=80)
-        print(f"\nsample (greedy): {args.sample}{sample.text}")
+        if is_main_process():
+            print(f"checkpoint: {args.run_dir}  (loss curve: {args.run_dir / 'loss.png'})")
+            if args.sample:
+                sample = lm.generate(args.sample, max_new_tokens=80)
+                print(f"\nsample (greedy): {args.sample}{sample.text}")
     return 0
 
 

@@ -143,29 +143,31 @@ def run_train(args: argparse.Namespace) -> int:
     if not args.resume:
         settings.resolved()  # refuse bad values before the run directory is touched
     heatmap = run_dir / ATTENTION_PLOT  # checked writable with the run directory
+    # Also around the report: a Ctrl-C while it runs still says what is on disk.
     with reporting_stops("translate", run_dir, args):
         translator, _ = train_translator(
             settings, run_dir, resume=args.resume, overwrite=args.overwrite,
             progress=not args.no_progress, trace=print if args.trace else None,
         )
-    if not is_main_process():
         # Under torchrun, rank 0 reports; the other ranks' work ended with training.
-        return 0
-    print(f"checkpoint: {run_dir}  (loss curve: {run_dir / 'loss.png'})")
+        if is_main_process():
+            _report_training(translator, run_dir, heatmap)
+    return 0
 
+
+def _report_training(translator, run_dir: Path, heatmap: Path) -> None:
+    print(f"checkpoint: {run_dir}  (loss curve: {run_dir / 'loss.png'})")
     examples = DATE_EXAMPLES if translator.settings.data == "dates" else FRA_ENG_EXAMPLES
     translations = translator.translate(examples)
     print("\nsample translations:")
     _print_translations(translations)
     translator.heatmap(translations[:4], heatmap)
-
     if translator.held_out:
         src = [s for s, _ in translator.held_out]
         tgt = [t for _, t in translator.held_out]
         print()
         _print_metrics("held-out", translator.evaluate(src, tgt))
     print(f"attention heatmap written to {heatmap}")
-    return 0
 
 
 def _load(args: argparse.Namespace):
