@@ -524,6 +524,10 @@ def test_every_output_location_is_checked_before_training(corpus, tmp_path, caps
         done = run(capsys, *args, str(blocker / "a.png"))
         assert done.returncode == 2
         assert "cannot write into" in one_line(done.stderr)
+    # A benchmark's results folder, before minutes of measuring.
+    done = run(capsys, "bench", "data", "--quick", "--out", str(blocker))
+    assert done.returncode == 2 and done.stdout == ""
+    assert "exists and is not a directory" in one_line(done.stderr)
 
 
 def test_signals_during_a_save_are_delivered_after_it():

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..fileio import check_writable
+
 SUITES = ("attention", "generate", "translate", "data", "flops")
 
 
@@ -84,6 +86,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    # Minutes of measuring must not end in a folder that cannot be written.
+    check_writable(args.out, directory=True)
 
 
 def _overrides(args: argparse.Namespace, *, warmup: bool = True) -> dict[str, Any]:
