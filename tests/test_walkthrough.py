@@ -34,6 +34,9 @@ SPEC_FIRST_ROWS = {
     ("3.6.2", "context_vecs"): [0.3190, 0.4858],
 }
 NUMBER = re.compile(r"-?\d+\.\d+|-inf|nan")
+# A printed number may differ from SPEC's by one unit in its last (4th) decimal: a value
+# within float rounding of a rounding edge prints either way depending on the CPU's kernels.
+PRINTED = 1.5e-4
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +120,14 @@ def test_printed_output_shows_spec_numbers(book_output):
     assert "== 3.3.1 Attention scores for one query ==" in book_output
     for (_, name), expected in SPEC.items():
         header = f"{name}  ({len(expected)},)"
-        assert printed_numbers(book_output, header) == pytest.approx(expected, abs=1e-4)
-    assert printed_numbers(book_output, "sa_v1(inputs)  (6, 2)")[:2] == [0.2996, 0.8053]
-    assert printed_numbers(book_output, "context_vecs  (2, 6, 2)")[:2] == [-0.4519, 0.2216]
-    # The last (2, 6, 2) context_vecs block is MultiHeadAttention's (§3.6.2).
-    mha = book_output[book_output.index("== 3.6.2") :]
-    assert printed_numbers(mha, "context_vecs  (2, 6, 2)")[:2] == [0.3190, 0.4858]
+        assert printed_numbers(book_output, header) == pytest.approx(expected, abs=PRINTED)
+    first_rows = [("sa_v1(inputs)  (6, 2)", [0.2996, 0.8053], book_output),
+                  ("context_vecs  (2, 6, 2)", [-0.4519, 0.2216], book_output),
+                  # The last (2, 6, 2) context_vecs block is MultiHeadAttention's (§3.6.2).
+                  ("context_vecs  (2, 6, 2)", [0.3190, 0.4858],
+                   book_output[book_output.index("== 3.6.2") :])]
+    for header, expected, output in first_rows:
+        assert printed_numbers(output, header)[:2] == pytest.approx(expected, abs=PRINTED)
 
 
 def test_walkthrough_leaves_global_rng_alone():
