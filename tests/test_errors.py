@@ -97,3 +97,33 @@ def test_d2l_errors():
                     d2l.MultiHeadAttention, 10, 3, 0.0)
     raises_one_line(ValueError, "causal attention needs num_queries <= num_keys, got 3 > 2",
                     qkv.causal_mask, 3, 2)
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["eager", "fused"])
+def test_attention_masks_are_checked_the_same_on_both_backends(need_weights):
+    q, k, v = torch.rand(2, 3, 5, 4), torch.rand(2, 3, 7, 4), torch.rand(2, 3, 7, 6)
+
+    def call(*args, **kwargs):
+        return qkv.attention(*args, need_weights=need_weights, **kwargs)
+
+    shapes = r"scores' shape \(2, 3, 5, 7\) \(\.\.\., queries, keys\); shapes that do " \
+             r"include \(7,\) and \(5, 7\)"
+    raises_one_line(ValueError, r"mask of shape \(5,\) does not broadcast to the attention "
+                    + shapes, call, q, k, v, mask=torch.ones(5, dtype=torch.bool))
+    raises_one_line(ValueError, r"mask of shape \(4, 2, 3, 5, 7\) does not broadcast",
+                    call, q, k, v, mask=torch.ones(4, 2, 3, 5, 7, dtype=torch.bool))
+    raises_one_line(TypeError, r"mask must be a bool tensor \(True = may attend\), got dtype "
+                    r"torch.float32; for a 0/1 mask pass mask.bool\(\)",
+                    call, q, k, v, mask=torch.ones(5, 7))
+    raises_one_line(TypeError, "got dtype torch.int64", call, q, k, v,
+                    mask=torch.ones(5, 7, dtype=torch.long))
+    raises_one_line(TypeError, "mask must be a bool tensor .* got list",
+                    call, q, k, v, mask=[[True] * 7] * 5)
+    raises_one_line(ValueError, "query and key must have the same width, got 4 and 3",
+                    call, q, torch.rand(2, 3, 7, 3), v)
+    raises_one_line(ValueError, "key and value must have the same number of tokens, got 7 and 6",
+                    call, q, k, torch.rand(2, 3, 6, 6))
+    raises_one_line(ValueError, r"query must have shape \(\.\.\., tokens, width\), got \(4,\)",
+                    call, torch.rand(4), k, v)
+    raises_one_line(ValueError, r"must have broadcastable leading \(batch, heads\) dims",
+                    call, q, torch.rand(3, 3, 7, 4), torch.rand(3, 3, 7, 6))

@@ -227,10 +227,91 @@ def _guard_empty_rows(keep: Tensor) -> tuple[Tensor, Tensor]:
 def softmax_with_mask(scores: Tensor, keep: Tensor | None) -> Tensor:
     """Softmax over the last axis where ``keep`` is True; zero elsewhere.
 
-    ``scores (..., q, k)``, ``keep`` broadcastable to it (True = may attend).
+    ``scores (..., q, k)``, ``keep`` boolean and broadcastable to it (True = may attend).
     A row with no True at all becomes all zeros, never NaN.
     """
+    keep = _checked_mask(keep, tuple(scores.shape))
     return _masked_softmax(scores, keep, in_place=False, may_have_empty_rows=True)
+
+
+def _checked_mask(mask: Tensor | None, scores_shape: tuple[int, ...]) -> Tensor | None:
+    """``mask`` as every kernel here takes it, or a one-line error saying what would do.
+
+    Both attention backends go through this one check, so they accept the same masks:
+    boolean, broadcastable to ``scores_shape (..., T_q, T_k)`` without enlarging it. A
+    mask of fewer than two dimensions (``(T_k,)``: one keep flag per key, or a 0-dim
+    flag) gets leading 1s, as broadcasting would give it; the fused kernel needs them.
+    """
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(
+            f"mask must be a bool tensor (True = may attend), got {type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}; "
+            "for a 0/1 mask pass mask.bool()"
+        )
+    if not _stretches_to(mask.shape, scores_shape):
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to the attention scores' "
+            f"shape {scores_shape} (..., queries, keys); shapes that do include "
+            f"({scores_shape[-1]},) and {scores_shape[-2:]}"
+        )
+    if mask.dim() < 2:
+        mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
+    return mask
+
+
+def _scores_shape(query: Tensor, key: Tensor, value: Tensor) -> tuple[int, ...]:
+    """Shape ``(..., T_q, T_k)`` of ``query @ key^T``, or a one-line error on bad inputs."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor (..., tokens, width), got {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(
+                f"{name} must have shape (..., tokens, width), got {tuple(t.shape)}"
+            )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"query and key must have the same width, got {query.shape[-1]} and {key.shape[-1]}"
+        )
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"key and value must have the same number of tokens, got {key.shape[-2]} "
+            f"and {value.shape[-2]}"
+        )
+    batch = query.shape[:-2]
+    if not key.shape[:-2] == value.shape[:-2] == batch:  # e.g. one key head for all
+        batch = _broadcast(tuple(batch), tuple(key.shape[:-2]), tuple(value.shape[:-2]))
+    if batch is None:
+        raise ValueError(
+            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+            f"{tuple(value.shape)} must have broadcastable leading (batch, heads) dims"
+        )
+    return (*batch, query.shape[-2], key.shape[-2])
+
+
+def _stretches_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` without enlarging it."""
+    if len(shape) > len(target):
+        return False
+    tail = target[len(target) - len(shape) :]
+    return all(size in (1, want) for size, want in zip(shape, tail, strict=True))
+
+
+def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape ``shapes`` broadcast to, or None where they do not."""
+    width = max(len(shape) for shape in shapes)
+    padded = [(1,) * (width - len(shape)) + shape for shape in shapes]
+    out = []
+    for sizes in zip(*padded, strict=True):
+        other = {size for size in sizes if size != 1}  # 1 stretches to anything
+        if len(other) > 1:
+            return None
+        out.append(other.pop() if other else 1)
+    return tuple(out)
 
 
 def _masked_softmax(
@@ -276,7 +357,9 @@ def attention(
     dimensions are usually ``(batch, heads)``.
 
     Args:
-        mask: boolean, broadcastable to ``(..., T_q, T_k)``, True = may attend.
+        mask: boolean, broadcastable to ``(..., T_q, T_k)``, True = may attend; e.g.
+            ``(T_k,)`` (per key), ``(T_q, T_k)`` or ``(batch, 1, T_q, T_k)``. Both
+            backends accept the same masks and give the same result.
         causal: hide keys after each query. With ``T_q < T_k`` (new tokens
             against a KV cache) queries are aligned to the last keys.
         dropout_p: dropout on the attention weights; pass 0 in eval mode.
@@ -287,6 +370,8 @@ def attention(
 
     Queries with no key to attend to get zero output and zero gradient.
     """
+    # Checked before anything is allocated, once for both backends.
+    mask = _checked_mask(mask, _scores_shape(query, key, value))
     num_queries, num_keys = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
 
