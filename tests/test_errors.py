@@ -1,10 +1,13 @@
 """Every documented error fires, as one line that names the bad value."""
 
+import re
+
 import pytest
 import torch
 
 import qkv
 from qkv import d2l
+from qkv.positional import sinusoidal_table
 
 
 def raises_one_line(exc, match, fn, *args, **kwargs):
@@ -27,10 +30,63 @@ def test_bad_constructor_values():
                     qkv.MultiHeadAttention, 4, 4, 6, 1.5, 2)
     raises_one_line(ValueError, r"backend must be one of \('fused', 'eager'\), got 'flash'",
                     qkv.MultiHeadAttention, 4, 4, 6, 0.0, 2, backend="flash")
-    raises_one_line(ValueError, "context_length must be positive or None, got 0",
+    raises_one_line(ValueError, "context_length must be a positive integer or None, got 0",
                     qkv.MultiHeadAttention, 4, 4, 0, 0.0, 2)
+    raises_one_line(TypeError, r"dropout must be a probability in \[0, 1\), got '0.1' of type str",
+                    qkv.MultiHeadAttention, 4, 4, 6, "0.1", 2)
     raises_one_line(ValueError, "dropout must be a probability",
                     qkv.CausalAttention, 3, 2, 6, -0.1)
+
+
+# Every public constructor with its smallest valid arguments, and the size arguments it
+# must refuse; those marked * may also be None.
+CONSTRUCTORS = {
+    "MultiHeadAttention": (qkv.MultiHeadAttention,
+                           dict(d_in=4, d_out=4, context_length=6, dropout=0.0, num_heads=2),
+                           ["d_in", "d_out", "num_heads", "context_length*", "kdim*", "vdim*"]),
+    "CausalAttention": (qkv.CausalAttention, dict(d_in=3, d_out=2, context_length=6, dropout=0.0),
+                        ["d_in", "d_out", "context_length"]),
+    "SelfAttention_v1": (qkv.SelfAttention_v1, dict(d_in=3, d_out=2), ["d_in", "d_out"]),
+    "SelfAttention_v2": (qkv.SelfAttention_v2, dict(d_in=3, d_out=2), ["d_in", "d_out"]),
+    "MultiHeadAttentionWrapper": (
+        qkv.MultiHeadAttentionWrapper,
+        dict(d_in=3, d_out=2, context_length=6, dropout=0.0, num_heads=2),
+        ["d_in", "d_out", "context_length", "num_heads"]),
+    "d2l.MultiHeadAttention": (d2l.MultiHeadAttention, dict(num_hiddens=4, num_heads=2),
+                               ["num_hiddens", "num_heads", "query_size*", "key_size*",
+                                "value_size*"]),
+    "d2l.AdditiveAttention": (d2l.AdditiveAttention,
+                              dict(key_size=2, query_size=3, num_hiddens=4),
+                              ["key_size", "query_size", "num_hiddens"]),
+    "d2l.PositionalEncoding": (d2l.PositionalEncoding, dict(num_hiddens=4, max_len=10),
+                               ["num_hiddens", "max_len"]),
+    "sinusoidal_table": (sinusoidal_table, dict(max_len=10, num_hiddens=4),
+                         ["max_len", "num_hiddens"]),
+    "KVCache": (qkv.KVCache, dict(batch_size=1, num_heads=2, max_len=4, head_dim=3),
+                ["batch_size", "num_heads", "max_len", "head_dim", "value_dim*"]),
+}
+BAD_SIZES = [(0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError),
+             ("4", TypeError), (torch.tensor(4), TypeError), (None, TypeError)]
+
+
+@pytest.mark.parametrize("bad, exc", BAD_SIZES, ids=repr)
+@pytest.mark.parametrize("cls", list(CONSTRUCTORS))
+def test_sizes_must_be_positive_ints(cls, bad, exc):
+    make, good, names = CONSTRUCTORS[cls]
+    make(**good)  # the valid arguments are valid
+    for name in names:
+        optional = name.endswith("*")
+        name = name.rstrip("*")
+        if bad is None and optional:
+            make(**{**good, name: None})
+            continue
+        unit = "number of tokens" if (cls, name) == ("KVCache", "max_len") else "integer"
+        if exc is ValueError:
+            match = rf"^{name} must be a positive {unit}( or None)?, got {bad}$"
+        else:
+            match = (rf"^{name} must be a positive {unit}( or None)?, got "
+                     rf"{re.escape(repr(bad))} of type {type(bad).__name__}$")
+        raises_one_line(exc, match, make, **{**good, name: bad})
 
 
 def test_too_long_for_context_length():

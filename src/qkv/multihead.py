@@ -9,21 +9,22 @@ request, padding masks, cross-attention and a KV cache.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .functional import BACKENDS, attention, lengths_to_mask
+from .functional import BACKENDS, attention, check_positive_int, lengths_to_mask
 from .kv_cache import KVCache
 
 __all__ = ["MultiHeadAttention", "check_heads", "check_dropout"]
 
 
 def check_heads(d_out: int, num_heads: int, name: str = "d_out") -> None:
-    """Raise a one-line ``ValueError`` unless ``d_out`` splits into ``num_heads``."""
-    if num_heads <= 0:
-        raise ValueError(f"num_heads must be a positive integer, got {num_heads}")
+    """Raise a one-line error unless ``d_out`` (called ``name``) splits into ``num_heads``."""
+    check_positive_int(name, d_out)
+    check_positive_int("num_heads", num_heads)
     if d_out % num_heads != 0:
         raise ValueError(
             f"{name} ({d_out}) must be divisible by num_heads ({num_heads}); "
@@ -32,6 +33,11 @@ def check_heads(d_out: int, num_heads: int, name: str = "d_out") -> None:
 
 
 def check_dropout(p: float) -> None:
+    """Raise a one-line error unless ``p`` is a probability that leaves something to keep."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(
+            f"dropout must be a probability in [0, 1), got {p!r} of type {type(p).__name__}"
+        )
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout must be a probability in [0, 1), got {p}")
 
@@ -95,10 +101,14 @@ class MultiHeadAttention(nn.Module):
         backend: str = "fused",
     ) -> None:
         super().__init__()
+        check_positive_int("d_in", d_in)
         check_heads(d_out, num_heads)
+        for name, size in (("kdim", kdim), ("vdim", vdim)):
+            if size is not None:
+                check_positive_int(name, size)
         check_dropout(dropout)
-        if context_length is not None and context_length <= 0:
-            raise ValueError(f"context_length must be positive or None, got {context_length}")
+        if context_length is not None:
+            check_positive_int("context_length", context_length, "integer or None")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.d_in, self.d_out = d_in, d_out

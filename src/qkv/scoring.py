@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .functional import attention, lengths_to_mask, softmax_with_mask
+from .functional import attention, check_positive_int, lengths_to_mask, softmax_with_mask
 from .multihead import check_dropout
 
 __all__ = ["DotProductAttention", "AdditiveAttention"]
@@ -82,6 +82,9 @@ class AdditiveAttention(nn.Module):
 
     def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0):
         super().__init__()
+        for name, size in (("key_size", key_size), ("query_size", query_size),
+                           ("num_hiddens", num_hiddens)):
+            check_positive_int(name, size)
         check_dropout(dropout)
         self.W_k = nn.Linear(key_size, num_hiddens, bias=False)
         self.W_q = nn.Linear(query_size, num_hiddens, bias=False)
