@@ -118,7 +118,8 @@ def test_wrong_input_shapes():
 def test_bad_padding_arguments():
     mha = qkv.MultiHeadAttention(4, 4, None, 0.0, 2)
     x = torch.rand(2, 5, 4)
-    raises_one_line(ValueError, r"valid_lens must have shape \(2,\) or \(2, queries\)",
+    raises_one_line(ValueError, r"valid_lens must have shape \(2,\) \(one length per sequence\) "
+                    r"or \(2, 5\) \(one per query\), got \(3,\)$",
                     mha, x, valid_lens=torch.tensor([1, 2, 3]))
     raises_one_line(ValueError, r"key_padding_mask must have shape \(2, 5\), got \(2, 4\)",
                     mha, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
@@ -128,7 +129,7 @@ def test_bad_padding_arguments():
                     mha, x, valid_lens=torch.tensor([1, 2]),
                     key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
     dot = qkv.DotProductAttention()
-    raises_one_line(ValueError, r"valid_lens must have shape \(2,\) or \(2, 1\)",
+    raises_one_line(ValueError, r"valid_lens must have shape \(2,\) .* or \(2, 1\)",
                     dot, torch.rand(2, 1, 3), torch.rand(2, 4, 3), torch.rand(2, 4, 3),
                     torch.tensor([1, 2, 3]))
     raises_one_line(ValueError, "queries and keys must have the same width, got 3 and 2",
@@ -183,3 +184,50 @@ def test_attention_masks_are_checked_the_same_on_both_backends(need_weights):
                     call, torch.rand(4), k, v)
     raises_one_line(ValueError, r"must have broadcastable leading \(batch, heads\) dims",
                     call, q, torch.rand(3, 3, 7, 4), torch.rand(3, 3, 7, 6))
+
+
+# d2l's valid_lens: (batch,) or (batch, queries). A 0-dim tensor is refused, not broadcast
+# (d2l's own masked_softmax fails on one unless the batch holds a single query).
+VALID_LENS_USERS = {
+    "masked_softmax": lambda lens: qkv.masked_softmax(torch.rand(2, 3, 4), lens),
+    "d2l.masked_softmax": lambda lens: d2l.masked_softmax(torch.rand(2, 3, 4), lens),
+    "DotProductAttention": lambda lens: qkv.DotProductAttention()(
+        torch.rand(2, 3, 4), torch.rand(2, 4, 4), torch.rand(2, 4, 5), lens),
+    "AdditiveAttention": lambda lens: qkv.AdditiveAttention(4, 6, 8)(
+        torch.rand(2, 3, 6), torch.rand(2, 4, 4), torch.rand(2, 4, 5), lens),
+    "MultiHeadAttention": lambda lens: qkv.MultiHeadAttention(6, 4, None, 0.0, 2)(
+        torch.rand(2, 3, 6), valid_lens=lens),
+    "MultiHeadAttention+cache": lambda lens: qkv.MultiHeadAttention(6, 4, 8, 0.0, 2)(
+        torch.rand(2, 3, 6), valid_lens=lens, cache=qkv.KVCache(2, 2, 8, 2)),
+    "d2l.MultiHeadAttention": lambda lens: d2l.MultiHeadAttention(4, 2)(
+        torch.rand(2, 3, 4), torch.rand(2, 4, 4), torch.rand(2, 4, 4), lens),
+}
+EXPECTED_LENS = r"valid_lens must have shape \(2,\) \(one length per sequence\) or \(2, 3\) " \
+                r"\(one per query\), got "
+
+
+@pytest.mark.parametrize("use", list(VALID_LENS_USERS))
+def test_valid_lens_shapes(use):
+    call = VALID_LENS_USERS[use]
+    call(torch.tensor([4, 2]))  # the two valid forms work
+    call(torch.tensor([[4, 1, 2], [0, 3, 4]]))
+    raises_one_line(ValueError, EXPECTED_LENS + r"\(\); for one length shared by all, pass "
+                    r"valid_lens.expand\(2\)$", call, torch.tensor(3))
+    raises_one_line(ValueError, EXPECTED_LENS + r"\(2, 4\)$", call, torch.ones(2, 4))  # queries
+    raises_one_line(ValueError, EXPECTED_LENS + r"\(3, 3\)$", call, torch.ones(3, 3))  # batch
+    raises_one_line(ValueError, EXPECTED_LENS + r"\(3,\)$", call, torch.tensor([1, 2, 3]))
+    raises_one_line(ValueError, EXPECTED_LENS + r"\(2, 3, 1\)$", call, torch.ones(2, 3, 1))
+    raises_one_line(TypeError, r"valid_lens must be a tensor of lengths of shape \(2,\) or "
+                    r"\(2, 3\), got list$", call, [4, 2])
+    raises_one_line(TypeError, "valid_lens must hold lengths \\(integers\\), got dtype torch.bool",
+                    call, torch.tensor([True, False]))
+
+
+def test_masked_softmax_with_valid_lens_needs_3d_scores():
+    raises_one_line(ValueError, r"X must have shape \(batch, queries, keys\) to be masked by "
+                    r"valid_lens, got \(3, 4\)", qkv.masked_softmax, torch.rand(3, 4),
+                    torch.tensor([1, 2, 3]))
+    raises_one_line(TypeError, r"valid_lens must be a tensor of shape \(batch,\) or "
+                    r"\(batch, queries\), got list", qkv.lengths_to_mask, [1, 2], 4)
+    raises_one_line(TypeError, "mask must be a bool tensor", qkv.functional.softmax_with_mask,
+                    torch.rand(2, 3), torch.ones(2, 3))

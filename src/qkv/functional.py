@@ -193,6 +193,31 @@ def causal_mask(num_queries: int, num_keys: int | None = None, device=None) -> T
     )
 
 
+def check_valid_lens(valid_lens: Any, batch: int, num_queries: int) -> None:
+    """Raise a one-line error unless ``valid_lens`` is d2l's ``(batch,)`` or
+    ``(batch, num_queries)`` tensor of lengths.
+
+    A 0-dim tensor is refused rather than broadcast: d2l's own ``masked_softmax`` only
+    copes with one when the batch holds a single query, and every other API here takes
+    the one length per sequence explicitly.
+    """
+    if not isinstance(valid_lens, Tensor):
+        raise TypeError(
+            f"valid_lens must be a tensor of lengths of shape ({batch},) or "
+            f"({batch}, {num_queries}), got {type(valid_lens).__name__}"
+        )
+    if valid_lens.dtype == torch.bool or valid_lens.is_complex():
+        raise TypeError(f"valid_lens must hold lengths (integers), got dtype {valid_lens.dtype}")
+    if tuple(valid_lens.shape) not in ((batch,), (batch, num_queries)):
+        hint = f"; for one length shared by all, pass valid_lens.expand({batch})" * (
+            valid_lens.dim() == 0
+        )
+        raise ValueError(
+            f"valid_lens must have shape ({batch},) (one length per sequence) or "
+            f"({batch}, {num_queries}) (one per query), got {tuple(valid_lens.shape)}{hint}"
+        )
+
+
 def lengths_to_mask(valid_lens: Tensor, num_keys: int) -> Tensor:
     """Turn d2l-style ``valid_lens`` into a boolean keep mask over the keys.
 
@@ -201,6 +226,11 @@ def lengths_to_mask(valid_lens: Tensor, num_keys: int) -> Tensor:
     ``valid_lens (batch, queries) -> (batch, queries, num_keys)``: one length per
     query. Key position ``j`` is kept when ``j < valid_len``.
     """
+    if not isinstance(valid_lens, Tensor):
+        raise TypeError(
+            "valid_lens must be a tensor of shape (batch,) or (batch, queries), "
+            f"got {type(valid_lens).__name__}"
+        )
     if valid_lens.dim() not in (1, 2):
         raise ValueError(
             "valid_lens must have shape (batch,) or (batch, queries), "
@@ -224,6 +254,12 @@ def masked_softmax(X: Tensor, valid_lens: Tensor | None = None) -> Tensor:
     """
     if valid_lens is None:
         return torch.softmax(X, dim=-1)
+    if X.dim() != 3:
+        raise ValueError(
+            f"X must have shape (batch, queries, keys) to be masked by valid_lens, "
+            f"got {tuple(X.shape)}"
+        )
+    check_valid_lens(valid_lens, X.shape[0], X.shape[1])
     keep = lengths_to_mask(valid_lens.to(X.device), X.shape[-1])
     return torch.softmax(X.masked_fill(~keep, -1e6), dim=-1)
 

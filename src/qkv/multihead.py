@@ -15,7 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .functional import BACKENDS, attention, check_positive_int, lengths_to_mask
+from .functional import (
+    BACKENDS,
+    attention,
+    check_positive_int,
+    check_valid_lens,
+    lengths_to_mask,
+)
 from .kv_cache import KVCache
 
 __all__ = ["MultiHeadAttention", "check_heads", "check_dropout"]
@@ -136,20 +142,22 @@ class MultiHeadAttention(nn.Module):
         valid_lens: Tensor | None,
         key_padding_mask: Tensor | None,
         batch: int,
+        num_queries: int,
         num_keys: int,
     ) -> Tensor | None:
         """Keep mask ``(batch, 1, 1 or T_q, T_k)`` from either padding form."""
         if valid_lens is not None and key_padding_mask is not None:
             raise ValueError("pass valid_lens or key_padding_mask, not both")
         if valid_lens is not None:
-            if valid_lens.shape[0] != batch or valid_lens.dim() not in (1, 2):
-                raise ValueError(
-                    f"valid_lens must have shape ({batch},) or ({batch}, queries), "
-                    f"got {tuple(valid_lens.shape)}"
-                )
+            check_valid_lens(valid_lens, batch, num_queries)
             valid_lens = valid_lens.to(self.W_query.weight.device)
             return lengths_to_mask(valid_lens, num_keys).unsqueeze(1)
         if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, Tensor):
+                raise TypeError(
+                    f"key_padding_mask must be a bool tensor of shape ({batch}, {num_keys}), "
+                    f"got {type(key_padding_mask).__name__}"
+                )
             if key_padding_mask.shape != (batch, num_keys):
                 raise ValueError(
                     f"key_padding_mask must have shape ({batch}, {num_keys}), "
@@ -207,13 +215,16 @@ class MultiHeadAttention(nn.Module):
                 f"context_length={self.context_length}"
             )
 
+        # The padding is checked before any projection runs; with a cache the keys are
+        # the stored ones followed by the new.
+        mask = self._key_mask(valid_lens, key_padding_mask, batch, num_queries,
+                              past + key.shape[1])
         q = self._split_heads(self.W_query(x))
         k = self._split_heads(self.W_key(key))
         v = self._split_heads(self.W_value(value))
         if cache is not None:
             k, v = cache.append(k, v)
 
-        mask = self._key_mask(valid_lens, key_padding_mask, batch, k.shape[2])
         want_weights = need_weights or self.backend == "eager"
         out, weights = attention(
             q,
