@@ -1,5 +1,6 @@
 """qkv.functional: masks, softmaxes and the attention kernel."""
 
+import itertools
 import math
 
 import pytest
@@ -103,3 +104,42 @@ def test_attention_custom_scale():
     fused, _ = qkv.attention(q, k, v, scale=1.0)
     torch.testing.assert_close(fused, out)
 
+
+
+def reference_attention(q, k, v, keep):
+    """float64 ``softmax(q k^T / sqrt(d)) v`` with ``keep`` broadcast by hand; a query with
+    nothing to attend to gets zeros. Shares no code with qkv."""
+    qd, kd, vd = q.double(), k.double(), v.double()
+    scores = qd @ kd.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    keep = keep.expand(scores.shape)
+    weights = torch.zeros_like(scores)
+    for index in itertools.product(*map(range, scores.shape[:-1])):  # one query row each
+        row = keep[index]
+        if row.any():
+            weights[index][row] = torch.softmax(scores[index][row], dim=0)
+    return weights @ vd, weights
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["eager", "fused"])
+@pytest.mark.parametrize(
+    "mask_shape", [(), (7,), (5, 7), (1, 5, 7), (2, 1, 5, 7), (2, 3, 5, 7), (2, 1, 1, 7)]
+)
+def test_both_backends_take_any_broadcastable_mask(mask_shape, need_weights):
+    torch.manual_seed(4)
+    q, k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 6)
+    keep = torch.rand(mask_shape) < 0.6
+    if keep.dim() >= 1:
+        keep[..., 0] = False  # a key nobody may see ...
+    if keep.dim() >= 2:  # ... and a row that may see nothing: zeros, not NaN
+        keep[(0,) * (keep.dim() - 1)] = False
+    out, w = qkv.attention(q, k, v, mask=keep, need_weights=need_weights)
+    ref_out, ref_w = reference_attention(q, k, v, keep)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    if need_weights:
+        torch.testing.assert_close(w.double(), ref_w, atol=1e-6, rtol=1e-5)
+    # all-False and all-True 0-dim masks: nothing to attend to, or no mask at all
+    nothing, _ = qkv.attention(q, k, v, mask=torch.tensor(False), need_weights=need_weights)
+    assert (nothing == 0).all()
+    everything, _ = qkv.attention(q, k, v, mask=torch.tensor(True), need_weights=need_weights)
+    torch.testing.assert_close(everything.double(), reference_attention(
+        q, k, v, torch.tensor(True))[0], atol=1e-5, rtol=1e-5)

@@ -42,6 +42,9 @@ def test_generate_with_and_without_cache_agree(trained, capsys):
     cached = capsys.readouterr().out
     assert main([*args, "--no-kv-cache"]) == 0
     uncached = capsys.readouterr().out
+    # The two paths' float32 logits differ in the last bits, but the trained model's
+    # greedy choices are far from ties (closest top-2 gap 0.6 when written), so the
+    # texts must be identical.
     assert cached.splitlines()[0] == uncached.splitlines()[0]
     assert cached.startswith("The cat")
     assert re.search(r"30 tokens in [0-9.]+ s: [0-9.]+ tokens/s \(with KV cache", cached)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from . import multihead
-from .functional import masked_softmax
+from .functional import check_positive_int, masked_softmax
 from .positional import PositionalEncoding
 from .scoring import AdditiveAttention, DotProductAttention
 
@@ -55,7 +55,12 @@ class MultiHeadAttention(multihead.MultiHeadAttention):
         key_size: int | None = None,
         value_size: int | None = None,
     ) -> None:
+        # d2l's names in the messages: the parent would call them d_out, d_in, kdim, vdim.
         multihead.check_heads(num_hiddens, num_heads, name="num_hiddens")
+        for name, size in (("query_size", query_size), ("key_size", key_size),
+                           ("value_size", value_size)):
+            if size is not None:
+                check_positive_int(name, size)
         super().__init__(
             num_hiddens if query_size is None else query_size,
             num_hiddens,

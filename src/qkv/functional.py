@@ -29,6 +29,8 @@ such a row *uniform* weights; it is kept here as written for reference.
 from __future__ import annotations
 
 import math
+import numbers
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +56,20 @@ __all__ = [
 ]
 
 BACKENDS = ("fused", "eager")
+
+
+def check_positive_int(name: str, value: Any, what: str = "integer") -> None:
+    """Raise a one-line error unless ``value`` is an ``int`` >= 1 (a size, a count).
+
+    ``TypeError`` for a value that is not an integer (``2.0``, ``True``, a tensor),
+    ``ValueError`` for zero or a negative one. ``what`` names the unit in the message.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be a positive {what}, got {value!r} of type {type(value).__name__}"
+        )
+    if value < 1:
+        raise ValueError(f"{name} must be a positive {what}, got {value}")
 
 
 # ---------------------------------------------------------------------------
@@ -177,6 +193,31 @@ def causal_mask(num_queries: int, num_keys: int | None = None, device=None) -> T
     )
 
 
+def check_valid_lens(valid_lens: Any, batch: int, num_queries: int) -> None:
+    """Raise a one-line error unless ``valid_lens`` is d2l's ``(batch,)`` or
+    ``(batch, num_queries)`` tensor of lengths.
+
+    A 0-dim tensor is refused rather than broadcast: d2l's own ``masked_softmax`` only
+    copes with one when the batch holds a single query, and every other API here takes
+    the one length per sequence explicitly.
+    """
+    if not isinstance(valid_lens, Tensor):
+        raise TypeError(
+            f"valid_lens must be a tensor of lengths of shape ({batch},) or "
+            f"({batch}, {num_queries}), got {type(valid_lens).__name__}"
+        )
+    if valid_lens.dtype == torch.bool or valid_lens.is_complex():
+        raise TypeError(f"valid_lens must hold lengths (integers), got dtype {valid_lens.dtype}")
+    if tuple(valid_lens.shape) not in ((batch,), (batch, num_queries)):
+        hint = f"; for one length shared by all, pass valid_lens.expand({batch})" * (
+            valid_lens.dim() == 0
+        )
+        raise ValueError(
+            f"valid_lens must have shape ({batch},) (one length per sequence) or "
+            f"({batch}, {num_queries}) (one per query), got {tuple(valid_lens.shape)}{hint}"
+        )
+
+
 def lengths_to_mask(valid_lens: Tensor, num_keys: int) -> Tensor:
     """Turn d2l-style ``valid_lens`` into a boolean keep mask over the keys.
 
@@ -185,6 +226,11 @@ def lengths_to_mask(valid_lens: Tensor, num_keys: int) -> Tensor:
     ``valid_lens (batch, queries) -> (batch, queries, num_keys)``: one length per
     query. Key position ``j`` is kept when ``j < valid_len``.
     """
+    if not isinstance(valid_lens, Tensor):
+        raise TypeError(
+            "valid_lens must be a tensor of shape (batch,) or (batch, queries), "
+            f"got {type(valid_lens).__name__}"
+        )
     if valid_lens.dim() not in (1, 2):
         raise ValueError(
             "valid_lens must have shape (batch,) or (batch, queries), "
@@ -208,6 +254,12 @@ def masked_softmax(X: Tensor, valid_lens: Tensor | None = None) -> Tensor:
     """
     if valid_lens is None:
         return torch.softmax(X, dim=-1)
+    if X.dim() != 3:
+        raise ValueError(
+            f"X must have shape (batch, queries, keys) to be masked by valid_lens, "
+            f"got {tuple(X.shape)}"
+        )
+    check_valid_lens(valid_lens, X.shape[0], X.shape[1])
     keep = lengths_to_mask(valid_lens.to(X.device), X.shape[-1])
     return torch.softmax(X.masked_fill(~keep, -1e6), dim=-1)
 
@@ -227,10 +279,91 @@ def _guard_empty_rows(keep: Tensor) -> tuple[Tensor, Tensor]:
 def softmax_with_mask(scores: Tensor, keep: Tensor | None) -> Tensor:
     """Softmax over the last axis where ``keep`` is True; zero elsewhere.
 
-    ``scores (..., q, k)``, ``keep`` broadcastable to it (True = may attend).
+    ``scores (..., q, k)``, ``keep`` boolean and broadcastable to it (True = may attend).
     A row with no True at all becomes all zeros, never NaN.
     """
+    keep = _checked_mask(keep, tuple(scores.shape))
     return _masked_softmax(scores, keep, in_place=False, may_have_empty_rows=True)
+
+
+def _checked_mask(mask: Tensor | None, scores_shape: tuple[int, ...]) -> Tensor | None:
+    """``mask`` as every kernel here takes it, or a one-line error saying what would do.
+
+    Both attention backends go through this one check, so they accept the same masks:
+    boolean, broadcastable to ``scores_shape (..., T_q, T_k)`` without enlarging it. A
+    mask of fewer than two dimensions (``(T_k,)``: one keep flag per key, or a 0-dim
+    flag) gets leading 1s, as broadcasting would give it; the fused kernel needs them.
+    """
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(
+            f"mask must be a bool tensor (True = may attend), got {type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}; "
+            "for a 0/1 mask pass mask.bool()"
+        )
+    if not _stretches_to(mask.shape, scores_shape):
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to the attention scores' "
+            f"shape {scores_shape} (..., queries, keys); shapes that do include "
+            f"({scores_shape[-1]},) and {scores_shape[-2:]}"
+        )
+    if mask.dim() < 2:
+        mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
+    return mask
+
+
+def _scores_shape(query: Tensor, key: Tensor, value: Tensor) -> tuple[int, ...]:
+    """Shape ``(..., T_q, T_k)`` of ``query @ key^T``, or a one-line error on bad inputs."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor (..., tokens, width), got {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(
+                f"{name} must have shape (..., tokens, width), got {tuple(t.shape)}"
+            )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"query and key must have the same width, got {query.shape[-1]} and {key.shape[-1]}"
+        )
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"key and value must have the same number of tokens, got {key.shape[-2]} "
+            f"and {value.shape[-2]}"
+        )
+    batch = query.shape[:-2]
+    if not key.shape[:-2] == value.shape[:-2] == batch:  # e.g. one key head for all
+        batch = _broadcast(tuple(batch), tuple(key.shape[:-2]), tuple(value.shape[:-2]))
+    if batch is None:
+        raise ValueError(
+            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+            f"{tuple(value.shape)} must have broadcastable leading (batch, heads) dims"
+        )
+    return (*batch, query.shape[-2], key.shape[-2])
+
+
+def _stretches_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` without enlarging it."""
+    if len(shape) > len(target):
+        return False
+    tail = target[len(target) - len(shape) :]
+    return all(size in (1, want) for size, want in zip(shape, tail, strict=True))
+
+
+def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape ``shapes`` broadcast to, or None where they do not."""
+    width = max(len(shape) for shape in shapes)
+    padded = [(1,) * (width - len(shape)) + shape for shape in shapes]
+    out = []
+    for sizes in zip(*padded, strict=True):
+        other = {size for size in sizes if size != 1}  # 1 stretches to anything
+        if len(other) > 1:
+            return None
+        out.append(other.pop() if other else 1)
+    return tuple(out)
 
 
 def _masked_softmax(
@@ -276,7 +409,9 @@ def attention(
     dimensions are usually ``(batch, heads)``.
 
     Args:
-        mask: boolean, broadcastable to ``(..., T_q, T_k)``, True = may attend.
+        mask: boolean, broadcastable to ``(..., T_q, T_k)``, True = may attend; e.g.
+            ``(T_k,)`` (per key), ``(T_q, T_k)`` or ``(batch, 1, T_q, T_k)``. Both
+            backends accept the same masks and give the same result.
         causal: hide keys after each query. With ``T_q < T_k`` (new tokens
             against a KV cache) queries are aligned to the last keys.
         dropout_p: dropout on the attention weights; pass 0 in eval mode.
@@ -287,6 +422,8 @@ def attention(
 
     Queries with no key to attend to get zero output and zero gradient.
     """
+    # Checked before anything is allocated, once for both backends.
+    mask = _checked_mask(mask, _scores_shape(query, key, value))
     num_queries, num_keys = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
 

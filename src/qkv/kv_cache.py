@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .functional import check_positive_int
+
 __all__ = ["KVCache"]
 
 
@@ -39,9 +41,12 @@ class KVCache:
         device: torch.device | str | None = None,
         value_dim: int | None = None,
     ) -> None:
-        if max_len <= 0:
-            raise ValueError(f"max_len must be a positive number of tokens, got {max_len}")
+        for name, size in (("batch_size", batch_size), ("num_heads", num_heads),
+                           ("head_dim", head_dim)):
+            check_positive_int(name, size)
+        check_positive_int("max_len", max_len, "number of tokens")
         value_dim = head_dim if value_dim is None else value_dim
+        check_positive_int("value_dim", value_dim)
         self.keys = torch.zeros(
             batch_size, num_heads, max_len, head_dim, dtype=dtype, device=device
         )

@@ -9,21 +9,28 @@ request, padding masks, cross-attention and a KV cache.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .functional import BACKENDS, attention, lengths_to_mask
+from .functional import (
+    BACKENDS,
+    attention,
+    check_positive_int,
+    check_valid_lens,
+    lengths_to_mask,
+)
 from .kv_cache import KVCache
 
 __all__ = ["MultiHeadAttention", "check_heads", "check_dropout"]
 
 
 def check_heads(d_out: int, num_heads: int, name: str = "d_out") -> None:
-    """Raise a one-line ``ValueError`` unless ``d_out`` splits into ``num_heads``."""
-    if num_heads <= 0:
-        raise ValueError(f"num_heads must be a positive integer, got {num_heads}")
+    """Raise a one-line error unless ``d_out`` (called ``name``) splits into ``num_heads``."""
+    check_positive_int(name, d_out)
+    check_positive_int("num_heads", num_heads)
     if d_out % num_heads != 0:
         raise ValueError(
             f"{name} ({d_out}) must be divisible by num_heads ({num_heads}); "
@@ -32,6 +39,11 @@ def check_heads(d_out: int, num_heads: int, name: str = "d_out") -> None:
 
 
 def check_dropout(p: float) -> None:
+    """Raise a one-line error unless ``p`` is a probability that leaves something to keep."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(
+            f"dropout must be a probability in [0, 1), got {p!r} of type {type(p).__name__}"
+        )
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout must be a probability in [0, 1), got {p}")
 
@@ -95,10 +107,14 @@ class MultiHeadAttention(nn.Module):
         backend: str = "fused",
     ) -> None:
         super().__init__()
+        check_positive_int("d_in", d_in)
         check_heads(d_out, num_heads)
+        for name, size in (("kdim", kdim), ("vdim", vdim)):
+            if size is not None:
+                check_positive_int(name, size)
         check_dropout(dropout)
-        if context_length is not None and context_length <= 0:
-            raise ValueError(f"context_length must be positive or None, got {context_length}")
+        if context_length is not None:
+            check_positive_int("context_length", context_length, "integer or None")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.d_in, self.d_out = d_in, d_out
@@ -126,20 +142,22 @@ class MultiHeadAttention(nn.Module):
         valid_lens: Tensor | None,
         key_padding_mask: Tensor | None,
         batch: int,
+        num_queries: int,
         num_keys: int,
     ) -> Tensor | None:
         """Keep mask ``(batch, 1, 1 or T_q, T_k)`` from either padding form."""
         if valid_lens is not None and key_padding_mask is not None:
             raise ValueError("pass valid_lens or key_padding_mask, not both")
         if valid_lens is not None:
-            if valid_lens.shape[0] != batch or valid_lens.dim() not in (1, 2):
-                raise ValueError(
-                    f"valid_lens must have shape ({batch},) or ({batch}, queries), "
-                    f"got {tuple(valid_lens.shape)}"
-                )
+            check_valid_lens(valid_lens, batch, num_queries)
             valid_lens = valid_lens.to(self.W_query.weight.device)
             return lengths_to_mask(valid_lens, num_keys).unsqueeze(1)
         if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, Tensor):
+                raise TypeError(
+                    f"key_padding_mask must be a bool tensor of shape ({batch}, {num_keys}), "
+                    f"got {type(key_padding_mask).__name__}"
+                )
             if key_padding_mask.shape != (batch, num_keys):
                 raise ValueError(
                     f"key_padding_mask must have shape ({batch}, {num_keys}), "
@@ -197,13 +215,16 @@ class MultiHeadAttention(nn.Module):
                 f"context_length={self.context_length}"
             )
 
+        # The padding is checked before any projection runs; with a cache the keys are
+        # the stored ones followed by the new.
+        mask = self._key_mask(valid_lens, key_padding_mask, batch, num_queries,
+                              past + key.shape[1])
         q = self._split_heads(self.W_query(x))
         k = self._split_heads(self.W_key(key))
         v = self._split_heads(self.W_value(value))
         if cache is not None:
             k, v = cache.append(k, v)
 
-        mask = self._key_mask(valid_lens, key_padding_mask, batch, k.shape[2])
         want_weights = need_weights or self.backend == "eager"
         out, weights = attention(
             q,

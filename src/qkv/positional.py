@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .functional import check_positive_int
 from .multihead import check_dropout
 
 __all__ = ["PositionalEncoding", "sinusoidal_table"]
@@ -17,6 +18,8 @@ def sinusoidal_table(max_len: int, num_hiddens: int) -> Tensor:
     Each pair of columns is a rotation at its own frequency, so a fixed offset
     between positions is a linear map of the encoding.
     """
+    check_positive_int("max_len", max_len)
+    check_positive_int("num_hiddens", num_hiddens)
     position = torch.arange(max_len, dtype=torch.float32)[:, None]
     inv_freq = torch.pow(
         10000.0, -torch.arange(0, num_hiddens, 2, dtype=torch.float32) / num_hiddens
@@ -37,6 +40,8 @@ class PositionalEncoding(nn.Module):
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000) -> None:
         super().__init__()
+        check_positive_int("num_hiddens", num_hiddens)
+        check_positive_int("max_len", max_len)
         check_dropout(dropout)
         self.num_hiddens = num_hiddens
         self.dropout = nn.Dropout(dropout)

@@ -12,21 +12,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .functional import attention, lengths_to_mask, softmax_with_mask
+from .functional import (
+    attention,
+    check_positive_int,
+    check_valid_lens,
+    lengths_to_mask,
+    softmax_with_mask,
+)
 from .multihead import check_dropout
 
 __all__ = ["DotProductAttention", "AdditiveAttention"]
 
 
 def _keep_mask(valid_lens: Tensor | None, queries: Tensor, num_keys: int) -> Tensor | None:
+    """``(batch, 1 or n_q, n_k)`` keep mask from d2l's ``valid_lens``, checked first."""
     if valid_lens is None:
         return None
-    batch = queries.shape[0]
-    if valid_lens.dim() not in (1, 2) or valid_lens.shape[0] != batch:
-        raise ValueError(
-            f"valid_lens must have shape ({batch},) or ({batch}, {queries.shape[1]}), "
-            f"got {tuple(valid_lens.shape)}"
-        )
+    check_valid_lens(valid_lens, queries.shape[0], queries.shape[-2])
     return lengths_to_mask(valid_lens.to(queries.device), num_keys)
 
 
@@ -82,6 +84,9 @@ class AdditiveAttention(nn.Module):
 
     def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0):
         super().__init__()
+        for name, size in (("key_size", key_size), ("query_size", query_size),
+                           ("num_hiddens", num_hiddens)):
+            check_positive_int(name, size)
         check_dropout(dropout)
         self.W_k = nn.Linear(key_size, num_hiddens, bias=False)
         self.W_q = nn.Linear(query_size, num_hiddens, bias=False)
@@ -103,11 +108,12 @@ class AdditiveAttention(nn.Module):
         projected_keys: Tensor | None = None,
         mask: Tensor | None = None,
     ) -> Tensor:
+        num_keys = (keys if projected_keys is None else projected_keys).shape[-2]
+        keep = mask if mask is not None else _keep_mask(valid_lens, queries, num_keys)
         k = self.project_keys(keys) if projected_keys is None else projected_keys
         q = self.W_q(queries)
         # (batch, n_q, 1, h) + (batch, 1, n_k, h): every query meets every key
         features = torch.tanh(q.unsqueeze(2) + k.unsqueeze(1))
         scores = self.w_v(features).squeeze(-1)
-        keep = mask if mask is not None else _keep_mask(valid_lens, queries, scores.shape[-1])
         self.attention_weights = softmax_with_mask(scores, keep)
         return self.dropout(self.attention_weights) @ values

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .functional import attention
-from .multihead import check_dropout, check_heads
+from .functional import attention, check_positive_int
+from .multihead import check_dropout
 
 __all__ = [
     "SelfAttentionV1",
@@ -34,6 +34,8 @@ class SelfAttentionV1(nn.Module):
 
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__()
+        check_positive_int("d_in", d_in)
+        check_positive_int("d_out", d_out)
         self.W_query = nn.Parameter(torch.rand(d_in, d_out))
         self.W_key = nn.Parameter(torch.rand(d_in, d_out))
         self.W_value = nn.Parameter(torch.rand(d_in, d_out))
@@ -59,6 +61,8 @@ class SelfAttentionV2(nn.Module):
 
     def __init__(self, d_in: int, d_out: int, qkv_bias: bool = False) -> None:
         super().__init__()
+        check_positive_int("d_in", d_in)
+        check_positive_int("d_out", d_out)
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -81,6 +85,9 @@ class CausalAttention(nn.Module):
         self, d_in: int, d_out: int, context_length: int, dropout: float, qkv_bias: bool = False
     ) -> None:
         super().__init__()
+        check_positive_int("d_in", d_in)
+        check_positive_int("d_out", d_out)
+        check_positive_int("context_length", context_length)
         check_dropout(dropout)
         self.d_in, self.d_out = d_in, d_out
         self.context_length = context_length
@@ -133,7 +140,11 @@ class MultiHeadAttentionWrapper(nn.Module):
         qkv_bias: bool = False,
     ) -> None:
         super().__init__()
-        check_heads(d_out * num_heads, num_heads)
+        # Checked here too, so that num_heads=0 does not build an empty wrapper.
+        check_positive_int("num_heads", num_heads)
+        for name, size in (("d_in", d_in), ("d_out", d_out), ("context_length", context_length)):
+            check_positive_int(name, size)
+        check_dropout(dropout)
         self.heads = nn.ModuleList(
             CausalAttention(d_in, d_out, context_length, dropout, qkv_bias)
             for _ in range(num_heads)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -84,9 +85,42 @@ def _as_matrices(matrices: Any) -> list[np.ndarray]:
     return mats
 
 
+def _printable(text: Any) -> str:
+    """``str(text)`` as something every renderer draws, with nothing hidden.
+
+    Labels come from users' text: command-line arguments, files, decoded tokens. Python
+    turns a byte it cannot decode into a lone surrogate (``'\\udcff'`` for ``0xff``),
+    which no font can encode: it is shown as the byte, ``\\xff``; any other lone surrogate
+    as U+FFFD, and a surrogate pair as the character it encodes. Control characters
+    (tab, newline, NUL, ...) and line separators would be invisible, break the line or
+    stop a renderer: they are shown as their escapes, ``\\t``, ``\\n``, ``\\x00``.
+    (``$`` is left alone: the text is drawn with mathtext off, see :func:`_draw`.)
+    """
+    text = str(text)
+    out = []
+    i = 0
+    while i < len(text):
+        char, code = text[i], ord(text[i])
+        low = ord(text[i + 1]) if i + 1 < len(text) else 0
+        if 0xD800 <= code < 0xDC00 and 0xDC00 <= low < 0xE000:  # a pair: one character
+            out.append(chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)))
+            i += 2
+            continue
+        if 0xDC80 <= code < 0xDD00:  # surrogateescape's stand-in for a byte 0x80-0xff
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif 0xD800 <= code < 0xE000:
+            out.append("\ufffd")
+        elif unicodedata.category(char) in ("Cc", "Zl", "Zp"):
+            out.append(char.encode("unicode_escape").decode("ascii"))
+        else:
+            out.append(char)
+        i += 1
+    return "".join(out)
+
+
 def _tick_label(label: Any) -> str:
     # A very long token would squeeze its matrix out of the figure: shorten it.
-    text = str(label)
+    text = _printable(label)
     return text if len(text) <= _MAX_TICK_CHARS else text[: _MAX_TICK_CHARS - 1] + "\u2026"
 
 
@@ -179,8 +213,9 @@ def _draw(
     cell: float,
     xlabel: str | None,
     ylabel: str | None,
+    width: float,
 ) -> None:
-    """One heatmap with its colour bar on ``ax``."""
+    """One heatmap with its colour bar on ``ax``, in a panel ``width`` inches wide."""
     import matplotlib
     from matplotlib.ticker import MaxNLocator
 
@@ -210,20 +245,22 @@ def _draw(
     # Unlabelled axes show positions: whole numbers only.
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    # parse_math=False everywhere: a token or title with "$", "_" or "^" is text, not a
+    # mathtext formula (an unbalanced one would raise while drawing).
     if cols is not None:
-        ax.set_xticks(range(num_cols), cols)
+        ax.set_xticks(range(num_cols), cols, parse_math=False)
         # Rotate when the widest label would not fit across its cell.
         if _label_inches(cols, fs) > 0.9 * cell:
             for label in ax.get_xticklabels():
                 label.set(rotation=45, ha="right", rotation_mode="anchor")
     if rows is not None:
-        ax.set_yticks(range(num_rows), rows)
+        ax.set_yticks(range(num_rows), rows, parse_math=False)
     if xlabel:
-        ax.set_xlabel(xlabel, fontsize=9)
+        ax.set_xlabel(_printable(xlabel), fontsize=9, parse_math=False)
     if ylabel:
-        ax.set_ylabel(ylabel, fontsize=9)
+        ax.set_ylabel(_printable(ylabel), fontsize=9, parse_math=False)
     if title:
-        ax.set_title(title, fontsize=10)
+        ax.set_title(_fit(fig, _printable(title), width, 10), fontsize=10, parse_math=False)
 
     if annotate is None:
         annotate = num_rows <= ANNOTATE_MAX and num_cols <= ANNOTATE_MAX
@@ -249,6 +286,29 @@ def _annotate(ax: Axes, m: np.ndarray, image: Any, cell: float) -> None:
         if v == 0 and colour == "black":
             colour = "0.45"
         ax.text(j, i, text, ha="center", va="center", fontsize=fontsize, color=colour)
+
+
+def _fit(fig: Figure, text: str, inches: float, fontsize: float) -> str:
+    """``text`` shortened with an ellipsis to at most ``inches`` wide at ``fontsize``.
+
+    A title wider than its panel would run into the next panel or off the figure, cut
+    at both ends; measured with the figure's renderer, so a title that fits is kept."""
+    from matplotlib.font_manager import FontProperties
+
+    renderer = fig.canvas.get_renderer()
+    font = FontProperties(size=fontsize)
+
+    def fits(candidate: str) -> bool:
+        width, _, _ = renderer.get_text_width_height_descent(candidate, font, ismath=False)
+        return width <= inches * renderer.dpi
+
+    if fits(text):
+        return text
+    short, long = 0, len(text)  # the longest prefix that fits with the ellipsis
+    while long - short > 1:
+        middle = (short + long) // 2
+        short, long = (middle, long) if fits(text[:middle] + "\u2026") else (short, middle)
+    return text[:short] + "\u2026"
 
 
 def _new_figure(width: float, height: float) -> Figure:
@@ -310,7 +370,8 @@ def plot_attention(
     rows = _check_labels(row_labels, m.shape[0], "row_labels", "rows")
     cols = _check_labels(col_labels, m.shape[1], "col_labels", "columns")
     cell = _cell_size([m])
-    fig = _new_figure(*_panel_size(m.shape, cell, rows, cols))
+    width, height = _panel_size(m.shape, cell, rows, cols)
+    fig = _new_figure(width, height)
     ax = fig.add_subplot()
     _draw(
         fig,
@@ -324,6 +385,7 @@ def plot_attention(
         cell=cell,
         xlabel=xlabel,
         ylabel=ylabel,
+        width=width,
     )
     return fig if target is None else _save(fig, target)
 
@@ -412,7 +474,7 @@ def plot_attention_grid(
             unused += axes[len(ks) :]
     for ax in unused:
         ax.set_visible(False)
-    for ax, m, r, c, title in zip(panels, mats, rows, cols, titles, strict=True):
+    for ax, m, r, c, title, size in zip(panels, mats, rows, cols, titles, sizes, strict=True):
         _draw(
             fig,
             ax,
@@ -425,7 +487,9 @@ def plot_attention_grid(
             cell=cell,
             xlabel=xlabel,
             ylabel=ylabel,
+            width=size[0],
         )
     if suptitle:
-        fig.suptitle(suptitle, fontsize=12)
+        suptitle = _fit(fig, _printable(suptitle), fig.get_figwidth(), 12)
+        fig.suptitle(suptitle, fontsize=12, parse_math=False)
     return fig if target is None else _save(fig, target)

@@ -100,7 +100,7 @@ def build_case(
     nbytes, method = cpu_peak_bytes(build)
     dataset = built[0]
     x, y = dataset[len(dataset) // 2]  # a sanity check that the windows are there
-    if not torch.equal(x[1:], y[:-1]):
+    if not torch.equal(x[1:], y[:-1]):  # token ids: integers, so equal means equal
         raise RuntimeError(f"{kind}: targets are not the inputs shifted by one")
     return {"seconds": seconds, "bytes": nbytes, "method": method, "windows": len(dataset)}
 
