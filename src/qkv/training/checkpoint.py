@@ -202,8 +202,8 @@ def _decode(obj: Any, tensors: Mapping[str, Tensor], path: Path) -> Any:
     if isinstance(obj, dict):
         if set(obj) == {_TENSOR_TAG}:
             key = obj[_TENSOR_TAG]
-            if key not in tensors:
-                raise _fail(path, f"refers to tensor {key!r}, missing from {TRAINER_TENSORS}")
+            if not isinstance(key, str) or key not in tensors:
+                raise _fail(path, f"refers to tensor {show(key)}, missing from {TRAINER_TENSORS}")
             return tensors[key]
         return {k: _decode(v, tensors, path) for k, v in obj.items()}
     if isinstance(obj, list):
