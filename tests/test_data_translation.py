@@ -587,6 +587,22 @@ def test_download_failures_are_one_line_with_the_way_out(where, server, hang_up_
     assert not (cache / "fra-eng.zip").exists()
 
 
+def test_cli_train_on_fra_eng_without_network_is_one_line(tmp_path, monkeypatch, capsys):
+    """`qkv translate train --data fra-eng` with the network down: exit 2, one line."""
+    import qkv.translation
+    from qkv.cli import main
+
+    url = f"http://127.0.0.1:{_closed_port()}/fra-eng.zip"
+    monkeypatch.setattr(qkv.translation, "download_fra_eng",
+                        functools.partial(download_fra_eng, tmp_path / "cache", url=url))
+    assert main(["translate", "train", "--data", "fra-eng", "--run-dir", str(tmp_path / "r"),
+                 "--epochs", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"qkv translate: error: cannot download {url}: the network failed")
+    assert str(tmp_path / "cache" / "fra-eng" / "fra.txt") in err and "--data PATH" in err
+
+
 def test_fra_txt_put_in_the_cache_by_hand_is_used(tmp_path):
     txt = tmp_path / "fra-eng" / "fra.txt"
     txt.parent.mkdir()
