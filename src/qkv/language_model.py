@@ -46,6 +46,7 @@ from .training import (
     Trainer,
     check_memory,
     check_weights,
+    format_bytes,
     get_rank_and_world_size,
     init_distributed,
     load_config,
@@ -369,11 +370,14 @@ def train_language_model(
         )
 
     n_params = cfg.num_parameters()
+    activations = 4 * cfg.num_saved_activations(settings.batch_size, window)
     check_memory(  # before a byte of the model exists
-        TRAIN_BYTES_PER_PARAMETER * n_params,
-        f"training {_model_name(settings, n_params)} ({TRAIN_BYTES_PER_PARAMETER} bytes per "
-        "parameter: float32 weights, gradients and AdamW's two moments)",
-        hint="choose a smaller --preset or --context-length",
+        TRAIN_BYTES_PER_PARAMETER * n_params + activations,
+        f"training {_model_name(settings, n_params)} on batches of {settings.batch_size} x "
+        f"{window} tokens ({TRAIN_BYTES_PER_PARAMETER} bytes per parameter for float32 "
+        f"weights, gradients and AdamW's two moments, and {format_bytes(activations)} of "
+        "activations)",
+        hint="choose a smaller --preset, --context-length or --batch-size",
         device=resolve_device(settings.device),
     )
     model = GPTModel(cfg).init_weights()

@@ -124,6 +124,16 @@ class GPTConfig:
         head = 0 if self.tie_weights else V * d
         return (V + C) * d + L * block + 2 * d + head
 
+    def num_saved_activations(self, batch_size: int, tokens: int) -> int:
+        """A lower bound on the float32 values a training step's forward pass keeps for
+        backward, on ``(batch_size, tokens)`` ids: per token, 16 x ``emb_dim`` in each block
+        (both LayerNorms' input and output, q, k and v, the attention output, the MLP's
+        4 x ``emb_dim`` hidden values before and after GELU) and the log-softmax over the
+        vocabulary. Dropout masks and PyTorch's workspace come on top.
+        """
+        per_token = 16 * self.emb_dim * self.n_layers + self.vocab_size
+        return batch_size * tokens * per_token
+
     def parameter_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """``(name, shape)`` of every ``state_dict`` entry of ``GPTModel(self)``, in order
         (a tied ``out_head.weight`` is listed too, as ``state_dict`` lists it).

@@ -9,8 +9,9 @@ so the tasks ask :func:`check_memory` first:
     needed = TRAIN_BYTES_PER_PARAMETER * config.num_parameters()
     check_memory(needed, f"training this {n:,}-parameter model", hint="use smaller sizes")
 
-The estimates are lower bounds (activations, the data and PyTorch itself come on top), so
-a refusal is certain to be right, and a pass is no promise.
+The callers' estimates are lower bounds (the GPT adds a lower bound on its activations,
+``GPTConfig.num_saved_activations``; the data, workspace and PyTorch itself come on top),
+so a refusal is certain to be right, and a pass is no promise.
 """
 
 from __future__ import annotations
