@@ -692,8 +692,8 @@ def _state(saved):
     ("edit", "match"),
     [
         (lambda s: _group(s).update(lr=float("nan")), r"param_groups\[0\].lr must be a finite "
-                                                       r"number in \[0.0, inf\], got nan"),
-        (lambda s: _group(s).update(lr=-1), r"lr must be a finite number in \[0.0, inf\], got -1"),
+                                                       r"number in \[0.0, inf\), got nan"),
+        (lambda s: _group(s).update(lr=-1), r"lr must be a finite number in \[0.0, inf\), got -1"),
         (lambda s: _group(s).update(lr="fast"), "lr must be a finite number .* got 'fast'"),
         (lambda s: _group(s).update(lr=10**400), "lr must be .* about 401 digits"),
         (lambda s: _group(s).update(betas=[1.0, 0.9]), r"betas\[0\] must be a finite number in "

@@ -61,8 +61,8 @@ def show(value: Any, limit: int = 40) -> str:
 
 
 def _bounds(lo: Any, hi: Any, lo_open: bool = False, hi_open: bool = False) -> str:
-    left = "(" if lo_open else "["
-    right = ")" if hi_open else "]"
+    left = "(" if lo_open or lo is None else "["  # an infinite bound is never included
+    right = ")" if hi_open or hi is None else "]"
     return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
 
 
