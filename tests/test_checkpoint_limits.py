@@ -245,6 +245,12 @@ def test_loading_a_gpt2_tokenizer_run_opens_no_socket(runs, tmp_path, no_network
                          run_dir, progress=False, log=_quiet)
     assert LanguageModel.load(run_dir).tokenizer.name == "gpt2"  # from the saved folder
     assert LanguageModel.load(run_dir, bpe_dir=str(bpe)).generate("The", 3).new_tokens == 3
+    # a saved folder that is gone: one line saying what to pass
+    _edit_config(run_dir, lambda c: c["settings"].update(bpe_dir=str(tmp_path / "gone")))
+    with pytest.raises(CheckpointError) as info:
+        LanguageModel.load(run_dir)
+    assert "\n" not in str(info.value) and "missing encoder.json" in str(info.value)
+    assert "pass --bpe-dir DIR" in str(info.value)
     # without a folder it must not fall back to tiktoken's download: one line instead
     _edit_config(run_dir, lambda c: c["settings"].update(bpe_dir=None))
     with pytest.raises(CheckpointError) as info:

@@ -199,6 +199,9 @@ class LanguageModel:
             tokenizer = tokenizer_from_dict(tokenizer_dict, bpe_dir=bpe_dir or settings.bpe_dir)
         except ValueError as e:
             raise CheckpointError(f"{run_dir}: tokenizer: {e}") from None
+        except (OSError, ImportError) as e:  # BPE files missing, tiktoken not installed
+            raise CheckpointError(f"{run_dir}: tokenizer: {e}; pass --bpe-dir DIR to a folder "
+                                  "with GPT-2's encoder.json and vocab.bpe") from None
         if tokenizer.n_vocab != model_config.vocab_size:
             raise CheckpointError(
                 f"{run_dir}: tokenizer has {tokenizer.n_vocab} ids but the model expects "
@@ -296,6 +299,21 @@ def _model_name(settings: LMSettings, num_params: int) -> str:
     return f"this {num_params:,}-parameter GPT ('{settings.preset}' preset)"
 
 
+def _check_training_memory(cfg: GPTConfig, settings: LMSettings) -> None:
+    """Refuse, before it is built, a model whose training cannot fit in memory."""
+    n = cfg.num_parameters()
+    batch, window = settings.batch_size, cfg.context_length
+    activations = 4 * cfg.num_saved_activations(batch, window)
+    check_memory(
+        TRAIN_BYTES_PER_PARAMETER * n + activations,
+        f"training {_model_name(settings, n)} on batches of {batch} x {window} tokens "
+        f"({TRAIN_BYTES_PER_PARAMETER} bytes per parameter for float32 weights, gradients "
+        f"and AdamW's two moments, and {format_bytes(activations)} of activations)",
+        hint="choose a smaller --preset, --context-length or --batch-size",
+        device=resolve_device(settings.device),
+    )
+
+
 def _read_config(run_dir: str | Path) -> tuple[LMSettings, GPTConfig, dict[str, Any]]:
     """A language model's ``config.json``, validated and cross-checked; the tokenizer's
     dict is checked when the tokenizer is rebuilt."""
@@ -369,17 +387,7 @@ def train_language_model(
             "process(es); use more text, a smaller --context-length or --batch-size"
         )
 
-    n_params = cfg.num_parameters()
-    activations = 4 * cfg.num_saved_activations(settings.batch_size, window)
-    check_memory(  # before a byte of the model exists
-        TRAIN_BYTES_PER_PARAMETER * n_params + activations,
-        f"training {_model_name(settings, n_params)} on batches of {settings.batch_size} x "
-        f"{window} tokens ({TRAIN_BYTES_PER_PARAMETER} bytes per parameter for float32 "
-        f"weights, gradients and AdamW's two moments, and {format_bytes(activations)} of "
-        "activations)",
-        hint="choose a smaller --preset, --context-length or --batch-size",
-        device=resolve_device(settings.device),
-    )
+    _check_training_memory(cfg, settings)  # before a byte of the model exists
     model = GPTModel(cfg).init_weights()
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"GPT '{settings.preset}': {n_params:,} parameters, {cfg.n_layers} layers x "
