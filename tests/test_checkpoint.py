@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import pickle
 import random
+import struct
 
 import numpy as np
 import pytest
@@ -16,10 +18,12 @@ from torch import nn
 
 from qkv.training import (
     CheckpointError,
+    check_weights,
     is_checkpoint,
     load_config,
     load_trainer_state,
     load_weights,
+    read_weights_header,
     save_checkpoint,
 )
 from qkv.training.checkpoint import STAGING
@@ -442,3 +446,310 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
         _versioned_save(tmp_path, 2)
     monkeypatch.undo()
     assert _loaded_version(tmp_path) == 1
+
+
+# ---------------------------------------------------------------------------- hostile JSON
+
+
+def _write_json_text(run_dir, name: str, text: str) -> None:
+    (run_dir / name).write_text(text)
+    _rehash(run_dir, name)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested more than 32 levels"),  # RecursionError
+        ('{"a": ' + "[" * 40 + "]" * 40 + "}", "nested more than 32 levels"),  # parses
+        ('{"a": 1' + "0" * 5000 + "}", "invalid JSON .*4300 digits"),
+        ("\xff\xfe{", "invalid JSON"),
+    ],
+)
+def test_hostile_config_json_is_one_line(saved, text, match):
+    run_dir, _ = saved
+    _write_json_text(run_dir, "config.json", text)
+    with pytest.raises(CheckpointError, match=match) as error:
+        load_config(run_dir)
+    assert "config.json" in _one_line(error)
+
+
+def test_json_values_are_left_to_the_validators(saved):
+    """1e400 and NaN are valid JSON to Python (inf, nan); the fields' validators judge them."""
+    run_dir, _ = saved
+    _write_json_text(run_dir, "config.json", '{"a": 1e400, "b": NaN, "c": 1' + "0" * 400 + "}")
+    config = load_config(run_dir)
+    assert config["a"] == float("inf") and config["b"] != config["b"]
+    assert config["c"] == 10**400
+
+
+def test_oversized_manifest_and_json_are_refused_unread(saved, monkeypatch):
+    run_dir, _ = saved
+    from qkv.training import checkpoint
+
+    monkeypatch.setattr(checkpoint, "MAX_JSON_BYTES", 10)
+    with pytest.raises(CheckpointError, match="config.json: is .* bytes; a checkpoint's JSON is "
+                                              "at most 10"):
+        load_config(run_dir)
+    monkeypatch.setattr(checkpoint, "MAX_MANIFEST_BYTES", 10)
+    with pytest.raises(CheckpointError, match="checkpoint.json: is larger than 10 bytes"):
+        load_config(run_dir)
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, 10**400])
+def test_manifest_sizes_must_be_counts(saved, bad):
+    run_dir, _ = saved
+    manifest = json.loads((run_dir / "checkpoint.json").read_text())
+    manifest["files"]["config.json"]["bytes"] = bad
+    (run_dir / "checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="checkpoint.json") as error:
+        load_config(run_dir)
+    _one_line(error)
+
+
+# ---------------------------------------------------------------------------- weights header
+
+
+def test_header_matches_what_safetensors_reads(tmp_path):
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path, Tied(), {})
+    header = read_weights_header(tmp_path)
+    # independent reference: the safetensors library's own reading of the file
+    with safetensors.safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        reference = {k: ("F32", tuple(f.get_slice(k).get_shape())) for k in f.keys()}  # noqa: SIM118
+    assert header.tensors == reference
+    assert header.aliases == {"out.weight": "emb.weight"}
+    assert header.shapes() == {k: ("F32", tuple(v.shape)) for k, v in Tied().state_dict().items()}
+    assert header.num_elements() == sum(p.numel() for p in Tied().parameters())
+
+
+def _header_bytes(run_dir) -> tuple[bytes, dict, bytes]:
+    data = (run_dir / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return data[:8], json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _write_header(run_dir, header: dict, body: bytes, length: int | None = None) -> None:
+    raw = json.dumps(header).encode()
+    prefix = struct.pack("<Q", len(raw) if length is None else length)
+    (run_dir / "model.safetensors").write_bytes(prefix + raw + body)
+    _rehash(run_dir, "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda h: h["emb.weight"].update(dtype="F31"), "dtype 'F31'; valid: BOOL"),
+        (lambda h: h["emb.weight"].update(shape=[7, 5]), r"is \(7, 5\) F32, 140 bytes, but"),
+        (lambda h: h["emb.weight"].update(shape=[7, -4]), "expected a list of sizes"),
+        (lambda h: h["emb.weight"].update(shape=[7, True]), "expected a list of sizes"),
+        (lambda h: h["emb.weight"].update(data_offsets=[0, 10**12]), "within the"),
+        (lambda h: h["out.bias"].update(data_offsets=h["emb.weight"]["data_offsets"][:1] * 2),
+         "data_offsets span 0"),
+        (lambda h: h.update(extra=1), "needs exactly 'dtype', 'shape' and 'data_offsets'"),
+        (lambda h: h.update(__metadata__=[1]), "'__metadata__' must map strings"),
+        (lambda h: h["__metadata__"].update({"qkv.aliases": '{"x": "nope"}'}),
+         "alias 'x' points to missing tensor 'nope'"),
+        (lambda h: h["__metadata__"].update({"qkv.aliases": "[" * 50 + "]" * 50}),
+         "nested more than 32"),
+    ],
+)
+def test_hostile_headers_are_one_line(saved, edit, match):
+    run_dir, _ = saved
+    _, header, body = _header_bytes(run_dir)
+    edit(header)
+    _write_header(run_dir, header, body)
+    with pytest.raises(CheckpointError, match=match) as error:
+        read_weights_header(run_dir)
+    assert "model.safetensors: " in _one_line(error)
+    with pytest.raises(CheckpointError) as error:  # the safetensors library says it its way
+        load_weights(run_dir, Tiny())
+    assert "model.safetensors" in _one_line(error)
+
+
+def test_overlapping_tensors_are_refused(saved):
+    run_dir, _ = saved
+    _, header, body = _header_bytes(run_dir)
+    # two tensors of the same size swap in the file: fine; one pointing into the other: not
+    a, b = header["out.bias"]["data_offsets"], header["emb.weight"]["data_offsets"]
+    header["out.bias"]["data_offsets"] = [b[0], b[0] + a[1] - a[0]]
+    _write_header(run_dir, header, body)
+    with pytest.raises(CheckpointError, match="overlap or leave gaps"):
+        read_weights_header(run_dir)
+
+
+@pytest.mark.parametrize("length", [2**63, 10**6, 17 * 2**20])
+def test_header_length_is_bounded_by_the_file(saved, length, monkeypatch):
+    run_dir, _ = saved
+    _, header, body = _header_bytes(run_dir)
+    _write_header(run_dir, header, body + b" " * (17 * 2**20 if length == 17 * 2**20 else 0),
+                  length=length)
+    with pytest.raises(CheckpointError, match="header length .* exceeds") as error:
+        read_weights_header(run_dir)
+    _one_line(error)
+
+
+def test_a_corrupt_header_is_reported_as_corruption(saved):
+    run_dir, _ = saved
+    path = run_dir / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[12] ^= 0xFF  # inside the JSON header, manifest not updated
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="SHA-256 mismatch"):
+        read_weights_header(run_dir)
+
+
+def test_pickle_is_named_from_the_header_too(saved):
+    run_dir, model = saved
+    torch.save(model.state_dict(), run_dir / "model.safetensors")
+    _rehash(run_dir, "model.safetensors")
+    with pytest.raises(CheckpointError, match="is a pickle / torch.save file"):
+        read_weights_header(run_dir)
+
+
+def _tiny_shapes(d: int = 4, vocab: int = 7):
+    yield "emb.weight", (vocab, d)
+    yield "out.weight", (vocab, d)
+    yield "out.bias", (vocab,)
+
+
+def test_check_weights_compares_config_and_header(saved):
+    run_dir, _ = saved
+    n = 7 * 4 * 2 + 7
+    size = (run_dir / "model.safetensors").stat().st_size
+    assert check_weights(run_dir, _tiny_shapes(), n) == size
+    with pytest.raises(CheckpointError) as error:
+        check_weights(run_dir, _tiny_shapes(d=10**6), n)
+    assert _one_line(error).endswith(
+        "model.safetensors: config.json says emb.weight is (7, 1000000), the weights say (7, 4)"
+    )
+    with pytest.raises(CheckpointError, match=r"says the model has extra.weight \(1,\), the "
+                                              "weights do not hold it"):
+        check_weights(run_dir, itertools.chain(_tiny_shapes(), [("extra.weight", (1,))]), n)
+    with pytest.raises(CheckpointError, match="the weights hold out.bias, which config.json does "
+                                              "not describe"):
+        check_weights(run_dir, itertools.islice(_tiny_shapes(), 2), n)
+    with pytest.raises(CheckpointError, match="says the model has 1,000 parameters, the weights "
+                                              "hold 63"):
+        check_weights(run_dir, _tiny_shapes(), 1000)
+    with pytest.raises(CheckpointError, match="emb.weight is stored as F32; the model is F16"):
+        check_weights(run_dir, _tiny_shapes(), n, dtype="F16")
+
+
+def test_check_weights_reads_no_more_of_the_config_than_the_file_holds(saved):
+    """A config claiming a billion layers: its shapes are drawn only as far as needed."""
+    run_dir, _ = saved
+    drawn = []
+
+    def billion_layers():
+        yield from _tiny_shapes()
+        for i in range(10**9):
+            drawn.append(i)
+            yield f"layer.{i}.weight", (4, 4)
+
+    with pytest.raises(CheckpointError, match="layer.0.weight"):
+        check_weights(run_dir, billion_layers(), 10**12)
+    assert drawn == [0]
+
+
+def test_tied_config_and_untied_weights_disagree(tmp_path):
+    save_checkpoint(tmp_path, Tiny(), {})  # stores out.weight separately
+    tied = 7 * 4 + 7  # a tied model's parameters: emb.weight once, out.bias
+    with pytest.raises(CheckpointError, match="says the model has 35 parameters, the weights "
+                                              "hold 63"):
+        check_weights(tmp_path, _tiny_shapes(), tied)
+
+
+# ---------------------------------------------------------------------------- hostile trainer.json
+
+
+def _adam_checkpoint(run_dir) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Tiny()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train_steps(model, optimizer, 1)
+    save_checkpoint(run_dir, model, {}, optimizer=optimizer,
+                    trainer_state={"epoch": 1, "step": 1, "history": {"epoch": [1], "loss": [2.5]},
+                                   "train_config": {"lr": 0.01, "clip_norm": None}})
+    return model, optimizer
+
+
+def _edit_trainer_json(run_dir, edit) -> None:
+    saved = json.loads((run_dir / "trainer.json").read_text())
+    edit(saved)
+    (run_dir / "trainer.json").write_text(json.dumps(saved))
+    _rehash(run_dir, "trainer.json")
+
+
+def _group(saved):
+    return saved["optimizer"]["param_groups"][0]
+
+
+def _state(saved):
+    return saved["optimizer"]["state"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda s: _group(s).update(lr=float("nan")), r"param_groups\[0\].lr must be a finite "
+                                                       r"number in \[0.0, inf\), got nan"),
+        (lambda s: _group(s).update(lr=-1), r"lr must be a finite number in \[0.0, inf\), got -1"),
+        (lambda s: _group(s).update(lr="fast"), "lr must be a finite number .* got 'fast'"),
+        (lambda s: _group(s).update(lr=10**400), "lr must be .* about 401 digits"),
+        (lambda s: _group(s).update(betas=[1.0, 0.9]), r"betas\[0\] must be a finite number in "
+                                                        r"\[0.0, 1.0\), got 1.0"),
+        (lambda s: _group(s).update(betas=[0.9]), "betas must be a list of 2 numbers"),
+        (lambda s: _group(s).update(eps=-1e-8), "eps must be a finite number"),
+        (lambda s: _group(s).update(weight_decay=float("inf")), "weight_decay must be"),
+        (lambda s: _group(s).update(amsgrad=1), "amsgrad must be true or false, got 1"),
+        (lambda s: _group(s).pop("lr"), r"param_groups\[0\] has no 'lr'"),
+        (lambda s: _group(s).update(params=[0, 0, 1]), "repeats parameter id 0"),
+        (lambda s: _group(s).update(params=3), "parameter groups do not match"),
+        # int() would read the Arabic-Indic digit one as 1
+        (lambda s: _state(s).update({"\u0661": _state(s)["1"]}), "unknown parameter '\u0661'"),
+        (lambda s: _state(s).update({"0": [1, 2]}), "state of parameter 0 must be an object"),
+        (lambda s: _state(s)["0"].update(step=-3.0), "'step' of parameter 0 must be a finite "
+                                                     "number >= 0"),
+        (lambda s: _state(s)["0"].update(step=_state(s)["0"]["exp_avg"]), "'step' of parameter 0"),
+        (lambda s: _state(s)["0"].update(exp_avg="zeros"), "'exp_avg' of parameter 0 must be a "
+                                                           "tensor, got 'zeros'"),
+        (lambda s: s["trainer_state"].update(epoch=-1), r"trainer_state.epoch must be an integer "
+                                                        r"in \[0, 9223372036854775807\], got -1"),
+        (lambda s: s["trainer_state"].update(epoch=True), "trainer_state.epoch .* got True"),
+        (lambda s: s["trainer_state"].update(step=1.5), "trainer_state.step .* got 1.5"),
+        (lambda s: s["trainer_state"].update(history=[1]), "history must be an object"),
+        (lambda s: s["trainer_state"]["history"].update(loss=3.0), r"history\['loss'\] must be a "
+                                                                   "list"),
+        (lambda s: s["trainer_state"]["history"].update(loss=[1, 2]), "lists differ in length"),
+        (lambda s: s["trainer_state"]["history"].update(loss=["x"]), "numbers or null, found 'x'"),
+        (lambda s: s["trainer_state"]["train_config"].update(lr=0), "train_config.lr must be a "
+                                                                    r"finite number in \(0.0"),
+        (lambda s: s["trainer_state"].update(train_config=[]), "train_config must be an object"),
+        (lambda s: s["rng"].update(python=[3, [10**400] * 625, None]), "invalid RNG state"),
+        (lambda s: s.update(trainer_state=[1]), "trainer_state must be a JSON object"),
+    ],
+)
+def test_hostile_trainer_json_is_one_line(tmp_path, edit, match):
+    model, _ = _adam_checkpoint(tmp_path)
+    _edit_trainer_json(tmp_path, edit)
+    fresh = torch.optim.Adam(Tiny().parameters(), lr=1e-2)
+    rng = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=match) as error:
+        load_trainer_state(tmp_path, fresh)
+    assert "trainer.json" in _one_line(error)
+    assert torch.equal(torch.get_rng_state(), rng) and fresh.state_dict()["state"] == {}
+
+
+def test_diverged_history_and_scheduler_keys_still_load(tmp_path):
+    """NaN losses are an honest record, and keys torch added (initial_lr) pass."""
+    _adam_checkpoint(tmp_path)
+
+    def edit(s):
+        s["trainer_state"]["history"]["loss"] = [float("nan")]
+        _group(s)["initial_lr"] = 0.01
+
+    _edit_trainer_json(tmp_path, edit)
+    fresh = torch.optim.Adam(Tiny().parameters(), lr=1e-2)
+    state = load_trainer_state(tmp_path, fresh)
+    assert state["history"]["loss"][0] != state["history"]["loss"][0]
+    assert fresh.param_groups[0]["initial_lr"] == 0.01

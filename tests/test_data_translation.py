@@ -113,6 +113,20 @@ def test_load_corpus_reads_utf8_and_drops_bom(tmp_path):
     assert load_corpus(str(p)) == "Ça\tva\n"
 
 
+def test_read_corpus_gives_the_sha256_and_checks_it(tmp_path):
+    p = tmp_path / "c.txt"
+    data = "\ufeffa\tb\r\nc\td\re\tf\n".encode()
+    p.write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    # the text as reading in text mode gives it (universal newlines, no BOM)
+    assert tr.read_corpus(p) == ("a\tb\nc\td\ne\tf\n", digest)
+    assert tr.read_corpus(p, sha256=digest)[1] == digest
+    with pytest.raises(tr.CorpusChangedError, match="has changed since the run") as e:
+        tr.read_corpus(p, sha256="0" * 64)
+    assert "c.txt" in str(e.value) and digest[:16] in str(e.value) and "\n" not in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
 def test_load_corpus_errors_name_the_path(tmp_path):
     missing = tmp_path / "nope.txt"
     with pytest.raises(FileNotFoundError, match="nope.txt") as e:
@@ -206,6 +220,9 @@ def test_vocab_json_round_trip():
         ({}, "list of strings"),
         ({"idx_to_token": ["<unk>"], "token_freqs": [["a"]]}, "token_freqs"),
         ({"idx_to_token": ["<unk>"], "token_freqs": {"a": 1}}, "token_freqs"),
+        ({"idx_to_token": ["<unk>"], "token_freqs": [["a", -1]]}, r"counts in \[0, "),
+        ({"idx_to_token": ["<unk>"], "token_freqs": [["a", True]]}, "token_freqs"),
+        ({"idx_to_token": ["<unk>"], "colour": 1}, "unknown key.*'colour'"),
         (42, "dict or a list"),
     ],
 )
@@ -213,6 +230,13 @@ def test_vocab_from_dict_validates(bad, match):
     with pytest.raises(ValueError, match=match) as e:
         Vocab.from_dict(bad)
     assert "\n" not in str(e.value)
+
+
+def test_vocab_from_dict_finds_a_late_duplicate_quickly():
+    # 200,000 tokens with the duplicate at the very end: one pass, not a quadratic search
+    tokens = ["<unk>", *(f"t{i}" for i in range(200_000)), "t5"]
+    with pytest.raises(ValueError, match="duplicate token 't5'"):
+        Vocab.from_dict({"idx_to_token": tokens})
 
 
 @settings(max_examples=50, deadline=None)
@@ -510,6 +534,100 @@ def test_download_network_failure_raises(tmp_path):
     with pytest.raises(DownloadError, match="cannot download") as e:
         download_fra_eng(tmp_path, url=url, sha1=FRA_ENG_SHA1, timeout=5)
     assert url in str(e.value)
+
+
+@pytest.fixture
+def hang_up_server():
+    """A server on 127.0.0.1 that accepts each connection and closes it without a word."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    stop = threading.Event()
+
+    def serve():
+        listener.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            conn.recv(65536)
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    listener.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("where", ["404", "hang-up", "nothing listening"])
+def test_download_failures_are_one_line_with_the_way_out(where, server, hang_up_server,
+                                                         tmp_path):
+    """Whatever goes wrong, one line: the URL tried, that the download failed and why, where
+    fra.txt can go instead, and --data PATH; and an OSError, which the CLI reports."""
+    base = {"404": server[0], "hang-up": hang_up_server,
+            "nothing listening": f"http://127.0.0.1:{_closed_port()}"}[where]
+    url = f"{base}/fra-eng.zip"
+    cache = tmp_path / "cache"
+    with pytest.raises(DownloadError) as e:
+        download_fra_eng(cache, url=url, sha1=FRA_ENG_SHA1, timeout=5)
+    msg = str(e.value)
+    assert "\n" not in msg and isinstance(e.value, OSError)
+    assert msg.startswith(f"cannot download {url}: ")
+    assert ("HTTP 404" in msg) if where == "404" else ("the network failed" in msg)
+    assert str(cache / "fra-eng" / "fra.txt") in msg and "--data PATH" in msg
+    assert not (cache / "fra-eng.zip").exists()
+
+
+def test_cli_train_on_fra_eng_without_network_is_one_line(tmp_path, monkeypatch, capsys):
+    """`qkv translate train --data fra-eng` with the network down: exit 2, one line."""
+    import qkv.translation
+    from qkv.cli import main
+
+    url = f"http://127.0.0.1:{_closed_port()}/fra-eng.zip"
+    monkeypatch.setattr(qkv.translation, "download_fra_eng",
+                        functools.partial(download_fra_eng, tmp_path / "cache", url=url))
+    assert main(["translate", "train", "--data", "fra-eng", "--run-dir", str(tmp_path / "r"),
+                 "--epochs", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"qkv translate: error: cannot download {url}: the network failed")
+    assert str(tmp_path / "cache" / "fra-eng" / "fra.txt") in err and "--data PATH" in err
+
+
+def test_fra_txt_put_in_the_cache_by_hand_is_used(tmp_path):
+    txt = tmp_path / "fra-eng" / "fra.txt"
+    txt.parent.mkdir()
+    txt.write_text(FRA_TXT, encoding="utf-8")
+    # no zip in the cache: the file is used and the (unreachable) URL is never tried
+    url = f"http://127.0.0.1:{_closed_port()}/fra-eng.zip"
+    assert download_fra_eng(tmp_path, url=url) == txt
+    assert tr.cached_fra_eng(tmp_path, url=url) == txt
+
+
+def test_cached_fra_eng_never_downloads(server, tmp_path):
+    base, www, requests = server
+    (www / "fra-eng.zip").write_bytes(GOOD_ZIP)
+    url = f"{base}/fra-eng.zip"
+    with pytest.raises(FileNotFoundError) as e:
+        tr.cached_fra_eng(tmp_path / "c", url=url, sha1=_sha1(GOOD_ZIP))
+    msg = str(e.value)
+    assert "\n" not in msg and str(tmp_path / "c" / "fra-eng" / "fra.txt") in msg
+    assert "--data fra-eng" in msg and "--data PATH" in msg
+    assert requests == []
+    # a verified zip already in the cache is unpacked, still without a request
+    download_fra_eng(tmp_path / "c", url=url, sha1=_sha1(GOOD_ZIP))
+    (tmp_path / "c" / "fra-eng" / "fra.txt").unlink()
+    path = tr.cached_fra_eng(tmp_path / "c", url=url, sha1=_sha1(GOOD_ZIP))
+    assert path.read_text(encoding="utf-8") == FRA_TXT and len(requests) == 1
 
 
 def test_download_replaces_corrupt_cached_zip(server, tmp_path):

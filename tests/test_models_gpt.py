@@ -87,8 +87,19 @@ def test_config_errors_are_one_line():
                     GPTConfig, emb_dim=10, n_heads=4)
     raises_one_line(ValueError, r"dropout must be a probability in \[0, 1\), got 1.0",
                     GPTConfig, drop_rate=1.0)
-    raises_one_line(ValueError, "GPTConfig.n_layers must be a positive integer, got 0",
+    raises_one_line(ValueError,
+                    r"GPTConfig.n_layers must be an integer in \[1, 2147483647\], got 0",
                     GPTConfig, n_layers=0)
+    raises_one_line(ValueError, "GPTConfig.emb_dim must be an integer in .* got True",
+                    GPTConfig, emb_dim=True)
+    raises_one_line(ValueError, "GPTConfig.vocab_size .* got an integer of about 401 digits",
+                    GPTConfig, vocab_size=10**400)
+    raises_one_line(ValueError, "GPTConfig.drop_rate must be a finite number, got nan",
+                    GPTConfig, drop_rate=float("nan"))
+    # a width that does not split into the heads: a quick message even at 2**31 - 2
+    # (= 2 * 3**2 * 7 * 11 * 31 * 151 * 331, whose smallest divisors are listed)
+    raises_one_line(ValueError, r"num_heads in \[1, 2, 3, 6, 7, 9, 11, 14\]",
+                    GPTConfig, emb_dim=2**31 - 2, n_heads=4)
     raises_one_line(ValueError, "GPTConfig.tie_weights must be True or False",
                     GPTConfig, tie_weights="yes")
     raises_one_line(ValueError, r"unknown GPTConfig field\(s\) \['emb_size'\]",
@@ -111,6 +122,33 @@ def test_parameter_counts_of_gpt2_small():
     assert untied.out_head.weight.numel() == 38_597_376
     assert n_params(tied) == 124_412_160
     assert n_params(untied.trf_blocks[0].att) == 2_360_064
+
+
+@pytest.mark.parametrize("tie_weights", [False, True])
+@pytest.mark.parametrize("qkv_bias", [False, True])
+@pytest.mark.parametrize("sizes", [dict(vocab_size=11, context_length=5, emb_dim=8, n_heads=2,
+                                        n_layers=1),
+                                   dict(vocab_size=257, context_length=16, emb_dim=12,
+                                        n_heads=3, n_layers=3)])
+def test_sizes_from_the_config_match_the_built_model(sizes, qkv_bias, tie_weights):
+    """Parameter count and state_dict shapes, by arithmetic, against the real model (a tied
+    head is one parameter listed under two names)."""
+    cfg = GPTConfig(**sizes, qkv_bias=qkv_bias, tie_weights=tie_weights)
+    model = GPTModel(cfg)
+    assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert list(model.buffers()) == []
+    shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+    assert list(cfg.parameter_shapes()) == shapes
+
+
+def test_parameter_count_of_the_presets():
+    # GPT-2 small with the book's separate head (its §4.6 number) and OpenAI's tied 124M
+    assert GPTConfig().num_parameters() == 163_009_536
+    assert GPTConfig(tie_weights=True).num_parameters() == 124_412_160
+    # the larger presets, counted without building them (the book's exercise 4.1 numbers)
+    assert GPTConfig.preset("gpt2-medium").num_parameters() == 406_212_608
+    assert GPTConfig.preset("gpt2-large").num_parameters() == 838_220_800
+    assert GPTConfig.preset("gpt2-xl").num_parameters() == 1_637_792_000
 
 
 def test_book_names_and_shapes():

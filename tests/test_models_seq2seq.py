@@ -222,8 +222,12 @@ def test_config_round_trip():
         ({"num_layers": "2"}, "'num_layers' must be of type int"),
         ({"num_layers": True}, "'num_layers' must be of type int"),
         ({"dropout": "0.1"}, "'dropout' must be of type float"),
-        ({"num_hiddens": 0}, "'num_hiddens' must be a positive integer"),
-        ({"tgt_vocab_size": -3}, "'tgt_vocab_size' must be a positive integer"),
+        ({"num_hiddens": 0}, r"'num_hiddens' must be an integer in \[1, 2147483647\], got 0"),
+        ({"tgt_vocab_size": -3}, "'tgt_vocab_size' must be an integer in .* got -3"),
+        ({"num_layers": 2**31}, "'num_layers' must be an integer in .* got 2147483648"),
+        ({"max_len": 10**400}, "'max_len' must be an integer in .* about 401 digits"),
+        ({"dropout": 10**400}, "'dropout' must be of type float"),
+        ({"dropout": float("nan")}, "'dropout': dropout must be a finite number"),
         ({"dropout": 1.0}, "'dropout'"),
         ({"model": "lstm"}, "'model' must be one of bahdanau, transformer"),
         ({"model": "transformer", "embed_size": 8}, "'embed_size' must equal num_hiddens"),
@@ -236,8 +240,42 @@ def test_config_errors(change, match):
         Seq2SeqConfig.from_dict(d)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(model="bahdanau"),
+        dict(model="bahdanau", num_layers=1, embed_size=5, num_hiddens=7),
+        dict(model="bahdanau", num_layers=3, src_vocab_size=2, tgt_vocab_size=40),
+        dict(model="transformer"),
+        dict(model="transformer", num_layers=1, embed_size=12, num_hiddens=12, num_heads=3,
+             ffn_num_hiddens=5, max_len=9),
+        dict(model="transformer", num_layers=3, src_vocab_size=50, tgt_vocab_size=3),
+    ],
+)
+def test_sizes_from_the_config_match_the_built_model(overrides):
+    """Parameter count, buffer size and state_dict shapes, by arithmetic, against the real
+    model (the independent reference)."""
+    config = small_config(**overrides)
+    model = build_model(config)
+    assert config.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert config.num_buffer_elements() == sum(b.numel() for b in model.buffers())
+    shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+    assert list(config.parameter_shapes()) == shapes
+
+
+def test_sizes_of_a_huge_config_cost_nothing():
+    # a billion layers of width 2**31 - 1: counted, never built (and the shapes generator
+    # can be stopped after a few entries)
+    config = small_config("transformer", num_layers=10**9, embed_size=2**31 - 1,
+                          num_hiddens=2**31 - 1, num_heads=1)
+    config.validate()
+    assert config.num_parameters() > 10**27
+    first = next(iter(config.parameter_shapes()))
+    assert first == ("src_embedding.weight", (11, 2**31 - 1))
+
+
 def test_default_config_is_a_template_build_rejects_it():
-    with pytest.raises(ValueError, match="'src_vocab_size' must be a positive integer"):
+    with pytest.raises(ValueError, match="'src_vocab_size' must be an integer in"):
         build_model(Seq2SeqConfig())
 
 

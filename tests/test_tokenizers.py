@@ -174,6 +174,42 @@ def test_errors_are_one_line(tmp_path, tiny_dir, monkeypatch):
                     bpe_dir=write_tiny_bpe(tmp_path / "other"))
 
 
+def test_from_dict_never_downloads(tmp_path, monkeypatch):
+    """A gpt2 tokenizer is rebuilt from BPE files only; without a folder, one line says how
+    to give one (tiktoken.get_encoding, which downloads, fails the test if called)."""
+    msg = raises_one_line(ValueError, "pass --bpe-dir DIR", tokenizer_from_dict,
+                          {"name": "gpt2", "n_vocab": 50257, "eot_token": 50256})
+    assert BPE_DIR_ENV in msg
+    folder = write_tiny_bpe(tmp_path / "env")
+    monkeypatch.setenv(BPE_DIR_ENV, str(folder))
+    assert tokenizer_from_dict({"name": "gpt2"}).n_vocab == 266
+
+
+@pytest.mark.parametrize(
+    "d, match",
+    [
+        ([1, 2], "tokenizer must be a dict"),
+        ({"name": "gpt3"}, "tokenizer name must be one of 'gpt2', 'bytes', got 'gpt3'"),
+        ({"name": ["bytes"]}, "tokenizer name must be one of"),
+        ({"name": "bytes", "n_vocab": True}, r"n_vocab must be an integer in \[1, "),
+        ({"name": "bytes", "n_vocab": 10**400}, "n_vocab .* about 401 digits"),
+        ({"name": "bytes", "eot_token": "256"}, "eot_token must be an integer"),
+        ({"name": "bytes", "n_vocab": 300}, "saved with n_vocab=300 but rebuilds with n_vocab=257"),
+        ({"name": "bytes", "merges": []}, "unknown key.*'merges'"),
+    ],
+)
+def test_from_dict_validates(d, match):
+    raises_one_line(ValueError, match, tokenizer_from_dict, d)
+
+
+def test_oversized_bpe_file_is_refused_unread(tmp_path):
+    folder = write_tiny_bpe(tmp_path / "big")
+    with open(folder / "encoder.json", "r+b") as f:
+        f.truncate(65 * 2**20)  # sparse: nothing is written, the size is what counts
+    raises_one_line(ValueError, "encoder.json is 68,157,440 bytes", get_tokenizer, "gpt2",
+                    bpe_dir=folder)
+
+
 # ----------------------------------------------------------------------------
 # The real GPT-2 files
 

@@ -12,12 +12,17 @@ With no ``text`` the model trains on a small English-like corpus qkv generates i
 is byte-level (256 symbols, no download); ``tokenizer="gpt2"`` uses GPT-2's BPE through
 tiktoken, offline from ``bpe_dir`` (or ``$QKV_BPE_DIR``) holding ``encoder.json`` and
 ``vocab.bpe``.
+
+A run records the SHA-256 of its text file (``settings.text_sha256``); resuming it reads
+that file again and refuses in one line if it has changed. Loading a run
+(:meth:`LanguageModel.load`) reads the checkpoint and the BPE files only, never the
+network: every field of ``config.json`` is validated and the weights file's header is
+checked against the model the config describes before anything is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,16 +33,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .checks import MAX_SIZE, check_bool, check_float, check_int, check_sha256, check_str, show
 from .data.gpt import GPTDataset, create_dataloader, generated_corpus
-from .data.tokenizers import Tokenizer, get_tokenizer, tokenizer_from_dict
-from .data.translation import load_corpus
+from .data.tokenizers import TOKENIZER_NAMES, Tokenizer, get_tokenizer, tokenizer_from_dict
+from .data.translation import read_corpus
 from .models.gpt import PRESETS, GPTConfig, GPTModel, generate
 from .training import (
+    LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
+    TRAIN_BYTES_PER_PARAMETER,
     CheckpointError,
     TrainConfig,
     Trainer,
+    check_memory,
     check_resume_target,
+    check_weights,
+    format_bytes,
     get_rank_and_world_size,
     init_distributed,
     load_config,
@@ -52,6 +63,8 @@ from .training import (
 __all__ = ["LMSettings", "LanguageModel", "Generation", "train_language_model", "lm_loss"]
 
 TASK = "lm"
+# Most characters of the generated corpus a run may ask for (it is built in memory).
+MAX_CORPUS_CHARS = 100_000_000
 
 
 @dataclass
@@ -83,6 +96,9 @@ class LMSettings:
     seed: int = 0
     device: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
+    # SHA-256 of the text file trained on (None: the generated corpus, or a run saved
+    # before qkv recorded it); resuming the run checks the file against it.
+    text_sha256: str | None = None
 
     def resolved(self) -> LMSettings:
         """A copy with ``epochs`` and ``lr`` defaulted (10, 1e-3); validated."""
@@ -92,30 +108,37 @@ class LMSettings:
         return out
 
     def validate(self) -> None:
-        """Refuse, in one line, values that cannot train (non-finite ones included)."""
+        """One-line ``ValueError`` naming the first field of the wrong type or range
+        (non-finite numbers included). ``epochs`` and ``lr`` may still be None."""
         if self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
-        for name in ("batch_size", "corpus_chars"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.epochs is not None and self.epochs < 0:
-            raise ValueError(f"epochs must be >= 0, got {self.epochs}")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        # `not a < x < b` also refuses NaN, which fails every comparison.
-        for name in ("lr", "clip_norm"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a finite number > 0, got {value}")
-        if not 0 <= self.weight_decay < math.inf:
-            raise ValueError(f"weight_decay must be a finite number >= 0, "
-                             f"got {self.weight_decay}")
-        if self.drop_rate is not None and not 0.0 <= self.drop_rate < 1.0:
-            raise ValueError(f"dropout must be a probability in [0, 1), got {self.drop_rate}")
+            raise ValueError(f"unknown preset {show(self.preset)}; choose one of "
+                             f"{sorted(PRESETS)}")
+        for name in ("text", "bpe_dir"):
+            if getattr(self, name) is not None:
+                check_str(name, getattr(self, name))
+        check_str("tokenizer", self.tokenizer, choices=TOKENIZER_NAMES)
         for name in ("context_length", "stride"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value}")
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1, MAX_SIZE)
+        if self.drop_rate is not None:
+            check_float("drop_rate", self.drop_rate, 0.0, 1.0, hi_open=True)
+        check_bool("tie_weights", self.tie_weights)
+        check_int("batch_size", self.batch_size, 1, MAX_SIZE)
+        if self.epochs is not None:
+            check_int("epochs", self.epochs, 0, MAX_SIZE)
+        if self.lr is not None:
+            check_float("lr", self.lr, 0.0, lo_open=True)
+        check_float("weight_decay", self.weight_decay, 0.0)
+        if self.clip_norm is not None:
+            check_float("clip_norm", self.clip_norm, 0.0, lo_open=True)
+        check_float("val_fraction", self.val_fraction, 0.0, 1.0, hi_open=True)
+        check_int("corpus_chars", self.corpus_chars, 1, MAX_CORPUS_CHARS)
+        check_int("seed", self.seed, -(2**63), 2**64 - 1)  # what torch.manual_seed takes
+        check_str("device", self.device, max_len=64)
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"extra must be an object, got {show(self.extra)}")
+        if self.text_sha256 is not None:
+            check_sha256("text_sha256", self.text_sha256)
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         overrides: dict[str, Any] = {"vocab_size": vocab_size, "tie_weights": self.tie_weights}
@@ -127,11 +150,17 @@ class LMSettings:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LMSettings:
+        """The settings of a saved run, every field validated."""
+        if not isinstance(d, dict):
+            raise ValueError(f"lm settings must be an object, got {show(d)}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown lm settings {unknown}; valid: {sorted(known)}")
-        return cls(**d)
+            listed = ", ".join(show(k) for k in unknown[:5])
+            raise ValueError(f"unknown lm settings [{listed}]; valid: {sorted(known)}")
+        settings = cls(**d)
+        settings.validate()
+        return settings
 
 
 def lm_loss(model: nn.Module, batch: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
@@ -165,16 +194,29 @@ class LanguageModel:
         self.settings = settings
 
     @classmethod
-    def load(cls, run_dir: str | Path, device: str = "cpu", bpe_dir: str | None = None):
-        """Rebuild from a checkpoint; anything malformed is one ``CheckpointError`` line."""
-        config = load_config(run_dir, task=TASK)
+    def load(
+        cls, run_dir: str | Path, device: str = "cpu", bpe_dir: str | None = None
+    ) -> LanguageModel:
+        """Rebuild from a checkpoint; anything malformed is one ``CheckpointError`` line.
+
+        Reads the checkpoint and, for a gpt2 tokenizer, the BPE files in ``bpe_dir`` (else
+        ``$QKV_BPE_DIR``, else the folder the run was trained with); never the text, never
+        the network. Everything is checked before the model is built: the config's fields,
+        the weights file's header against the shapes the config implies, and the memory
+        the model needs.
+        """
+        settings, model_config, tokenizer_dict = _read_config(run_dir)
+        n = model_config.num_parameters()
+        check_weights(run_dir, model_config.parameter_shapes(), n)
+        check_memory(LOAD_BYTES_PER_PARAMETER * n, f"loading {_model_name(settings, n)}",
+                     hint="load it on a machine with more memory")
         try:
-            settings = LMSettings.from_dict(config["settings"])
-            model_config = GPTConfig.from_dict(config["model"])
-            tokenizer = tokenizer_from_dict(config["tokenizer"],
-                                            bpe_dir=bpe_dir or settings.bpe_dir)
-        except (KeyError, TypeError) as e:
-            raise CheckpointError(f"{run_dir}/config.json is malformed: {e}") from e
+            tokenizer = tokenizer_from_dict(tokenizer_dict, bpe_dir=bpe_dir or settings.bpe_dir)
+        except ValueError as e:
+            raise CheckpointError(f"{run_dir}: tokenizer: {e}") from None
+        except (OSError, ImportError) as e:  # BPE files missing, tiktoken not installed
+            raise CheckpointError(f"{run_dir}: tokenizer: {e}; pass --bpe-dir DIR to a folder "
+                                  "with GPT-2's encoder.json and vocab.bpe") from None
         if tokenizer.n_vocab != model_config.vocab_size:
             raise CheckpointError(
                 f"{run_dir}: tokenizer has {tokenizer.n_vocab} ids but the model expects "
@@ -252,16 +294,69 @@ class LanguageModel:
         )
 
 
-def _load_text(settings: LMSettings) -> str:
+def _load_text(settings: LMSettings) -> tuple[str, str | None]:
+    """The training text and the SHA-256 of its file (None for the generated corpus).
+
+    A file whose digest the settings recorded (a run being resumed) must still have it.
+    """
     if settings.text is None:
-        return generated_corpus(settings.corpus_chars, seed=settings.seed)
+        return generated_corpus(settings.corpus_chars, seed=settings.seed), None
     path = Path(settings.text)
     if not path.is_file():
         raise FileNotFoundError(f"text file not found: {path}")
-    text = load_corpus(path)
+    text, digest = read_corpus(path, sha256=settings.text_sha256)
     if not text.strip():
         raise ValueError(f"text file {path} is empty")
-    return text
+    return text, digest
+
+
+def _model_name(settings: LMSettings, num_params: int) -> str:
+    return f"this {num_params:,}-parameter GPT ('{settings.preset}' preset)"
+
+
+def _check_training_memory(cfg: GPTConfig, settings: LMSettings) -> None:
+    """Refuse, before it is built, a model whose training cannot fit in memory."""
+    n = cfg.num_parameters()
+    batch, window = settings.batch_size, cfg.context_length
+    activations = 4 * cfg.num_saved_activations(batch, window)
+    check_memory(
+        TRAIN_BYTES_PER_PARAMETER * n + activations,
+        f"training {_model_name(settings, n)} on batches of {batch} x {window} tokens "
+        f"({TRAIN_BYTES_PER_PARAMETER} bytes per parameter for float32 weights, gradients "
+        f"and AdamW's two moments, and {format_bytes(activations)} of activations)",
+        hint="choose a smaller --preset, --context-length or --batch-size",
+        device=resolve_device(settings.device),
+    )
+
+
+def _read_config(run_dir: str | Path) -> tuple[LMSettings, GPTConfig, dict[str, Any]]:
+    """A language model's ``config.json``, validated and cross-checked; the tokenizer's
+    dict is checked when the tokenizer is rebuilt."""
+    config = load_config(run_dir, task=TASK)
+    path = Path(run_dir) / "config.json"
+    sections = ("task", "settings", "model", "tokenizer")
+    unknown = sorted(set(config) - set(sections))
+    missing = [name for name in sections if name not in config]
+    if unknown or missing:
+        what = f"unknown section {show(unknown[0])}" if unknown else f"no {missing[0]!r}"
+        raise CheckpointError(f"{path} has {what}; a language model's config has "
+                              f"{', '.join(sections)}")
+    try:
+        settings = LMSettings.from_dict(config["settings"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: settings: {e}") from None
+    try:
+        model_config = GPTConfig.from_dict(config["model"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: model: {e}") from None
+    # Training built the model from the settings, and resuming does again: they agree.
+    implied = settings.model_config(model_config.vocab_size)
+    for name in GPTConfig.field_names():
+        saved, expected = getattr(model_config, name), getattr(implied, name)
+        if saved != expected:
+            raise CheckpointError(f"{path}: model.{name} is {show(saved)} but the settings "
+                                  f"imply {show(expected)}")
+    return settings, model_config, config["tokenizer"]
 
 
 def train_language_model(
@@ -302,8 +397,7 @@ def _train(
     log: Callable[[str], None],
 ) -> tuple[LanguageModel, dict[str, list]]:
     if resume:
-        saved = load_config(run_dir, task=TASK)
-        old = LMSettings.from_dict(saved["settings"])
+        old, _, _ = _read_config(run_dir)
         settings = dataclasses.replace(
             old,
             epochs=old.epochs if settings.epochs is None else settings.epochs,
@@ -317,7 +411,9 @@ def _train(
     seed_everything(settings.seed)
 
     tokenizer = get_tokenizer(settings.tokenizer, bpe_dir=settings.bpe_dir)
-    ids = torch.tensor(tokenizer.encode(_load_text(settings)), dtype=torch.long)
+    text, text_sha256 = _load_text(settings)
+    settings = dataclasses.replace(settings, text_sha256=text_sha256)
+    ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     cfg = settings.model_config(tokenizer.n_vocab)
     window = cfg.context_length
     stride = settings.stride or max(1, window // 2)
@@ -333,6 +429,7 @@ def _train(
             "process(es); use more text, a smaller --context-length or --batch-size"
         )
 
+    _check_training_memory(cfg, settings)  # before a byte of the model exists
     model = GPTModel(cfg).init_weights()
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"GPT '{settings.preset}': {n_params:,} parameters, {cfg.n_layers} layers x "

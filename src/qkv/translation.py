@@ -16,6 +16,13 @@ Data sources (``settings.data``):
   ``$QKV_CACHE`` (default ``~/.cache/qkv``) with its SHA-1 checked;
 - a path to a ``source<TAB>target`` file.
 
+A run records the SHA-256 of the corpus file it trained on (``settings.data_sha256``).
+Evaluating it on its held-out split or resuming it reads that corpus again, never
+downloads it, and refuses in one line if it has changed or is missing. Loading a run
+(:meth:`Translator.load`) reads the checkpoint only: every field of its ``config.json``
+is validated, and the weights file's header is checked against the model the config
+describes, before anything is built.
+
 A run directory holds the checkpoint (``model.safetensors``, ``config.json`` with the
 settings, model config and both vocabularies, optimizer state for ``--resume``),
 ``loss.png`` and ``attention.png``.
@@ -25,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +42,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
+from .checks import MAX_COUNT, MAX_SIZE, check_float, check_int, check_sha256, check_str, show
 from .data.dates import DATES_NUM_STEPS, join_date_tokens, make_date_pairs, normalize_date_text
 from .data.translation import (
     BOS,
@@ -44,13 +51,15 @@ from .data.translation import (
     TranslationData,
     Vocab,
     build_array,
+    cached_fra_eng,
     download_fra_eng,
-    load_corpus,
     preprocess,
+    read_corpus,
     read_pairs,
 )
 from .metrics import bleu, corpus_bleu, exact_match, has_sacrebleu
 from .models import (
+    MODEL_NAMES,
     EncoderDecoder,
     Seq2SeqConfig,
     beam_search,
@@ -60,11 +69,15 @@ from .models import (
     teacher_forcing_input,
 )
 from .training import (
+    LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
+    TRAIN_BYTES_PER_PARAMETER,
     CheckpointError,
     TrainConfig,
     Trainer,
+    check_memory,
     check_resume_target,
+    check_weights,
     init_distributed,
     is_main_process,
     load_config,
@@ -100,6 +113,11 @@ _DATA_DEFAULTS = {
     "other": {"num_examples": 600, "num_steps": 10, "epochs": 250, "held_out": 0.0,
               "lr": 0.005},
 }
+# Bounds on settings that size work rather than the model (which is bounded by memory):
+# sentences are decoded token by token up to num_steps, and the dates corpus is generated
+# num_examples pairs at a time.
+MAX_NUM_STEPS = 100_000
+MAX_NUM_EXAMPLES = 10_000_000
 
 
 @dataclass
@@ -132,6 +150,9 @@ class TranslateSettings:
     seed: int = 0
     device: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
+    # SHA-256 of the corpus file trained on (None: generated data, or a run saved before
+    # qkv recorded it); evaluating or resuming the run checks the file against it.
+    data_sha256: str | None = None
 
     def resolved(self) -> TranslateSettings:
         """A copy with every ``None`` replaced by the data's default; validated."""
@@ -142,17 +163,38 @@ class TranslateSettings:
         for name in ("num_examples", "num_steps", "min_freq", "batch_size", "epochs"):
             value = getattr(out, name)
             if not isinstance(value, int) or value < (0 if name == "epochs" else 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not 0.0 <= out.held_out < 1.0:
-            raise ValueError(f"held_out must be a fraction in [0, 1), got {out.held_out}")
-        # `not a < x < b` also refuses NaN, which fails every comparison.
-        for name in ("lr", "clip_norm"):
-            if not 0 < getattr(out, name) < math.inf:
-                raise ValueError(f"{name} must be a finite number > 0, got "
-                                 f"{getattr(out, name)}")
-        if not 0.0 <= out.dropout < 1.0:
-            raise ValueError(f"dropout must be a probability in [0, 1), got {out.dropout}")
+                raise ValueError(f"{name} must be a positive integer, got {show(value)}")
+        out.validate(resolved=True)
         return out
+
+    def validate(self, *, resolved: bool = False) -> None:
+        """One-line ``ValueError`` naming the first field of the wrong type or range.
+
+        ``resolved``: the data-dependent fields must be set (as in a saved run), not None.
+        """
+        check_str("data", self.data)
+        check_str("model", self.model, choices=MODEL_NAMES)
+        for name, lo, hi in (("num_examples", 1, MAX_NUM_EXAMPLES),
+                             ("num_steps", 1, MAX_NUM_STEPS), ("epochs", 0, MAX_SIZE)):
+            if getattr(self, name) is not None or resolved:
+                check_int(name, getattr(self, name), lo, hi)
+        if self.held_out is not None or resolved:
+            check_float("held_out", self.held_out, 0.0, 1.0, hi_open=True)
+        check_int("min_freq", self.min_freq, 1, MAX_COUNT)
+        for name in ("embed_size", "num_hiddens", "num_layers", "num_heads",
+                     "ffn_num_hiddens", "batch_size"):
+            check_int(name, getattr(self, name), 1, MAX_SIZE)
+        check_float("dropout", self.dropout, 0.0, 1.0, hi_open=True)
+        if self.lr is not None or resolved:
+            check_float("lr", self.lr, 0.0, lo_open=True)
+        if self.clip_norm is not None:
+            check_float("clip_norm", self.clip_norm, 0.0, lo_open=True)
+        check_int("seed", self.seed, -(2**63), 2**64 - 1)  # what torch.manual_seed takes
+        check_str("device", self.device, max_len=64)
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"extra must be an object, got {show(self.extra)}")
+        if self.data_sha256 is not None:
+            check_sha256("data_sha256", self.data_sha256)
 
     def model_config(self, src_vocab: Vocab, tgt_vocab: Vocab) -> Seq2SeqConfig:
         embed = self.num_hiddens if self.model == "transformer" else self.embed_size
@@ -171,39 +213,87 @@ class TranslateSettings:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TranslateSettings:
+        """The settings of a saved run (resolved), every field validated."""
+        if not isinstance(d, dict):
+            raise ValueError(f"translate settings must be an object, got {show(d)}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown translate settings {unknown}; valid: {sorted(known)}")
-        return cls(**d)
+            listed = ", ".join(show(k) for k in unknown[:5])
+            raise ValueError(f"unknown translate settings [{listed}]; valid: {sorted(known)}")
+        settings = cls(**d)
+        settings.validate(resolved=True)
+        return settings
 
 
 # ----------------------------------------------------------------------------
 # Data
 
 
-def load_pairs(settings: TranslateSettings) -> tuple[list[list[str]], list[list[str]]]:
-    """Source and target token lists for ``settings.data`` (resolved settings)."""
-    if settings.data == "dates":
-        pairs = make_date_pairs(settings.num_examples, seed=settings.seed)
-        return [s.split() for s, _ in pairs], [t.split() for _, t in pairs]
-    path = download_fra_eng() if settings.data == "fra-eng" else Path(settings.data)
-    if settings.data != "fra-eng" and not path.exists():
+def _corpus_file(settings: TranslateSettings, reload: bool) -> Path:
+    """The file ``settings.data`` names; fra-eng from the cache, downloaded only when the
+    user asked for it now (``reload=False``), never when a saved run reads it again."""
+    if settings.data == "fra-eng":
+        return cached_fra_eng() if reload else download_fra_eng()
+    path = Path(settings.data)
+    if not path.exists():
+        if reload:
+            raise FileNotFoundError(
+                f"the run was trained on {settings.data!r}, which no longer exists; restore "
+                "it, or pass --data PATH to evaluate on another file"
+            )
         raise FileNotFoundError(
             f"data {settings.data!r} is neither 'dates', 'fra-eng' nor an existing file"
         )
-    src, tgt = read_pairs(preprocess(load_corpus(path)), settings.num_examples)
+    return path
+
+
+def _load_pairs(
+    settings: TranslateSettings, reload: bool
+) -> tuple[list[list[str]], list[list[str]], str | None]:
+    """Pairs and the SHA-256 of the corpus file they came from (None for dates)."""
+    if settings.data == "dates":
+        pairs = make_date_pairs(settings.num_examples, seed=settings.seed)
+        return [s.split() for s, _ in pairs], [t.split() for _, t in pairs], None
+    path = _corpus_file(settings, reload)
+    # A run saved before digests were recorded has none: its corpus is read unchecked.
+    text, digest = read_corpus(path, sha256=settings.data_sha256 if reload else None)
+    src, tgt = read_pairs(preprocess(text), settings.num_examples)
     if not src:
         raise ValueError(f"no 'source<TAB>target' pairs found in {path}")
+    return src, tgt, digest
+
+
+def load_pairs(
+    settings: TranslateSettings, *, reload: bool = False
+) -> tuple[list[list[str]], list[list[str]]]:
+    """Source and target token lists for ``settings.data`` (resolved settings).
+
+    ``reload``: these are a saved run's settings and its own corpus is read back (to
+    evaluate or resume it): fra-eng is never downloaded, and a file must still have the
+    SHA-256 the run recorded. Otherwise (new data named by the user) fra-eng is
+    downloaded if it is not cached.
+    """
+    src, tgt, _ = _load_pairs(settings, reload)
     return src, tgt
 
 
 def prepare_data(
-    settings: TranslateSettings, src_vocab: Vocab | None = None, tgt_vocab: Vocab | None = None
+    settings: TranslateSettings,
+    src_vocab: Vocab | None = None,
+    tgt_vocab: Vocab | None = None,
+    *,
+    reload: bool | None = None,
 ) -> TranslationData:
-    """Batches, vocabularies and the held-out split for resolved ``settings``."""
-    src, tgt = load_pairs(settings)
-    return TranslationData.from_pairs(
+    """Batches, vocabularies and the held-out split for resolved ``settings``.
+
+    ``reload`` (see :func:`load_pairs`) defaults to whether vocabularies are passed: a
+    saved run's vocabularies come with its settings. ``corpus_sha256`` of the result is
+    the digest of the corpus file read, for the run to record.
+    """
+    reload = src_vocab is not None if reload is None else reload
+    src, tgt, digest = _load_pairs(settings, reload)
+    data = TranslationData.from_pairs(
         src,
         tgt,
         num_steps=settings.num_steps,
@@ -213,6 +303,64 @@ def prepare_data(
         src_vocab=src_vocab,
         tgt_vocab=tgt_vocab,
     )
+    data.corpus_sha256 = digest
+    return data
+
+
+def _model_name(config: Seq2SeqConfig, num_params: int) -> str:
+    return f"this {num_params:,}-parameter {config.model} translator"
+
+
+def _check_training_memory(config: Seq2SeqConfig, device: str) -> None:
+    """Refuse, before it is built, a model whose training cannot fit in memory."""
+    n = config.num_parameters()
+    check_memory(
+        TRAIN_BYTES_PER_PARAMETER * n + 4 * config.num_buffer_elements(),
+        f"training {_model_name(config, n)} ({TRAIN_BYTES_PER_PARAMETER} bytes per parameter: "
+        "float32 weights, gradients and Adam's two moments)",
+        hint="choose a smaller --num-hiddens, --num-layers, --embed-size or --ffn-num-hiddens",
+        device=resolve_device(device),
+    )
+
+
+def _read_config(run_dir: str | Path) -> tuple[TranslateSettings, Seq2SeqConfig, Vocab, Vocab]:
+    """A translator's ``config.json``, every field validated and cross-checked."""
+    config = load_config(run_dir, task=TASK)
+    path = Path(run_dir) / "config.json"
+    sections = ("task", "settings", "model", "src_vocab", "tgt_vocab")
+    unknown = sorted(set(config) - set(sections))
+    missing = [name for name in sections if name not in config]
+    if unknown or missing:
+        what = f"unknown section {show(unknown[0])}" if unknown else f"no {missing[0]!r}"
+        raise CheckpointError(f"{path} has {what}; a translator's config has "
+                              f"{', '.join(sections)}")
+
+    def parse(section: str, build: Callable[[Any], Any]) -> Any:
+        try:
+            return build(config[section])
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: {section}: {e}") from None
+
+    settings = parse("settings", TranslateSettings.from_dict)
+    model_config = parse("model", Seq2SeqConfig.from_dict)
+    src_vocab = parse("src_vocab", Vocab.from_dict)
+    tgt_vocab = parse("tgt_vocab", Vocab.from_dict)
+    if (model_config.src_vocab_size, model_config.tgt_vocab_size) != (
+        len(src_vocab), len(tgt_vocab)
+    ):
+        raise CheckpointError(
+            f"{run_dir}: vocabulary sizes ({len(src_vocab)}, {len(tgt_vocab)}) do not "
+            f"match the model's ({model_config.src_vocab_size}, "
+            f"{model_config.tgt_vocab_size})"
+        )
+    # Training built the model from the settings, and resuming does again: they agree.
+    implied = settings.model_config(src_vocab, tgt_vocab)
+    for f in dataclasses.fields(Seq2SeqConfig):
+        saved, expected = getattr(model_config, f.name), getattr(implied, f.name)
+        if saved != expected:
+            raise CheckpointError(f"{path}: model.{f.name} is {show(saved)} but the settings "
+                                  f"imply {show(expected)}")
+    return settings, model_config, src_vocab, tgt_vocab
 
 
 # ----------------------------------------------------------------------------
@@ -253,23 +401,20 @@ class Translator:
 
     @classmethod
     def load(cls, run_dir: str | Path, device: str = "cpu") -> Translator:
-        """Rebuild from a checkpoint; anything malformed is one ``CheckpointError`` line."""
-        config = load_config(run_dir, task=TASK)
-        try:
-            settings = TranslateSettings.from_dict(config["settings"])
-            model_config = Seq2SeqConfig.from_dict(config["model"])
-            src_vocab = Vocab.from_dict(config["src_vocab"])
-            tgt_vocab = Vocab.from_dict(config["tgt_vocab"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{run_dir}/config.json is malformed: {e}") from e
-        if (model_config.src_vocab_size, model_config.tgt_vocab_size) != (
-            len(src_vocab), len(tgt_vocab)
-        ):
-            raise CheckpointError(
-                f"{run_dir}: vocabulary sizes ({len(src_vocab)}, {len(tgt_vocab)}) do not "
-                f"match the model's ({model_config.src_vocab_size}, "
-                f"{model_config.tgt_vocab_size})"
-            )
+        """Rebuild from a checkpoint; anything malformed is one ``CheckpointError`` line.
+
+        Reads the checkpoint only (never the corpus, never the network). Everything is
+        checked before the model is built: the config's fields, the weights file's header
+        against the shapes the config implies, and the memory the model needs.
+        """
+        settings, model_config, src_vocab, tgt_vocab = _read_config(run_dir)
+        n = model_config.num_parameters()
+        check_weights(run_dir, model_config.parameter_shapes(), n)
+        check_memory(
+            LOAD_BYTES_PER_PARAMETER * n + 4 * model_config.num_buffer_elements(),
+            f"loading {_model_name(model_config, n)}",
+            hint="load it on a machine with more memory",
+        )
         model = build_model(model_config)
         load_weights(run_dir, model)
         return cls(model.to(resolve_device(device)), src_vocab, tgt_vocab, settings)
@@ -461,8 +606,7 @@ def _train(
     trace: Callable[[str], None] | None,
 ) -> tuple[Translator, dict[str, list]]:
     if resume:
-        saved = load_config(run_dir, task=TASK)
-        old = TranslateSettings.from_dict(saved["settings"])
+        old, _, src_vocab, tgt_vocab = _read_config(run_dir)
         settings = dataclasses.replace(
             old,
             epochs=old.epochs if settings.epochs is None else settings.epochs,
@@ -470,16 +614,16 @@ def _train(
             device=settings.device,
         ).resolved()
         check_resume_target(run_dir, settings.epochs)
-        src_vocab, tgt_vocab = Vocab.from_dict(saved["src_vocab"]), Vocab.from_dict(
-            saved["tgt_vocab"]
-        )
     else:
         settings = settings.resolved()
         src_vocab = tgt_vocab = None
 
     seed_everything(settings.seed)
     data = prepare_data(settings, src_vocab, tgt_vocab)
-    model = build_model(settings.model_config(data.src_vocab, data.tgt_vocab))
+    settings = dataclasses.replace(settings, data_sha256=data.corpus_sha256)
+    config = settings.model_config(data.src_vocab, data.tgt_vocab)
+    _check_training_memory(config, settings.device)  # before a byte of the model exists
+    model = build_model(config)
     log(f"{settings.model} translator: {num_parameters(model):,} trainable parameters; "
         f"{len(data.train[0]):,} training pairs, {len(data.valid[0]):,} held out; "
         f"vocabularies {len(data.src_vocab)} -> {len(data.tgt_vocab)}")

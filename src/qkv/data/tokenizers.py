@@ -12,7 +12,8 @@ dict that a checkpoint can store, so a trained model is always paired with its t
 with ``<|endoftext|>`` (id 50256) allowed as a special token. tiktoken downloads the two BPE
 files on first use; to work offline, point ``bpe_dir`` (or the environment variable
 ``QKV_BPE_DIR``) at a folder holding GPT-2's original ``encoder.json`` and ``vocab.bpe``, and
-the identical encoding is built from them locally.
+the identical encoding is built from them locally. Rebuilding a tokenizer from a
+checkpoint (:func:`tokenizer_from_dict`) never downloads: it needs those files.
 
 ``"bytes"`` needs nothing at all: every UTF-8 byte is a token (ids 0-255), plus id 256 for
 ``<|endoftext|>``. Sequences get about four times longer than with BPE on English, but the
@@ -28,6 +29,8 @@ from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from ..checks import MAX_SIZE, check_int, check_str, show
 
 __all__ = [
     "BPE_DIR_ENV",
@@ -55,6 +58,7 @@ GPT2_PAT_STR = (
 )
 
 BPE_FILES = ("encoder.json", "vocab.bpe")
+MAX_BPE_FILE_BYTES = 64 * 2**20
 
 
 def _as_id_list(ids: Iterable[int] | Any) -> list[int]:
@@ -224,6 +228,12 @@ def _gpt2_from_dir(bpe_dir: str | Path) -> GPT2Tokenizer:
             f"(bpe_dir / ${BPE_DIR_ENV} must hold encoder.json and vocab.bpe)"
         )
     stats = [(folder / name).stat() for name in BPE_FILES]
+    for name, st in zip(BPE_FILES, stats, strict=True):
+        # GPT-2's files are 1.0 MB and 0.5 MB; the folder may come from a checkpoint's
+        # settings, so a huge or special file there is refused before it is read.
+        if st.st_size > MAX_BPE_FILE_BYTES:
+            raise ValueError(f"{folder / name} is {st.st_size:,} bytes; GPT-2's BPE files are "
+                             f"far smaller (at most {MAX_BPE_FILE_BYTES:,} bytes accepted)")
     stamp = tuple(v for st in stats for v in (st.st_size, st.st_mtime_ns))
     return GPT2Tokenizer(_encoding_from_files(str(folder), stamp))
 
@@ -259,20 +269,42 @@ def get_tokenizer(name: str = "gpt2", *, bpe_dir: str | Path | None = None) -> T
 def tokenizer_from_dict(d: Mapping[str, Any], *, bpe_dir: str | Path | None = None) -> Tokenizer:
     """Rebuild a tokenizer from :meth:`Tokenizer.to_dict` output (e.g. a checkpoint's config).
 
-    ``bpe_dir`` is passed to :func:`get_tokenizer` (folders are machine-specific, so the
-    dict does not store one). The stored ``n_vocab`` and ``eot_token``, when present, are
-    checked against the rebuilt tokenizer, so a model never silently meets the wrong ids.
+    Never touches the network: a ``"gpt2"`` tokenizer is built from the BPE files in
+    ``bpe_dir`` (or ``$QKV_BPE_DIR``), and without either it is a one-line ``ValueError``
+    saying so. (Folders are machine-specific, so the dict does not store one.) The stored
+    ``n_vocab`` and ``eot_token`` are checked against the rebuilt tokenizer, so a model
+    never silently meets the wrong ids.
     """
+    if not isinstance(d, Mapping):
+        raise ValueError(f"tokenizer must be a dict like {{'name': 'bytes', 'n_vocab': 257, "
+                         f"'eot_token': 256}}, got {show(d)}")
+    unknown = sorted(str(k) for k in set(d) - {"name", "n_vocab", "eot_token"})
+    if unknown:
+        raise ValueError(f"tokenizer has unknown key(s) {', '.join(map(show, unknown[:5]))}; "
+                         "valid: name, n_vocab, eot_token")
     if "name" not in d:
-        raise ValueError(f"tokenizer dict needs a 'name' (one of {TOKENIZER_NAMES}), got {dict(d)}")
-    if d["name"] == "bytes":
+        raise ValueError(f"tokenizer dict needs a 'name' (one of {', '.join(TOKENIZER_NAMES)})")
+    name = check_str("tokenizer name", d["name"], choices=TOKENIZER_NAMES)
+    n_vocab = check_int("tokenizer n_vocab", d.get("n_vocab"), 1, MAX_SIZE) \
+        if "n_vocab" in d else None
+    eot = d.get("eot_token")
+    if eot is not None:
+        check_int("tokenizer eot_token", eot, 0, MAX_SIZE)
+    if name == "bytes":
         tok: Tokenizer = ByteTokenizer(eot=d.get("eot_token", 256) is not None)
     else:
-        tok = get_tokenizer(d["name"], bpe_dir=bpe_dir)
-    for key in ("n_vocab", "eot_token"):
-        if key in d and d[key] != getattr(tok, key):
+        if bpe_dir is None:
+            bpe_dir = os.environ.get(BPE_DIR_ENV) or None
+        if bpe_dir is None:
             raise ValueError(
-                f"tokenizer {d['name']!r} was saved with {key}={d[key]} but rebuilds with "
+                "the gpt2 tokenizer is rebuilt offline from GPT-2's encoder.json and vocab.bpe: "
+                f"pass --bpe-dir DIR (or set ${BPE_DIR_ENV}) to a folder holding them"
+            )
+        tok = _gpt2_from_dir(bpe_dir)
+    for key, saved in (("n_vocab", n_vocab), ("eot_token", eot)):
+        if key in d and saved != getattr(tok, key):
+            raise ValueError(
+                f"tokenizer {name!r} was saved with {key}={saved} but rebuilds with "
                 f"{key}={getattr(tok, key)}; check bpe_dir / ${BPE_DIR_ENV}"
             )
     return tok

@@ -35,6 +35,7 @@ from typing import Any, overload
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from ..checks import MAX_COUNT, show
 from .loading import batch_loader
 
 FRA_ENG_URL = "http://d2l-data.s3-accelerate.amazonaws.com/fra-eng.zip"
@@ -113,17 +114,42 @@ def load_corpus(path: str | os.PathLike[str]) -> str:
         FileNotFoundError: nothing exists at `path`.
         ValueError: `path` is a directory, or the file is not valid UTF-8.
     """
+    return read_corpus(path)[0]
+
+
+class CorpusChangedError(ValueError):
+    """A corpus file no longer has the SHA-256 a checkpoint recorded for it."""
+
+
+def read_corpus(
+    path: str | os.PathLike[str], *, sha256: str | None = None
+) -> tuple[str, str]:
+    """`load_corpus`'s text and the SHA-256 (hex) of the file's bytes, from one read.
+
+    A run records the digest of the corpus it was trained on; passing it back as `sha256`
+    when the run is evaluated or resumed makes a changed file a one-line
+    `CorpusChangedError` instead of silently different data.
+    """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"corpus file not found: {path}")
     if path.is_dir():
         raise ValueError(f"corpus path is a directory, expected a UTF-8 text file: {path}")
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if sha256 is not None and digest != sha256:
+        raise CorpusChangedError(
+            f"corpus file {path} has changed since the run was trained on it: its SHA-256 is "
+            f"{digest[:16]}..., the checkpoint recorded {sha256[:16]}...; restore that file"
+        )
     try:
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         where = f"{e.reason} at byte {e.start}"
-        raise ValueError(f"corpus file is not valid UTF-8 ({where}): {path}") from e
-    return text.removeprefix("\ufeff")
+        raise ValueError(f"corpus file is not valid UTF-8 ({where}): {path}") from None
+    # What reading in text mode did before: universal newlines.
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text.removeprefix("\ufeff"), digest
 
 
 # ----------------------------------------------------------------------------
@@ -240,21 +266,28 @@ class Vocab:
                 or `token_freqs` is not a list of `[token, count]` pairs.
         """
         if isinstance(d, Mapping):
+            unknown = sorted(str(k) for k in set(d) - {"idx_to_token", "token_freqs"})
+            if unknown:
+                raise ValueError(f"vocabulary has unknown key(s) {', '.join(map(show, unknown))}; "
+                                 "valid: idx_to_token, token_freqs")
             idx_to_token = d.get("idx_to_token")
             raw_freqs = d.get("token_freqs", [])
         elif isinstance(d, list):
             idx_to_token, raw_freqs = d, []
         else:
-            raise ValueError(f"vocabulary must be a dict or a list, got {type(d).__name__}")
+            raise ValueError(f"vocabulary must be a dict or a list, got {show(d)}")
         if not isinstance(idx_to_token, list) or not all(
             isinstance(tok, str) for tok in idx_to_token
         ):
-            raise ValueError("vocabulary 'idx_to_token' must be a list of strings")
+            raise ValueError(f"vocabulary 'idx_to_token' must be a list of strings, "
+                             f"got {show(idx_to_token)}")
         if not idx_to_token or idx_to_token[0] != UNK:
             raise ValueError(f"vocabulary 'idx_to_token' must have {UNK!r} at index 0")
-        if len(set(idx_to_token)) != len(idx_to_token):
-            dup = next(t for i, t in enumerate(idx_to_token) if t in idx_to_token[:i])
-            raise ValueError(f"vocabulary 'idx_to_token' has a duplicate token {dup!r}")
+        seen: set[str] = set()
+        for tok in idx_to_token:
+            if tok in seen:
+                raise ValueError(f"vocabulary 'idx_to_token' has a duplicate token {show(tok)}")
+            seen.add(tok)
         token_freqs = []
         for pair in raw_freqs if isinstance(raw_freqs, list) else [None]:
             ok = (
@@ -263,9 +296,11 @@ class Vocab:
                 and isinstance(pair[0], str)
                 and isinstance(pair[1], int)
                 and not isinstance(pair[1], bool)
+                and 0 <= pair[1] <= MAX_COUNT
             )
             if not ok:
-                raise ValueError("vocabulary 'token_freqs' must be a list of [token, count] pairs")
+                raise ValueError("vocabulary 'token_freqs' must be a list of [token, count] "
+                                 f"pairs with counts in [0, {MAX_COUNT}], found {show(pair)}")
             token_freqs.append((pair[0], pair[1]))
         vocab = cls()
         vocab._set(list(idx_to_token), token_freqs)
@@ -350,6 +385,9 @@ class TranslationData:
     valid: Split
     train_pairs: list[tuple[list[str], list[str]]] = field(default_factory=list, repr=False)
     valid_pairs: list[tuple[list[str], list[str]]] = field(default_factory=list, repr=False)
+    # SHA-256 of the corpus file the pairs were read from, for whoever reads them (None:
+    # generated data, or not recorded); a checkpoint stores it to detect a changed corpus.
+    corpus_sha256: str | None = None
 
     @classmethod
     def from_pairs(
@@ -445,8 +483,12 @@ def load_data_nmt(
 # Download (status and hash checked, atomic writes, safe extraction)
 
 
-class DownloadError(RuntimeError):
-    """A download failed: network error, HTTP status other than 200, wrong SHA-1, bad zip."""
+class DownloadError(OSError, RuntimeError):
+    """A download failed: network error, HTTP status other than 200, wrong SHA-1, bad zip.
+
+    An ``OSError`` (the CLI reports those as one line) and, as it always was, a
+    ``RuntimeError``.
+    """
 
 
 def default_cache_dir() -> Path:
@@ -481,12 +523,18 @@ def _fetch(url: str, dest: Path, sha1: str, timeout: float) -> None:
                         digest.update(chunk)
                         out.write(chunk)
             except urllib.error.HTTPError as e:  # urlopen raises this for 4xx/5xx
-                raise DownloadError(f"cannot download {url}: HTTP {e.code} {e.reason}") from e
+                raise DownloadError(
+                    f"cannot download {url}: the server answered HTTP {e.code} {e.reason}"
+                ) from None
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
                 reason = getattr(e, "reason", None) or e
-                raise DownloadError(f"cannot download {url}: {reason}") from e
+                raise DownloadError(
+                    f"cannot download {url}: the network failed ({reason})"
+                ) from None
             except http.client.HTTPException as e:  # e.g. the connection dropped mid-body
-                raise DownloadError(f"cannot download {url}: {type(e).__name__} {e}") from e
+                raise DownloadError(
+                    f"cannot download {url}: the network failed ({type(e).__name__} {e})"
+                ) from None
         got = digest.hexdigest()
         if got != sha1.lower():
             raise DownloadError(f"SHA-1 mismatch for {url}: expected {sha1.lower()}, got {got}")
@@ -529,6 +577,13 @@ def _extract(zip_path: Path, dest_dir: Path) -> None:
         raise DownloadError(f"{zip_path} is not a valid zip archive: {e}") from e
 
 
+def _fra_eng_paths(cache_dir: str | os.PathLike[str] | None, url: str) -> tuple[Path, Path]:
+    """Where the zip of `url` and its extracted `fra-eng/fra.txt` live in the cache."""
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    zip_name = PurePosixPath(urllib.parse.urlparse(url).path).name or "fra-eng.zip"
+    return cache / zip_name, cache / "fra-eng" / "fra.txt"
+
+
 def download_fra_eng(
     cache_dir: str | os.PathLike[str] | None = None,
     url: str = FRA_ENG_URL,
@@ -538,8 +593,9 @@ def download_fra_eng(
 ) -> Path:
     """Fetch (once) and unpack the fra-eng corpus; return the path of `fra-eng/fra.txt`.
 
-    A cached zip whose SHA-1 matches is reused without touching the network. Otherwise the
-    zip is downloaded, its HTTP status and SHA-1 are checked, and it is moved into the cache
+    A cached zip whose SHA-1 matches is reused without touching the network, and so is a
+    `fra-eng/fra.txt` put in the cache by hand when there is no zip. Otherwise the zip is
+    downloaded, its HTTP status and SHA-1 are checked, and it is moved into the cache
     atomically before being extracted.
 
     Args:
@@ -549,18 +605,48 @@ def download_fra_eng(
 
     Raises:
         DownloadError: network failure, HTTP status other than 200, SHA-1 mismatch, a corrupt
-            or unsafe archive, or an archive without `fra-eng/fra.txt`.
+            or unsafe archive, or an archive without `fra-eng/fra.txt`; one line that says
+            where to put the file instead.
     """
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    zip_name = PurePosixPath(urllib.parse.urlparse(url).path).name or "fra-eng.zip"
-    zip_path = cache / zip_name
-    txt_path = cache / "fra-eng" / "fra.txt"
-    if zip_path.is_file() and _sha1_of(zip_path) == sha1.lower():
+    zip_path, txt_path = _fra_eng_paths(cache_dir, url)
+    cache = zip_path.parent
+    try:
+        if zip_path.is_file() and _sha1_of(zip_path) == sha1.lower():
+            if not txt_path.is_file():
+                _extract(zip_path, cache)
+        elif txt_path.is_file() and not zip_path.exists():
+            return txt_path  # placed there by hand, as the error below suggests
+        else:
+            _fetch(url, zip_path, sha1, timeout)
+            _extract(zip_path, cache)  # re-extract: the old text may come from another archive
         if not txt_path.is_file():
-            _extract(zip_path, cache)
-    else:
-        _fetch(url, zip_path, sha1, timeout)
-        _extract(zip_path, cache)  # re-extract: the old text may come from another archive
+            raise DownloadError(f"{zip_path} does not contain fra-eng/fra.txt")
+    except DownloadError as e:
+        raise DownloadError(
+            f"{e}; instead, put fra.txt (tab-separated source<TAB>target lines) at {txt_path}, "
+            "or pass --data PATH to such a file"
+        ) from None
+    return txt_path
+
+
+def cached_fra_eng(
+    cache_dir: str | os.PathLike[str] | None = None,
+    url: str = FRA_ENG_URL,
+    sha1: str = FRA_ENG_SHA1,
+) -> Path:
+    """The cached fra-eng corpus, never downloaded: what evaluating or resuming a run uses.
+
+    Raises:
+        FileNotFoundError: the cache holds neither `fra-eng/fra.txt` nor a zip with the
+            right SHA-1; one line naming the path to fill.
+    """
+    zip_path, txt_path = _fra_eng_paths(cache_dir, url)
+    if not txt_path.is_file() and zip_path.is_file() and _sha1_of(zip_path) == sha1.lower():
+        _extract(zip_path, zip_path.parent)
     if not txt_path.is_file():
-        raise DownloadError(f"{zip_path} does not contain fra-eng/fra.txt")
+        raise FileNotFoundError(
+            f"the fra-eng corpus is not in the cache: {txt_path} is missing, and qkv downloads "
+            "it only when asked to with --data fra-eng; put fra.txt (tab-separated "
+            "source<TAB>target lines) there, or pass --data PATH to such a file"
+        )
     return txt_path

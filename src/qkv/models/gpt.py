@@ -24,7 +24,7 @@ without the cache, at any length.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..checks import MAX_SIZE, check_float, check_int, show, small_divisors
 from ..data.gpt import embed_tokens
 from ..kv_cache import KVCache
 from ..multihead import MultiHeadAttention, check_dropout, check_heads
@@ -93,20 +94,74 @@ class GPTConfig:
     tie_weights: bool = False
 
     def __post_init__(self) -> None:
+        # The cap keeps every dimension an int32; whether the model fits in memory is a
+        # separate check (num_parameters, qkv.training.limits).
         for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+            check_int(f"GPTConfig.{name}", getattr(self, name), 1, MAX_SIZE)
         for name in ("qkv_bias", "tie_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
-                    f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}"
+                    f"GPTConfig.{name} must be True or False, got {show(getattr(self, name))}"
                 )
-        if isinstance(self.drop_rate, bool) or not isinstance(self.drop_rate, (int, float)):
-            raise ValueError(f"GPTConfig.drop_rate must be a number, got {self.drop_rate!r}")
-        self.drop_rate = float(self.drop_rate)
+        self.drop_rate = check_float("GPTConfig.drop_rate", self.drop_rate)  # NaN, inf fail
         check_dropout(self.drop_rate)
+        if self.emb_dim % self.n_heads != 0:
+            # (check_heads would list the divisors by trying every number up to emb_dim)
+            raise ValueError(
+                f"emb_dim ({self.emb_dim}) must be divisible by num_heads ({self.n_heads}); "
+                f"e.g. num_heads in {small_divisors(self.emb_dim)}"
+            )
         check_heads(self.emb_dim, self.n_heads, name="emb_dim")
+
+    # Sizes, from the config alone: nothing is allocated. Tested against built models.
+
+    def num_parameters(self) -> int:
+        """Number of parameters of ``GPTModel(self)`` by arithmetic (a tied head counts once)."""
+        V, C, d, L = self.vocab_size, self.context_length, self.emb_dim, self.n_layers
+        attention = 4 * d * d + d + (3 * d if self.qkv_bias else 0)  # W_q, W_k, W_v, out_proj
+        feed_forward = 8 * d * d + 5 * d  # (4d, d) + 4d and (d, 4d) + d
+        block = attention + feed_forward + 4 * d  # and two LayerNorms
+        head = 0 if self.tie_weights else V * d
+        return (V + C) * d + L * block + 2 * d + head
+
+    def num_saved_activations(self, batch_size: int, tokens: int) -> int:
+        """A lower bound on the float32 values a training step's forward pass keeps for
+        backward, on ``(batch_size, tokens)`` ids: per token, 16 x ``emb_dim`` in each block
+        (both LayerNorms' input and output, q, k and v, the attention output, the MLP's
+        4 x ``emb_dim`` hidden values before and after GELU) and the log-softmax over the
+        vocabulary. Dropout masks and PyTorch's workspace come on top.
+        """
+        per_token = 16 * self.emb_dim * self.n_layers + self.vocab_size
+        return batch_size * tokens * per_token
+
+    def parameter_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """``(name, shape)`` of every ``state_dict`` entry of ``GPTModel(self)``, in order
+        (a tied ``out_head.weight`` is listed too, as ``state_dict`` lists it).
+
+        A generator: a caller comparing with a checkpoint can stop after as many entries
+        as the checkpoint holds, however many layers the config claims.
+        """
+        V, d = self.vocab_size, self.emb_dim
+        yield "tok_emb.weight", (V, d)
+        yield "pos_emb.weight", (self.context_length, d)
+        for i in range(self.n_layers):
+            block = f"trf_blocks.{i}"
+            for w in ("W_query", "W_key", "W_value"):
+                yield f"{block}.att.{w}.weight", (d, d)
+                if self.qkv_bias:
+                    yield f"{block}.att.{w}.bias", (d,)
+            yield f"{block}.att.out_proj.weight", (d, d)
+            yield f"{block}.att.out_proj.bias", (d,)
+            yield f"{block}.ff.layers.0.weight", (4 * d, d)
+            yield f"{block}.ff.layers.0.bias", (4 * d,)
+            yield f"{block}.ff.layers.2.weight", (d, 4 * d)
+            yield f"{block}.ff.layers.2.bias", (d,)
+            for norm in ("norm1", "norm2"):
+                yield f"{block}.{norm}.scale", (d,)
+                yield f"{block}.{norm}.shift", (d,)
+        yield "final_norm.scale", (d,)
+        yield "final_norm.shift", (d,)
+        yield "out_head.weight", (V, d)
 
     def __getitem__(self, key: str) -> Any:
         # the book's classes read their config as a dict: cfg["emb_dim"]
@@ -127,10 +182,13 @@ class GPTConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GPTConfig:
         """Build from a dict (a checkpoint's, or the book's ``GPT_CONFIG_124M``), validated."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a GPTConfig must be a dict of its fields, got {show(d)}")
         unknown = sorted(set(d) - set(cls.field_names()))
         if unknown:
+            listed = ", ".join(show(k) for k in unknown[:5])
             raise ValueError(
-                f"unknown GPTConfig field(s) {unknown}; fields: {', '.join(cls.field_names())}"
+                f"unknown GPTConfig field(s) [{listed}]; fields: {', '.join(cls.field_names())}"
             )
         return cls(**d)
 

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..checks import MAX_SIZE, check_float, check_int, show, small_divisors
 from ..functional import lengths_to_mask
 from ..multihead import check_dropout
 from ..scoring import AdditiveAttention
@@ -104,7 +105,9 @@ class Seq2SeqConfig:
         values: dict[str, Any] = {}
         for key, value in d.items():
             if key not in fields:
-                raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(fields)}")
+                raise ValueError(
+                    f"unknown config key {show(key)}; valid keys: {', '.join(fields)}"
+                )
             values[key] = _check_type(key, value, type(fields[key].default))
         config = cls(**values)
         config.validate()
@@ -128,11 +131,11 @@ class Seq2SeqConfig:
             "ffn_num_hiddens",
             "max_len",
         ):
-            if getattr(self, name) <= 0:
-                raise ValueError(
-                    f"config key {name!r} must be a positive integer, got {getattr(self, name)}"
-                )
+            # The cap keeps every dimension an int32; whether the model fits in memory is
+            # a separate check (num_parameters, qkv.training.limits).
+            check_int(f"config key {name!r}", getattr(self, name), 1, MAX_SIZE)
         try:
+            check_float("dropout", self.dropout, 0.0, 1.0, hi_open=True)  # NaN, inf fail
             check_dropout(self.dropout)
         except ValueError as e:
             raise ValueError(f"config key 'dropout': {e}") from None
@@ -143,11 +146,96 @@ class Seq2SeqConfig:
                     f"the transformer (its embeddings have the model width), got {self.embed_size}"
                 )
             if self.num_hiddens % self.num_heads != 0:
-                divisors = [h for h in range(1, self.num_hiddens + 1) if self.num_hiddens % h == 0]
                 raise ValueError(
                     f"config key 'num_heads' must divide num_hiddens ({self.num_hiddens}), "
-                    f"got {self.num_heads}; e.g. one of {divisors[:8]}"
+                    f"got {self.num_heads}; e.g. one of {small_divisors(self.num_hiddens)}"
                 )
+
+    # Sizes, from the config alone: nothing is allocated. Tested against built models.
+
+    def num_parameters(self) -> int:
+        """Number of parameters of :func:`build_model` (this config), by arithmetic only.
+
+        Closed forms, so a config naming a billion layers costs nothing to size up.
+        """
+        E, H, L, F = self.embed_size, self.num_hiddens, self.num_layers, self.ffn_num_hiddens
+        S, T = self.src_vocab_size, self.tgt_vocab_size
+        if self.model == "bahdanau":
+
+            def gru(inputs: int) -> int:  # weights (3H, in) and (3H, H), two biases (3H,)
+                return 3 * H * (inputs + H + 2) + (L - 1) * 3 * H * (2 * H + 2)
+
+            encoder = S * E + gru(E)
+            # attention W_k, W_q (H, H) and w_v (1, H); embedding; GRU on [embedding,
+            # context]; dense (T, H) + bias
+            decoder = 2 * H * H + H + T * E + gru(E + H) + H * T + T
+            return encoder + decoder
+        attention = 4 * H * H + H  # W_query, W_key, W_value (no bias), out_proj with bias
+        ffn = 2 * H * F + F + H
+        layer_norm = 2 * H
+        encoder_block = 2 * layer_norm + attention + ffn
+        decoder_block = 3 * layer_norm + 2 * attention + ffn
+        return (S + T) * H + L * (encoder_block + decoder_block) + 2 * layer_norm + H * T + T
+
+    def num_buffer_elements(self) -> int:
+        """Elements of the model's buffers (not saved in checkpoints, but allocated):
+        the Transformer's sinusoidal table ``(1, max_len, num_hiddens)``."""
+        return self.max_len * self.num_hiddens if self.model == "transformer" else 0
+
+    def parameter_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """``(name, shape)`` of every ``state_dict`` entry of the model, in order.
+
+        A generator: a caller comparing with a checkpoint can stop after as many entries
+        as the checkpoint holds, however many layers the config claims.
+        """
+        E, H, F = self.embed_size, self.num_hiddens, self.ffn_num_hiddens
+        S, T = self.src_vocab_size, self.tgt_vocab_size
+        if self.model == "bahdanau":
+            yield "encoder.embedding.weight", (S, E)
+            yield from _gru_shapes("encoder.rnn", E, H, self.num_layers)
+            yield "decoder.attention.W_k.weight", (H, H)
+            yield "decoder.attention.W_q.weight", (H, H)
+            yield "decoder.attention.w_v.weight", (1, H)
+            yield "decoder.embedding.weight", (T, E)
+            yield from _gru_shapes("decoder.rnn", E + H, H, self.num_layers)
+            yield "decoder.dense.weight", (T, H)
+            yield "decoder.dense.bias", (T,)
+            return
+        yield "src_embedding.weight", (S, H)
+        yield "tgt_embedding.weight", (T, H)
+        for side, attentions, norms in (("encoder", ("attention",), 2),
+                                        ("decoder", ("self_attention", "cross_attention"), 3)):
+            for i in range(self.num_layers):
+                block = f"{side}_blocks.{i}"
+                for n, attention in enumerate(attentions, start=1):
+                    yield from _layer_norm_shapes(f"{block}.ln{n}", H)
+                    for w in ("W_query", "W_key", "W_value", "out_proj"):
+                        yield f"{block}.{attention}.{w}.weight", (H, H)
+                    yield f"{block}.{attention}.out_proj.bias", (H,)
+                yield from _layer_norm_shapes(f"{block}.ln{norms}", H)
+                yield f"{block}.ffn.dense1.weight", (F, H)
+                yield f"{block}.ffn.dense1.bias", (F,)
+                yield f"{block}.ffn.dense2.weight", (H, F)
+                yield f"{block}.ffn.dense2.bias", (H,)
+            yield from _layer_norm_shapes(f"{side}_ln", H)
+        yield "dense.weight", (T, H)
+        yield "dense.bias", (T,)
+
+
+def _gru_shapes(
+    prefix: str, inputs: int, H: int, layers: int
+) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """``nn.GRU(inputs, H, layers)``'s parameters: the three gates stacked, ``3H`` rows."""
+    for k in range(layers):
+        yield f"{prefix}.weight_ih_l{k}", (3 * H, inputs if k == 0 else H)
+        yield f"{prefix}.weight_hh_l{k}", (3 * H, H)
+        yield f"{prefix}.bias_ih_l{k}", (3 * H,)
+        yield f"{prefix}.bias_hh_l{k}", (3 * H,)
+
+
+def _layer_norm_shapes(prefix: str, H: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    yield f"{prefix}.weight", (H,)
+    yield f"{prefix}.bias", (H,)
 
 
 def _check_type(key: str, value: Any, expected: type) -> Any:
@@ -155,10 +243,13 @@ def _check_type(key: str, value: Any, expected: type) -> Any:
     # bool is a subclass of int, but `num_layers: true` is a mistake, not a 1.
     if isinstance(value, bool) or not isinstance(value, expected):
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # a JSON integer beyond float's range
+                pass
         raise ValueError(
             f"config key {key!r} must be of type {expected.__name__}, "
-            f"got {type(value).__name__} {value!r}"
+            f"got {type(value).__name__} {show(value)}"
         )
     return value
 

@@ -1,17 +1,21 @@
 """Training utilities: masked losses, safe checkpoints and a small reusable trainer.
 
 See :mod:`qkv.training.checkpoint` for the run-directory layout and its guarantees,
+:mod:`qkv.training.limits` for the memory check made before a model is built,
 :mod:`qkv.training.trainer` for the loop's reproducibility and Ctrl-C behaviour, and
 :mod:`qkv.training.distributed` for data-parallel training under ``torchrun``.
 """
 
 from .checkpoint import (
     CheckpointError,
+    SafetensorsHeader,
+    check_weights,
     checkpoint_progress,
     is_checkpoint,
     load_config,
     load_trainer_state,
     load_weights,
+    read_weights_header,
     save_checkpoint,
 )
 from .distributed import (
@@ -21,6 +25,14 @@ from .distributed import (
     is_main_process,
     main_process_log,
     make_loader,
+)
+from .limits import (
+    LOAD_BYTES_PER_PARAMETER,
+    TRAIN_BYTES_PER_PARAMETER,
+    InsufficientMemoryError,
+    available_memory,
+    check_memory,
+    format_bytes,
 )
 from .lock import RunDirBusyError, holds_run_dir_lock, run_dir_lock
 from .losses import MaskedSoftmaxCELoss, masked_cross_entropy
@@ -38,11 +50,20 @@ from .trainer import (
 __all__ = [
     "CheckpointError",
     "checkpoint_progress",
+    "SafetensorsHeader",
+    "check_weights",
     "is_checkpoint",
     "load_config",
     "load_trainer_state",
     "load_weights",
+    "read_weights_header",
     "save_checkpoint",
+    "LOAD_BYTES_PER_PARAMETER",
+    "TRAIN_BYTES_PER_PARAMETER",
+    "InsufficientMemoryError",
+    "available_memory",
+    "check_memory",
+    "format_bytes",
     "cleanup_distributed",
     "get_rank_and_world_size",
     "init_distributed",

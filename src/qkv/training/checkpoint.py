@@ -47,21 +47,24 @@ recorded as aliases in the file's metadata (key ``qkv.aliases``), much like
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import os
 import random
 import shutil
 import stat
 import struct
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import safetensors.torch
 import torch
 from torch import Tensor, nn
 
+from ..checks import MAX_COUNT, check_bool, check_float, check_int, check_str, show
 from ..fileio import (
     deferred_signals,
     fsync_dir,
@@ -82,6 +85,9 @@ __all__ = [
     "load_trainer_state",
     "is_checkpoint",
     "checkpoint_progress",
+    "SafetensorsHeader",
+    "read_weights_header",
+    "check_weights",
     "write_atomic",
     "capture_rng_state",
     "restore_rng_state",
@@ -107,6 +113,18 @@ _TENSOR_TAG = "__safetensors_key__"  # JSON placeholder for a tensor stored in s
 # Optimizer state entries that must have their parameter's shape (checked on load so a
 # checkpoint from another model fails here, not with a broadcast error steps later).
 _PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"})
+
+# Bounds on what a loader reads before trusting it. A file listed in the manifest can be
+# any size, but JSON beyond these sizes is no checkpoint qkv writes (a 100,000-token
+# vocabulary is about 3 MB), and parsing it would cost many times its size in memory.
+MAX_MANIFEST_BYTES = 2**20
+MAX_JSON_BYTES = 128 * 2**20
+MAX_JSON_DEPTH = 32  # qkv's own files nest at most 6 levels
+MAX_HEADER_BYTES = 16 * 2**20  # a safetensors header: GPT-2 XL's is 60 kB
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
 
 
 class CheckpointError(ValueError):
@@ -166,18 +184,10 @@ def _bytes_to_tensors(path: Path, data: bytes) -> dict[str, Tensor]:
             raise _fail(path, "is a pickle / torch.save file, not safetensors; "
                               "refusing to load it (unpickling can run arbitrary code)") from None
         raise _fail(path, f"is not a valid safetensors file ({error})") from None
-    # The library parsed the header, so reading its metadata by hand is safe.
+    # The library parsed the header, so its length field is sound.
     (header_len,) = struct.unpack("<Q", data[:8])
-    metadata = json.loads(data[8:8 + header_len]).get("__metadata__") or {}
-    try:
-        aliases = json.loads(metadata.get(_ALIAS_KEY, "{}"))
-    except json.JSONDecodeError:
-        raise _fail(path, f"metadata {_ALIAS_KEY!r} is not valid JSON") from None
-    if not isinstance(aliases, dict):
-        raise _fail(path, f"metadata {_ALIAS_KEY!r} is not a JSON object")
-    for alias, target in aliases.items():
-        if target not in tensors:
-            raise _fail(path, f"alias {alias!r} points to missing tensor {target!r}")
+    header = _parse_header(path, data[8:8 + header_len], len(data) - 8 - header_len)
+    for alias, target in header.aliases.items():
         tensors[alias] = tensors[target]
     return tensors
 
@@ -211,8 +221,8 @@ def _decode(obj: Any, tensors: Mapping[str, Tensor], path: Path) -> Any:
     if isinstance(obj, dict):
         if set(obj) == {_TENSOR_TAG}:
             key = obj[_TENSOR_TAG]
-            if key not in tensors:
-                raise _fail(path, f"refers to tensor {key!r}, missing from {TRAINER_TENSORS}")
+            if not isinstance(key, str) or key not in tensors:
+                raise _fail(path, f"refers to tensor {show(key)}, missing from {TRAINER_TENSORS}")
             return tensors[key]
         return {k: _decode(v, tensors, path) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -425,18 +435,60 @@ def _say_saving(signum: int) -> None:
 # Loading
 
 
+def _read_bounded(path: Path, limit: int, what: str) -> bytes:
+    """``path``'s bytes, refused unread past ``limit`` (however the file may grow meanwhile)."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise _fail(path, f"is larger than {limit:,} bytes, too large for {what}")
+    return data
+
+
+def _too_deep(obj: Any, limit: int) -> bool:
+    """Whether JSON-like ``obj`` nests containers more than ``limit`` levels (no recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(
+            node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def _parse_json(path: Path, data: bytes) -> Any:
+    """``json.loads`` with every way hostile JSON fails as one :class:`CheckpointError` line.
+
+    Python's parser turns ``1e400`` into ``inf``, accepts ``NaN``, refuses integers of
+    more than 4,300 digits with a ValueError and deep nesting with a RecursionError; the
+    values are left to each field's validator, the rest is caught here, and nesting is
+    bounded so that no later walk over the result can recurse too deeply either.
+    """
+    try:
+        obj = json.loads(data)
+    except RecursionError:
+        raise _fail(path, f"JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, 4,300-digit ints
+        raise _fail(path, f"invalid JSON ({error})") from None
+    if _too_deep(obj, MAX_JSON_DEPTH):
+        raise _fail(path, f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
+    return obj
+
+
 def _parse_manifest(path: Path) -> dict[str, Any]:
     try:
-        manifest = json.loads(path.read_bytes())
+        data = _read_bounded(path, MAX_MANIFEST_BYTES, "a checkpoint manifest")
     except FileNotFoundError:
         raise _fail(path, "manifest missing (not a qkv checkpoint, or an incomplete one)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise _fail(path, f"invalid JSON ({error})") from None
+    manifest = _parse_json(path, data)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise _fail(path, f"not a {FORMAT} manifest (format {found!r})")
-    if manifest.get("version") != VERSION:
-        raise _fail(path, f"unsupported {FORMAT} version {manifest.get('version')!r} "
+        raise _fail(path, f"not a {FORMAT} manifest (format {show(found)})")
+    if manifest.get("version") != VERSION or isinstance(manifest.get("version"), bool):
+        raise _fail(path, f"unsupported {FORMAT} version {show(manifest.get('version'))} "
                           f"(this qkv reads version {VERSION})")
     files = manifest.get("files")
     if not isinstance(files, dict):
@@ -444,14 +496,104 @@ def _parse_manifest(path: Path) -> dict[str, Any]:
     for name, entry in files.items():
         # Only known names: a manifest must not steer reads outside the run directory.
         if name not in _KNOWN:
-            raise _fail(path, f"manifest lists unexpected file {name!r}")
+            raise _fail(path, f"manifest lists unexpected file {show(name)}")
         if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
                 and isinstance(entry.get("bytes"), int)):
             raise _fail(path, f"manifest entry for {name!r} needs 'sha256' and 'bytes'")
+        try:
+            check_int(f"manifest entry {name!r}: 'bytes'", entry["bytes"], 0, MAX_COUNT)
+        except ValueError as error:
+            raise _fail(path, str(error)) from None
     missing = [name for name in _REQUIRED if name not in files]
     if missing:
         raise _fail(path, f"manifest does not list {', '.join(missing)}")
     return manifest
+
+
+class SafetensorsHeader(NamedTuple):
+    """What a safetensors file says it holds, read without its tensor data.
+
+    ``tensors``: stored name -> ``(dtype, shape)``, e.g. ``("F32", (13, 32))``;
+    ``aliases``: name -> stored name, for tied weights stored once (see the module doc).
+    """
+
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    aliases: dict[str, str]
+
+    def shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Every name, aliases included, as ``state_dict()`` lists them."""
+        return {**self.tensors, **{a: self.tensors[t] for a, t in self.aliases.items()}}
+
+    def num_elements(self) -> int:
+        """Elements stored (each tied tensor once): a model's parameter count."""
+        return sum(math.prod(shape) for _, shape in self.tensors.values())
+
+
+def _show_shape(shape: Iterable[Any]) -> str:
+    dims = [show(d) for d in shape]
+    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def _parse_header(path: Path, header: bytes, data_len: int) -> SafetensorsHeader:
+    """Validate a safetensors header as the format defines it: every tensor's dtype, shape
+    and byte range, ranges that tile the ``data_len`` data bytes exactly, and qkv's alias
+    metadata. A header that passes describes at most ``data_len`` bytes of tensors."""
+    raw = _parse_json(path, header)
+
+    def bad(problem: str) -> CheckpointError:
+        return _fail(path, f"is not a valid safetensors file (header: {problem})")
+
+    if not isinstance(raw, dict):
+        raise bad(f"expected a JSON object, found {show(raw)}")
+    metadata = raw.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not (isinstance(metadata, dict)
+            and all(isinstance(v, str) for v in metadata.values())):
+        raise bad("'__metadata__' must map strings to strings")
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    spans = []
+    for name, entry in raw.items():
+        if not (isinstance(entry, dict) and set(entry) == {"dtype", "shape", "data_offsets"}):
+            raise bad(f"entry {show(name)} needs exactly 'dtype', 'shape' and 'data_offsets'")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in _DTYPE_BYTES:
+            raise bad(f"{show(name)} has dtype {show(dtype)}; valid: {', '.join(_DTYPE_BYTES)}")
+        if not (isinstance(shape, list) and all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_COUNT
+                for d in shape)):
+            raise bad(f"{show(name)} has shape {show(shape)}; expected a list of sizes >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(
+                isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_len):
+            raise bad(f"{show(name)} has data_offsets {show(offsets)}; expected [begin, end] "
+                      f"within the {data_len:,} data bytes")
+        needed = math.prod(shape) * _DTYPE_BYTES[dtype]
+        if offsets[1] - offsets[0] != needed:
+            raise bad(f"{show(name)} is {_show_shape(shape)} {dtype}, {show(needed)} bytes, "
+                      f"but its data_offsets span {offsets[1] - offsets[0]:,}")
+        tensors[name] = (dtype, tuple(shape))
+        spans.append((offsets[0], offsets[1]))
+    end = 0
+    for begin, stop in sorted(spans):
+        if begin != end:
+            raise bad("tensor data ranges overlap or leave gaps")
+        end = stop
+    if end != data_len:
+        raise bad(f"tensors cover {end:,} of the {data_len:,} data bytes")
+    return SafetensorsHeader(tensors, _parse_aliases(path, metadata, tensors))
+
+
+def _parse_aliases(path: Path, metadata: Mapping[str, str], stored: Mapping[str, Any]
+                   ) -> dict[str, str]:
+    aliases = _parse_json(path, metadata.get(_ALIAS_KEY, "{}").encode())
+    if not isinstance(aliases, dict):
+        raise _fail(path, f"metadata {_ALIAS_KEY!r} is not a JSON object")
+    for alias, target in aliases.items():
+        if not isinstance(target, str) or target not in stored:
+            raise _fail(path, f"alias {show(alias)} points to missing tensor {show(target)}")
+        if alias in stored:
+            raise _fail(path, f"alias {show(alias)} is also a stored tensor")
+    return aliases
 
 
 class _Checkpoint:
@@ -484,26 +626,58 @@ class _Checkpoint:
         if size != expected:
             raise _fail(path, f"truncated or altered: {size} bytes, manifest says {expected}")
 
+    def check_digest(self, name: str, digest: str) -> None:
+        if digest != self.files[name]["sha256"]:
+            raise _fail(self.path(name), f"SHA-256 mismatch (corrupt or replaced file): "
+                                         f"manifest {self.files[name]['sha256'][:16]}..., "
+                                         f"file {digest[:16]}...")
+
     def read(self, name: str) -> bytes:
         """The file's bytes after checking them against the manifest (one read, no race)."""
         self.check_size(name)
-        path = self.path(name)
-        data = path.read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != self.files[name]["sha256"]:
-            raise _fail(path, f"SHA-256 mismatch (corrupt or replaced file): manifest "
-                              f"{self.files[name]['sha256'][:16]}..., file {digest[:16]}...")
+        data = self.path(name).read_bytes()
+        self.check_digest(name, hashlib.sha256(data).hexdigest())
         return data
 
     def read_json(self, name: str) -> Any:
-        data = self.read(name)
-        try:
-            return json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise _fail(self.path(name), f"invalid JSON ({error})") from None
+        if self.files[name]["bytes"] > MAX_JSON_BYTES:
+            raise _fail(self.path(name), f"is {self.files[name]['bytes']:,} bytes; a checkpoint's "
+                                         f"JSON is at most {MAX_JSON_BYTES:,}")
+        return _parse_json(self.path(name), self.read(name))
 
     def read_tensors(self, name: str) -> dict[str, Tensor]:
         return _bytes_to_tensors(self.path(name), self.read(name))
+
+    def read_header(self, name: str) -> SafetensorsHeader:
+        """The safetensors header of ``name``: its first 8 + n bytes, no tensor data.
+
+        A file whose header is unusable is hashed in full (streamed, in 1 MiB pieces)
+        before the header is blamed, so a corrupted file is reported as corrupted.
+        """
+        self.check_size(name)
+        path = self.path(name)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            try:
+                if len(prefix) < 8:
+                    raise _fail(path, f"is not a valid safetensors file ({size} bytes)")
+                (header_len,) = struct.unpack("<Q", prefix)
+                if header_len > min(size - 8, MAX_HEADER_BYTES):
+                    raise _fail(path, f"is not a valid safetensors file (its header length "
+                                      f"{header_len:,} exceeds the file's {size:,} bytes or "
+                                      f"the {MAX_HEADER_BYTES:,}-byte limit)")
+                return _parse_header(path, f.read(header_len), size - 8 - header_len)
+            except CheckpointError:
+                f.seek(0)
+                digest = hashlib.sha256()
+                while chunk := f.read(2**20):
+                    digest.update(chunk)
+                self.check_digest(name, digest.hexdigest())
+                if _looks_like_pickle(prefix):
+                    raise _fail(path, "is a pickle / torch.save file, not safetensors; refusing "
+                                      "to load it (unpickling can run arbitrary code)") from None
+                raise
 
 
 def checkpoint_progress(run_dir: str | os.PathLike[str]) -> tuple[int, int | None] | None:
@@ -559,6 +733,59 @@ def load_config(run_dir: str | os.PathLike[str], task: str | None = None) -> dic
     return config
 
 
+def read_weights_header(run_dir: str | os.PathLike[str]) -> SafetensorsHeader:
+    """Names, dtypes and shapes in ``model.safetensors``, from its header alone.
+
+    Reads the 8-byte length and the JSON header (bounded by the file's size and
+    :data:`MAX_HEADER_BYTES`), never the tensor data; a valid header describes no more
+    bytes than the file holds.
+    """
+    return _Checkpoint(run_dir).read_header(MODEL)
+
+
+def check_weights(
+    run_dir: str | os.PathLike[str],
+    shapes: Iterable[tuple[str, tuple[int, ...]]],
+    num_parameters: int,
+    *,
+    dtype: str = "F32",
+) -> int:
+    """Check ``model.safetensors`` against the model a config describes, before it is built.
+
+    ``shapes``: the model's ``state_dict`` names and shapes as the config implies them
+    (e.g. ``config.parameter_shapes()``, read lazily: no more entries than the file holds
+    are taken); ``num_parameters``: the config's parameter count (tied weights once).
+    Only the file's header is read, so an edited config naming a million-wide layer is
+    refused at once, in one line such as ``config.json says decoder.dense.weight is
+    (13, 1000000), the weights say (13, 32)``. Returns the file's size in bytes.
+    """
+    ckpt = _Checkpoint(run_dir)
+    path = ckpt.path(MODEL)
+    header = ckpt.read_header(MODEL)
+    found = header.shapes()
+    described = set()
+    for name, shape in itertools.islice(shapes, len(found) + 1):
+        if name not in found:
+            raise _fail(path, f"{CONFIG} says the model has {name} {_show_shape(shape)}, "
+                              "the weights do not hold it")
+        stored_dtype, stored_shape = found[name]
+        if tuple(shape) != stored_shape:
+            raise _fail(path, f"{CONFIG} says {name} is {_show_shape(shape)}, the weights say "
+                              f"{_show_shape(stored_shape)}")
+        if stored_dtype != dtype:
+            raise _fail(path, f"{name} is stored as {stored_dtype}; the model is {dtype}")
+        described.add(name)
+    extra = sorted(set(found) - described)
+    if extra:
+        raise _fail(path, f"the weights hold {_describe(extra)}, which {CONFIG} does not "
+                          "describe")
+    stored = header.num_elements()
+    if stored != num_parameters:  # e.g. tie_weights says tied, the file stores two copies
+        raise _fail(path, f"{CONFIG} says the model has {num_parameters:,} parameters, the "
+                          f"weights hold {stored:,}")
+    return path.stat().st_size
+
+
 def _describe(keys: list[str], limit: int = 3) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
@@ -597,10 +824,45 @@ def load_weights(run_dir: str | os.PathLike[str], model: nn.Module, *, strict: b
     model.load_state_dict({k: v for k, v in found.items() if k in expected}, strict=strict)
 
 
+# Ranges of the optimizer hyper-parameters torch's optimizers share (all: finite).
+_GROUP_RANGES = {"lr": (0.0, None), "eps": (0.0, None), "weight_decay": (0.0, None),
+                 "momentum": (0.0, None), "betas": (0.0, 1.0)}
+
+
+def _check_group_value(name: str, key: str, value: Any, live: Any) -> None:
+    """A saved param-group entry must have the live optimizer's type and a valid range."""
+    lo, hi = _GROUP_RANGES.get(key, (None, None))
+    hi_open = key == "betas"  # a beta of 1 never forgets; Adam refuses it
+    if isinstance(live, bool):
+        check_bool(name, value)
+    elif isinstance(live, (int, float)):
+        check_float(name, value, lo, hi, hi_open=hi_open)
+    elif isinstance(live, tuple):
+        if not (isinstance(value, list) and len(value) == len(live)):
+            raise ValueError(f"{name} must be a list of {len(live)} numbers, got {show(value)}")
+        for i, item in enumerate(value):
+            check_float(f"{name}[{i}]", item, lo, hi, hi_open=hi_open)
+    elif live is None:  # foreach / fused: None picks a default, a bool forces it
+        if value is not None:
+            check_bool(name, value)
+    elif isinstance(live, Tensor):  # a tensor lr (capturable optimizers)
+        if not (isinstance(value, Tensor) and value.numel() == 1
+                and bool(torch.isfinite(value).all())):
+            raise ValueError(f"{name} must be a one-element finite tensor, got {show(value)}")
+    elif isinstance(live, str):
+        check_str(name, value, max_len=256)
+
+
 def _optimizer_state(
     saved: Any, optimizer: torch.optim.Optimizer, tensors: Mapping[str, Tensor], path: Path
 ) -> dict[str, Any]:
-    """Rebuild an optimizer state_dict from JSON, checked against ``optimizer``."""
+    """Rebuild an optimizer state_dict from JSON, checked against ``optimizer``.
+
+    Every value torch would take on trust is checked first: parameter ids, each group's
+    hyper-parameters (type of the live optimizer's, finite, in range: ``lr``, ``eps``,
+    ``weight_decay`` >= 0, ``betas`` in [0, 1)), and per-parameter state (tensors of the
+    parameter's shape, or a finite, non-negative ``step``).
+    """
     decoded = _decode(saved, tensors, path)
     if not (isinstance(decoded, dict) and isinstance(decoded.get("state"), dict)
             and isinstance(decoded.get("param_groups"), list)):
@@ -610,27 +872,110 @@ def _optimizer_state(
         raise _fail(path, f"optimizer has {len(optimizer.param_groups)} parameter group(s), "
                           f"checkpoint {len(groups)}")
     params: dict[int, Tensor] = {}
-    for live, group in zip(optimizer.param_groups, groups, strict=True):
-        if not isinstance(group, dict) or len(group.get("params", [])) != len(live["params"]):
+    for index, (live, group) in enumerate(zip(optimizer.param_groups, groups, strict=True)):
+        ids = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(ids, list) or len(ids) != len(live["params"]):
             raise _fail(path, "optimizer parameter groups do not match the checkpoint's")
-        params.update(zip(group["params"], live["params"], strict=True))
+        where = f"optimizer param_groups[{index}]"
+        try:
+            for i, param in zip(ids, live["params"], strict=True):
+                check_int(f"{where}.params id", i, 0, MAX_COUNT)
+                if i in params:
+                    raise ValueError(f"{where} repeats parameter id {i}")
+                params[i] = param
+            for key, live_value in live.items():
+                if key == "params":
+                    continue
+                if key not in group:
+                    raise ValueError(f"{where} has no {key!r}")
+                _check_group_value(f"{where}.{key}", key, group[key], live_value)
+        except ValueError as error:
+            raise _fail(path, str(error)) from None
         # JSON turned tuples (Adam's betas) into lists; give them back their type.
         for key, value in group.items():
             if isinstance(live.get(key), tuple) and isinstance(value, list):
                 group[key] = tuple(value)
     state: dict[int, Any] = {}
     for param_id, entry in decoded["state"].items():
-        try:
-            param = params[int(param_id)]
-        except (KeyError, ValueError):
-            raise _fail(path, f"optimizer state for unknown parameter {param_id!r}") from None
+        # int() would also take " 1_0" or Arabic-Indic digits
+        if not (param_id.isascii() and param_id.isdigit() and int(param_id) in params):
+            raise _fail(path, f"optimizer state for unknown parameter {show(param_id)}")
+        param = params[int(param_id)]
+        if not isinstance(entry, dict):
+            raise _fail(path, f"optimizer state of parameter {param_id} must be an object, "
+                              f"got {show(entry)}")
         for name, value in entry.items():
-            if name in _PARAM_SHAPED and isinstance(value, Tensor) and value.shape != param.shape:
-                raise _fail(path, f"optimizer state {name} of parameter {param_id} has shape "
-                                  f"{tuple(value.shape)}, parameter {tuple(param.shape)}")
+            where = f"optimizer state {show(name)} of parameter {param_id}"
+            if name == "step":
+                number = value if not isinstance(value, Tensor) else (
+                    value.item() if value.numel() == 1 else None)
+                try:
+                    check_float(where, number, 0.0)
+                except ValueError:
+                    raise _fail(path, f"{where} must be a finite number >= 0 (or a one-element "
+                                      f"tensor of one), got {show(value)}") from None
+            elif isinstance(value, Tensor):
+                if (name in _PARAM_SHAPED or value.numel() != 1) and value.shape != param.shape:
+                    raise _fail(path, f"optimizer state {name} of parameter {param_id} has shape "
+                                      f"{tuple(value.shape)}, parameter {tuple(param.shape)}")
+            elif value is not None:
+                raise _fail(path, f"{where} must be a tensor, got {show(value)}")
         state[int(param_id)] = entry
     decoded["state"] = state
     return decoded
+
+
+_TRAIN_CONFIG_CHECKS = {
+    "epochs": lambda n, v: check_int(n, v, 0, MAX_COUNT),
+    "lr": lambda n, v: check_float(n, v, 0.0, lo_open=True),
+    "clip_norm": lambda n, v: v is None or check_float(n, v, 0.0, lo_open=True),
+    "device": lambda n, v: check_str(n, v, max_len=64),
+    "seed": lambda n, v: check_int(n, v, -(2**63), 2**64 - 1),
+    "log_every": lambda n, v: check_int(n, v, 0, MAX_COUNT),
+    "checkpoint_every": lambda n, v: check_int(n, v, 0, MAX_COUNT),
+    "progress": check_bool,
+}
+
+
+def _check_trainer_state(state: Any, path: Path) -> None:
+    """The loop state :class:`qkv.training.Trainer` saves: ``epoch`` and ``step`` (counts),
+    ``history`` (equally long per-epoch lists of numbers) and ``train_config``. Keys it
+    does not know are the caller's business and pass."""
+    if not isinstance(state, dict):
+        raise _fail(path, f"trainer_state must be a JSON object, got {show(state)}")
+    try:
+        for key in ("epoch", "step"):
+            if key in state:
+                check_int(f"trainer_state.{key}", state[key], 0, MAX_COUNT)
+        history = state.get("history", {})
+        if not isinstance(history, dict):
+            raise ValueError(f"trainer_state.history must be an object of per-epoch lists, "
+                             f"got {show(history)}")
+        lengths = set()
+        for key, column in history.items():
+            name = f"trainer_state.history[{show(key)}]"
+            if not isinstance(column, list):
+                raise ValueError(f"{name} must be a list, got {show(column)}")
+            for value in column:
+                # NaN and inf are honest records of a diverged loss; a value a plot cannot
+                # turn into a float is not.
+                if value is not None and not (isinstance(value, float) or (
+                        isinstance(value, int) and not isinstance(value, bool)
+                        and value.bit_length() <= 1000)):
+                    raise ValueError(f"{name} must hold numbers or null, found {show(value)}")
+            lengths.add(len(column))
+        if len(lengths) > 1:
+            raise ValueError(f"trainer_state.history lists differ in length: {sorted(lengths)}")
+        train_config = state.get("train_config")
+        train_config = {} if train_config is None else train_config
+        if not isinstance(train_config, dict):
+            raise ValueError(f"trainer_state.train_config must be an object, "
+                             f"got {show(train_config)}")
+        for key, check in _TRAIN_CONFIG_CHECKS.items():
+            if key in train_config:
+                check(f"trainer_state.train_config.{key}", train_config[key])
+    except ValueError as error:
+        raise _fail(path, str(error)) from None
 
 
 def load_trainer_state(
@@ -653,8 +998,8 @@ def load_trainer_state(
     if not isinstance(saved, dict) or not {"optimizer", "rng", "trainer_state"} <= set(saved):
         raise _fail(path, "expected keys 'optimizer', 'rng' and 'trainer_state'")
     trainer_state = saved["trainer_state"]
-    if trainer_state is not None and not isinstance(trainer_state, dict):
-        raise _fail(path, "trainer_state must be a JSON object")
+    if trainer_state is not None:
+        _check_trainer_state(trainer_state, path)
     rng = _rng_from_json(saved["rng"], tensors, path)
     if optimizer is not None:
         if saved["optimizer"] is None:
