@@ -128,3 +128,19 @@ def test_gpt2_tokenizer_offline_and_resume(text_file, tmp_path):
 def test_a_checkpoint_of_another_task_is_refused(trained, tmp_path, capsys):
     one_line_error(capsys, ["translate", "run", "--ckpt", str(trained)],
                    r"holds a 'lm' checkpoint, not a 'translate' one")
+
+
+def test_resume_rebuilds_the_gpt2_tokenizer_offline(text_file, tmp_path, capsys):
+    """A resume whose BPE folder has moved asks for --bpe-dir; it never downloads (the
+    autouse no_downloads fixture fails any tiktoken download)."""
+    bpe = write_tiny_bpe(tmp_path / "bpe")
+    run_dir = tmp_path / "run"
+    assert main(["lm", "train", "--text", str(text_file), "--tokenizer", "gpt2", "--bpe-dir",
+                 str(bpe), "--run-dir", str(run_dir), "--epochs", "1", *FAST]) == 0
+    moved = bpe.rename(tmp_path / "moved")
+    one_line_error(capsys, ["lm", "train", "--run-dir", str(run_dir), "--resume",
+                            "--epochs", "2", "--no-progress", "--sample", ""],
+                   r"pass --bpe-dir DIR")
+    capsys.readouterr()
+    assert main(["lm", "train", "--run-dir", str(run_dir), "--resume", "--epochs", "2",
+                 "--bpe-dir", str(moved), "--no-progress", "--sample", ""]) == 0

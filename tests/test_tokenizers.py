@@ -236,3 +236,17 @@ def test_real_gpt2_files_reproduce_the_book(gpt2_dir, monkeypatch):
     assert ids == [15496, 11, 466, 345, 588, 8887, 30, 220, 50256, 554, 262, 4252, 18250,
                    8812, 2114, 286, 617, 34680, 27271, 13]
     assert tok.decode(ids) == book
+
+
+def test_byte_tokenizer_keeps_bytes_that_were_not_utf8():
+    """A command line's stray bytes reach Python as lone surrogates (PEP 383); the byte
+    tokenizer gives back exactly those bytes instead of failing."""
+    import os
+
+    from qkv.data.tokenizers import ByteTokenizer
+
+    raw = b"The \xffcat \xfe"
+    text = os.fsdecode(raw)  # what sys.argv holds for these bytes on POSIX
+    assert ByteTokenizer().encode(text) == list(raw)
+    assert ByteTokenizer(eot=False).encode(text + "<|endoftext|>") == list(
+        raw + b"<|endoftext|>")

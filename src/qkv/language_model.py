@@ -396,8 +396,9 @@ def _train(
     progress: bool,
     log: Callable[[str], None],
 ) -> tuple[LanguageModel, dict[str, list]]:
+    saved_tokenizer = None
     if resume:
-        old, _, _ = _read_config(run_dir)
+        old, _, saved_tokenizer = _read_config(run_dir)
         settings = dataclasses.replace(
             old,
             epochs=old.epochs if settings.epochs is None else settings.epochs,
@@ -410,7 +411,10 @@ def _train(
         check_resume_target(run_dir, settings.epochs)
     seed_everything(settings.seed)
 
-    tokenizer = get_tokenizer(settings.tokenizer, bpe_dir=settings.bpe_dir)
+    if saved_tokenizer is None:
+        tokenizer = get_tokenizer(settings.tokenizer, bpe_dir=settings.bpe_dir)
+    else:  # offline, and checked to give the saved run's ids
+        tokenizer = tokenizer_from_dict(saved_tokenizer, bpe_dir=settings.bpe_dir)
     text, text_sha256 = _load_text(settings)
     settings = dataclasses.replace(settings, text_sha256=text_sha256)
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)

@@ -116,13 +116,15 @@ class ByteTokenizer(Tokenizer):
         self.n_vocab = 257 if eot else 256
 
     def encode(self, text: str) -> list[int]:
+        # surrogateescape: bytes that were not UTF-8 where the text came from (Python
+        # decodes a command line's stray bytes to lone surrogates) become those bytes again.
         if self.eot_token is None:
-            return list(text.encode("utf-8"))
+            return list(text.encode("utf-8", errors="surrogateescape"))
         ids: list[int] = []
         for i, piece in enumerate(text.split(ENDOFTEXT)):
             if i:
                 ids.append(self.eot_token)
-            ids.extend(piece.encode("utf-8"))
+            ids.extend(piece.encode("utf-8", errors="surrogateescape"))
         return ids
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -225,7 +227,8 @@ def _gpt2_from_dir(bpe_dir: str | Path) -> GPT2Tokenizer:
     if missing:
         raise FileNotFoundError(
             f"GPT-2 BPE files not found in {folder}: missing {', '.join(missing)} "
-            f"(bpe_dir / ${BPE_DIR_ENV} must hold encoder.json and vocab.bpe)"
+            f"; pass --bpe-dir DIR (or set ${BPE_DIR_ENV}) to a folder holding encoder.json "
+            "and vocab.bpe"
         )
     stats = [(folder / name).stat() for name in BPE_FILES]
     for name, st in zip(BPE_FILES, stats, strict=True):
