@@ -562,3 +562,22 @@ def test_the_lock_is_reentrant_and_names_its_holder(tmp_path):
     with pytest.raises(RunDirBusyError, match="in use"), run_dir_lock(run_dir):
         raise RunDirBusyError("in use")  # an error inside releases the lock too
     assert not holds_run_dir_lock(run_dir)
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_on_load(tmp_path, capsys):
+    """What `lm train --lr 1e4` used to save; sampling from it failed deep in torch."""
+    from qkv.language_model import LanguageModel
+    from qkv.training import save_checkpoint
+
+    run_dir = tmp_path / "lm"
+    assert run(capsys, "lm", "train", "--run-dir", str(run_dir), "--epochs", "1",
+               "--context-length", "16", "--no-progress", "--sample", "").returncode == 0
+    lm = LanguageModel.load(run_dir)
+    with torch.no_grad():
+        lm.model.out_head.weight[3, 1] = float("inf")
+    save_checkpoint(tmp_path / "bad", lm.model, load_config(run_dir))
+    for args in (["generate", "--prompt", "The", "--temperature", "0.8"],
+                 ["attention", "--prompt", "The", "--heatmap", str(tmp_path / "a.png")]):
+        done = run(capsys, "lm", args[0], "--ckpt", str(tmp_path / "bad"), *args[1:])
+        assert done.returncode == 2
+        assert "1 tensor(s) hold NaN or infinite values (out_head.weight)" in one_line(done.stderr)

@@ -797,7 +797,9 @@ def load_weights(run_dir: str | os.PathLike[str], model: nn.Module, *, strict: b
     ``strict=True`` requires exactly the model's ``state_dict`` keys; ``strict=False``
     tolerates missing and unexpected keys. A shape or dtype mismatch is an error either
     way (as in ``nn.Module.load_state_dict``): a :class:`CheckpointError` listing the
-    first few offending keys with expected and found shapes.
+    first few offending keys with expected and found shapes. So are weights that are NaN
+    or infinite: no run saves them (the trainer stops first), and a model holding them
+    decodes garbage or fails deep inside sampling.
     """
     ckpt = _Checkpoint(run_dir)
     path = ckpt.path(MODEL)
@@ -821,6 +823,11 @@ def load_weights(run_dir: str | os.PathLike[str], model: nn.Module, *, strict: b
     ]
     if bad:
         raise _fail(path, f"{len(bad)} tensor(s) do not match the model: {_describe(bad)}")
+    nonfinite = [k for k, v in found.items()
+                 if k in expected and v.is_floating_point() and not bool(v.isfinite().all())]
+    if nonfinite:
+        raise _fail(path, f"{len(nonfinite)} tensor(s) hold NaN or infinite values "
+                          f"({_describe(nonfinite)}); refusing weights no model can use")
     model.load_state_dict({k: v for k, v in found.items() if k in expected}, strict=strict)
 
 
