@@ -13,6 +13,7 @@ sane; ``bool`` never passes for a number, although Python makes it an ``int``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "check_bool",
     "check_str",
     "check_sha256",
+    "fields_from_dict",
     "small_divisors",
 ]
 
@@ -138,6 +140,19 @@ def check_sha256(name: str, value: Any) -> str:
         raise ValueError(f"{name} must be a SHA-256 digest (64 lower-case hex digits), "
                          f"got {show(value)}")
     return value
+
+
+def fields_from_dict(cls: type, d: Any, what: str) -> dict[str, Any]:
+    """``d`` as keyword arguments for the dataclass ``cls``: a JSON object whose keys are
+    all fields of ``cls`` (missing ones take their defaults). ``what`` names it in errors."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} must be an object, got {show(d)}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted((k for k in d if k not in known), key=str)
+    if unknown:
+        listed = ", ".join(show(k) for k in unknown[:5])
+        raise ValueError(f"unknown {what} [{listed}]; valid: {sorted(known)}")
+    return d
 
 
 def small_divisors(n: int, count: int = 8) -> list[int]:

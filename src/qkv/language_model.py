@@ -33,7 +33,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .checks import MAX_SIZE, check_bool, check_float, check_int, check_sha256, check_str, show
+from .checks import (
+    MAX_SIZE,
+    check_bool,
+    check_float,
+    check_int,
+    check_sha256,
+    check_str,
+    fields_from_dict,
+    show,
+)
 from .data.gpt import GPTDataset, create_dataloader, generated_corpus
 from .data.tokenizers import TOKENIZER_NAMES, Tokenizer, get_tokenizer, tokenizer_from_dict
 from .data.translation import read_corpus
@@ -151,14 +160,7 @@ class LMSettings:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LMSettings:
         """The settings of a saved run, every field validated."""
-        if not isinstance(d, dict):
-            raise ValueError(f"lm settings must be an object, got {show(d)}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            listed = ", ".join(show(k) for k in unknown[:5])
-            raise ValueError(f"unknown lm settings [{listed}]; valid: {sorted(known)}")
-        settings = cls(**d)
+        settings = cls(**fields_from_dict(cls, d, "lm settings"))
         settings.validate()
         return settings
 

@@ -42,7 +42,16 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
-from .checks import MAX_COUNT, MAX_SIZE, check_float, check_int, check_sha256, check_str, show
+from .checks import (
+    MAX_COUNT,
+    MAX_SIZE,
+    check_float,
+    check_int,
+    check_sha256,
+    check_str,
+    fields_from_dict,
+    show,
+)
 from .data.dates import DATES_NUM_STEPS, join_date_tokens, make_date_pairs, normalize_date_text
 from .data.translation import (
     BOS,
@@ -214,14 +223,7 @@ class TranslateSettings:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TranslateSettings:
         """The settings of a saved run (resolved), every field validated."""
-        if not isinstance(d, dict):
-            raise ValueError(f"translate settings must be an object, got {show(d)}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            listed = ", ".join(show(k) for k in unknown[:5])
-            raise ValueError(f"unknown translate settings [{listed}]; valid: {sorted(known)}")
-        settings = cls(**d)
+        settings = cls(**fields_from_dict(cls, d, "translate settings"))
         settings.validate(resolved=True)
         return settings
 
