@@ -129,7 +129,7 @@ def _peak_growth(fn):
 
 
 # ----------------------------------------------------------------------------
-# The edits of issue 10: refused at once, before the model is built
+# Edits that once allocated gigabytes: refused at once, before the model is built
 
 
 def _set_both(section_key: str, value: int):
@@ -338,7 +338,7 @@ RAW = {  # JSON texts json.dumps cannot write, swapped in for these markers afte
     "@@vocab@@": json.dumps(["<unk>", *(f"w{i}" for i in range(100_000))]),
 }
 
-# Values of any JSON type, the hostile ones of issue 10 among them.
+# Values of any JSON type, hostile ones (huge, non-finite, deep) among them.
 VALUES = st.one_of(
     st.sampled_from([*RAW, 10**6, 10**9, 2**31, 2**63, 2**64, -1, 0, 1, 2, True, False, None,
                      "", "x", "fra-eng", "gpt2", "transformer", [], {}]),

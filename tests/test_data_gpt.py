@@ -1,4 +1,4 @@
-"""qkv.data.gpt: sliding windows (SPEC §5), loaders, embeddings and the generated corpus."""
+"""qkv.data.gpt: sliding windows (the book's ch. 2), loaders, embeddings, the generated corpus."""
 
 from __future__ import annotations
 

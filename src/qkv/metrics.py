@@ -1,7 +1,7 @@
 """Translation metrics: d2l's sentence BLEU, sacreBLEU's corpus BLEU, exact match.
 
 All three take already-tokenised text, tokens separated by whitespace, which is what
-the translation pipeline produces (SPEC §7: lower-cased, a space before ``, . ! ?``).
+the translation pipeline produces (lower-cased, a space before ``, . ! ?``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def bleu(pred_seq: str, label_seq: str, k: int = 2) -> float:
     n-gram count. The weights ``1 / 2**n`` reward longer matches more.
 
     A prediction shorter than ``k`` tokens (the empty one included) has no n-grams for
-    ``n = k``, so ``p_k`` is undefined; the score is then 0.0 (SPEC §7). d2l's own loop
+    ``n = k``, so ``p_k`` is undefined; the score is then 0.0. d2l's own loop
     instead stops at ``n = len_pred`` and so gives such predictions a positive score.
     Tokens are split on whitespace (d2l splits on single spaces: equal for the
     single-spaced text the pipeline produces).

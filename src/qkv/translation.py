@@ -135,8 +135,8 @@ class TranslateSettings:
 
     ``None`` fields take a default that depends on ``data`` (see ``_DATA_DEFAULTS``):
     the dates corpus uses 10,000 pairs, ``num_steps`` 14, 10 epochs and a 10 % held-out
-    split; fra-eng and files use SPEC §7's 600 pairs, ``num_steps`` 10, 250 epochs and
-    no split. The model and optimiser defaults are SPEC §7's (``lr`` 0.005).
+    split; fra-eng and files use d2l's recipe: 600 pairs, ``num_steps`` 10, 250 epochs
+    and no split. The model and optimiser defaults are d2l's too (``lr`` 0.005).
     """
 
     data: str = "dates"
@@ -547,7 +547,7 @@ class Translator:
 def translation_loss(bos_id: int) -> Callable[..., tuple[Tensor, Tensor]]:
     """The trainer's loss for a translation batch ``(src, src_valid_len, tgt,
     tgt_valid_len)``: teacher forcing, then the summed masked cross-entropy and the number
-    of target tokens (SPEC §8: the trainer divides one by the other).
+    of target tokens (the trainer divides one by the other: a mean per valid token).
 
     Target positions past the batch's longest sentence are padding in every row: they
     add nothing to the loss or its gradients, and a decoder step never depends on later

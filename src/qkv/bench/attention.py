@@ -769,7 +769,7 @@ def run_sweep(
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's attention targets, evaluated on this run's medians."""
+    """The attention targets of docs/benchmarks.md, evaluated on this run's medians."""
     out: list[dict[str, Any]] = []
     res = report["results"]
 

@@ -107,7 +107,7 @@ def build_case(
 
 @dataclass
 class DataBenchConfig:
-    """One million GPT-2-sized ids, windows of 256, stride 1 (the issue's setting)."""
+    """One million GPT-2-sized ids, windows of 256, stride 1 (a window at every start)."""
 
     num_tokens: int = 1_000_000
     max_length: int = 256

@@ -240,7 +240,7 @@ def kernel(name: str, *, compile_flex: bool = True) -> Kernel:
 
 @dataclass
 class FlopsConfig:
-    """What to measure. The defaults are the issue's GPU question: 8,192 tokens, head
+    """What to measure. The defaults are the flops setting of docs/benchmarks.md: 8,192 tokens, head
     dimension 128, here 16 heads at batch 2 (``B H = 32`` heads of work: 2,048 query
     blocks of 128 rows, many per streaming multiprocessor, while the unfused paths'
     float32 scores, 8.6 GB per copy, still fit a large GPU).

@@ -14,7 +14,7 @@ for step, the way its ``train_seq2seq`` runs it:
 - gradients are clipped by d2l's ``grad_clipping`` (global norm, scaled in place).
 
 The one deliberate difference from d2l is the loss: both sides use the per-valid-token
-mean (SPEC §8), so that they optimise the same objective and
+mean, so that they optimise the same objective and
 :func:`compare_losses` can check, on one batch and with the same weights, that the
 reference computes exactly what qkv's model computes.
 

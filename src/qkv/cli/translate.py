@@ -24,7 +24,7 @@ SETTINGS_FLAGS = {name: name for name in (
     "lr", "epochs", "clip_norm", "seed", "device",
 )}
 
-# SPEC §7's four test sentences: the default input for an English->French model.
+# d2l's four test sentences: the default input for an English->French model.
 FRA_ENG_EXAMPLES = ["go .", "i lost .", "he's calm .", "i'm home ."]
 DATE_EXAMPLES = [
     "tuesday, march 3, 2021",

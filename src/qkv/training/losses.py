@@ -4,7 +4,7 @@ Sequences in a batch are padded to a common length; only the first ``valid_len``
 positions of each carry a real target. The loss must ignore the rest, and it must be
 normalised per *valid token*: d2l's ``MaskedSoftmaxCELoss`` zeroes the padded positions
 but then averages over all ``num_steps`` positions, so a short sentence's loss is diluted
-by its padding (SPEC §8). Here padding never enters either the sum or the count.
+by its padding. Here padding never enters either the sum or the count.
 """
 
 from __future__ import annotations
