@@ -35,7 +35,14 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["plot_attention", "plot_attention_grid", "check_image_path", "SUPPORTED_FORMATS"]
+__all__ = [
+    "plot_attention",
+    "plot_attention_grid",
+    "check_image_path",
+    "new_figure",
+    "save_figure",
+    "SUPPORTED_FORMATS",
+]
 
 SUPPORTED_FORMATS = (".png", ".pdf", ".svg")
 
@@ -311,19 +318,26 @@ def _fit(fig: Figure, text: str, inches: float, fontsize: float) -> str:
     return text[:short] + "\u2026"
 
 
-def _new_figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float) -> Figure:
+    """A matplotlib ``Figure`` of ``width`` x ``height`` inches, for :func:`save_figure`.
+
+    Every figure qkv draws (heatmaps, loss curves, benchmark plots) starts here: the
+    object API on an Agg canvas, so no pyplot state, no GUI backend, no display needed.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)  # attaches itself to fig; no pyplot, no GUI backend
+    FigureCanvasAgg(fig)  # attaches itself to fig
     return fig
 
 
-def _save(fig: Figure, path: Path) -> Path:
-    """Write ``fig`` to ``path`` atomically: a reader never sees half a file."""
+def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = _DPI) -> Path:
+    """Write ``fig`` to ``path`` (PNG, PDF or SVG by its extension) atomically: a reader
+    never sees half a file. Returns ``path`` as a Path."""
+    path = check_image_path(path)
     buffer = io.BytesIO()
-    fig.savefig(buffer, format=path.suffix[1:].lower(), dpi=_DPI)
+    fig.savefig(buffer, format=path.suffix[1:].lower(), dpi=dpi)
     return write_atomic(path, buffer.getvalue())
 
 
@@ -371,7 +385,7 @@ def plot_attention(
     cols = _check_labels(col_labels, m.shape[1], "col_labels", "columns")
     cell = _cell_size([m])
     width, height = _panel_size(m.shape, cell, rows, cols)
-    fig = _new_figure(width, height)
+    fig = new_figure(width, height)
     ax = fig.add_subplot()
     _draw(
         fig,
@@ -387,7 +401,7 @@ def plot_attention(
         ylabel=ylabel,
         width=width,
     )
-    return fig if target is None else _save(fig, target)
+    return fig if target is None else save_figure(fig, target)
 
 
 def plot_attention_grid(
@@ -452,7 +466,7 @@ def plot_attention_grid(
     if len(set(sizes)) == 1:
         # Equal panels (the heads of a layer): one grid, columns aligned across rows.
         w, h = sizes[0]
-        fig = _new_figure(ncols * w, nrows * h + extra)
+        fig = new_figure(ncols * w, nrows * h + extra)
         grid = fig.subplots(nrows, ncols, squeeze=False).ravel()
         panels = list(grid[:n])
         unused = list(grid[n:])  # the last row may not be full
@@ -463,7 +477,7 @@ def plot_attention_grid(
         widths = [[sizes[k][0] for k in ks] for ks in rows_of]
         width = max(sum(ws) for ws in widths)
         heights = [max(sizes[k][1] for k in ks) for ks in rows_of]
-        fig = _new_figure(width, sum(heights) + extra)
+        fig = new_figure(width, sum(heights) + extra)
         grid = fig.add_gridspec(nrows, 1, height_ratios=heights)
         for row, ks, ws in zip(grid, rows_of, widths, strict=True):
             spare = width - sum(ws)
@@ -492,4 +506,4 @@ def plot_attention_grid(
     if suptitle:
         suptitle = _fit(fig, _printable(suptitle), fig.get_figwidth(), 12)
         fig.suptitle(suptitle, fontsize=12, parse_math=False)
-    return fig if target is None else _save(fig, target)
+    return fig if target is None else save_figure(fig, target)

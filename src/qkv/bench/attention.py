@@ -51,19 +51,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..multihead import MultiHeadAttention
+from ..viz import new_figure, save_figure
 from .timing import (
     MEMORY_MODES,
     format_mib,
     format_ms,
     machine_info,
     markdown_table,
-    new_figure,
     peak_bytes,
     resolve_device,
     resolve_dtype,
     round_robin,
     run_isolated,
-    save_figure,
     write_json,
 )
 

@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from ..data.gpt import GPTDataset
+from ..viz import new_figure, save_figure
 from .timing import (
     MEMORY_MODES,
     Stats,
@@ -39,9 +40,7 @@ from .timing import (
     hbars,
     machine_info,
     markdown_table,
-    new_figure,
     run_isolated,
-    save_figure,
     write_json,
 )
 

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import attention
+from ..viz import new_figure, save_figure
 from .attention import causal_mask_mod
 from .timing import (
     Stats,
@@ -64,11 +65,9 @@ from .timing import (
     hbars,
     machine_info,
     markdown_table,
-    new_figure,
     resolve_device,
     resolve_dtype,
     round_robin,
-    save_figure,
     write_json,
 )
 

@@ -27,15 +27,14 @@ import torch
 from torch import Tensor
 
 from ..models.gpt import PRESETS, GPTConfig, GPTModel, generate
+from ..viz import new_figure, save_figure
 from .timing import (
     hbars,
     machine_info,
     markdown_table,
-    new_figure,
     resolve_device,
     resolve_dtype,
     round_robin,
-    save_figure,
     write_json,
 )
 

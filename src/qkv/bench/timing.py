@@ -60,7 +60,6 @@ from ..fileio import write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
 
 __all__ = [
     "DTYPE_NAMES",
@@ -74,13 +73,11 @@ __all__ = [
     "hbars",
     "machine_info",
     "markdown_table",
-    "new_figure",
     "peak_bytes",
     "resolve_device",
     "resolve_dtype",
     "round_robin",
     "run_isolated",
-    "save_figure",
     "synchronize",
     "time_call",
     "write_json",
@@ -461,20 +458,6 @@ def hbars(
     ax.margins(x=0.18)  # room for the numbers
     ax.set_xlabel(xlabel)
     ax.grid(axis="x", alpha=0.3)
-
-
-def new_figure(width: float, height: float) -> Figure:
-    """A pyplot-free matplotlib figure (see :mod:`qkv.viz`)."""
-    from ..viz import _new_figure
-
-    return _new_figure(width, height)
-
-
-def save_figure(fig: Figure, path: Path) -> Path:
-    """Write ``fig`` to ``path`` atomically, with :mod:`qkv.viz`'s settings."""
-    from ..viz import _save, check_image_path
-
-    return _save(fig, check_image_path(path))
 
 
 if __name__ == "__main__":

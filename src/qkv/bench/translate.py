@@ -45,14 +45,13 @@ from ..training import (
     seed_everything,
 )
 from ..translation import TranslateSettings, prepare_data, translation_loss
+from ..viz import new_figure, save_figure
 from .timing import (
     hbars,
     machine_info,
     markdown_table,
-    new_figure,
     resolve_device,
     round_robin,
-    save_figure,
     write_json,
 )
 

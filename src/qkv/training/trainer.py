@@ -51,7 +51,6 @@ loads on every rank. See ``docs/distributed.md``.
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 import random
 import sys
@@ -68,6 +67,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from ..testing import pause_point
+from ..viz import new_figure, save_figure
 from .checkpoint import (
     CheckpointError,
     capture_rng_state,
@@ -75,7 +75,6 @@ from .checkpoint import (
     load_weights,
     restore_rng_state,
     save_checkpoint,
-    write_atomic,
 )
 from .distributed import get_rank_and_world_size, init_distributed
 
@@ -529,7 +528,7 @@ class Trainer:
                         optimizer=self.optimizer, trainer_state=self.trainer_state())
         self.saved_epoch = self.epoch
         if self.history["loss"]:
-            write_atomic(self.run_dir / LOSS_PLOT, plot_history(self.history))
+            plot_history(self.history, self.run_dir / LOSS_PLOT)
 
     def resume(self) -> None:
         """Restore model, optimizer, RNGs, epoch and history from ``run_dir``.
@@ -574,14 +573,9 @@ class Trainer:
                      "run will not match an uninterrupted one")
 
 
-def plot_history(history: dict[str, list]) -> bytes:
-    """A PNG of the per-epoch training loss (and ``valid_loss`` if present)."""
-    # The object API with the Agg canvas: no pyplot global state, no display needed.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(5, 3.5), layout="constrained")
-    FigureCanvasAgg(fig)
+def plot_history(history: dict[str, list], path: str | Path) -> Path:
+    """Draw the per-epoch training loss (and ``valid_loss`` if present) to ``path``."""
+    fig = new_figure(5, 3.5)
     ax = fig.add_subplot()
     for key, label in (("loss", "train"), ("valid_loss", "valid")):
         points = [(e, v) for e, v in zip(history["epoch"], history.get(key, []), strict=False)
@@ -592,6 +586,4 @@ def plot_history(history: dict[str, list]) -> bytes:
     ax.set_ylabel("loss per token")
     ax.grid(alpha=0.3)
     ax.legend()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    return buffer.getvalue()
+    return save_figure(fig, path, dpi=100)
