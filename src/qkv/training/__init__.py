@@ -25,6 +25,7 @@ from .distributed import (
     is_main_process,
     main_process_log,
     make_loader,
+    resolve_device,
 )
 from .limits import (
     LOAD_BYTES_PER_PARAMETER,
@@ -43,7 +44,6 @@ from .trainer import (
     Trainer,
     TrainingDivergedError,
     epoch_seed,
-    resolve_device,
     seed_everything,
 )
 

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from ..data.loading import batch_loader
 
 __all__ = [
+    "resolve_device",
     "init_distributed",
     "cleanup_distributed",
     "make_loader",
@@ -72,6 +73,24 @@ def _env_int(name: str) -> int:
         raise RuntimeError(f"{name}={os.environ[name]!r} is not an integer") from None
 
 
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> CUDA if available else CPU; ``"cpu"``; ``"cuda"`` / ``"cuda:N"``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but CUDA is not available; "
+                             "use --device cpu or auto")
+        device = torch.device(name)
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} requested but only "
+                             f"{torch.cuda.device_count()} CUDA device(s) exist")
+        return device
+    raise ValueError(f"unknown device {name!r}: expected auto, cpu, cuda or cuda:N")
+
+
 def _launched_world_size() -> int:
     """The world size ``torchrun`` announced in the environment (1 when it did not)."""
     try:
@@ -82,9 +101,6 @@ def _launched_world_size() -> int:
 
 def _process_device(name: str, world_size: int) -> torch.device:
     """This process's device: ``cuda:LOCAL_RANK`` for a CUDA run on several processes."""
-    # Imported here because the trainer module imports this one.
-    from .trainer import resolve_device
-
     device = resolve_device(name)
     if device.type != "cuda" or world_size == 1:
         return device

@@ -76,7 +76,7 @@ from .checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from .distributed import get_rank_and_world_size, init_distributed
+from .distributed import init_distributed
 
 __all__ = [
     "LOSS_PLOT",
@@ -84,7 +84,6 @@ __all__ = [
     "Trainer",
     "TrainingDivergedError",
     "default_optimizer",
-    "resolve_device",
     "seed_everything",
     "epoch_seed",
 ]
@@ -135,24 +134,6 @@ class TrainConfig:
             raise ValueError("log_every and checkpoint_every must be >= 0")
 
 
-def resolve_device(name: str) -> torch.device:
-    """``"auto"`` -> CUDA if available else CPU; ``"cpu"``; ``"cuda"`` / ``"cuda:N"``."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "cuda" or name.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} requested but CUDA is not available; "
-                             "use --device cpu or auto")
-        device = torch.device(name)
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r} requested but only "
-                             f"{torch.cuda.device_count()} CUDA device(s) exist")
-        return device
-    raise ValueError(f"unknown device {name!r}: expected auto, cpu, cuda or cuda:N")
-
-
 def seed_everything(seed: int) -> None:
     """Seed Python's ``random``, NumPy's global RNG and torch (CPU and every CUDA device)."""
     random.seed(seed)
@@ -173,14 +154,6 @@ def epoch_seed(seed: int, epoch: int) -> int:
     """
     digest = hashlib.sha256(f"qkv/epoch/{seed}/{epoch}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def _distributed() -> tuple[int, int]:
-    """``(rank, world_size)``; ``(0, 1)`` outside ``torch.distributed``.
-
-    Kept for callers of the earlier seam; see :func:`qkv.training.get_rank_and_world_size`.
-    """
-    return get_rank_and_world_size()
 
 
 def _cpu_copy(obj: Any) -> Any:
