@@ -12,8 +12,8 @@ Where qkv departs from d2l on purpose, the names here follow d2l:
 - ``MaskedSoftmaxCELoss`` averages each sequence's masked loss over all ``num_steps``
   positions (qkv's averages over the valid tokens);
 - ``tokenize_nmt(text, num_examples)`` reads lines ``0 .. num_examples`` inclusive,
-  i.e. one pair more than asked, as d2l's loop does; ``build_array_nmt`` returns
-  ``int32`` valid lengths that count the non-``<pad>`` ids;
+  i.e. one pair more than asked, as d2l's loop does; ``build_array_nmt``'s valid
+  lengths count the non-``<pad>`` ids;
 - ``EncoderDecoder.forward`` returns the decoder's output only (d2l 1.0.3); callers that
   unpack ``Y_hat, state`` get both from ``decoder(...)`` directly.
 
@@ -452,13 +452,13 @@ def truncate_pad(line: list[int], num_steps: int, padding_token: int) -> list[in
 def build_array_nmt(
     lines: list[list[str]], vocab: Vocab, num_steps: int
 ) -> tuple[Tensor, Tensor]:
-    """Token lists -> ``(array (n, num_steps) int64, valid_len (n,) int32)``.
+    """Token lists -> ``(array (n, num_steps), valid_len (n,))``, both int64.
 
     Each line gets ``<eos>``, is mapped to ids and is truncated or padded with ``<pad>``;
     ``valid_len`` counts the ids that are not ``<pad>``, as d2l counts them.
     """
     array, _ = translation.build_array(lines, vocab, num_steps)
-    valid_len = (array != vocab["<pad>"]).type(torch.int32).sum(1)
+    valid_len = (array != vocab["<pad>"]).sum(1)
     return array, valid_len
 
 
@@ -477,7 +477,7 @@ def load_data_nmt(
 
     Vocabularies keep tokens seen at least twice, with ``<pad>``, ``<bos>``, ``<eos>``
     reserved. Batches are ``(X, X_valid_len, Y, Y_valid_len)``: ``X, Y (batch_size,
-    num_steps)`` int64 ids, valid lengths ``(batch_size,)`` int32, shuffled.
+    num_steps)`` int64 ids, valid lengths ``(batch_size,)`` int64, shuffled.
     """
     text = preprocess_nmt(read_data_nmt())
     source, target = tokenize_nmt(text, num_examples)
