@@ -55,7 +55,9 @@ def install(reference: Path, name: str, dest: Path) -> Path:
 
 def run(script: Path, *args: str, corpus: Path | None = None,
         timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MPLBACKEND="Agg", QKV_CACHE=str(script.parent / "cache"))
+    # One intra-op thread, as in conftest: the model is tiny and the cores are shared.
+    env = dict(os.environ, MPLBACKEND="Agg", QKV_CACHE=str(script.parent / "cache"),
+               OMP_NUM_THREADS="1")
     env.pop("QKV_FRA_ENG", None)
     if corpus is not None:
         env["QKV_FRA_ENG"] = str(corpus)
