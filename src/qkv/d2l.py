@@ -287,7 +287,6 @@ class Seq2SeqEncoder(seq2seq.Seq2SeqEncoder, Encoder):
         num_hiddens: int,
         num_layers: int,
         dropout: float = 0,
-        **kwargs: Any,
     ) -> None:
         super().__init__(vocab_size, embed_size, num_hiddens, num_layers, dropout)
         seq2seq.init_seq2seq(self)
