@@ -1,6 +1,7 @@
 """d2l's scoring functions, multi-head form and positional encoding."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -142,3 +143,259 @@ def test_d2l_names_are_exported():
                  "MultiHeadAttention", "PositionalEncoding"):
         assert hasattr(d2l, name)
     assert isinstance(d2l.PositionalEncoding(4, 0.0), nn.Module)
+
+
+# ----------------------------------------------------------------------------
+# The translator chapter's names (d2l's documented outputs and shapes)
+
+
+def test_d2l_scoring_modules_give_uniform_rows_for_zero_valid_len():
+    torch.manual_seed(0)
+    v = torch.randn(2, 5, 3)
+    lens = torch.tensor([0, 2])
+    dot = d2l.DotProductAttention(0.0).eval()
+    out = dot(torch.randn(2, 1, 4), torch.randn(2, 5, 4), v, lens)
+    torch.testing.assert_close(dot.attention_weights[0], torch.full((1, 5), 0.2))
+    torch.testing.assert_close(out[0, 0], v[0].mean(0))
+    assert (dot.attention_weights[1, 0, 2:] == 0).all()
+    add = d2l.AdditiveAttention(4, 6, 8, 0.0).eval()
+    out = add(torch.randn(2, 1, 6), torch.randn(2, 5, 4), v, lens)
+    torch.testing.assert_close(add.attention_weights[0], torch.full((1, 5), 0.2))
+    torch.testing.assert_close(out[0, 0], v[0].mean(0))
+
+
+def test_d2l_additive_attention_demo():
+    torch.manual_seed(0)
+    attn = d2l.AdditiveAttention(key_size=2, query_size=20, num_hiddens=8, dropout=0.1).eval()
+    out = attn(torch.normal(0, 1, (2, 1, 20)), KEYS, VALUES, VALID_LENS)
+    torch.testing.assert_close(out, EXPECTED)
+    dot = d2l.DotProductAttention(dropout=0.5).eval()
+    torch.testing.assert_close(dot(torch.normal(0, 1, (2, 1, 2)), KEYS, VALUES, VALID_LENS),
+                               EXPECTED)
+
+
+def test_masked_softmax_uniform_row_as_d2l():
+    w = d2l.masked_softmax(torch.rand(2, 2, 4), torch.tensor([0, 3]))
+    torch.testing.assert_close(w[0], torch.full((2, 4), 0.25))
+    assert (w[1, :, 3] == 0).all()
+    torch.testing.assert_close(w[1].sum(-1), torch.ones(2))
+
+
+def test_sequence_mask_d2l_examples():
+    X = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    out = d2l.sequence_mask(X, torch.tensor([1, 2]))
+    assert out.tolist() == [[1, 0, 0], [4, 5, 0]]
+    assert out is X  # in place, as d2l
+    Y = d2l.sequence_mask(torch.ones(2, 3, 4), torch.tensor([1, 2]), value=-1)
+    assert Y[0].tolist() == [[1.0] * 4, [-1.0] * 4, [-1.0] * 4]
+    assert Y[1].tolist() == [[1.0] * 4, [1.0] * 4, [-1.0] * 4]
+
+
+def test_masked_softmax_ce_loss_d2l_printed_values():
+    loss = d2l.MaskedSoftmaxCELoss()
+    out = loss(torch.ones(3, 4, 10), torch.ones((3, 4), dtype=torch.long), torch.tensor([4, 2, 0]))
+    # d2l prints tensor([2.3026, 1.1513, 0.0000]): ln 10 times valid / num_steps
+    torch.testing.assert_close(out, torch.tensor([math.log(10), math.log(10) / 2, 0.0]))
+
+
+def test_grad_clipping_against_float64_norm():
+    net = nn.Linear(3, 2)
+    grads = [torch.tensor([[1.0, 2.0, 2.0], [0.0, 4.0, 0.0]]), torch.tensor([0.0, 2.0])]
+    for p, g in zip(net.parameters(), grads, strict=True):
+        p.grad = g.clone()
+    norm = math.sqrt(1 + 4 + 4 + 16 + 4)  # sqrt(29)
+    d2l.grad_clipping(net, 1.0)
+    for p, g in zip(net.parameters(), grads, strict=True):
+        torch.testing.assert_close(p.grad.double(), g.double() / norm)
+    before = [p.grad.clone() for p in net.parameters()]
+    d2l.grad_clipping(net, 10.0)  # norm 1 < 10: untouched
+    for p, b in zip(net.parameters(), before, strict=True):
+        assert torch.equal(p.grad, b)
+
+    class Params:  # d2l's from-scratch models carry a params list
+        params = [torch.zeros(2, requires_grad=True)]
+
+    Params.params[0].grad = torch.tensor([3.0, 4.0])
+    d2l.grad_clipping(Params(), 1.0)
+    torch.testing.assert_close(Params.params[0].grad, torch.tensor([0.6, 0.8]))
+
+
+def test_accumulator_and_timer():
+    acc = d2l.Accumulator(2)
+    acc.add(1, 2)
+    acc.add(torch.tensor(3.0), 4)
+    assert (acc[0], acc[1]) == (4.0, 6.0)
+    acc.reset()
+    assert acc.data == [0.0, 0.0]
+    timer = d2l.Timer()
+    first = timer.stop()
+    timer.start()
+    second = timer.stop()
+    assert first >= 0 and second >= 0
+    assert timer.sum() == pytest.approx(first + second)
+    assert timer.avg() == pytest.approx((first + second) / 2)
+    assert timer.cumsum() == pytest.approx([first, first + second])
+
+
+def test_try_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert d2l.try_gpu() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert d2l.try_gpu(1) == torch.device("cuda:1")
+    assert d2l.try_gpu(2) == torch.device("cpu")
+
+
+def test_truncate_pad_and_bleu():
+    assert d2l.truncate_pad([47, 4], 10, 1) == [47, 4, 1, 1, 1, 1, 1, 1, 1, 1]
+    assert d2l.truncate_pad(list(range(12)), 10, 1) == list(range(10))
+    # d2l's printed scores: "he's calm . => il est riche ., bleu 0.658" against "il est calme ."
+    assert d2l.bleu("il est riche .", "il est calme .", k=2) == pytest.approx(
+        (3 / 4) ** 0.5 * (1 / 3) ** 0.25)
+    assert round(d2l.bleu("il est riche .", "il est calme .", k=2), 3) == 0.658
+    assert d2l.bleu("va !", "va !", k=2) == 1.0
+
+
+NMT_TEXT = "Go.\tVa !\nHi.\tSalut !\nRun!\tCours\u202f!\nRun!\tCourez\u202f!\nWho?\tQui ?\tx\n"
+
+
+def test_preprocess_and_tokenize_nmt():
+    text = d2l.preprocess_nmt(NMT_TEXT)
+    assert text.startswith("go .\tva !\nhi .\tsalut !\nrun !\tcours !\n")
+    source, target = d2l.tokenize_nmt(text)
+    # the three-column line is skipped, as in d2l
+    assert source == [["go", "."], ["hi", "."], ["run", "!"], ["run", "!"]]
+    assert target[2] == ["cours", "!"]
+    # d2l's loop reads lines 0 .. num_examples: one pair more than asked
+    assert len(d2l.tokenize_nmt(text, 2)[0]) == 3
+
+
+def test_vocab_and_build_array_nmt():
+    source = [["go", "."], ["hi", "."], ["run", "!"], ["run", "!"]]
+    vocab = d2l.Vocab(source, min_freq=2, reserved_tokens=["<pad>", "<bos>", "<eos>"])
+    assert vocab.idx_to_token == ["<unk>", "<pad>", "<bos>", "<eos>", ".", "run", "!"]
+    assert vocab["go"] == vocab.unk == 0
+    assert vocab.to_tokens([5, 6]) == ["run", "!"]
+    assert len(d2l.Vocab()) == 1
+    array, valid_len = d2l.build_array_nmt(source + [["run"] * 12], vocab, 4)
+    assert array.tolist()[0] == [0, 4, 3, 1]  # go . <eos> <pad>
+    assert array.tolist()[4] == [5, 5, 5, 5]  # truncated, <eos> cut off
+    assert valid_len.dtype == torch.int64
+    assert valid_len.tolist() == [3, 3, 3, 3, 4]
+
+
+def test_load_data_nmt_from_env_file_and_replaced_reader(tmp_path, monkeypatch):
+    corpus = tmp_path / "fra.txt"
+    corpus.write_text(NMT_TEXT, encoding="utf-8")
+    monkeypatch.setenv("QKV_FRA_ENG", str(corpus))
+    assert d2l.read_data_nmt() == NMT_TEXT
+    train_iter, src_vocab, tgt_vocab = d2l.load_data_nmt(batch_size=2, num_steps=5)
+    batches = list(train_iter)
+    assert len(batches) == 2  # 4 pairs in batches of 2
+    X, X_valid_len, Y, Y_valid_len = batches[0]
+    assert X.shape == Y.shape == (2, 5) and X.dtype == torch.int64
+    assert X_valid_len.shape == Y_valid_len.shape == (2,)
+    assert src_vocab.idx_to_token[4:] == [".", "run", "!"]
+    assert tgt_vocab.idx_to_token[4:] == ["!"]
+    # a replaced reader is what load_data_nmt reads, as with d2l
+    monkeypatch.setattr(d2l, "read_data_nmt", lambda: "A.\tB.\nA.\tB.\n")
+    _, src_vocab, _ = d2l.load_data_nmt(2, 5)
+    assert src_vocab.idx_to_token[4:] == ["a", "."]
+
+
+def test_read_data_nmt_from_qkv_cache_without_network(tmp_path, monkeypatch):
+    monkeypatch.delenv("QKV_FRA_ENG", raising=False)
+    monkeypatch.setenv("QKV_CACHE", str(tmp_path))
+    (tmp_path / "fra-eng").mkdir()
+    (tmp_path / "fra-eng" / "fra.txt").write_text("Go.\tVa !\n", encoding="utf-8")
+    assert d2l.read_data_nmt() == "Go.\tVa !\n"
+
+
+def test_seq2seq_encoder_shapes_and_encoder_decoder():
+    # d2l's example: output (7, 4, 16), state (2, 4, 16)
+    encoder = d2l.Seq2SeqEncoder(vocab_size=10, embed_size=8, num_hiddens=16, num_layers=2)
+    encoder.eval()
+    assert isinstance(encoder, d2l.Encoder)
+    output, state = encoder(torch.zeros((4, 7), dtype=torch.long), torch.tensor([7, 7, 7, 7]))
+    assert output.shape == (7, 4, 16) and state.shape == (2, 4, 16)
+    torch.testing.assert_close(output[-1], state[-1])  # the top layer's last step
+
+    class Echo(d2l.Decoder):
+        def init_state(self, enc_all_outputs, *args):
+            return enc_all_outputs[1], args
+
+        def forward(self, X, state):
+            return X.float() * 2, state
+
+    net = d2l.EncoderDecoder(encoder, Echo())
+    out = net(torch.zeros((4, 7), dtype=torch.long), torch.ones(4, 3, dtype=torch.long))
+    assert torch.equal(out, torch.full((4, 3), 2.0))  # the decoder's output only
+    with pytest.raises(NotImplementedError):
+        d2l.AttentionDecoder().attention_weights  # noqa: B018
+
+
+class ScriptedDecoder(d2l.AttentionDecoder):
+    """Emits the ids of ``script`` one step at a time, whatever it reads."""
+
+    def __init__(self, script, vocab_size):
+        super().__init__()
+        self.script, self.vocab_size = script, vocab_size
+
+    def init_state(self, enc_all_outputs, enc_valid_len):
+        self.seen_valid_len = enc_valid_len
+        return 0
+
+    def forward(self, X, state):
+        Y = torch.zeros(1, 1, self.vocab_size)
+        Y[0, 0, self.script[min(state, len(self.script) - 1)]] = 1.0
+        return Y, state + 1
+
+    @property
+    def attention_weights(self):
+        return "w"
+
+
+def test_predict_seq2seq_greedy_stops_at_eos():
+    src_vocab = d2l.Vocab([["go", "."]] * 2, reserved_tokens=["<pad>", "<bos>", "<eos>"])
+    tgt_vocab = d2l.Vocab([["va", "!"]] * 2, reserved_tokens=["<pad>", "<bos>", "<eos>"])
+    va, bang, eos = tgt_vocab["va"], tgt_vocab["!"], tgt_vocab["<eos>"]
+    encoder = d2l.Seq2SeqEncoder(len(src_vocab), 4, 4, 1)
+    decoder = ScriptedDecoder([va, bang, eos, va], len(tgt_vocab))
+    net = d2l.EncoderDecoder(encoder, decoder)
+    out, weights = d2l.predict_seq2seq(net, "Go .", src_vocab, tgt_vocab, 10, "cpu", True)
+    assert out == "va !" and weights == ["w", "w", "w"]
+    assert decoder.seen_valid_len.tolist() == [3]  # go . <eos>
+    # no <eos>: stops after num_steps tokens
+    net.decoder = ScriptedDecoder([va], len(tgt_vocab))
+    out, weights = d2l.predict_seq2seq(net, "go .", src_vocab, tgt_vocab, 3, "cpu")
+    assert out == "va va va" and weights == []
+
+
+def test_train_seq2seq_prints_d2l_line_and_saves_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    # as on a machine without a display, whatever this one has
+    monkeypatch.setattr(d2l.plt, "get_backend", lambda: "agg")
+    torch.manual_seed(0)
+    vocab = d2l.Vocab([["a", "b"]] * 2, reserved_tokens=["<pad>", "<bos>", "<eos>"])
+    X = torch.tensor([[4, 5, 3, 1]] * 4)
+    lens = torch.tensor([3, 3, 3, 3], dtype=torch.int32)
+    data_iter = d2l.load_array((X, lens, X, lens), 2)
+
+    class Decoder(d2l.Decoder):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(len(vocab), 8)
+            self.dense = nn.Linear(8, len(vocab))
+
+        def init_state(self, enc_all_outputs, *args):
+            return enc_all_outputs[1]
+
+        def forward(self, X, state):
+            return self.dense(self.embedding(X) + state[-1][:, None]), state
+
+    net = d2l.EncoderDecoder(d2l.Seq2SeqEncoder(len(vocab), 8, 8, 1), Decoder())
+    d2l.train_seq2seq(net, data_iter, 0.05, 20, vocab, d2l.try_gpu())
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"loss \d+\.\d{3}, \d+\.\d tokens/sec on (cpu|cuda:0)", line), line
+    assert float(line.split()[1].rstrip(",")) < 0.5  # learnt a 3-token sequence
+    assert (tmp_path / "seq2seq_loss.png").stat().st_size > 0
+    d2l.plt.close("all")

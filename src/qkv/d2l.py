@@ -1,34 +1,165 @@
-"""Dive into Deep Learning's attention API under its own names.
+"""Dive into Deep Learning's API under its own names: ``from qkv import d2l``.
 
-``from qkv.d2l import MultiHeadAttention`` gives d2l's signature
-``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)`` and its call
-``forward(queries, keys, values, valid_lens)``. It is a thin front on the one
-:class:`qkv.MultiHeadAttention` (non-causal, cross-attention capable), not a
-second implementation: heads run in parallel on a head axis rather than being
-folded into the batch, and ``valid_lens`` is broadcast over that axis, which
-is what d2l's ``repeat_interleave`` over the folded batch computes.
+A script written against ``from d2l import torch as d2l`` for the attention chapter and
+the Bahdanau seq2seq translator runs with that one line replaced. Each name has d2l's
+signature, return shapes and conventions, and is a thin front on qkv's own code where
+qkv has it (vocabulary, padding, BLEU, the GRU encoder, the attention modules).
+
+Where qkv departs from d2l on purpose, the names here follow d2l:
+
+- ``masked_softmax`` and the two scoring modules give a row whose valid length is 0
+  *uniform* weights (qkv's kernels give zeros);
+- ``MaskedSoftmaxCELoss`` averages each sequence's masked loss over all ``num_steps``
+  positions (qkv's averages over the valid tokens);
+- ``tokenize_nmt(text, num_examples)`` reads lines ``0 .. num_examples`` inclusive,
+  i.e. one pair more than asked, as d2l's loop does; ``build_array_nmt``'s valid
+  lengths count the non-``<pad>`` ids;
+- ``EncoderDecoder.forward`` returns the decoder's output only (d2l 1.0.3); callers that
+  unpack ``Y_hat, state`` get both from ``decoder(...)`` directly.
+
+Versions: d2l 1.0.3's forms where the versions differ and 1.0.3 has the name
+(``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)``,
+``download(url, folder, sha1_hash)``, ``EncoderDecoder``); the d2l 0.17/2.0 functions
+the translator chapter used (``load_data_nmt``, ``train_seq2seq``, ``predict_seq2seq``)
+otherwise. ``AdditiveAttention`` keeps the explicit ``(key_size, query_size,
+num_hiddens, dropout)`` form: d2l 1.0.3's ``(num_hiddens, dropout)`` infers the widths
+lazily, which a module built once and then initialised cannot do.
+
+Plots: ``plt`` is matplotlib's pyplot. ``train_seq2seq`` draws its loss curve on a
+figure without showing it, so a later ``plt.show()`` displays it on a desktop; with a
+non-interactive backend (Agg, which matplotlib picks when there is no display) it saves
+the curve to ``seq2seq_loss.png`` in the working directory instead. Nothing here blocks.
 """
 
 from __future__ import annotations
 
-from torch import Tensor
+import hashlib
+import math
+import os
+import tarfile
+import tempfile
+import time
+import urllib.request
+import zipfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
-from . import multihead
+import torch
+from matplotlib import pyplot as plt
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from . import multihead, scoring
+from .data import translation
+from .data.loading import batch_loader
 from .functional import check_positive_int, masked_softmax
+from .metrics import bleu
+from .models import seq2seq
 from .positional import PositionalEncoding
-from .scoring import AdditiveAttention, DotProductAttention
+from .training.losses import valid_mask
 
 __all__ = [
+    # attention
     "masked_softmax",
     "DotProductAttention",
     "AdditiveAttention",
     "MultiHeadAttention",
     "PositionalEncoding",
+    # encoder-decoder
+    "Encoder",
+    "Decoder",
+    "AttentionDecoder",
+    "EncoderDecoder",
+    "Seq2SeqEncoder",
+    # data
+    "DATA_HUB",
+    "DATA_URL",
+    "download",
+    "download_extract",
+    "read_data_nmt",
+    "preprocess_nmt",
+    "tokenize_nmt",
+    "Vocab",
+    "truncate_pad",
+    "build_array_nmt",
+    "load_data_nmt",
+    "load_array",
+    # training and inference
+    "sequence_mask",
+    "MaskedSoftmaxCELoss",
+    "grad_clipping",
+    "train_seq2seq",
+    "predict_seq2seq",
+    "bleu",
+    # utilities
+    "cpu",
+    "gpu",
+    "num_gpus",
+    "try_gpu",
+    "Timer",
+    "Accumulator",
+    "Animator",
+    "plt",
+    "use_svg_display",
 ]
+
+FRA_ENG_ENV = "QKV_FRA_ENG"
+
+
+# ----------------------------------------------------------------------------
+# Attention
+
+
+class DotProductAttention(scoring.DotProductAttention):
+    """d2l's scaled dot-product attention.
+
+    ``queries (batch, n_q, d)``, ``keys (batch, n_k, d)``, ``values (batch, n_k, d_v)``,
+    ``valid_lens`` None, ``(batch,)`` or ``(batch, n_q)`` ``-> (batch, n_q, d_v)``;
+    ``attention_weights (batch, n_q, n_k)`` from the last call, before dropout. A query
+    with ``valid_len == 0`` attends uniformly to all keys, as in d2l.
+    """
+
+    def forward(
+        self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
+    ) -> Tensor:
+        if queries.shape[-1] != keys.shape[-1]:
+            raise ValueError(
+                f"queries and keys must have the same width, got {queries.shape[-1]} "
+                f"and {keys.shape[-1]}"
+            )
+        scores = queries @ keys.transpose(1, 2) / math.sqrt(queries.shape[-1])
+        self.attention_weights = masked_softmax(scores, valid_lens)
+        return self.dropout(self.attention_weights) @ values
+
+
+class AdditiveAttention(scoring.AdditiveAttention):
+    """d2l's additive (Bahdanau) attention, ``AdditiveAttention(key_size, query_size,
+    num_hiddens, dropout)``.
+
+    ``queries (batch, n_q, query_size)``, ``keys (batch, n_k, key_size)``,
+    ``values (batch, n_k, d_v)``, ``valid_lens`` None, ``(batch,)`` or ``(batch, n_q)``
+    ``-> (batch, n_q, d_v)``; ``attention_weights (batch, n_q, n_k)``. A query with
+    ``valid_len == 0`` attends uniformly, as in d2l.
+    """
+
+    def forward(  # type: ignore[override]
+        self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
+    ) -> Tensor:
+        # (batch, n_q, 1, h) + (batch, 1, n_k, h): every query meets every key
+        features = torch.tanh(self.W_q(queries).unsqueeze(2) + self.W_k(keys).unsqueeze(1))
+        scores = self.w_v(features).squeeze(-1)
+        self.attention_weights = masked_softmax(scores, valid_lens)
+        return self.dropout(self.attention_weights) @ values
 
 
 class MultiHeadAttention(multihead.MultiHeadAttention):
     """d2l's multi-head attention.
+
+    A thin front on the one :class:`qkv.MultiHeadAttention` (non-causal, cross-attention
+    capable), not a second implementation: heads run in parallel on a head axis rather
+    than being folded into the batch, and ``valid_lens`` is broadcast over that axis,
+    which is what d2l's ``repeat_interleave`` over the folded batch computes.
 
     Args:
         num_hiddens: width of every projection and of the output.
@@ -83,3 +214,537 @@ class MultiHeadAttention(multihead.MultiHeadAttention):
             queries, keys, values, valid_lens=valid_lens, need_weights=True
         )
         return out
+
+
+# ----------------------------------------------------------------------------
+# The encoder-decoder interface
+
+
+class Encoder(nn.Module):
+    """Base encoder: ``forward(X, *args)`` returns whatever the decoder's ``init_state``
+    takes."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+    def forward(self, X: Tensor, *args: Any) -> Any:
+        raise NotImplementedError
+
+
+class Decoder(nn.Module):
+    """Base decoder: ``init_state(enc_all_outputs, *args)`` builds the state that
+    ``forward(X, state)`` consumes and returns, updated, next to its output."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+    def init_state(self, enc_all_outputs: Any, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def forward(self, X: Tensor, state: Any) -> tuple[Tensor, Any]:
+        raise NotImplementedError
+
+
+class AttentionDecoder(Decoder):
+    """Base of decoders with attention: they also expose ``attention_weights``."""
+
+    @property
+    def attention_weights(self) -> Any:
+        raise NotImplementedError
+
+
+class EncoderDecoder(nn.Module):
+    """``forward(enc_X, dec_X, *args) -> Y_hat``: encode, ``init_state``, decode.
+
+    ``*args`` (typically ``enc_valid_len (batch,)``) go to both the encoder and the
+    decoder's ``init_state``. Returns the decoder's first output only, as d2l 1.0.3 does.
+    """
+
+    def __init__(self, encoder: nn.Module, decoder: nn.Module, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.encoder = encoder
+        self.decoder = decoder
+
+    def forward(self, enc_X: Tensor, dec_X: Tensor, *args: Any) -> Tensor:
+        enc_all_outputs = self.encoder(enc_X, *args)
+        dec_state = self.decoder.init_state(enc_all_outputs, *args)
+        return self.decoder(dec_X, dec_state)[0]
+
+
+class Seq2SeqEncoder(seq2seq.Seq2SeqEncoder, Encoder):
+    """d2l's GRU encoder: an embedding, then ``num_layers`` GRU layers.
+
+    ``X (batch, num_steps)`` int ``-> (outputs (num_steps, batch, num_hiddens),
+    state (num_layers, batch, num_hiddens))``, time-major as d2l returns them; extra
+    arguments (the valid lengths) are accepted and ignored. Weights start Xavier-uniform,
+    as d2l 1.0.3 initialises them.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embed_size: int,
+        num_hiddens: int,
+        num_layers: int,
+        dropout: float = 0,
+    ) -> None:
+        super().__init__(vocab_size, embed_size, num_hiddens, num_layers, dropout)
+        seq2seq.init_seq2seq(self)
+
+    def forward(self, X: Tensor, *args: Any) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return super().forward(X.long())
+
+
+# ----------------------------------------------------------------------------
+# Data: download, the English-French corpus, vocabulary, batches
+
+DATA_URL = "http://d2l-data.s3-accelerate.amazonaws.com/"
+# name -> (url, sha1 of the file); download(name) looks names up here.
+DATA_HUB: dict[str, tuple[str, str]] = {
+    "fra-eng": (translation.FRA_ENG_URL, translation.FRA_ENG_SHA1),
+}
+
+
+def _sha1_matches(path: str, sha1_hash: str) -> bool:
+    digest = hashlib.sha1()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest() == sha1_hash.lower()
+
+
+def download(url: str, folder: str = "../data", sha1_hash: str | None = None) -> str:
+    """Download ``url`` into ``folder`` and return the local path.
+
+    ``url`` may also be a ``DATA_HUB`` name, which gives both the URL and its SHA-1. A file
+    already in ``folder`` whose SHA-1 matches is reused without touching the network. A
+    downloaded file is checked against ``sha1_hash`` before it replaces anything, so a
+    wrong or truncated answer never lands in the cache.
+
+    Raises:
+        KeyError: ``url`` is neither a URL nor a ``DATA_HUB`` name.
+        qkv.data.translation.DownloadError: the SHA-1 of what arrived is not ``sha1_hash``.
+        urllib.error.URLError: the network or the server failed.
+    """
+    if not url.startswith(("http://", "https://")):
+        url, sha1_hash = DATA_HUB[url]
+    os.makedirs(folder, exist_ok=True)
+    fname = os.path.join(folder, url.split("/")[-1])
+    if sha1_hash and os.path.isfile(fname) and _sha1_matches(fname, sha1_hash):
+        return fname
+    print(f"Downloading {fname} from {url}...")
+    # Into a temporary file next to the target, renamed only once complete and verified.
+    fd, tmp = tempfile.mkstemp(prefix=".download.", dir=folder)
+    try:
+        digest = hashlib.sha1()
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=60) as resp:
+            while chunk := resp.read(1 << 16):
+                digest.update(chunk)
+                out.write(chunk)
+        if sha1_hash and digest.hexdigest() != sha1_hash.lower():
+            raise translation.DownloadError(
+                f"SHA-1 mismatch for {url}: expected {sha1_hash.lower()}, "
+                f"got {digest.hexdigest()}"
+            )
+        os.replace(tmp, fname)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return fname
+
+
+def download_extract(name: str, folder: str | None = None) -> str:
+    """Download the ``DATA_HUB`` archive ``name`` (``.zip``, ``.tar`` or ``.gz``) with
+    :func:`download` (looked up at call time, so a replaced ``d2l.download`` is used) and
+    extract it next to itself.
+
+    Returns ``base_dir/folder`` when ``folder`` is given, else the archive's path without
+    its extension (``../data/fra-eng`` for ``fra-eng.zip``). Members whose path would
+    leave the extraction folder are refused.
+    """
+    fname = download(name)
+    base_dir = os.path.dirname(fname)
+    data_dir, ext = os.path.splitext(fname)
+    if ext == ".zip":
+        with zipfile.ZipFile(fname) as zf:
+            _check_members(zf.namelist(), fname)
+            zf.extractall(base_dir)
+    elif ext in (".tar", ".gz"):
+        with tarfile.open(fname) as tf:
+            _check_members(tf.getnames(), fname)
+            tf.extractall(base_dir)
+    else:
+        raise ValueError(f"only zip and tar archives can be extracted, got {fname}")
+    return os.path.join(base_dir, folder) if folder else data_dir
+
+
+def _check_members(names: Iterable[str], archive: str) -> None:
+    for name in names:
+        parts = Path(name.replace("\\", "/")).parts
+        if name.startswith(("/", "\\")) or ".." in parts or (parts and ":" in parts[0]):
+            raise translation.DownloadError(f"refusing to extract {name!r} from {archive}")
+
+
+def read_data_nmt() -> str:
+    """The raw English-French text: ``"Go.\\tVa !\\n..."``, one tab-separated pair a line.
+
+    Reads the file named by the environment variable ``QKV_FRA_ENG`` when it is set (a
+    local ``fra.txt``, nothing downloaded); otherwise the Tatoeba fra-eng corpus through
+    :func:`qkv.data.translation.download_fra_eng` (fetched once, SHA-1 verified, cached
+    under ``$QKV_CACHE`` or ``~/.cache/qkv``). :func:`load_data_nmt` calls this name at
+    run time, so assigning ``d2l.read_data_nmt = my_reader`` also replaces the corpus.
+    """
+    local = os.environ.get(FRA_ENG_ENV)
+    path = Path(local).expanduser() if local else translation.download_fra_eng()
+    return translation.load_corpus(path)
+
+
+def preprocess_nmt(text: str) -> str:
+    """Lower-case, turn no-break spaces into spaces and put a space before ``, . ! ?``."""
+    return translation.preprocess(text)
+
+
+def tokenize_nmt(
+    text: str, num_examples: int | None = None
+) -> tuple[list[list[str]], list[list[str]]]:
+    """Split ``source<TAB>target`` lines into token lists (split on single spaces).
+
+    Lines with exactly two columns count; with ``num_examples``, lines ``0`` to
+    ``num_examples`` inclusive are read, as in d2l, so at most ``num_examples + 1``
+    pairs come back.
+    """
+    source: list[list[str]] = []
+    target: list[list[str]] = []
+    for i, line in enumerate(text.split("\n")):
+        if num_examples and i > num_examples:
+            break
+        parts = line.split("\t")
+        if len(parts) == 2:
+            source.append(parts[0].split(" "))
+            target.append(parts[1].split(" "))
+    return source, target
+
+
+class Vocab(translation.Vocab):
+    """d2l's vocabulary: ``Vocab(tokens=None, min_freq=0, reserved_tokens=None)``.
+
+    Id 0 is ``<unk>``, then ``reserved_tokens``, then tokens seen at least ``min_freq``
+    times by descending frequency (ties in first-seen order). ``vocab[token]`` or
+    ``vocab[list_of_tokens]`` give ids (unknown tokens: ``vocab.unk``);
+    ``vocab.to_tokens(ids)`` goes back; ``token_freqs`` lists every token with its count.
+    """
+
+    def __init__(
+        self,
+        tokens: Iterable[Any] | None = None,
+        min_freq: int = 0,
+        reserved_tokens: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(tokens if tokens is not None else [], min_freq, reserved_tokens or [])
+
+
+def truncate_pad(line: list[int], num_steps: int, padding_token: int) -> list[int]:
+    """Cut ``line`` to ``num_steps`` items or pad it on the right with ``padding_token``."""
+    return translation.truncate_pad(line, num_steps, padding_token)
+
+
+def build_array_nmt(
+    lines: list[list[str]], vocab: Vocab, num_steps: int
+) -> tuple[Tensor, Tensor]:
+    """Token lists -> ``(array (n, num_steps), valid_len (n,))``, both int64.
+
+    Each line gets ``<eos>``, is mapped to ids and is truncated or padded with ``<pad>``;
+    ``valid_len`` counts the ids that are not ``<pad>``, as d2l counts them.
+    """
+    array, _ = translation.build_array(lines, vocab, num_steps)
+    valid_len = (array != vocab["<pad>"]).sum(1)
+    return array, valid_len
+
+
+def load_array(
+    data_arrays: Sequence[Tensor], batch_size: int, is_train: bool = True
+) -> DataLoader:
+    """Batches of the tensors in ``data_arrays`` (same first dimension), shuffled when
+    ``is_train``."""
+    return batch_loader(TensorDataset(*data_arrays), batch_size, shuffle=is_train)
+
+
+def load_data_nmt(
+    batch_size: int, num_steps: int, num_examples: int = 600
+) -> tuple[DataLoader, Vocab, Vocab]:
+    """``(train_iter, src_vocab, tgt_vocab)`` for the first pairs of :func:`read_data_nmt`.
+
+    Vocabularies keep tokens seen at least twice, with ``<pad>``, ``<bos>``, ``<eos>``
+    reserved. Batches are ``(X, X_valid_len, Y, Y_valid_len)``: ``X, Y (batch_size,
+    num_steps)`` int64 ids, valid lengths ``(batch_size,)`` int64, shuffled.
+    """
+    text = preprocess_nmt(read_data_nmt())
+    source, target = tokenize_nmt(text, num_examples)
+    reserved = ["<pad>", "<bos>", "<eos>"]
+    src_vocab = Vocab(source, min_freq=2, reserved_tokens=reserved)
+    tgt_vocab = Vocab(target, min_freq=2, reserved_tokens=reserved)
+    src_array, src_valid_len = build_array_nmt(source, src_vocab, num_steps)
+    tgt_array, tgt_valid_len = build_array_nmt(target, tgt_vocab, num_steps)
+    data_iter = load_array((src_array, src_valid_len, tgt_array, tgt_valid_len), batch_size)
+    return data_iter, src_vocab, tgt_vocab
+
+
+# ----------------------------------------------------------------------------
+# Training and inference
+
+
+def sequence_mask(X: Tensor, valid_len: Tensor, value: float = 0) -> Tensor:
+    """Set ``X[b, t:]`` to ``value`` for every ``t >= valid_len[b]``, *in place*; return X.
+
+    ``X (batch, num_steps, ...)``, ``valid_len (batch,)``.
+    """
+    X[~valid_mask(valid_len.to(X.device), X.shape[1])] = value
+    return X
+
+
+class MaskedSoftmaxCELoss(nn.CrossEntropyLoss):
+    """``loss(pred, label, valid_len) -> (batch,)``, d2l's masked cross-entropy.
+
+    ``pred (batch, num_steps, vocab)``, ``label (batch, num_steps)``, ``valid_len
+    (batch,)``. Each sequence's loss is the sum over its valid positions divided by
+    ``num_steps`` (padding counts in the denominator, as in d2l).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(reduction="none")
+
+    def forward(self, pred: Tensor, label: Tensor, valid_len: Tensor) -> Tensor:  # type: ignore[override]
+        weights = sequence_mask(torch.ones_like(label, dtype=pred.dtype), valid_len)
+        # nn.CrossEntropyLoss wants the class axis second: (batch, vocab, num_steps).
+        unweighted = super().forward(pred.permute(0, 2, 1), label)
+        return (unweighted * weights).mean(dim=1)
+
+
+def grad_clipping(net: nn.Module | Any, theta: float) -> None:
+    """Scale all gradients by ``theta / norm`` when their global L2 norm exceeds ``theta``.
+
+    ``net`` is a module (its trainable parameters) or an object with a ``params`` list.
+    """
+    params = (
+        [p for p in net.parameters() if p.requires_grad]
+        if isinstance(net, nn.Module)
+        else list(net.params)
+    )
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    norm = torch.sqrt(sum(torch.sum(g**2) for g in grads))
+    if norm > theta:
+        for g in grads:
+            g.mul_(theta / norm)
+
+
+def train_seq2seq(
+    net: nn.Module, data_iter: Iterable[Sequence[Tensor]], lr: float, num_epochs: int,
+    tgt_vocab: Vocab, device: torch.device | str,
+) -> None:
+    """Train a seq2seq model with teacher forcing, d2l's recipe.
+
+    Xavier-uniform init of every linear and GRU weight, Adam at ``lr``,
+    :class:`MaskedSoftmaxCELoss` summed over the batch, gradients clipped to norm 1.
+    ``net(X, dec_input, X_valid_len)`` may return ``Y_hat`` or ``(Y_hat, state)`` with
+    ``Y_hat (batch, num_steps, vocab)``. Every 10 epochs the loss per token goes on the
+    loss curve (see the module docstring for where it ends up); at the end one line,
+    ``loss X, Y tokens/sec on DEVICE``, is printed for the last epoch.
+    """
+    seq2seq.init_seq2seq(net)
+    net.to(device)
+    optimizer = torch.optim.Adam(net.parameters(), lr=lr)
+    loss = MaskedSoftmaxCELoss()
+    net.train()
+    animator = Animator(xlabel="epoch", ylabel="loss", xlim=[10, num_epochs])
+    bos_id = tgt_vocab["<bos>"]
+    metric, timer = Accumulator(2), Timer()  # loss sum, tokens
+    for epoch in range(num_epochs):
+        timer = Timer()
+        metric = Accumulator(2)
+        for batch in data_iter:
+            optimizer.zero_grad()
+            X, X_valid_len, Y, Y_valid_len = (x.to(device) for x in batch)
+            # Teacher forcing: the decoder reads <bos> y1 .. y(T-1) and predicts y1 .. yT.
+            dec_input = seq2seq.teacher_forcing_input(Y, bos_id)
+            out = net(X, dec_input, X_valid_len)
+            Y_hat = out[0] if isinstance(out, tuple) else out
+            losses = loss(Y_hat, Y, Y_valid_len)
+            losses.sum().backward()
+            grad_clipping(net, 1)
+            optimizer.step()
+            with torch.no_grad():
+                metric.add(losses.sum(), Y_valid_len.sum())
+        if (epoch + 1) % 10 == 0:
+            animator.add(epoch + 1, (metric[0] / metric[1],))
+    print(f"loss {metric[0] / metric[1]:.3f}, {metric[1] / timer.stop():.1f} "
+          f"tokens/sec on {device}")
+    if not _interactive_backend():
+        animator.fig.savefig("seq2seq_loss.png")
+
+
+def predict_seq2seq(
+    net: nn.Module, src_sentence: str, src_vocab: Vocab, tgt_vocab: Vocab, num_steps: int,
+    device: torch.device | str, save_attention_weights: bool = False,
+) -> tuple[str, list[Any]]:
+    """Greedy translation of one sentence: ``(translation, attention_weight_seq)``.
+
+    The sentence is lower-cased, split on spaces, given ``<eos>`` and padded to
+    ``num_steps``; its valid length is its token count with ``<eos>``. Decoding starts
+    from ``<bos>``, feeds each argmax back and stops at ``<eos>`` or after ``num_steps``
+    tokens. With ``save_attention_weights``, ``net.decoder.attention_weights`` is
+    recorded after every step.
+    """
+    net.eval()
+    src_tokens = src_vocab[src_sentence.lower().split(" ")] + [src_vocab["<eos>"]]
+    enc_valid_len = torch.tensor([len(src_tokens)], device=device)
+    src_tokens = truncate_pad(src_tokens, num_steps, src_vocab["<pad>"])
+    enc_X = torch.tensor([src_tokens], dtype=torch.long, device=device)  # (1, num_steps)
+    output_seq: list[int] = []
+    attention_weight_seq: list[Any] = []
+    with torch.no_grad():
+        enc_outputs = net.encoder(enc_X, enc_valid_len)
+        dec_state = net.decoder.init_state(enc_outputs, enc_valid_len)
+        dec_X = torch.tensor([[tgt_vocab["<bos>"]]], dtype=torch.long, device=device)
+        for _ in range(num_steps):
+            Y, dec_state = net.decoder(dec_X, dec_state)  # Y (1, 1, vocab)
+            dec_X = Y.argmax(dim=2)
+            pred = int(dec_X.squeeze(dim=0).item())
+            if save_attention_weights:
+                attention_weight_seq.append(net.decoder.attention_weights)
+            if pred == tgt_vocab["<eos>"]:
+                break
+            output_seq.append(pred)
+    return " ".join(tgt_vocab.to_tokens(output_seq)), attention_weight_seq
+
+
+# ----------------------------------------------------------------------------
+# Utilities
+
+
+def cpu() -> torch.device:
+    """The CPU device."""
+    return torch.device("cpu")
+
+
+def gpu(i: int = 0) -> torch.device:
+    """The ``i``-th CUDA device."""
+    return torch.device(f"cuda:{i}")
+
+
+def num_gpus() -> int:
+    """How many CUDA devices there are."""
+    return torch.cuda.device_count()
+
+
+def try_gpu(i: int = 0) -> torch.device:
+    """``cuda:i`` when it exists, else the CPU."""
+    return gpu(i) if num_gpus() >= i + 1 else cpu()
+
+
+class Timer:
+    """Wall-clock timer that keeps every interval; it starts when created."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.start()
+
+    def start(self) -> None:
+        self.tik = time.time()
+
+    def stop(self) -> float:
+        """End the current interval, record it and return its length in seconds."""
+        self.times.append(time.time() - self.tik)
+        return self.times[-1]
+
+    def avg(self) -> float:
+        return sum(self.times) / len(self.times)
+
+    def sum(self) -> float:
+        return sum(self.times)
+
+    def cumsum(self) -> list[float]:
+        out, total = [], 0.0
+        for t in self.times:
+            total += t
+            out.append(total)
+        return out
+
+
+class Accumulator:
+    """``n`` running sums: ``add(a1, ..., an)`` adds to each, ``acc[i]`` reads one."""
+
+    def __init__(self, n: int) -> None:
+        self.data = [0.0] * n
+
+    def add(self, *args: Any) -> None:
+        self.data = [a + float(b) for a, b in zip(self.data, args, strict=True)]
+
+    def reset(self) -> None:
+        self.data = [0.0] * len(self.data)
+
+    def __getitem__(self, idx: int) -> float:
+        return self.data[idx]
+
+
+def _interactive_backend() -> bool:
+    """Whether pyplot can show windows (False for Agg and the file-only backends)."""
+    return plt.get_backend().lower() not in {"agg", "cairo", "pdf", "pgf", "ps", "svg",
+                                             "template"}
+
+
+class Animator:
+    """Points added during training, drawn as lines on one figure (never shown here).
+
+    ``add(x, y)`` appends a point to each of ``len(y)`` lines; the figure is ``fig``
+    and ``plt.show()`` displays it.
+    """
+
+    def __init__(
+        self, xlabel: str | None = None, ylabel: str | None = None,
+        legend: Sequence[str] | None = None, xlim: Sequence[float] | None = None,
+        ylim: Sequence[float] | None = None, xscale: str = "linear", yscale: str = "linear",
+        fmts: Sequence[str] = ("-", "m--", "g-.", "r:"), figsize: tuple[float, float] = (3.5, 2.5),
+    ) -> None:
+        self.fig, self.axes = plt.subplots(figsize=figsize)
+        self.labels = (xlabel, ylabel, legend or [], xlim, ylim, xscale, yscale)
+        self.fmts = fmts
+        self.X: list[list[float]] = []
+        self.Y: list[list[float]] = []
+
+    def add(self, x: float | Sequence[float], y: float | Sequence[float]) -> None:
+        ys = list(y) if isinstance(y, Sequence) else [y]
+        xs = list(x) if isinstance(x, Sequence) else [x] * len(ys)
+        if not self.X:
+            self.X = [[] for _ in ys]
+            self.Y = [[] for _ in ys]
+        for i, (a, b) in enumerate(zip(xs, ys, strict=True)):
+            if a is not None and b is not None:
+                self.X[i].append(float(a))
+                self.Y[i].append(float(b))
+        ax = self.axes
+        ax.cla()
+        for xs_i, ys_i, fmt in zip(self.X, self.Y, self.fmts, strict=False):
+            ax.plot(xs_i, ys_i, fmt)
+        xlabel, ylabel, legend, xlim, ylim, xscale, yscale = self.labels
+        ax.set_xlabel(xlabel or "")
+        ax.set_ylabel(ylabel or "")
+        ax.set_xscale(xscale)
+        ax.set_yscale(yscale)
+        if xlim:
+            ax.set_xlim(*xlim)
+        if ylim:
+            ax.set_ylim(*ylim)
+        if legend:
+            ax.legend(legend)
+        ax.grid()
+
+
+def use_svg_display() -> None:
+    """Draw inline notebook figures as SVG; a no-op outside a notebook."""
+    try:
+        from matplotlib_inline import backend_inline
+    except ImportError:
+        return
+    backend_inline.set_matplotlib_formats("svg")
