@@ -357,6 +357,7 @@ def build_model(config: Seq2SeqConfig) -> EncoderDecoder:
 
 
 def _check_backend(backend: str) -> None:
+    """Raise a one-line ``ValueError`` naming the valid backends, as qkv.MultiHeadAttention."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {show(backend)}")
 
