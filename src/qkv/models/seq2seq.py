@@ -491,8 +491,8 @@ class Seq2SeqAttentionDecoder(nn.Module):
         """Teacher forcing over all steps: ``X (batch, T)`` int64
         ``-> (logits (batch, T, vocab), state)``; advances ``state`` in place.
 
-        The recurrence forces a loop over steps; the embeddings and the output layer run
-        once for all steps.
+        The recurrence forces a loop over steps (:meth:`_eager` or :meth:`_fused`, as
+        ``self.backend`` says); the embeddings and the output layer run once for all steps.
         """
         embs = self.embedding(X.t())  # (T, batch, embed_size)
         run = self._eager if self.backend == "eager" else self._fused
