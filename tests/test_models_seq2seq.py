@@ -3,6 +3,7 @@ overfitting a tiny corpus with both the Bahdanau GRU model and the Transformer."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -155,8 +156,9 @@ def test_reorder_state_selects_rows(model_name):
 # Performance: keys projected once per sentence
 
 
-def test_keys_projected_once_per_forward():
-    config = small_config("bahdanau")
+@pytest.mark.parametrize("backend", ["fused", "eager"])
+def test_keys_projected_once_per_forward(backend):
+    config = small_config("bahdanau", backend=backend)
     model = build_model(config)
     calls = []
     model.decoder.attention.W_k.register_forward_hook(lambda *_: calls.append(1))
@@ -230,6 +232,8 @@ def test_config_round_trip():
         ({"dropout": float("nan")}, "'dropout': dropout must be a finite number"),
         ({"dropout": 1.0}, "'dropout'"),
         ({"model": "lstm"}, "'model' must be one of bahdanau, transformer"),
+        ({"backend": "cuda"}, "^config key 'backend' must be one of fused, eager, got 'cuda'$"),
+        ({"backend": 1}, "'backend' must be of type str"),
         ({"model": "transformer", "embed_size": 8}, "'embed_size' must equal num_hiddens"),
         ({"model": "transformer", "num_heads": 3}, "'num_heads' must divide num_hiddens"),
     ],
@@ -246,6 +250,7 @@ def test_config_errors(change, match):
         dict(model="bahdanau"),
         dict(model="bahdanau", num_layers=1, embed_size=5, num_hiddens=7),
         dict(model="bahdanau", num_layers=3, src_vocab_size=2, tgt_vocab_size=40),
+        dict(model="bahdanau", backend="eager"),
         dict(model="transformer"),
         dict(model="transformer", num_layers=1, embed_size=12, num_hiddens=12, num_heads=3,
              ffn_num_hiddens=5, max_len=9),
@@ -283,8 +288,9 @@ def test_default_config_is_a_template_build_rejects_it():
 # Tracing
 
 
-def test_trace_logs_shapes_every_step_and_norms_once():
-    config = small_config("bahdanau")
+@pytest.mark.parametrize("backend", ["fused", "eager"])
+def test_trace_logs_shapes_every_step_and_norms_once(backend):
+    config = small_config("bahdanau", backend=backend)
     model = build_model(config)
     src, valid = random_batch(config)
     dec_input = torch.randint(0, config.tgt_vocab_size, (3, 4))
@@ -378,9 +384,10 @@ def test_transformer_cache_is_bounded_by_max_steps():
 # Decoding helpers
 
 
-@pytest.mark.parametrize("model_name", ["bahdanau", "transformer"])
-def test_greedy_restores_training_mode_and_shapes(model_name):
-    config = small_config(model_name, dropout=0.5)
+@pytest.mark.parametrize("model_name, backend",
+                         [("bahdanau", "fused"), ("bahdanau", "eager"), ("transformer", "fused")])
+def test_greedy_restores_training_mode_and_shapes(model_name, backend):
+    config = small_config(model_name, dropout=0.5, backend=backend)
     model = build_model(config)  # training mode: decoding must not be random
     src, valid = random_batch(config, batch=3)
     a = greedy_decode(model, src, valid, bos_id=2, eos_id=3, max_steps=6)
@@ -487,7 +494,7 @@ def test_beam_score_at_least_greedy_on_random_model():
 
 
 # ----------------------------------------------------------------------------
-# The decoder recurrence's hand-written backward (qkv.models.attention_gru)
+# The fused backend's hand-written backwards (qkv.models.bahdanau_kernels)
 
 
 def _reference_decoder(embs, values, keys, hidden, keep, W_q, w_v, layers, attn_keep,
@@ -513,7 +520,7 @@ def _reference_decoder(embs, values, keys, hidden, keep, W_q, w_v, layers, attn_
 
 @pytest.mark.parametrize("num_layers", [1, 2, 3])
 def test_attention_gru_values_and_gradients_match_autograd_float64(num_layers):
-    from qkv.models.attention_gru import _AttentionGRU, score_bias
+    from qkv.models.bahdanau_kernels import GRULayer, attention_gru, score_bias
 
     g = torch.Generator().manual_seed(num_layers)
     T, B, S, H, E = 4, 3, 5, 6, 7
@@ -528,21 +535,27 @@ def test_attention_gru_values_and_gradients_match_autograd_float64(num_layers):
     layers = [(rand(3 * H, H + E if i == 0 else H), rand(3 * H), rand(3 * H, H), rand(3 * H))
               for i in range(num_layers)]
     keep = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
-    attn_keep = torch.bernoulli(torch.full((T, B, S), 0.7, dtype=dt), generator=g) / 0.7
-    layer_keep = torch.bernoulli(torch.full((T, max(num_layers - 1, 1), B, H), 0.7,
-                                            dtype=dt), generator=g) / 0.7
     bias, row_ok = score_bias(keep, dt)
     assert row_ok is not None  # the empty second row must be guarded
 
+    p, seed = 0.3, 11
+    top, last, weights, _, _ = attention_gru(
+        embs, values, keys, hidden, bias, row_ok, W_q, w_v, [GRULayer(*x) for x in layers],
+        attn_dropout=p, layer_dropout=p, training=True,
+        generator=torch.Generator().manual_seed(seed))
+    # the same dropout draws by hand, in attention_gru's order: weights, then layers
+    draw = torch.Generator().manual_seed(seed)
+    attn_keep = (torch.rand((T, B, S), generator=draw) < 1 - p).to(dt) / (1 - p)
+    layer_keep = (torch.rand((T, num_layers - 1, B, H), generator=draw) < 1 - p).to(dt) / (
+        1 - p)
+    assert 0 < (attn_keep == 0).sum() < attn_keep.numel()  # some dropped, some kept
     flat = [x for layer in layers for x in layer]
-    top, last, _, weights, _ = _AttentionGRU.apply(
-        embs, hidden, layer_keep if num_layers > 1 else None, values, keys, bias, row_ok,
-        attn_keep, W_q, w_v, *flat)
     ref_top, ref_last = _reference_decoder(embs, values, keys, hidden, keep, W_q, w_v,
                                            layers, attn_keep, layer_keep)
     torch.testing.assert_close(top, ref_top)
     torch.testing.assert_close(last, ref_last)
     assert torch.equal(weights[:, 1], torch.zeros(T, S, dtype=dt))  # empty source: zeros
+    assert weights[:, 0, 3:].eq(0).all() and weights[:, 0, :3].gt(0).all()  # padding
 
     inputs = [embs, values, keys, hidden, W_q, w_v, *flat]
     d_top, d_last = torch.randn_like(top), torch.randn_like(last)
@@ -554,7 +567,7 @@ def test_attention_gru_values_and_gradients_match_autograd_float64(num_layers):
 
 
 def test_attention_gru_passes_gradcheck():
-    from qkv.models.attention_gru import _AttentionGRU, score_bias
+    from qkv.models.bahdanau_kernels import GRULayer, attention_gru, score_bias
 
     g = torch.Generator().manual_seed(0)
     T, B, S, H, E = 3, 2, 3, 2, 2
@@ -564,32 +577,21 @@ def test_attention_gru_passes_gradcheck():
 
     bias, row_ok = score_bias(torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool),
                               torch.float64)
-    args = (rand(T, B, E), rand(2, B, H), None, rand(B, S, H), rand(B, S, H), bias, row_ok,
-            None, rand(H, H), rand(1, H),
+    args = (rand(T, B, E), rand(B, S, H), rand(B, S, H), rand(2, B, H), rand(H, H),
+            rand(1, H),
             rand(3 * H, H + E), rand(3 * H), rand(3 * H, H), rand(3 * H),
             rand(3 * H, H), rand(3 * H), rand(3 * H, H), rand(3 * H))
 
-    def first_two(*a):
-        return _AttentionGRU.apply(*a)[:2]
+    def first_two(embs, values, keys, hidden, W_q, w_v, *flat):
+        layers = [GRULayer(*flat[i : i + 4]) for i in range(0, len(flat), 4)]
+        return attention_gru(embs, values, keys, hidden, bias, row_ok, W_q, w_v, layers)[:2]
 
     assert torch.autograd.gradcheck(first_two, args)
 
 
-def test_decoder_step_equals_forward_one_token_at_a_time():
-    config = small_config("bahdanau")
-    model = build_model(config).double().eval()
-    src, valid = random_batch(config)
-    src_d = src
-    dec_input = torch.randint(0, config.tgt_vocab_size, (3, 6))
-    full = model(src_d, valid, dec_input)
-    state = model.encode(src_d, valid)
-    steps = [model.decode_step(dec_input[:, t], state)[0] for t in range(6)]
-    torch.testing.assert_close(torch.stack(steps, 1), full)
-
-
 @pytest.mark.parametrize("num_layers", [1, 3])
 def test_gru_equals_nn_gru_values_and_gradients_float64(num_layers):
-    from qkv.models.attention_gru import gru
+    from qkv.models.bahdanau_kernels import gru
 
     torch.manual_seed(num_layers)
     rnn = nn.GRU(4, 6, num_layers).double()
@@ -608,7 +610,7 @@ def test_gru_equals_nn_gru_values_and_gradients_float64(num_layers):
 
 
 def test_gru_dropout_between_layers_matches_nn_gru_layer_by_layer():
-    from qkv.models.attention_gru import gru
+    from qkv.models.bahdanau_kernels import gru
 
     torch.manual_seed(0)
     rnn = nn.GRU(4, 6, 2, dropout=0.5).double()
@@ -630,3 +632,146 @@ def test_gru_dropout_between_layers_matches_nn_gru_layer_by_layer():
                                                    *second.parameters()])
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b)
+
+
+# ----------------------------------------------------------------------------
+# Backends: the fused kernels against the eager loop. The eager backend is d2l's loop
+# over the nn.GRU and AdditiveAttention modules, so it is an independent reference.
+
+
+def twin_models(**overrides):
+    """The same weights under both backends (float64): built fused, loaded into eager."""
+    config = small_config("bahdanau", **overrides)
+    torch.manual_seed(0)
+    fused = build_model(config).double()
+    eager = build_model(dataclasses.replace(config, backend="eager")).double()
+    eager.load_state_dict(fused.state_dict())  # same names and shapes: one checkpoint format
+    assert (fused.encoder.backend, eager.decoder.backend) == ("fused", "eager")
+    return fused, eager
+
+
+def assert_same(a, b):
+    """Equal to float64 rounding: the backends order the same arithmetic differently."""
+    torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+@pytest.mark.parametrize("valid", [None, [7, 4, 0, 2]], ids=["no-padding", "padding"])
+def test_backends_agree_on_outputs_weights_and_gradients_float64(num_layers, valid):
+    fused, eager = twin_models(num_layers=num_layers)
+    src, _ = random_batch(fused.config, batch=4, seed=num_layers)
+    valid = torch.full((4,), 7) if valid is None else torch.tensor(valid)
+    dec_input = torch.randint(0, fused.config.tgt_vocab_size, (4, 6))
+    d_logits = torch.randn(4, 6, fused.config.tgt_vocab_size, dtype=torch.float64)
+    results = []
+    for model in (fused, eager):  # training mode; dropout is 0 here
+        logits = model(src, valid, dec_input)
+        # every parameter must be reached (autograd.grad refuses an unused one)
+        grads = torch.autograd.grad((logits * d_logits).sum(), list(model.parameters()))
+        results.append((logits, model.decoder.attention_weights, grads))
+    (logits, weights, grads), (ref_logits, ref_weights, ref_grads) = results
+    assert_same(logits, ref_logits)
+    assert_same(weights, ref_weights)
+    assert weights.shape == (4, 6, 7)
+    beyond = torch.arange(7) >= valid[:, None, None]
+    assert (weights[beyond.expand_as(weights)] == 0).all()
+    names = [name for name, _ in fused.named_parameters()]
+    for name, g, ref in zip(names, grads, ref_grads, strict=True):
+        assert ref.abs().sum() > 0, name
+        torch.testing.assert_close(g, ref, atol=1e-10, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_encoder_backends_agree_float64(num_layers):
+    torch.manual_seed(num_layers)
+    fused = Seq2SeqEncoder(10, 5, 6, num_layers).double()
+    eager = Seq2SeqEncoder(10, 5, 6, num_layers, backend="eager").double()
+    eager.load_state_dict(fused.state_dict())
+    X = torch.randint(0, 10, (3, 7))
+    d_out = torch.randn(7, 3, 6, dtype=torch.float64)
+    d_state = torch.randn(num_layers, 3, 6, dtype=torch.float64)
+    results = []
+    for encoder in (fused, eager):
+        outputs, state = encoder(X)
+        loss = (outputs * d_out).sum() + (state * d_state).sum()
+        results.append((outputs, state, torch.autograd.grad(loss, list(encoder.parameters()))))
+    for a, b in zip(results[0][:2], results[1][:2], strict=True):
+        assert_same(a, b)
+    for a, b in zip(results[0][2], results[1][2], strict=True):
+        assert_same(a, b)
+
+
+def test_dropout_is_off_in_eval_under_both_backends():
+    fused, eager = twin_models(dropout=0.5, num_layers=2)
+    src, valid = random_batch(fused.config)
+    dec_input = torch.randint(0, fused.config.tgt_vocab_size, (3, 5))
+    for model in (fused, eager):  # training: dropout changes the outputs
+        torch.manual_seed(1)
+        first = model(src, valid, dec_input)
+        torch.manual_seed(2)
+        assert not torch.allclose(model(src, valid, dec_input), first)
+    with torch.no_grad():
+        outs = [model.eval()(src, valid, dec_input) for model in (fused, eager, fused, eager)]
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    assert_same(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("backend", ["fused", "eager"])
+def test_decode_step_equals_forward_under_each_backend(backend):
+    config = small_config("bahdanau", backend=backend)
+    model = build_model(config).double().eval()
+    src, valid = random_batch(config)
+    dec_input = torch.randint(0, config.tgt_vocab_size, (3, 6))
+    full = model(src, valid, dec_input)
+    full_weights = model.decoder.attention_weights
+    state = model.encode(src, valid)
+    steps = [model.decode_step(dec_input[:, t], state) for t in range(6)]
+    assert_same(torch.stack([logits for logits, _, _ in steps], 1), full)
+    assert_same(torch.stack([attn for _, _, attn in steps], 1), full_weights)
+    assert state.step == 6
+
+
+def test_greedy_and_beam_give_the_same_tokens_under_both_backends():
+    trained, data, _ = overfit("bahdanau", 60)  # trained under the default, fused
+    assert trained.config.backend == "fused"
+    fused = trained.double()
+    eager = build_model(dataclasses.replace(trained.config, backend="eager")).double().eval()
+    eager.load_state_dict(fused.state_dict())
+    src, src_len, _, _ = data.train
+    bos, eos = data.tgt_vocab[BOS], data.tgt_vocab[EOS]
+    args = dict(bos_id=bos, eos_id=eos, max_steps=NUM_STEPS)
+    tokens, attention = greedy_decode(fused, src, src_len, **args)
+    ref_tokens, ref_attention = greedy_decode(eager, src, src_len, **args)
+    assert tokens == ref_tokens
+    assert sum(len(t) > 1 for t in tokens) > 10  # a trained model, not one repeated token
+    for a, b in zip(attention, ref_attention, strict=True):
+        assert_same(a, b)
+    for i in range(0, 20, 3):
+        beams = [beam_search(model, src[i : i + 1], src_len[i : i + 1], beam_size=3, **args)
+                 for model in (fused, eager)]
+        assert beams[0][0] == beams[1][0]
+        assert beams[0][2] == pytest.approx(beams[1][2], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Seq2SeqEncoder(10, 4, 4, 1, backend="cuda"),
+        lambda: Seq2SeqAttentionDecoder(10, 4, 4, 1, backend="cuda"),
+    ],
+    ids=["encoder", "decoder"],
+)
+def test_bad_backend_is_a_one_line_error(make):
+    with pytest.raises(ValueError, match=r"^backend must be one of \('fused', 'eager'\), "
+                                         r"got 'cuda'$"):
+        make()
+
+
+def test_config_backend_reaches_the_modules_and_old_configs_load():
+    config = small_config("bahdanau", backend="eager")
+    model = build_model(config)
+    assert (model.encoder.backend, model.decoder.backend) == ("eager", "eager")
+    assert Seq2SeqConfig.from_dict(config.to_dict()) == config
+    saved = small_config("bahdanau").to_dict()
+    del saved["backend"]  # a config saved before the field existed
+    assert Seq2SeqConfig.from_dict(saved).backend == "fused"

@@ -11,11 +11,19 @@ Every model here subclasses :class:`EncoderDecoder`, so a trainer, the decoders 
     state = model.encode(src, src_valid_len)           # once per source sentence
     logits, state, attn = model.decode_step(tokens, state)   # one target token per row
 
-The Bahdanau model (d2l §11.4 / SPEC §7) is a GRU encoder and a GRU decoder that, at
-every step, asks :class:`qkv.AdditiveAttention` which source positions matter. The
-keys of that attention depend only on the source sentence, so they are projected once
-per sentence (``attention.project_keys``) and reused at every step; d2l recomputes them
-each step.
+The Bahdanau model (d2l §11.4) is a GRU encoder and a GRU decoder that, at every step,
+asks additive attention which source positions matter. The keys of that attention depend
+only on the source sentence, so they are projected once per sentence
+(``attention.project_keys``) and reused at every step; d2l recomputes them each step.
+
+Its encoder and decoder run one of two backends over the same parameters, so a
+checkpoint serves either:
+
+- ``"eager"``: d2l's loop as written, calling the ``nn.GRU`` (``rnn``) and
+  :class:`qkv.AdditiveAttention` (``attention``) modules at every step; the reference.
+- ``"fused"`` (default): the same maths, each recurrence one autograd node with a
+  hand-written backward (:mod:`qkv.models.bahdanau_kernels`), several times faster to
+  train at d2l's sizes.
 """
 
 from __future__ import annotations
@@ -30,17 +38,10 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import MAX_SIZE, check_float, check_int, show, small_divisors
-from ..functional import lengths_to_mask
+from ..functional import BACKENDS, lengths_to_mask
 from ..multihead import check_dropout
 from ..scoring import AdditiveAttention
-from .attention_gru import (
-    attention_gru,
-    decoder_step,
-    dropout_keep,
-    gru,
-    gru_layers,
-    score_bias,
-)
+from . import bahdanau_kernels as fused
 
 __all__ = [
     "MODEL_NAMES",
@@ -69,7 +70,10 @@ MODEL_NAMES = ("bahdanau", "transformer")
 class Seq2SeqConfig:
     """Everything needed to rebuild a model (it is saved next to the weights as JSON).
 
-    ``num_heads``, ``ffn_num_hiddens`` and ``max_len`` are used by the Transformer only.
+    ``num_heads``, ``ffn_num_hiddens`` and ``max_len`` are used by the Transformer only;
+    ``backend`` (``"fused"`` or ``"eager"``, see :class:`Seq2SeqEncoder`) by the Bahdanau
+    model only. The backend changes how the model computes, not its parameters: a
+    checkpoint saved under one loads under the other.
     The Transformer's width is ``num_hiddens``; its ``embed_size`` must equal it (the
     embeddings are added to the residual stream, so they have the model's width).
 
@@ -87,6 +91,7 @@ class Seq2SeqConfig:
     num_heads: int = 4
     ffn_num_hiddens: int = 64
     max_len: int = 1000
+    backend: str = "fused"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; ``Seq2SeqConfig.from_dict(c.to_dict()) == c``."""
@@ -96,7 +101,8 @@ class Seq2SeqConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> Seq2SeqConfig:
         """Build and validate a config from a dict (e.g. read from a checkpoint's JSON).
 
-        Missing keys take their defaults. Raises ``ValueError`` (one line naming the key)
+        Missing keys take their defaults (so a config saved before a field existed still
+        loads, with that field's default). Raises ``ValueError`` (one line naming the key)
         for an unknown key, a value of the wrong type, or an invalid value.
         """
         if not isinstance(d, Mapping):
@@ -120,6 +126,11 @@ class Seq2SeqConfig:
         if self.model not in MODEL_NAMES:
             raise ValueError(
                 f"config key 'model' must be one of {', '.join(MODEL_NAMES)}, got {self.model!r}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"config key 'backend' must be one of {', '.join(BACKENDS)}, "
+                f"got {show(self.backend)}"
             )
         for name in (
             "src_vocab_size",
@@ -345,8 +356,14 @@ def build_model(config: Seq2SeqConfig) -> EncoderDecoder:
 # Bahdanau: GRU encoder, GRU decoder with additive attention
 
 
+def _check_backend(backend: str) -> None:
+    """Raise a one-line ``ValueError`` naming the valid backends, as qkv.MultiHeadAttention."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {show(backend)}")
+
+
 class Seq2SeqEncoder(nn.Module):
-    """Embedding then a multi-layer GRU.
+    """Embedding then a multi-layer GRU (``rnn``, an ``nn.GRU``).
 
     ``X (batch, steps)`` int64 ``-> (outputs (steps, batch, num_hiddens),
     state (num_layers, batch, num_hiddens))``.
@@ -354,6 +371,12 @@ class Seq2SeqEncoder(nn.Module):
     The outputs are time-major, as PyTorch's GRU (and d2l) produce them: ``outputs[t]`` is
     the top layer's hidden state after reading token ``t``; ``state`` holds every layer's
     last hidden state. Padding positions are read too; attention masks them later.
+
+    ``backend="eager"`` calls ``self.rnn`` on the embedded sequence. ``"fused"`` (default)
+    runs the same GRU (its parameters, maths and forward kernel, and its dropout between
+    layers in training) with a hand-written backward, :func:`qkv.models.bahdanau_kernels.gru`,
+    which issues a fraction of autograd's operations at these sizes. Dropout draws differ
+    between the two; in evaluation both compute the same function.
     """
 
     def __init__(
@@ -363,29 +386,34 @@ class Seq2SeqEncoder(nn.Module):
         num_hiddens: int,
         num_layers: int,
         dropout: float = 0.0,
+        *,
+        backend: str = "fused",
     ) -> None:
         super().__init__()
+        _check_backend(backend)
+        self.backend = backend
         self.embedding = nn.Embedding(vocab_size, embed_size)
         self.rnn = nn.GRU(embed_size, num_hiddens, num_layers, dropout=dropout)
 
     def forward(self, X: Tensor) -> tuple[Tensor, Tensor]:
         # Transpose the ids (cheap) rather than the embeddings: the GRU wants time first.
-        embs = self.embedding(X.t())
-        # self.rnn's maths, parameters and forward kernel, with qkv's GRU backward
-        # (a fraction of autograd's operations at these sizes): qkv.models.attention_gru
-        return gru(embs, self.rnn, training=self.training)
+        embs = self.embedding(X.t())  # (steps, batch, embed_size)
+        if self.backend == "eager":
+            return self.rnn(embs)
+        return fused.gru(embs, self.rnn, training=self.training)
 
 
 @dataclass
 class BahdanauState:
-    """Decoder state of the Bahdanau model.
+    """Decoder state of the Bahdanau model, the same for both backends.
 
     enc_outputs: ``(batch, src_len, num_hiddens)``, batch-major for attention (values).
     projected_keys: ``attention.W_k(enc_outputs)``, ``(batch, src_len, num_hiddens)``.
-    src_valid_len: ``(batch,)``.
+    src_valid_len: ``(batch,)``, d2l's ``valid_lens`` (the eager backend masks with it).
     bias: ``(batch, src_len)``, 0 on real source tokens and ``-inf`` on padding, added to
-        the attention scores; ``row_ok``: ``(batch, 1)``, or None when no source is empty
-        (see :func:`qkv.models.attention_gru.score_bias`). Both built once.
+        the attention scores by the fused backend; ``row_ok``: ``(batch, 1)``, or None when
+        no source is empty (see :func:`qkv.models.bahdanau_kernels.score_bias`). Both
+        built once.
     hidden: ``(num_layers, batch, num_hiddens)``, the decoder GRU state.
     step: number of decoder steps taken (for trace messages).
     """
@@ -403,12 +431,16 @@ class Seq2SeqAttentionDecoder(nn.Module):
     """GRU decoder that attends over the encoder outputs at every step (Bahdanau).
 
     At step ``t``: the query is the top layer of the previous hidden state; additive
-    attention over the (masked) encoder outputs gives a context vector; ``[context,
-    embedding(y_t)]`` is fed to the GRU; a dense layer maps the GRU output to the vocabulary.
+    attention over the encoder outputs (padding masked by ``src_valid_len``) gives a
+    context vector; ``[context, embedding(y_t)]`` is fed to the GRU; a dense layer maps
+    the GRU output to the vocabulary.
 
-    The parameters are d2l's (``attention``: :class:`qkv.AdditiveAttention`, ``rnn``:
-    ``nn.GRU``, ``dense``), and so are the maths; the step loop runs as one autograd node
-    (:mod:`qkv.models.attention_gru`), several times faster to train at d2l's sizes.
+    The parameters are d2l's: ``attention`` (:class:`qkv.AdditiveAttention`), ``rnn``
+    (``nn.GRU``), ``embedding`` and ``dense``. ``backend="eager"`` runs d2l's loop, calling
+    ``self.attention`` and ``self.rnn`` at every step. ``"fused"`` (default) runs the same
+    maths as one autograd node (:func:`qkv.models.bahdanau_kernels.attention_gru`), several
+    times faster to train at d2l's sizes. Dropout draws differ between the two; in
+    evaluation both compute the same function.
 
     Attributes:
         attention_weights: ``(batch, steps, src_len)`` weights of the last :meth:`forward`
@@ -424,8 +456,12 @@ class Seq2SeqAttentionDecoder(nn.Module):
         num_hiddens: int,
         num_layers: int,
         dropout: float = 0.0,
+        *,
+        backend: str = "fused",
     ) -> None:
         super().__init__()
+        _check_backend(backend)
+        self.backend = backend
         self.attention = AdditiveAttention(num_hiddens, num_hiddens, num_hiddens, dropout)
         self.embedding = nn.Embedding(vocab_size, embed_size)
         self.rnn = nn.GRU(embed_size + num_hiddens, num_hiddens, num_layers, dropout=dropout)
@@ -437,10 +473,11 @@ class Seq2SeqAttentionDecoder(nn.Module):
     def init_state(
         self, enc_outputs: Tensor, enc_state: Tensor, src_valid_len: Tensor
     ) -> BahdanauState:
-        """Start decoding from the encoder's ``(outputs, state)``; projects the keys once."""
+        """Start decoding from the encoder's ``outputs (src_len, batch, H)`` and ``state
+        (num_layers, batch, H)``, with ``src_valid_len (batch,)``; projects the keys once."""
         outputs = enc_outputs.transpose(0, 1)  # (batch, src_len, num_hiddens)
         keep = lengths_to_mask(src_valid_len.to(outputs.device), outputs.shape[1])[:, 0]
-        bias, row_ok = score_bias(keep, outputs.dtype)
+        bias, row_ok = fused.score_bias(keep, outputs.dtype)
         return BahdanauState(
             enc_outputs=outputs,
             projected_keys=self.attention.project_keys(outputs),
@@ -450,36 +487,16 @@ class Seq2SeqAttentionDecoder(nn.Module):
             hidden=enc_state,
         )
 
-    def _recurrence_inputs(self, state: BahdanauState) -> tuple[Any, ...]:
-        """``(values, keys, hidden, bias, row_ok, W_q, w_v, layers)``: what a step reads
-        besides its input, in :func:`~qkv.models.attention_gru.decoder_step`'s order."""
-        return (
-            state.enc_outputs,
-            state.projected_keys,
-            state.hidden,
-            state.bias,
-            state.row_ok,
-            self.attention.W_q.weight,
-            self.attention.w_v.weight,
-            gru_layers(self.rnn),
-        )
-
     def forward(self, X: Tensor, state: BahdanauState) -> tuple[Tensor, BahdanauState]:
         """Teacher forcing over all steps: ``X (batch, T)`` int64
-        ``-> (logits (batch, T, vocab), state)``.
+        ``-> (logits (batch, T, vocab), state)``; advances ``state`` in place.
 
-        The recurrence forces a loop over steps; everything that does not depend on the
-        previous step (the embeddings, the output layer, the weight gradients) runs once
-        for all steps.
+        The recurrence forces a loop over steps (:meth:`_eager` or :meth:`_fused`, as
+        ``self.backend`` says); the embeddings and the output layer run once for all steps.
         """
         embs = self.embedding(X.t())  # (T, batch, embed_size)
-        top, last, weights, contexts, states = attention_gru(
-            embs,
-            *self._recurrence_inputs(state),
-            attn_dropout=self.attention.dropout.p,
-            layer_dropout=self.rnn.dropout,
-            training=self.training,
-        )
+        run = self._eager if self.backend == "eager" else self._fused
+        top, last, weights, contexts, states = run(embs, state)
         self.attention_weights = weights.transpose(0, 1)  # (batch, T, src_len)
         if self.trace is not None:
             norms = self.trace_norms_pending
@@ -500,23 +517,86 @@ class Seq2SeqAttentionDecoder(nn.Module):
         """One step from ``tokens (batch,)``: ``-> (GRU output (batch, H), weights (batch,
         src_len))``; advances ``state`` in place. Same maths as :meth:`forward` for one
         token (dropout too, in training mode), differentiable by autograd."""
-        inputs = self._recurrence_inputs(state)
-        layers, batch, H = inputs[-1], tokens.shape[0], self.rnn.hidden_size
-        like = state.enc_outputs
-        out = decoder_step(
-            self.embedding(tokens),
-            *inputs,
-            attn_keep=dropout_keep(like, state.bias.shape, self.attention.dropout.p,
-                                   self.training),
-            layer_keep=dropout_keep(like, (len(layers) - 1, batch, H), self.rnn.dropout,
-                                    self.training) if len(layers) > 1 else None,
-        )
-        self.attention_weights = out.weights.unsqueeze(1)  # (batch, 1, src_len)
+        emb = self.embedding(tokens)  # (batch, embed_size)
+        if self.backend == "eager":
+            top, last, weights, _, _ = self._eager(emb.unsqueeze(0), state)
+            out, weights = top[0], weights[0]
+        else:
+            out, last, weights = self._fused_step(emb, state)
+        self.attention_weights = weights.unsqueeze(1)  # (batch, 1, src_len)
         if self.trace is not None:
             self._trace_step(state.step, state.hidden.shape)
-        state.hidden = torch.stack(out.hidden)
+        state.hidden = last
         state.step += 1
-        return out.hidden[-1], out.weights
+        return out, weights
+
+    def _eager(
+        self, embs: Tensor, state: BahdanauState
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """d2l's loop over ``embs (T, batch, E)``, from ``state.hidden``, which it leaves
+        alone. Returns the top layer's states ``(T, batch, H)``, the last state ``(L,
+        batch, H)``, the attention weights ``(T, batch, src_len)``, the contexts ``(T,
+        batch, H)`` and every state ``(T, L, batch, H)``."""
+        hidden = state.hidden
+        tops, weights, contexts, states = [], [], [], []
+        for emb in embs:  # (batch, E): one target position of every sentence
+            query = hidden[-1].unsqueeze(1)  # (batch, 1, H): the top layer's latest state
+            context = self.attention(  # (batch, 1, H)
+                query, state.enc_outputs, state.enc_outputs, state.src_valid_len,
+                projected_keys=state.projected_keys,  # W_k(enc_outputs), made once
+            )
+            x = torch.cat((context, emb.unsqueeze(1)), dim=-1)  # (batch, 1, H + E)
+            out, hidden = self.rnn(x.transpose(0, 1), hidden)  # (1, batch, H), (L, batch, H)
+            tops.append(out[0])
+            weights.append(self.attention.attention_weights[:, 0])
+            contexts.append(context[:, 0])
+            states.append(hidden)
+        stack = torch.stack
+        return stack(tops), hidden, stack(weights), stack(contexts), stack(states)
+
+    def _fused(
+        self, embs: Tensor, state: BahdanauState
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`_eager`'s maths and results as one autograd node (the weights, contexts
+        and states not differentiable); dropout drawn for all steps at once."""
+        return fused.attention_gru(
+            embs,
+            *self._recurrence_inputs(state),
+            attn_dropout=self.attention.dropout.p,
+            layer_dropout=self.rnn.dropout,
+            training=self.training,
+        )
+
+    def _fused_step(self, emb: Tensor, state: BahdanauState) -> tuple[Tensor, Tensor, Tensor]:
+        """One fused step from ``emb (batch, E)``, differentiable by autograd: ``-> (GRU
+        output (batch, H), new state (L, batch, H), weights (batch, src_len))``."""
+        inputs = self._recurrence_inputs(state)
+        layers, batch, H = inputs[-1], emb.shape[0], self.rnn.hidden_size
+        like = state.enc_outputs
+        out = fused.decoder_step(
+            emb,
+            *inputs,
+            attn_keep=fused.dropout_keep(like, state.bias.shape, self.attention.dropout.p,
+                                         self.training),
+            layer_keep=fused.dropout_keep(like, (len(layers) - 1, batch, H), self.rnn.dropout,
+                                          self.training) if len(layers) > 1 else None,
+        )
+        return out.hidden[-1], torch.stack(out.hidden), out.weights
+
+    def _recurrence_inputs(self, state: BahdanauState) -> tuple[Any, ...]:
+        """``(values, keys, hidden, bias, row_ok, W_q, w_v, layers)``: what a fused step
+        reads besides its input, in :func:`~qkv.models.bahdanau_kernels.decoder_step`'s
+        order."""
+        return (
+            state.enc_outputs,
+            state.projected_keys,
+            state.hidden,
+            state.bias,
+            state.row_ok,
+            self.attention.W_q.weight,
+            self.attention.w_v.weight,
+            fused.gru_layers(self.rnn),
+        )
 
     def _trace_step(self, step: int, hidden_shape: torch.Size) -> None:
         layers, batch, H = hidden_shape
@@ -545,6 +625,10 @@ def _step_norms(step: int, emb: Tensor, context: Tensor, before: Tensor, after: 
 class BahdanauSeq2Seq(EncoderDecoder):
     """GRU encoder + GRU decoder with additive attention (d2l's ``Seq2SeqAttentionDecoder``).
 
+    Both run ``config.backend`` (``"fused"`` or ``"eager"``, see :class:`Seq2SeqEncoder`
+    and :class:`Seq2SeqAttentionDecoder`); the parameters, and so the checkpoints, are
+    the same under either.
+
     Set ``model.trace = print`` (any ``Callable[[str], None]``) to log every decoder step's
     tensor shapes and, for the next batch, per-step norms; ``None`` (default) turns it off.
     """
@@ -553,10 +637,12 @@ class BahdanauSeq2Seq(EncoderDecoder):
         super().__init__(config)
         c = config
         self.encoder = Seq2SeqEncoder(
-            c.src_vocab_size, c.embed_size, c.num_hiddens, c.num_layers, c.dropout
+            c.src_vocab_size, c.embed_size, c.num_hiddens, c.num_layers, c.dropout,
+            backend=c.backend,
         )
         self.decoder = Seq2SeqAttentionDecoder(
-            c.tgt_vocab_size, c.embed_size, c.num_hiddens, c.num_layers, c.dropout
+            c.tgt_vocab_size, c.embed_size, c.num_hiddens, c.num_layers, c.dropout,
+            backend=c.backend,
         )
 
     @property

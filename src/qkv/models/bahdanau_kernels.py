@@ -1,4 +1,10 @@
-"""The recurrences of Bahdanau's translator (d2l §11.4), each differentiated as one unit.
+"""The fused backend of Bahdanau's translator (d2l §11.4): its two recurrences, each
+differentiated as one unit.
+
+:class:`qkv.models.Seq2SeqEncoder` and :class:`qkv.models.Seq2SeqAttentionDecoder` run
+these kernels with ``backend="fused"`` (the default); ``backend="eager"`` runs the same
+maths as d2l writes it, calling the ``nn.GRU`` and :class:`qkv.AdditiveAttention` modules
+step by step. Both read the same parameters, so a checkpoint serves either.
 
 At every target step the decoder asks additive attention for a context vector over the
 source, feeds ``[context, embedding]`` through a stack of GRU cells, and passes the top
@@ -28,8 +34,9 @@ The maths, per step ``t`` with ``h[l]`` the previous state of layer ``l``
     n       = tanh(g_i[2H:] + r * g_h[2H:])
     h_new   = n + z * (h[l] - n)
 
-``tests/test_models_seq2seq.py`` checks values and every gradient against the same
-models written with autograd (``torch.gru_cell``, ``nn.GRU``) in float64.
+``tests/test_models_seq2seq.py`` checks values and every gradient in float64 against the
+same models written with autograd (``torch.gru_cell``, ``nn.GRU``) and against the eager
+backend.
 """
 
 from __future__ import annotations
@@ -39,8 +46,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-
-from ..functional import _guard_empty_rows
 
 __all__ = [
     "GRULayer",
@@ -103,9 +108,10 @@ def score_bias(keep: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]
     ``softmax = 0/0``; its bias is opened to all zeros and ``row_ok (batch, 1)`` (None when
     every row has a token) zeroes its weights, as :func:`qkv.functional.softmax_with_mask`.
     """
-    guarded, row_ok = _guard_empty_rows(keep)
+    row_ok = keep.any(dim=-1, keepdim=True)
+    # an empty row is opened whole: finite (meaningless) weights, then zeroed by row_ok
     bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
-    bias = bias.masked_fill(~guarded, float("-inf"))
+    bias = bias.masked_fill(~(keep | ~row_ok), float("-inf"))
     return bias, (None if bool(row_ok.all()) else row_ok.to(dtype))
 
 
