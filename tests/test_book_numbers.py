@@ -1,7 +1,7 @@
 """The numbers LLMs-from-scratch chapter 3 prints, reproduced to 4 decimals.
 
-Every expected value below is copied from the book's printed output (SPEC.md
-restates some of them); none is computed by qkv.
+Every expected value below is copied from the book's printed output; none is
+computed by qkv.
 """
 
 import pytest
