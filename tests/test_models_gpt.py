@@ -203,44 +203,95 @@ def test_tied_weights_share_storage():
     assert torch.equal(again.tok_emb.weight, model.tok_emb.weight)
 
 
-def test_eval_mode_transposes_only_the_wide_weights_and_changes_no_value(tmp_path):
+def layouts(model) -> dict[str, tuple]:
+    """Where and how every parameter is stored: (data pointer, strides, contiguous)."""
+    return {name: (p.data_ptr(), p.stride(), p.is_contiguous())
+            for name, p in model.named_parameters()}
+
+
+WIDE = {"out_head.weight"} | {f"trf_blocks.{i}.ff.layers.0.weight" for i in range(2)}
+
+
+def test_train_and_eval_only_switch_modes(tmp_path):
+    from safetensors.torch import load_file, save_file
+
     from qkv.training.checkpoint import load_weights, save_checkpoint
 
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(vocab_size=50, context_length=16, emb_dim=32, n_heads=4,
-                               n_layers=2, drop_rate=0.0))
-    params = {name: p for name, p in model.named_parameters()}
+                               n_layers=2, drop_rate=0.1))
+    params = dict(model.named_parameters())
     before = {name: p.detach().clone() for name, p in params.items()}
-    x = prompt()
-    train_logits = model(x)
-    wide = {"out_head.weight"} | {f"trf_blocks.{i}.ff.layers.0.weight" for i in range(2)}
-    assert all(p.is_contiguous() for p in params.values())
+    stored = layouts(model)
+    assert all(contiguous for _, _, contiguous in stored.values())
+    state = model.state_dict()
 
-    model.eval()
-    for name, p in model.named_parameters():
-        assert p is params[name]  # same Parameter objects: optimizers are unaffected
-        assert torch.equal(p, before[name])
-        # wide (out > in) weights are stored as their transpose, all others untouched
-        assert p.is_contiguous() == (name not in wide), name
-        if name in wide:
-            assert p.t().is_contiguous()
-    torch.testing.assert_close(model(x), train_logits, rtol=1e-5, atol=1e-5)
+    for switch in (model.eval, model.train, model.eval, model.train, model.eval):
+        switch()
+        assert layouts(model) == stored  # no copy, no new layout
+        for name, p in model.named_parameters():
+            assert p is params[name]
+            assert torch.equal(p, before[name])
+    assert not model.training
+
+    # after .eval(), state_dict() holds the parameters' own contiguous tensors
+    after = model.state_dict()
+    assert list(after) == list(state)
+    for name, t in after.items():
+        assert t.is_contiguous(), name
+        assert t.data_ptr() == params[name].data_ptr(), name
+    save_file(after, str(tmp_path / "model.safetensors"))  # refuses non-contiguous tensors
+    for name, t in load_file(str(tmp_path / "model.safetensors")).items():
+        assert torch.equal(t, before[name])
 
     # a checkpoint written in eval mode loads into a fresh model, values intact
-    save_checkpoint(tmp_path, model, {"task": "lm"})
+    save_checkpoint(tmp_path / "ckpt", model, {"task": "lm"})
     fresh = GPTModel(model.cfg)
-    load_weights(tmp_path, fresh)
+    load_weights(tmp_path / "ckpt", fresh)
     for name, p in fresh.named_parameters():
         assert torch.equal(p, before[name])
 
-    model.train()
-    assert all(p.is_contiguous() for p in model.parameters())
-    for name, p in model.named_parameters():
-        assert torch.equal(p, before[name])
 
-    tied = tiny(tie_weights=True)  # eval mode: the shared embedding keeps its layout
-    assert tied.tok_emb.weight.is_contiguous()
-    assert tied.out_head.weight is tied.tok_emb.weight
+def test_decoding_weights_are_copies_and_leave_the_model_alone():
+    model = tiny()
+    stored = layouts(model)
+    weights = model.decoding_weights()
+    assert set(weights) == WIDE  # more outputs than inputs
+    params = dict(model.named_parameters())
+    for name, w in weights.items():
+        assert torch.equal(w, params[name]) and w.shape == params[name].shape
+        assert w.t().is_contiguous() and not w.is_contiguous()  # stored (in, out)
+        assert w.data_ptr() != params[name].data_ptr()
+    assert layouts(model) == stored
+    assert all(t.is_contiguous() for t in model.state_dict().values())
+    tied = tiny(tie_weights=True)  # the tied head is the embedding table: left out
+    assert set(tied.decoding_weights()) == WIDE - {"out_head.weight"}
+
+
+def naive_greedy(model, idx: torch.Tensor, steps: int, context: int) -> torch.Tensor:
+    """The book's generate_text_simple: full forward over the cropped window, argmax."""
+    ids = idx.clone()
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = model(ids[:, -context:])[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat((ids, nxt), dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cached_generation_equals_a_naive_loop_and_changes_no_parameter(dtype):
+    model = tiny().to(dtype)
+    idx = prompt(length=5)
+    expected = naive_greedy(model, idx, 30, 16)  # 35 tokens through a 16-token context
+    # the paths sum in different orders; identical tokens hold because no choice is a tie
+    assert greedy_margins(model, expected, 5, 16).min() > 1e-4
+    stored = layouts(model)
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    assert torch.equal(generate(model, idx, 30), expected)
+    assert torch.equal(generate_text_simple(model, idx, 30, 16), expected)
+    assert layouts(model) == stored
+    for name, t in model.state_dict().items():
+        assert t.is_contiguous() and torch.equal(t, state[name]), name
 
 
 def test_need_weights_are_causal_distributions():

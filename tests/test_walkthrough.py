@@ -1,7 +1,7 @@
 """``qkv walkthrough``, its library code and the plotting helpers it uses.
 
-Expected numbers are literals copied from SPEC.md (sections 1-4), never values
-recomputed with the library under test.
+Expected numbers are literals copied from the output LLMs-from-scratch prints in
+§3.3-3.6, never values recomputed with the library under test.
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ from qkv.walkthrough import SECTIONS, Step, format_tensor, walkthrough_steps
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
-# SPEC §1-4, rounded to 4 decimals as printed there.
-SPEC = {
+# The book's printed numbers (§3.3.1), rounded to 4 decimals as printed there.
+BOOK = {
     ("3.3.1", "attn_scores_2"): [0.9544, 1.4950, 1.4754, 0.8434, 0.7070, 1.0865],
     ("3.3.1", "attn_weights_2_tmp"): [0.1455, 0.2278, 0.2249, 0.1285, 0.1077, 0.1656],
     ("3.3.1", "attn_weights_2_naive"): [0.1385, 0.2379, 0.2333, 0.1240, 0.1082, 0.1581],
     ("3.3.1", "attn_weights_2"): [0.1385, 0.2379, 0.2333, 0.1240, 0.1082, 0.1581],
     ("3.3.1", "context_vec_2"): [0.4419, 0.6515, 0.5683],
 }
-SPEC_FIRST_ROWS = {
+BOOK_FIRST_ROWS = {
     ("3.4.2", "sa_v1(inputs)"): [0.2996, 0.8053],
     ("3.5.3", "context_vecs"): [-0.4519, 0.2216],
     ("3.6.2", "context_vecs"): [0.3190, 0.4858],
 }
 NUMBER = re.compile(r"-?\d+\.\d+|-inf|nan")
-# A printed number may differ from SPEC's by one unit in its last (4th) decimal: a value
+# A printed number may differ from the book's by one unit in its last (4th) decimal: a value
 # within float rounding of a rounding edge prints either way depending on the CPU's kernels.
 PRINTED = 1.5e-4
 
@@ -66,27 +66,27 @@ def printed_numbers(output: str, header: str) -> list[float]:
 # ---------------------------------------------------------------------------
 
 
-def test_sections_in_spec_order(book_steps):
+def test_sections_in_book_order(book_steps):
     assert tuple(book_steps) == SECTIONS
     assert all(step.explanation and step.tensors for step in book_steps.values())
 
 
-@pytest.mark.parametrize(("section", "name"), list(SPEC))
-def test_parameter_free_numbers_match_spec(book_steps, section, name):
+@pytest.mark.parametrize(("section", "name"), list(BOOK))
+def test_parameter_free_numbers_match_the_book(book_steps, section, name):
     got = book_steps[section].tensors[name]
-    assert got.tolist() == pytest.approx(SPEC[section, name], abs=1e-4)
+    assert got.tolist() == pytest.approx(BOOK[section, name], abs=1e-4)
 
 
-@pytest.mark.parametrize(("section", "name"), list(SPEC_FIRST_ROWS))
-def test_first_rows_match_spec(book_steps, section, name):
+@pytest.mark.parametrize(("section", "name"), list(BOOK_FIRST_ROWS))
+def test_first_rows_match_the_book(book_steps, section, name):
     got = book_steps[section].tensors[name]
     first_row = got[0] if got.dim() == 2 else got[0, 0]
-    assert first_row.tolist() == pytest.approx(SPEC_FIRST_ROWS[section, name], abs=1e-4)
+    assert first_row.tolist() == pytest.approx(BOOK_FIRST_ROWS[section, name], abs=1e-4)
 
 
 def test_wrapper_first_head_is_the_causal_attention_layer(book_steps):
-    # SPEC §4: the wrapper's heads are CausalAttention layers created under the
-    # same seed, so its first head reproduces SPEC §3's first row.
+    # §3.6.1: the wrapper's heads are CausalAttention layers created under the
+    # same seed, so its first head reproduces the first row §3.5.3 prints.
     out = book_steps["3.6.1"].tensors["context_vecs"]
     assert out.shape == (2, 6, 4)
     assert out[0, 0, :2].tolist() == pytest.approx([-0.4519, 0.2216], abs=1e-4)
@@ -116,9 +116,9 @@ def test_heatmap_weights_and_per_head_shape(book_steps):
     assert book_steps["3.6.2"].weights.shape == (2, 6, 6)
 
 
-def test_printed_output_shows_spec_numbers(book_output):
+def test_printed_output_shows_the_books_numbers(book_output):
     assert "== 3.3.1 Attention scores for one query ==" in book_output
-    for (_, name), expected in SPEC.items():
+    for (_, name), expected in BOOK.items():
         header = f"{name}  ({len(expected)},)"
         assert printed_numbers(book_output, header) == pytest.approx(expected, abs=PRINTED)
     first_rows = [("sa_v1(inputs)  (6, 2)", [0.2996, 0.8053], book_output),
@@ -150,7 +150,10 @@ def test_text_is_deterministic_per_seed():
     c = walkthrough_steps(text, seed=8)
     for step_a, step_b in zip(a, b, strict=True):
         for name, tensor in step_a.tensors.items():
-            assert torch.equal(tensor, step_b.tensors[name]), (step_a.section, name)
+            # equal_nan: the softmax_naive overflow example is nan by design
+            assert torch.equal(tensor, step_b.tensors[name]) or torch.allclose(
+                tensor, step_b.tensors[name], rtol=0, atol=0, equal_nan=True
+            ), (step_a.section, name)
     inputs_a, inputs_c = a[0].tensors["inputs"], c[0].tensors["inputs"]
     assert inputs_a.shape == (6, 3)
     assert not torch.equal(inputs_a, inputs_c)

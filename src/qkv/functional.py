@@ -125,20 +125,28 @@ def normalize_by_sum(scores: Tensor, dim: int = -1) -> Tensor:
     return scores / scores.sum(dim=dim, keepdim=True)
 
 
-def softmax_stable(x: Tensor, dim: int = -1) -> Tensor:
-    """Softmax written out by hand: ``exp(x) / exp(x).sum()``.
+def softmax_naive(x: Tensor, dim: int = -1) -> Tensor:
+    """The book's hand-written softmax, ``exp(x) / exp(x).sum(dim)``, exactly as written.
 
-    Subtracting the maximum first leaves the result unchanged (it cancels in
-    the ratio) but keeps ``exp`` from overflowing for large inputs, where the
-    textbook formula returns ``inf / inf = nan``.
+    Kept for fidelity, overflow included: ``exp`` of a float32 above about 88.7 is
+    ``inf``, so ``softmax_naive(torch.tensor([1000., 0.]))`` is ``[nan, 0.]``
+    (``inf / inf``). Use :func:`softmax_stable` (or ``torch.softmax``) on real scores.
+    The book sums over ``dim=0`` of one ``(T,)`` score vector, where that is also ``-1``,
+    the default here as for :func:`softmax_stable`.
+    """
+    return torch.exp(x) / torch.exp(x).sum(dim=dim, keepdim=True)
+
+
+def softmax_stable(x: Tensor, dim: int = -1) -> Tensor:
+    """Softmax by hand, made safe: subtract the maximum, then ``exp(x) / exp(x).sum()``.
+
+    The shift cancels in the ratio, so wherever :func:`softmax_naive` does not overflow
+    both give the same weights; the largest exponent is now ``exp(0) = 1``, so large
+    scores give the right weights instead of ``nan``.
     """
     shifted = x - x.amax(dim=dim, keepdim=True)
     exp = torch.exp(shifted)
     return exp / exp.sum(dim=dim, keepdim=True)
-
-
-# The book's name for the hand-written softmax; ours is the overflow-safe form.
-softmax_naive = softmax_stable
 
 
 def context_vector_loop(weights: Tensor, inputs: Tensor) -> Tensor:

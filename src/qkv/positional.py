@@ -20,14 +20,16 @@ def sinusoidal_table(max_len: int, num_hiddens: int) -> Tensor:
     """
     check_positive_int("max_len", max_len)
     check_positive_int("num_hiddens", num_hiddens)
-    position = torch.arange(max_len, dtype=torch.float32)[:, None]
-    inv_freq = torch.pow(
-        10000.0, -torch.arange(0, num_hiddens, 2, dtype=torch.float32) / num_hiddens
+    # d2l's operations in d2l's order: positions divided by 10000^(2j/d). Multiplying by
+    # the reciprocal is the same in exact arithmetic but rounds differently in float32
+    # (up to 3.5e-6 over 60 positions, 6.1e-5 over 1000); dividing gives d2l's table.
+    X = torch.arange(max_len, dtype=torch.float32).reshape(-1, 1) / torch.pow(
+        10000, torch.arange(0, num_hiddens, 2, dtype=torch.float32) / num_hiddens
     )
-    angles = position * inv_freq
     table = torch.zeros(max_len, num_hiddens)
-    table[:, 0::2] = torch.sin(angles)
-    table[:, 1::2] = torch.cos(angles[:, : num_hiddens // 2])
+    table[:, 0::2] = torch.sin(X)
+    # an odd width has one more sine column than cosine columns
+    table[:, 1::2] = torch.cos(X[:, : num_hiddens // 2])
     return table
 
 

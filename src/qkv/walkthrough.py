@@ -44,6 +44,7 @@ from .functional import (
     context_vector_loop,
     normalize_by_sum,
     softmax_naive,
+    softmax_stable,
     softmax_with_mask,
 )
 from .multihead import MultiHeadAttention
@@ -81,6 +82,9 @@ EMBED_DIM = 3
 # Every step prints T x T matrices; beyond this they stop being readable.
 MAX_TOKENS = 64
 SECTIONS = ("3.3.1", "3.3.2", "3.4.1", "3.4.2", "3.5.1", "3.5.2", "3.5.3", "3.6.1", "3.6.2")
+# Added to one query's scores in §3.3.1 to show softmax_naive overflowing (exp(x) is
+# inf in float32 above about 88.7) where softmax_stable does not.
+LARGE_SHIFT = 1000.0
 # The book seeds SelfAttention_v2 with 789 where everything else uses 123.
 V2_SEED_OFFSET = 789 - 123
 
@@ -317,13 +321,21 @@ def _step_3_3_1(c: _Context) -> Step:
     query = c.inputs[q]
     scores = attention_scores_loop(query, c.inputs)
     weights = torch.softmax(scores, dim=0)
+    # Softmax ignores a constant added to every score, so these large scores have the same
+    # weights; exp(1000) overflows float32, which is where the two hand-written forms part.
+    large = scores + LARGE_SHIFT
+    large_name = f"attn_scores_{n} + {LARGE_SHIFT:g}"
     return Step(
         "3.3.1",
         "Attention scores for one query",
         f"With x{n} ('{c.tokens[q]}') as the query, its score with every token is a dot "
         "product: tokens whose embeddings point the same way score high. Dividing by the "
         "sum makes the scores add up to one, but softmax (by hand or torch's) is what "
-        f"attention uses; the context vector z{n} is the inputs averaged with those weights.",
+        f"attention uses; the context vector z{n} is the inputs averaged with those weights. "
+        f"The book's softmax_naive, exp(x) / exp(x).sum(), overflows once scores are large: "
+        f"adding {LARGE_SHIFT:g} to every score leaves softmax unchanged, yet exp gives inf "
+        "and inf / inf is nan. softmax_stable subtracts the largest score first and gives "
+        "the same weights as before.",
         {
             "inputs": c.inputs,
             f"attn_scores_{n}": scores,
@@ -331,6 +343,9 @@ def _step_3_3_1(c: _Context) -> Step:
             f"attn_weights_{n}_naive": softmax_naive(scores, dim=0),
             f"attn_weights_{n}": weights,
             f"context_vec_{n}": context_vector_loop(weights, c.inputs),
+            large_name: large,
+            f"softmax_naive({large_name})": softmax_naive(large, dim=0),
+            f"softmax_stable({large_name})": softmax_stable(large, dim=0),
         },
         labels={
             "inputs": c.by_token,
@@ -338,6 +353,9 @@ def _step_3_3_1(c: _Context) -> Step:
             f"attn_weights_{n}_tmp": c.by_token,
             f"attn_weights_{n}_naive": c.by_token,
             f"attn_weights_{n}": c.by_token,
+            large_name: c.by_token,
+            f"softmax_naive({large_name})": c.by_token,
+            f"softmax_stable({large_name})": c.by_token,
         },
     )
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from ..checks import MAX_SIZE, check_float, check_int, show, small_divisors
 from ..data.gpt import embed_tokens
@@ -366,41 +367,34 @@ class GPTModel(nn.Module):
         logits = self.out_head(self.final_norm(x))
         return (logits, all_weights) if need_weights else logits
 
-    def train(self, mode: bool = True) -> GPTModel:
-        """Set training (``True``) or evaluation mode, as ``nn.Module.train``.
+    def decoding_weights(self) -> dict[str, Tensor]:
+        """Copies of the wide layers' weights, laid out for CPU decoding; the model is untouched.
 
-        On the CPU, evaluation mode also keeps the weights of the wide layers (those with
-        more outputs than inputs: the output head and each feed-forward's first layer)
-        transposed in memory: same values, same shape, same parameters. Decoding with a
-        KV cache multiplies one token at a time by every weight matrix, so it is bound by
-        how fast the weights stream from memory, and for these layers the CPU's
-        matrix-vector kernel streams the transposed layout about 1.5x faster (see
-        ``docs/benchmarks.md``, "Generation"). Training mode restores ``nn.Linear``'s own
-        layout, which training's matrix products and optimizers run best on. Switching costs
-        one copy of those weights (about 0.3 s for GPT-2 small). In eval mode
-        ``state_dict()`` holds those weights as non-contiguous tensors: qkv's checkpoints
-        store them contiguously, while ``safetensors.torch.save_file`` wants
-        ``{k: v.contiguous() for k, v in model.state_dict().items()}``.
+        Wide layers have more outputs than inputs: the output head (unless it is the tied
+        token embedding, whose rows must stay contiguous for lookups) and each
+        feed-forward's first layer. Each copy has the weight's values and shape
+        ``(out, in)`` but is stored transposed in memory (``(in, out)`` row-major). Decoding
+        with a KV cache multiplies one token at a time by every weight matrix, so it is
+        bound by how fast weights stream from memory, and the CPU's matrix-vector kernel
+        streams these layers about 1.5x faster in that layout (``docs/benchmarks.md``,
+        "Generation"). Training's matrix products run best on ``nn.Linear``'s own layout,
+        so the parameters keep it: :func:`generate` passes these copies to the forward
+        pass (:func:`torch.func.functional_call`) for its duration and drops them after.
+
+        Returns ``{state_dict name: tensor}``; empty off the CPU (the layout was measured
+        only for the CPU's kernel). The copies cost the wide layers' memory again (267 MB
+        of GPT-2 small's 650) and the time to copy them (about 0.3 s for GPT-2 small).
         """
-        super().train(mode)
+        if self.out_head.weight.device.type != "cpu":
+            return {}
         with torch.no_grad():
-            for linear in self._wide_linears():
-                weight = linear.weight
-                if mode and not weight.is_contiguous():
-                    weight.data = weight.data.contiguous()
-                elif not mode and weight.device.type == "cpu" and weight.is_contiguous():
-                    weight.data = weight.data.t().contiguous().t()
-        return self
-
-    def _wide_linears(self) -> list[nn.Linear]:
-        # a tied head is the embedding table, whose rows must stay contiguous for lookups
-        return [
-            m
-            for m in self.modules()
-            if isinstance(m, nn.Linear)
-            and m.out_features > m.in_features
-            and m.weight is not self.tok_emb.weight
-        ]
+            return {
+                f"{name}.weight": m.weight.detach().t().contiguous().t()
+                for name, m in self.named_modules()
+                if isinstance(m, nn.Linear)
+                and m.out_features > m.in_features
+                and m.weight is not self.tok_emb.weight
+            }
 
     def new_caches(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
         """One empty :class:`KVCache` per layer, on the model's device and dtype.
@@ -483,7 +477,10 @@ def generate(
     cache grows while the sequence fits; once full, each step re-fills it from the last
     ``context_size`` tokens, because their positions have all shifted by one.
 
-    Runs in eval mode (dropout off) and restores the model's mode afterwards.
+    Runs in eval mode (dropout off) and restores the model's mode afterwards. With the
+    cache on the CPU, a :class:`GPTModel` decodes with :meth:`GPTModel.decoding_weights`,
+    a faster layout of some weights, made for this call and dropped after it; the model's
+    parameters are never changed.
     """
     if idx.dim() != 2 or idx.shape[1] == 0 or idx.is_floating_point():
         raise ValueError(
@@ -513,6 +510,19 @@ def generate(
     if use_cache and not hasattr(model, "new_caches"):
         raise ValueError("this model has no new_caches(); pass use_cache=False")
 
+    if use_cache and isinstance(model, GPTModel) and max_new_tokens > 0:
+        # one token per step: the matrix-vector products stream weights faster in this
+        # layout (GPTModel.decoding_weights); the parameters themselves are not touched
+        layout = model.decoding_weights()
+    else:
+        layout = {}
+
+    def forward(ids: Tensor, caches: list[KVCache] | None = None) -> Tensor:
+        kwargs = {} if caches is None else {"caches": caches}
+        if not layout:
+            return model(ids, **kwargs)
+        return functional_call(model, layout, (ids,), kwargs)
+
     was_training = model.training
     model.eval()
     try:
@@ -520,15 +530,15 @@ def generate(
         finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             if caches is None:
-                logits = model(idx[:, -context_size:])
+                logits = forward(idx[:, -context_size:])
             elif caches[0].pos == 0 or caches[0].pos == context_size:
                 # first step, or the cache is full: (re-)fill it from the last window
                 for cache in caches:
                     cache.reset()
-                logits = model(idx[:, -context_size:], caches=caches)
+                logits = forward(idx[:, -context_size:], caches)
             else:
                 # the cache holds every token but the newest: feed just that one
-                logits = model(idx[:, -1:], caches=caches)
+                logits = forward(idx[:, -1:], caches)
             next_id = _next_token(logits[:, -1, :], float(temperature), top_k, generator)
             if eos_id is not None:
                 next_id = next_id.masked_fill(finished[:, None], eos_id)
