@@ -268,3 +268,24 @@ def test_loss_skips_all_padding_steps_without_changing_loss_or_gradients(model_n
             assert a is None or not a.any()
         else:
             torch.testing.assert_close(a, b)
+
+
+def test_a_checkpoint_runs_under_the_eager_backend_with_the_same_translations(trained, tmp_path):
+    """The backend is how the model computes, not what it is: a checkpoint saved by the
+    fused default loads with backend 'eager' (d2l's loop) and translates the same."""
+    eager = tmp_path / "eager"
+    eager.mkdir()
+    for f in trained.iterdir():
+        if f.is_file():
+            (eager / f.name).write_bytes(f.read_bytes())
+    config = json.loads((eager / "config.json").read_text())
+    assert config["model"]["backend"] == "fused"
+    config["model"]["backend"] = "eager"
+    (eager / "config.json").write_text(json.dumps(config))
+    _rehash(eager, "config.json")
+    fused, loaded = Translator.load(trained), Translator.load(eager)
+    assert loaded.model.decoder.backend == "eager"
+    sentences = ["go .", "i lost .", "he's calm .", "i'm home ."]
+    for a, b in zip(fused.translate(sentences), loaded.translate(sentences), strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.attention, b.attention, atol=1e-5, rtol=1e-5)

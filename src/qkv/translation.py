@@ -356,8 +356,11 @@ def _read_config(run_dir: str | Path) -> tuple[TranslateSettings, Seq2SeqConfig,
             f"{model_config.tgt_vocab_size})"
         )
     # Training built the model from the settings, and resuming does again: they agree.
+    # Except the backend, which changes how the model computes, not what it is.
     implied = settings.model_config(src_vocab, tgt_vocab)
     for f in dataclasses.fields(Seq2SeqConfig):
+        if f.name == "backend":
+            continue
         saved, expected = getattr(model_config, f.name), getattr(implied, f.name)
         if saved != expected:
             raise CheckpointError(f"{path}: model.{f.name} is {show(saved)} but the settings "
