@@ -11,12 +11,12 @@ from torch.utils.data import DataLoader, Sampler
 from qkv.data.gpt import (
     GPTDataset,
     GPTDatasetV1,
-    GPTEmbedding,
     create_dataloader,
     create_dataloader_v1,
     generated_corpus,
 )
 from qkv.data.tokenizers import ByteTokenizer, get_tokenizer
+from qkv.models import GPTEmbedding
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -1,12 +1,13 @@
 """Data: translation pairs and vocabularies, the dates corpus, tokenizers and GPT windows."""
 
+# The book's ch. 2 ends with the input embeddings; they are a model's first layer and
+# live in qkv.models.gpt, re-exported here beside the data pipeline that feeds them.
+from ..models.gpt import GPTEmbedding, embed_tokens
 from .gpt import (
     GPTDataset,
     GPTDatasetV1,
-    GPTEmbedding,
     create_dataloader,
     create_dataloader_v1,
-    embed_tokens,
     generated_corpus,
 )
 from .tokenizers import (

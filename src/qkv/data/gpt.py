@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .tokenizers import ENDOFTEXT, Tokenizer, get_tokenizer
@@ -33,10 +33,8 @@ from .tokenizers import ENDOFTEXT, Tokenizer, get_tokenizer
 __all__ = [
     "GPTDataset",
     "GPTDatasetV1",
-    "GPTEmbedding",
     "create_dataloader",
     "create_dataloader_v1",
-    "embed_tokens",
     "generated_corpus",
 ]
 
@@ -209,48 +207,6 @@ def create_dataloader_v1(
         drop_last=drop_last,
         num_workers=num_workers,
     )
-
-
-# ----------------------------------------------------------------------------
-# Input embeddings
-
-
-def embed_tokens(
-    tok_emb: nn.Embedding, pos_emb: nn.Embedding, idx: Tensor, start_pos: int = 0
-) -> Tensor:
-    """Token plus absolute-position embeddings: ``(batch, T) -> (batch, T, dim)``.
-
-    Token ``t`` of the input sits at position ``start_pos + t``; ``start_pos > 0`` is for
-    new tokens appended after ``start_pos`` cached ones. Shared by :class:`GPTEmbedding` and
-    :class:`qkv.models.gpt.GPTModel`, which keeps the book's attribute names.
-    """
-    if idx.dim() != 2:
-        raise ValueError(f"token ids must have shape (batch, tokens), got {tuple(idx.shape)}")
-    context_length = pos_emb.num_embeddings
-    end = start_pos + idx.shape[1]
-    if end > context_length:
-        raise ValueError(f"sequence of {end} tokens is longer than context_length={context_length}")
-    positions = torch.arange(start_pos, end, device=idx.device)
-    # (batch, T, dim) + (T, dim): the position rows broadcast over the batch
-    return tok_emb(idx) + pos_emb(positions)
-
-
-class GPTEmbedding(nn.Module):
-    """Learned token and absolute-position embeddings, summed (LLMs-from-scratch §2.8).
-
-    ``tok_emb = nn.Embedding(vocab_size, emb_dim)`` and ``pos_emb = nn.Embedding(
-    context_length, emb_dim)``, created in that order (so a seed gives the book's numbers).
-
-    Shapes: ``idx (batch, T) -> (batch, T, emb_dim)``, ``T <= context_length``.
-    """
-
-    def __init__(self, vocab_size: int, emb_dim: int, context_length: int) -> None:
-        super().__init__()
-        self.tok_emb = nn.Embedding(vocab_size, emb_dim)
-        self.pos_emb = nn.Embedding(context_length, emb_dim)
-
-    def forward(self, idx: Tensor, start_pos: int = 0) -> Tensor:
-        return embed_tokens(self.tok_emb, self.pos_emb, idx, start_pos)
 
 
 # ----------------------------------------------------------------------------

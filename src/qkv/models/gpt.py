@@ -34,11 +34,12 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ..checks import MAX_SIZE, check_float, check_int, show, small_divisors
-from ..data.gpt import embed_tokens
 from ..kv_cache import KVCache
 from ..multihead import MultiHeadAttention, check_dropout, check_heads
 
 __all__ = [
+    "GPTEmbedding",
+    "embed_tokens",
     "PRESETS",
     "FeedForward",
     "GELU",
@@ -66,6 +67,48 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"context_length": 128, "emb_dim": 64, "n_heads": 4, "n_layers": 2, "drop_rate": 0.0},
     "mini": {"context_length": 256, "emb_dim": 128, "n_heads": 4, "n_layers": 4, "drop_rate": 0.1},
 }
+
+
+# ----------------------------------------------------------------------------
+# Input embeddings (the book's ch. 2)
+
+
+def embed_tokens(
+    tok_emb: nn.Embedding, pos_emb: nn.Embedding, idx: Tensor, start_pos: int = 0
+) -> Tensor:
+    """Token plus absolute-position embeddings: ``(batch, T) -> (batch, T, dim)``.
+
+    Token ``t`` of the input sits at position ``start_pos + t``; ``start_pos > 0`` is for
+    new tokens appended after ``start_pos`` cached ones. Shared by :class:`GPTEmbedding` and
+    :class:`GPTModel`, which keeps the book's attribute names.
+    """
+    if idx.dim() != 2:
+        raise ValueError(f"token ids must have shape (batch, tokens), got {tuple(idx.shape)}")
+    context_length = pos_emb.num_embeddings
+    end = start_pos + idx.shape[1]
+    if end > context_length:
+        raise ValueError(f"sequence of {end} tokens is longer than context_length={context_length}")
+    positions = torch.arange(start_pos, end, device=idx.device)
+    # (batch, T, dim) + (T, dim): the position rows broadcast over the batch
+    return tok_emb(idx) + pos_emb(positions)
+
+
+class GPTEmbedding(nn.Module):
+    """Learned token and absolute-position embeddings, summed (LLMs-from-scratch §2.8).
+
+    ``tok_emb = nn.Embedding(vocab_size, emb_dim)`` and ``pos_emb = nn.Embedding(
+    context_length, emb_dim)``, created in that order (so a seed gives the book's numbers).
+
+    Shapes: ``idx (batch, T) -> (batch, T, emb_dim)``, ``T <= context_length``.
+    """
+
+    def __init__(self, vocab_size: int, emb_dim: int, context_length: int) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab_size, emb_dim)
+        self.pos_emb = nn.Embedding(context_length, emb_dim)
+
+    def forward(self, idx: Tensor, start_pos: int = 0) -> Tensor:
+        return embed_tokens(self.tok_emb, self.pos_emb, idx, start_pos)
 
 
 @dataclass
