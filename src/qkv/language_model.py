@@ -66,6 +66,7 @@ from .training import (
     make_loader,
     open_run_dir,
     resolve_device,
+    resumed_settings,
     seed_everything,
 )
 
@@ -401,13 +402,7 @@ def _train(
     saved_tokenizer = None
     if resume:
         old, _, saved_tokenizer = _read_config(run_dir)
-        settings = dataclasses.replace(
-            old,
-            epochs=old.epochs if settings.epochs is None else settings.epochs,
-            lr=old.lr if settings.lr is None else settings.lr,
-            device=settings.device,
-            bpe_dir=settings.bpe_dir or old.bpe_dir,  # the folder may have moved
-        )
+        settings = resumed_settings(old, settings)
     settings = settings.resolved()
     if resume:
         check_resume_target(run_dir, settings.epochs)

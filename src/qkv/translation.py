@@ -96,6 +96,7 @@ from .training import (
     masked_cross_entropy,
     open_run_dir,
     resolve_device,
+    resumed_settings,
     seed_everything,
 )
 
@@ -612,12 +613,7 @@ def _train(
 ) -> tuple[Translator, dict[str, list]]:
     if resume:
         old, _, src_vocab, tgt_vocab = _read_config(run_dir)
-        settings = dataclasses.replace(
-            old,
-            epochs=old.epochs if settings.epochs is None else settings.epochs,
-            lr=old.lr if settings.lr is None else settings.lr,
-            device=settings.device,
-        ).resolved()
+        settings = resumed_settings(old, settings).resolved()
         check_resume_target(run_dir, settings.epochs)
     else:
         settings = settings.resolved()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..training import (
+    RESUMABLE,
     TrainingDivergedError,
     checkpoint_progress,
     describe_run_dir,
@@ -30,10 +31,6 @@ from ..training import (
 )
 from ..training.checkpoint import MANIFEST
 from ..training.lock import busy_error, running_holder
-
-# Settings a resume may change (the BPE folder may have moved since training); every
-# other one belongs to the run.
-RESUMABLE = frozenset({"epochs", "lr", "device", "bpe_dir"})
 
 
 class Terminated(KeyboardInterrupt):

@@ -37,7 +37,14 @@ from .limits import (
 )
 from .lock import RunDirBusyError, holds_run_dir_lock, run_dir_lock
 from .losses import MaskedSoftmaxCELoss, masked_cross_entropy
-from .rundir import check_resume_target, checkpoint_files, describe_run_dir, open_run_dir
+from .rundir import (
+    RESUMABLE,
+    check_resume_target,
+    checkpoint_files,
+    describe_run_dir,
+    open_run_dir,
+    resumed_settings,
+)
 from .trainer import (
     LOSS_PLOT,
     TrainConfig,
@@ -73,7 +80,9 @@ __all__ = [
     "RunDirBusyError",
     "holds_run_dir_lock",
     "run_dir_lock",
+    "RESUMABLE",
     "check_resume_target",
+    "resumed_settings",
     "checkpoint_files",
     "describe_run_dir",
     "open_run_dir",

@@ -17,9 +17,11 @@ message after an interruption or a failure states what is really there.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ..fileio import check_writable
 from .checkpoint import (
@@ -35,7 +37,20 @@ from .checkpoint import (
 from .distributed import is_main_process
 from .lock import run_dir_lock
 
-__all__ = ["open_run_dir", "describe_run_dir", "checkpoint_files", "check_resume_target"]
+__all__ = [
+    "open_run_dir",
+    "describe_run_dir",
+    "checkpoint_files",
+    "check_resume_target",
+    "RESUMABLE",
+    "resumed_settings",
+]
+
+# The settings a resume may change: the total epochs, the learning rate, the device, and
+# the BPE folder (it may have moved since training). Every other setting is the run's.
+RESUMABLE = frozenset({"epochs", "lr", "device", "bpe_dir"})
+
+Settings = TypeVar("Settings")
 
 # Every name a save writes or replaces in a run directory.
 _SAVED_NAMES = (MANIFEST, MODEL, CONFIG, TRAINER_TENSORS, TRAINER_JSON, STAGING)
@@ -121,3 +136,12 @@ def check_resume_target(run_dir: str | os.PathLike[str], epochs: int) -> None:
         raise ValueError(f"nothing to train: {run_dir} holds {describe_run_dir(run_dir)} "
                          f"and the target is epoch {epochs}; pass a larger total, such as "
                          f"--epochs {done + max(1, done // 2)}")
+
+
+def resumed_settings(saved: Settings, given: Any) -> Settings:
+    """The settings of a resumed run: ``saved`` (a settings dataclass read from the
+    checkpoint) with each :data:`RESUMABLE` field that ``given`` sets (not None)."""
+    names = {f.name for f in dataclasses.fields(saved)} & RESUMABLE  # type: ignore[arg-type]
+    changes = {name: getattr(given, name) for name in names
+               if getattr(given, name) is not None}
+    return dataclasses.replace(saved, **changes)  # type: ignore[type-var]
