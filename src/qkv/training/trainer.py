@@ -51,7 +51,6 @@ loads on every rank. See ``docs/distributed.md``.
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 import sys
 import time
@@ -66,6 +65,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from ..checks import check_float
 from ..testing import pause_point
 from ..viz import new_figure, save_figure
 from .checkpoint import (
@@ -125,11 +125,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {self.epochs}")
-        if not 0 < self.lr < math.inf:
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
-        if self.clip_norm is not None and not 0 < self.clip_norm < math.inf:
-            raise ValueError(f"clip_norm must be a finite number > 0 or None, "
-                             f"got {self.clip_norm}")
+        check_float("lr", self.lr, 0.0, lo_open=True)
+        if self.clip_norm is not None:
+            check_float("clip_norm", self.clip_norm, 0.0, lo_open=True)
         if self.log_every < 0 or self.checkpoint_every < 0:
             raise ValueError("log_every and checkpoint_every must be >= 0")
 
@@ -531,9 +529,8 @@ class Trainer:
                                   "history") from None
         self.saved_epoch = self.epoch
         saved = state.get("train_config") or {}
-        saved_lr = saved.get("lr")
-        if isinstance(saved_lr, (int, float)) and 0 < saved_lr < math.inf \
-                and saved_lr != self.config.lr:
+        saved_lr = saved.get("lr")  # finite and > 0: load_trainer_state checked it
+        if saved_lr is not None and saved_lr != self.config.lr:
             # The optimizer state just loaded carries the old rate; this run asked for
             # another. Scale every group alike, so groups keep their ratios.
             for group in self.optimizer.param_groups:
