@@ -116,7 +116,7 @@ _DEFERRED = tuple(s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None)) i
 @contextlib.contextmanager
 def deferred_signals(
     on_deferred: Callable[[int], None] | None = None,
-) -> Iterator[list[int]]:
+) -> Iterator[None]:
     """Hold SIGINT and SIGTERM back until the ``with`` block ends, then deliver them.
 
     For a write that must not stop halfway (a checkpoint of several files): a Ctrl-C
@@ -124,11 +124,11 @@ def deferred_signals(
     order, under the handlers that were installed before the block (so Ctrl-C becomes a
     ``KeyboardInterrupt`` right after the write, and SIGTERM does whatever it did).
     ``on_deferred(signum)`` is called when a signal arrives, to tell the user it will
-    wait. Yields the list of signals received so far. Only the main thread can handle
-    signals; elsewhere the block runs unprotected, as Python allows nothing else.
+    wait. Only the main thread can handle signals; elsewhere the block runs
+    unprotected, as Python allows nothing else.
     """
     if threading.current_thread() is not threading.main_thread():
-        yield []
+        yield
         return
     received: list[int] = []
 
@@ -141,7 +141,7 @@ def deferred_signals(
     try:
         for signum in _DEFERRED:
             previous[signum] = signal.signal(signum, hold)
-        yield received
+        yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -103,7 +103,7 @@ def _terminate(signum: int, _frame: object) -> None:
 
 
 @contextlib.contextmanager
-def _guarded_process() -> Iterator[tuple[_OutputGuard, _OutputGuard]]:
+def _guarded_process() -> Iterator[_OutputGuard]:
     """SIGTERM raises :class:`Terminated`; stdout and stderr survive a closed pipe."""
     out, err = _OutputGuard(sys.stdout), _OutputGuard(sys.stderr)
     previous_streams = sys.stdout, sys.stderr
@@ -111,7 +111,7 @@ def _guarded_process() -> Iterator[tuple[_OutputGuard, _OutputGuard]]:
     main_thread = threading.current_thread() is threading.main_thread()
     previous_term = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
-        yield out, err
+        yield out
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous_term)
@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    with _guarded_process() as (out, _):
+    with _guarded_process() as out:
         code = _run(args)
         if out.lost and getattr(args, "action", None) == "train":
             print(f"qkv {args.command} train: stdout was closed, so output stopped; "

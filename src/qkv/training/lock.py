@@ -86,6 +86,10 @@ class LockHolder:
             return None
         return holder
 
+    def gone(self) -> bool:
+        """True if this holder is known to be dead: on this host, and not running."""
+        return self.host == socket.gethostname() and not process_alive(self.pid)
+
     def describe(self) -> str:
         command = f" ({self.command})" if self.command else ""
         return f"process {self.pid} on {self.host} since {self.since}{command}"
@@ -95,10 +99,10 @@ class LockHolder:
 
 
 class _Lock:
-    """An acquired lock: the open lock file, and how many ``with`` blocks use it."""
+    """An acquired lock: the open lock file."""
 
     def __init__(self, path: Path, fd: int) -> None:
-        self.path, self.fd, self.depth = path, fd, 1
+        self.path, self.fd = path, fd
 
     def release(self) -> None:
         # Unlink before unlocking: a process waiting on this inode then sees that the
@@ -124,9 +128,7 @@ def running_holder(run_dir: str | os.PathLike[str]) -> LockHolder | None:
             holder = LockHolder.parse(f.read(_MAX_LOCK_BYTES))
     except OSError:
         return None
-    if holder is None or holder.host == socket.gethostname() and not process_alive(holder.pid):
-        return None
-    return holder
+    return None if holder is None or holder.gone() else holder
 
 
 def holds_run_dir_lock(run_dir: str | os.PathLike[str]) -> bool:
@@ -149,8 +151,9 @@ def _write_holder(fd: int) -> None:
 def busy_error(run_dir: Path, holder: LockHolder | None) -> RunDirBusyError:
     """The one-line error that refuses a second writer."""
     who = holder.describe() if holder else "another process"
-    return RunDirBusyError(f"{run_dir} is in use by {who}: one run writes to a run directory "
-                      "at a time; wait for it to finish, or choose another --run-dir")
+    return RunDirBusyError(f"{run_dir} is in use by {who}: one run writes to a run "
+                           "directory at a time; wait for it to finish, or choose another "
+                           "--run-dir")
 
 
 def _flags() -> int:
@@ -196,7 +199,7 @@ def _acquire_exclusive(run_dir: Path, path: Path) -> tuple[int, LockHolder | Non
             return os.open(path, _flags() | os.O_CREAT | os.O_EXCL, 0o644), stale
         except FileExistsError:
             holder = LockHolder.parse(path.read_bytes())
-            if holder is None or holder.host != socket.gethostname() or process_alive(holder.pid):
+            if holder is None or not holder.gone():
                 raise busy_error(run_dir, holder) from None
             stale = holder
             path.unlink(missing_ok=True)
@@ -215,12 +218,8 @@ def run_dir_lock(
     """
     run_dir = Path(run_dir)
     key = _key(run_dir)
-    if key in _held:
-        _held[key].depth += 1
-        try:
-            yield run_dir
-        finally:
-            _held[key].depth -= 1
+    if key in _held:  # an outer block of this process holds it, and releases it
+        yield run_dir
         return
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
