@@ -176,13 +176,17 @@ def _looks_like_pickle(data: bytes) -> bool:
     return data.startswith(b"PK\x03\x04") or data[:1] == b"\x80"
 
 
+def _pickle_refused(path: Path) -> CheckpointError:
+    return _fail(path, "is a pickle / torch.save file, not safetensors; refusing to load it "
+                       "(unpickling can run arbitrary code)")
+
+
 def _bytes_to_tensors(path: Path, data: bytes) -> dict[str, Tensor]:
     try:
         tensors = safetensors.torch.load(data)
     except Exception as error:  # safetensors raises its own error types
         if _looks_like_pickle(data):
-            raise _fail(path, "is a pickle / torch.save file, not safetensors; "
-                              "refusing to load it (unpickling can run arbitrary code)") from None
+            raise _pickle_refused(path) from None
         raise _fail(path, f"is not a valid safetensors file ({error})") from None
     # The library parsed the header, so its length field is sound.
     (header_len,) = struct.unpack("<Q", data[:8])
@@ -675,8 +679,7 @@ class _Checkpoint:
                     digest.update(chunk)
                 self.check_digest(name, digest.hexdigest())
                 if _looks_like_pickle(prefix):
-                    raise _fail(path, "is a pickle / torch.save file, not safetensors; refusing "
-                                      "to load it (unpickling can run arbitrary code)") from None
+                    raise _pickle_refused(path) from None
                 raise
 
 
