@@ -123,11 +123,7 @@ class DotProductAttention(scoring.DotProductAttention):
     def forward(
         self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
     ) -> Tensor:
-        if queries.shape[-1] != keys.shape[-1]:
-            raise ValueError(
-                f"queries and keys must have the same width, got {queries.shape[-1]} "
-                f"and {keys.shape[-1]}"
-            )
+        scoring.check_same_width(queries, keys)
         scores = queries @ keys.transpose(1, 2) / math.sqrt(queries.shape[-1])
         self.attention_weights = masked_softmax(scores, valid_lens)
         return self.dropout(self.attention_weights) @ values

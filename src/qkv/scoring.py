@@ -21,7 +21,17 @@ from .functional import (
 )
 from .multihead import check_dropout
 
-__all__ = ["DotProductAttention", "AdditiveAttention"]
+__all__ = ["DotProductAttention", "AdditiveAttention", "check_same_width"]
+
+
+def check_same_width(queries: Tensor, keys: Tensor) -> None:
+    """One-line ``ValueError`` unless ``queries (..., d)`` and ``keys (..., d)`` share ``d``,
+    as a dot product of the two needs."""
+    if queries.shape[-1] != keys.shape[-1]:
+        raise ValueError(
+            f"queries and keys must have the same width, got {queries.shape[-1]} "
+            f"and {keys.shape[-1]}"
+        )
 
 
 def _keep_mask(valid_lens: Tensor | None, queries: Tensor, num_keys: int) -> Tensor | None:
@@ -49,11 +59,7 @@ class DotProductAttention(nn.Module):
     def forward(
         self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
     ) -> Tensor:
-        if queries.shape[-1] != keys.shape[-1]:
-            raise ValueError(
-                f"queries and keys must have the same width, got {queries.shape[-1]} "
-                f"and {keys.shape[-1]}"
-            )
+        check_same_width(queries, keys)
         out, self.attention_weights = attention(
             queries,
             keys,
