@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-from qkv.bench import attention, data, generate, timing, translate
+from qkv.bench import attention, data, lm, timing, translate
 from qkv.cli import bench as bench_cli
-from qkv.translation import translation_loss
+from qkv.tasks.translate import translation_loss
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -122,8 +122,8 @@ def test_isolated_failure_is_one_readable_error():
 def test_generate_suite_cached_and_uncached_tokens_identical(tmp_path):
     from qkv.models.gpt import GPTConfig, GPTModel
 
-    config = generate.GenerateConfig.quick(new_tokens=12, repeats=1, device="cpu")
-    report = generate.run_generate(config, tmp_path, log=lambda s: None)
+    config = lm.GenerateConfig.quick(new_tokens=12, repeats=1, device="cpu")
+    report = lm.run_generate(config, tmp_path, log=lambda s: None)
     # The two paths' float32 logits differ by ~1e-6 here. Identical tokens are a real
     # promise only where no greedy choice is that close to a tie: check that first, so
     # that a failure says which of the two it is.
@@ -144,8 +144,8 @@ def test_generate_suite_cached_and_uncached_tokens_identical(tmp_path):
 
 def test_first_difference():
     a = torch.tensor([[1, 2, 3, 4]])
-    assert generate.first_difference(a, a.clone()) is None
-    assert generate.first_difference(a, torch.tensor([[1, 2, 9, 4]])) == 2
+    assert lm.first_difference(a, a.clone()) is None
+    assert lm.first_difference(a, torch.tensor([[1, 2, 9, 4]])) == 2
 
 
 def test_top2_margin_reads_the_logits_behind_one_choice():
@@ -158,12 +158,12 @@ def test_top2_margin_reads_the_logits_behind_one_choice():
             return rows[:, None, :].expand(ids.shape[0], ids.shape[1], 4)
 
     tokens = torch.zeros(2, 10, dtype=torch.long)
-    assert generate.top2_margin(Fixed(), tokens, 7, context=4) == 0.25
+    assert lm.top2_margin(Fixed(), tokens, 7, context=4) == 0.25
     assert seen == [4]  # the last `context` tokens before position 7
-    assert generate.top2_margin(Fixed(), tokens, 3, context=4) == 0.25
+    assert lm.top2_margin(Fixed(), tokens, 3, context=4) == 0.25
     assert seen == [4, 3]
     with pytest.raises(ValueError, match=r"position must be in \[1, 10\], got 0"):
-        generate.top2_margin(Fixed(), tokens, 0, context=4)
+        lm.top2_margin(Fixed(), tokens, 0, context=4)
 
 
 # ----------------------------------------------------------------------------
@@ -172,9 +172,9 @@ def test_top2_margin_reads_the_logits_behind_one_choice():
 
 @pytest.fixture(scope="module")
 def small_translation():
-    from qkv.data.translation import BOS
-    from qkv.models.seq2seq import build_model
-    from qkv.translation import prepare_data
+    from qkv.data.translate import BOS
+    from qkv.models.build import build_model
+    from qkv.tasks.translate import prepare_data
 
     config = translate.TranslateBenchConfig.quick(num_examples=200, dropout=0.0, device="cpu")
     settings = config.settings()
@@ -240,7 +240,7 @@ def test_translate_suite_writes_json_and_png(tmp_path):
 
 
 def test_list_of_tensors_dataset_gives_the_same_windows():
-    from qkv.data.gpt import GPTDataset
+    from qkv.data.lm import GPTDataset
 
     ids = data.make_ids(300, vocab_size=50, seed=1)
     ours, theirs = GPTDataset(ids, 16, 3), data.ListOfTensorsDataset(ids, 16, 3)

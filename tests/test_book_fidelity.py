@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import qkv
+from qkv.book.walkthrough import walkthrough_steps
 from qkv.positional import sinusoidal_table
-from qkv.walkthrough import walkthrough_steps
 
 # LLMs-from-scratch §3.3.1: x2's softmax weights, as printed in the book.
 BOOK_WEIGHTS_2 = [0.1385, 0.2379, 0.2333, 0.1240, 0.1082, 0.1581]

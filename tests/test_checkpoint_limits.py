@@ -29,11 +29,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from qkv.cli import main
-from qkv.data.translation import CorpusChangedError
-from qkv.language_model import LanguageModel, LMSettings, train_language_model
+from qkv.data.translate import CorpusChangedError
+from qkv.tasks.lm import LanguageModel, LMSettings, train_language_model
+from qkv.tasks.translate import TranslateSettings, Translator, train_translator
 from qkv.training import CheckpointError, load_trainer_state
 from qkv.training.trainer import default_optimizer
-from qkv.translation import TranslateSettings, Translator, train_translator
 from test_tokenizers import write_tiny_bpe
 
 PAIRS = [("go .", "va !"), ("hi .", "salut !"), ("run !", "cours !"), ("who ?", "qui ?"),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qkv import d2l
-from qkv.data.translation import DownloadError
+from qkv.data.translate import DownloadError
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from qkv.data.dates import (
     normalize_date_text,
     sample_dates,
 )
-from qkv.data.translation import TranslationData, Vocab, build_array, preprocess, read_pairs
+from qkv.data.translate import TranslationData, Vocab, build_array, preprocess, read_pairs
 
 # strptime pattern for each format, applied after the ordinal suffix is removed.
 # %y is *not* our rule (it maps 69..99 to 19xx), so two-digit years are compared mod 100.

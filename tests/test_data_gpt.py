@@ -1,4 +1,4 @@
-"""qkv.data.gpt: sliding windows (the book's ch. 2), loaders, embeddings, the generated corpus."""
+"""qkv.data.lm: sliding windows (the book's ch. 2), loaders, embeddings, the generated corpus."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from qkv.data.gpt import (
+from qkv.data.lm import (
     GPTDataset,
     GPTDatasetV1,
     create_dataloader,

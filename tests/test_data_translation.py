@@ -1,4 +1,4 @@
-"""Tests for qkv.data.translation: text -> pairs -> vocab -> tensors -> loaders, and download.
+"""Tests for qkv.data.translate: text -> pairs -> vocab -> tensors -> loaders, and download.
 
 Nothing here touches the network: downloads go to an http.server on 127.0.0.1 in a thread,
 and an autouse fixture fails any connection to another host.
@@ -21,8 +21,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qkv.data import translation as tr
-from qkv.data.translation import (
+from qkv.data import translate as tr
+from qkv.data.translate import (
     FRA_ENG_SHA1,
     FRA_ENG_URL,
     DownloadError,
@@ -589,11 +589,11 @@ def test_download_failures_are_one_line_with_the_way_out(where, server, hang_up_
 
 def test_cli_train_on_fra_eng_without_network_is_one_line(tmp_path, monkeypatch, capsys):
     """`qkv translate train --data fra-eng` with the network down: exit 2, one line."""
-    import qkv.translation
+    import qkv.tasks.translate
     from qkv.cli import main
 
     url = f"http://127.0.0.1:{_closed_port()}/fra-eng.zip"
-    monkeypatch.setattr(qkv.translation, "download_fra_eng",
+    monkeypatch.setattr(qkv.tasks.translate, "download_fra_eng",
                         functools.partial(download_fra_eng, tmp_path / "cache", url=url))
     assert main(["translate", "train", "--data", "fra-eng", "--run-dir", str(tmp_path / "r"),
                  "--epochs", "1", "--no-progress"]) == 2

@@ -83,11 +83,11 @@ def _no_build(*args, **kwargs):
 
 
 def test_translate_train_too_big_is_refused_before_building(tmp_path, monkeypatch, capsys):
-    import qkv.translation
+    import qkv.tasks.translate
 
     corpus = tmp_path / "c.txt"
     corpus.write_text(CORPUS, encoding="utf-8")
-    monkeypatch.setattr(qkv.translation, "build_model", _no_build)
+    monkeypatch.setattr(qkv.tasks.translate, "build_model", _no_build)
     assert main(["translate", "train", "--data", str(corpus), "--run-dir", str(tmp_path / "r"),
                  "--num-hiddens", "100000", "--min-freq", "1", "--epochs", "1",
                  "--no-progress"]) == 2
@@ -102,12 +102,12 @@ def test_translate_train_too_big_is_refused_before_building(tmp_path, monkeypatc
 
 
 def test_lm_train_gpt2_xl_on_a_small_machine_is_refused(tmp_path, monkeypatch, capsys):
-    import qkv.language_model
+    import qkv.tasks.lm
 
     text = tmp_path / "t.txt"
     text.write_text("The cat sat on the mat. " * 200, encoding="utf-8")
     monkeypatch.setattr(limits, "available_memory", lambda device="cpu": 8 * GiB)
-    monkeypatch.setattr(qkv.language_model, "GPTModel", _no_build)
+    monkeypatch.setattr(qkv.tasks.lm, "GPTModel", _no_build)
     assert main(["lm", "train", "--preset", "gpt2-xl", "--context-length", "32", "--text",
                  str(text), "--run-dir", str(tmp_path / "r"), "--no-progress"]) == 2
     err = capsys.readouterr().err

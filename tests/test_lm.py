@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qkv.cli import main
-from qkv.language_model import LanguageModel, LMSettings, train_language_model
+from qkv.tasks.lm import LanguageModel, LMSettings, train_language_model
 from test_tokenizers import write_tiny_bpe
 
 TEXT = ("The cat sat on the mat. The dog sat on the log. A cat and a dog met on the mat. "

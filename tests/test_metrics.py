@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from qkv.metrics import bleu, corpus_bleu, exact_match
+from qkv.training.metrics import bleu, corpus_bleu, exact_match
 
 
 def test_identical_is_one():

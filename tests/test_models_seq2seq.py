@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from qkv.data.translation import BOS, EOS, PAD, TranslationData
+from qkv.data.translate import BOS, EOS, PAD, TranslationData
 from qkv.models import (
     BahdanauSeq2Seq,
     EncoderDecoder,

@@ -1,7 +1,7 @@
 """A user's run is never lost: real processes, real signals, real pipes.
 
 Each test drives ``python -m qkv`` in subprocesses. Where the moment of a signal
-matters, the process runs with ``QKV_TEST_PAUSE`` (see :mod:`qkv.testing`): it stops at
+matters, the process runs with ``QKV_TEST_PAUSE`` (see :mod:`qkv.utils.testing`): it stops at
 a named point, the test sends the signal, then lets it go on.
 """
 
@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import load_file
 
 from qkv.cli import main
-from qkv.testing import PAUSE_ENV
+from qkv.tasks.translate import Translator
 from qkv.training import checkpoint_progress, is_checkpoint, load_config
-from qkv.translation import Translator
+from qkv.utils.testing import PAUSE_ENV
 
 PAIRS = [("Go.", "Va !"), ("I lost.", "J'ai perdu."), ("Hi.", "Salut !"), ("Run!", "Cours !"),
          ("Who?", "Qui ?"), ("Wow!", "Ça alors !"), ("I won.", "J'ai gagné."),
@@ -488,7 +488,7 @@ def test_a_staging_directory_that_is_not_qkvs_own_is_refused(one_epoch, tmp_path
 
 
 def test_temp_files_of_killed_writes_go_and_live_ones_stay(tmp_path):
-    from qkv.fileio import remove_stale_temp_files
+    from qkv.utils.fileio import remove_stale_temp_files
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
@@ -531,7 +531,7 @@ def test_every_output_location_is_checked_before_training(corpus, tmp_path, caps
 
 
 def test_signals_during_a_save_are_delivered_after_it():
-    from qkv.fileio import deferred_signals
+    from qkv.utils.fileio import deferred_signals
 
     order = []
     held = deferred_signals(on_deferred=lambda s: order.append(("held", s)))
@@ -566,7 +566,7 @@ def test_the_lock_is_reentrant_and_names_its_holder(tmp_path):
 
 def test_a_checkpoint_with_non_finite_weights_is_refused_on_load(tmp_path, capsys):
     """What `lm train --lr 1e4` used to save; sampling from it failed deep in torch."""
-    from qkv.language_model import LanguageModel
+    from qkv.tasks.lm import LanguageModel
     from qkv.training import save_checkpoint
 
     run_dir = tmp_path / "lm"

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from qkv.cli import main
-from qkv.translation import TranslateSettings, Translator, train_translator
+from qkv.tasks.translate import TranslateSettings, Translator, train_translator
 
 PAIRS = [
     ("Go.", "Va !"), ("I lost.", "J'ai perdu."), ("I'm home.", "Je suis chez moi."),
@@ -223,10 +223,10 @@ def test_transformer_and_trace(corpus, tmp_path, capsys):
 def test_fra_eng_data_goes_through_the_verified_download(corpus, tmp_path, monkeypatch, capsys):
     """--data fra-eng trains on whatever download_fra_eng returns (tested on a local server
     in test_data_translation.py); here it is stubbed to the test corpus."""
-    import qkv.translation
+    import qkv.tasks.translate
 
     calls = []
-    monkeypatch.setattr(qkv.translation, "download_fra_eng",
+    monkeypatch.setattr(qkv.tasks.translate, "download_fra_eng",
                         lambda: calls.append(1) or corpus)
     assert main(["translate", "train", "--data", "fra-eng", "--run-dir", str(tmp_path / "f"),
                  "--epochs", "1", *FAST]) == 0
@@ -236,9 +236,10 @@ def test_fra_eng_data_goes_through_the_verified_download(corpus, tmp_path, monke
 
 @pytest.mark.parametrize("model_name", ["bahdanau", "transformer"])
 def test_loss_skips_all_padding_steps_without_changing_loss_or_gradients(model_name):
-    from qkv.models.seq2seq import Seq2SeqConfig, build_model, teacher_forcing_input
+    from qkv.models.build import build_model
+    from qkv.models.seq2seq import Seq2SeqConfig, teacher_forcing_input
+    from qkv.tasks.translate import translation_loss
     from qkv.training.losses import masked_cross_entropy
-    from qkv.translation import translation_loss
 
     torch.manual_seed(0)
     config = Seq2SeqConfig(model=model_name, src_vocab_size=12, tgt_vocab_size=12,

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
+from qkv.book.walkthrough import SECTIONS, Step, format_tensor, walkthrough_steps
 from qkv.cli import main
-from qkv.walkthrough import SECTIONS, Step, format_tensor, walkthrough_steps
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -275,7 +275,7 @@ def test_python_dash_m_lists_steps():
 
 
 def test_plot_attention_formats_and_errors(tmp_path):
-    from qkv.viz import plot_attention, plot_attention_grid
+    from qkv.utils.figures import plot_attention, plot_attention_grid
 
     weights = torch.softmax(torch.arange(12.0).view(3, 4), dim=-1).requires_grad_()
     labels = dict(row_labels=["je", "suis", "<eos>"], col_labels=["i'm", "home", ".", "<eos>"])
@@ -296,7 +296,7 @@ def test_plot_attention_formats_and_errors(tmp_path):
 
 
 def test_plot_attention_grid_packs_panels_of_different_widths():
-    from qkv.viz import plot_attention_grid
+    from qkv.utils.figures import plot_attention_grid
 
     # Three translations of different source lengths, as `qkv translate run --heatmap`
     # draws them: each row packs its panels from the left, instead of giving every
@@ -339,7 +339,7 @@ def test_heatmaps_draw_any_text(tmp_path):
 
     from matplotlib.image import imread
 
-    from qkv.viz import SUPPORTED_FORMATS, plot_attention, plot_attention_grid
+    from qkv.utils.figures import SUPPORTED_FORMATS, plot_attention, plot_attention_grid
 
     # What `qkv translate run --text $'\xff\xfe'` or a prompt full of symbols feeds the
     # labels: undecodable bytes (Python's surrogates), mathtext syntax (balanced and not),

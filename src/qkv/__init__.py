@@ -7,6 +7,14 @@ books use the same name for different signatures.
 """
 
 from . import functional
+from .book.self_attention import (
+    CausalAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttention_v1,
+    SelfAttention_v2,
+    SelfAttentionV1,
+    SelfAttentionV2,
+)
 from .functional import (
     all_attention_scores,
     all_attention_scores_loop,
@@ -27,14 +35,6 @@ from .kv_cache import KVCache
 from .multihead import MultiHeadAttention
 from .positional import PositionalEncoding
 from .scoring import AdditiveAttention, DotProductAttention
-from .self_attention import (
-    CausalAttention,
-    MultiHeadAttentionWrapper,
-    SelfAttention_v1,
-    SelfAttention_v2,
-    SelfAttentionV1,
-    SelfAttentionV2,
-)
 
 __version__ = "0.1.0"
 

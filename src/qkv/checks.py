@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -168,3 +169,38 @@ def small_divisors(n: int, count: int = 8) -> list[int]:
         d += 1
     # Stopping early leaves `count` divisors in `low`, all smaller than any in `high`.
     return sorted(set(low + high))[:count]
+
+
+def check_positive_int(name: str, value: Any, what: str = "integer") -> None:
+    """Raise a one-line error unless ``value`` is an ``int`` >= 1 (a size, a count).
+
+    ``TypeError`` for a value that is not an integer (``2.0``, ``True``, a tensor),
+    ``ValueError`` for zero or a negative one. ``what`` names the unit in the message.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be a positive {what}, got {value!r} of type {type(value).__name__}"
+        )
+    if value < 1:
+        raise ValueError(f"{name} must be a positive {what}, got {value}")
+
+
+def check_heads(d_out: int, num_heads: int, name: str = "d_out") -> None:
+    """Raise a one-line error unless ``d_out`` (called ``name``) splits into ``num_heads``."""
+    check_positive_int(name, d_out)
+    check_positive_int("num_heads", num_heads)
+    if d_out % num_heads != 0:
+        raise ValueError(
+            f"{name} ({d_out}) must be divisible by num_heads ({num_heads}); "
+            f"e.g. num_heads in {small_divisors(d_out)}"
+        )
+
+
+def check_dropout(p: float) -> None:
+    """Raise a one-line error unless ``p`` is a probability that leaves something to keep."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(
+            f"dropout must be a probability in [0, 1), got {p!r} of type {type(p).__name__}"
+        )
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1), got {p}")

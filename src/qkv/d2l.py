@@ -51,13 +51,14 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from . import multihead, scoring
-from .data import translation
+from .checks import check_positive_int
+from .data import translate
 from .data.loading import batch_loader
-from .functional import check_positive_int, masked_softmax
-from .metrics import bleu
-from .models import seq2seq
+from .functional import masked_softmax
+from .models import bahdanau, seq2seq
 from .positional import PositionalEncoding
 from .training.losses import valid_mask
+from .training.metrics import bleu
 
 __all__ = [
     # attention
@@ -267,7 +268,7 @@ class EncoderDecoder(nn.Module):
         return self.decoder(dec_X, dec_state)[0]
 
 
-class Seq2SeqEncoder(seq2seq.Seq2SeqEncoder, Encoder):
+class Seq2SeqEncoder(bahdanau.Seq2SeqEncoder, Encoder):
     """d2l's GRU encoder: an embedding, then ``num_layers`` GRU layers.
 
     ``X (batch, num_steps)`` int ``-> (outputs (num_steps, batch, num_hiddens),
@@ -297,7 +298,7 @@ class Seq2SeqEncoder(seq2seq.Seq2SeqEncoder, Encoder):
 DATA_URL = "http://d2l-data.s3-accelerate.amazonaws.com/"
 # name -> (url, sha1 of the file); download(name) looks names up here.
 DATA_HUB: dict[str, tuple[str, str]] = {
-    "fra-eng": (translation.FRA_ENG_URL, translation.FRA_ENG_SHA1),
+    "fra-eng": (translate.FRA_ENG_URL, translate.FRA_ENG_SHA1),
 }
 
 
@@ -319,7 +320,7 @@ def download(url: str, folder: str = "../data", sha1_hash: str | None = None) ->
 
     Raises:
         KeyError: ``url`` is neither a URL nor a ``DATA_HUB`` name.
-        qkv.data.translation.DownloadError: the SHA-1 of what arrived is not ``sha1_hash``.
+        qkv.data.translate.DownloadError: the SHA-1 of what arrived is not ``sha1_hash``.
         urllib.error.URLError: the network or the server failed.
     """
     if not url.startswith(("http://", "https://")):
@@ -338,7 +339,7 @@ def download(url: str, folder: str = "../data", sha1_hash: str | None = None) ->
                 digest.update(chunk)
                 out.write(chunk)
         if sha1_hash and digest.hexdigest() != sha1_hash.lower():
-            raise translation.DownloadError(
+            raise translate.DownloadError(
                 f"SHA-1 mismatch for {url}: expected {sha1_hash.lower()}, "
                 f"got {digest.hexdigest()}"
             )
@@ -378,7 +379,7 @@ def _check_members(names: Iterable[str], archive: str) -> None:
     for name in names:
         parts = Path(name.replace("\\", "/")).parts
         if name.startswith(("/", "\\")) or ".." in parts or (parts and ":" in parts[0]):
-            raise translation.DownloadError(f"refusing to extract {name!r} from {archive}")
+            raise translate.DownloadError(f"refusing to extract {name!r} from {archive}")
 
 
 def read_data_nmt() -> str:
@@ -386,18 +387,18 @@ def read_data_nmt() -> str:
 
     Reads the file named by the environment variable ``QKV_FRA_ENG`` when it is set (a
     local ``fra.txt``, nothing downloaded); otherwise the Tatoeba fra-eng corpus through
-    :func:`qkv.data.translation.download_fra_eng` (fetched once, SHA-1 verified, cached
+    :func:`qkv.data.translate.download_fra_eng` (fetched once, SHA-1 verified, cached
     under ``$QKV_CACHE`` or ``~/.cache/qkv``). :func:`load_data_nmt` calls this name at
     run time, so assigning ``d2l.read_data_nmt = my_reader`` also replaces the corpus.
     """
     local = os.environ.get(FRA_ENG_ENV)
-    path = Path(local).expanduser() if local else translation.download_fra_eng()
-    return translation.load_corpus(path)
+    path = Path(local).expanduser() if local else translate.download_fra_eng()
+    return translate.load_corpus(path)
 
 
 def preprocess_nmt(text: str) -> str:
     """Lower-case, turn no-break spaces into spaces and put a space before ``, . ! ?``."""
-    return translation.preprocess(text)
+    return translate.preprocess(text)
 
 
 def tokenize_nmt(
@@ -421,7 +422,7 @@ def tokenize_nmt(
     return source, target
 
 
-class Vocab(translation.Vocab):
+class Vocab(translate.Vocab):
     """d2l's vocabulary: ``Vocab(tokens=None, min_freq=0, reserved_tokens=None)``.
 
     Id 0 is ``<unk>``, then ``reserved_tokens``, then tokens seen at least ``min_freq``
@@ -441,7 +442,7 @@ class Vocab(translation.Vocab):
 
 def truncate_pad(line: list[int], num_steps: int, padding_token: int) -> list[int]:
     """Cut ``line`` to ``num_steps`` items or pad it on the right with ``padding_token``."""
-    return translation.truncate_pad(line, num_steps, padding_token)
+    return translate.truncate_pad(line, num_steps, padding_token)
 
 
 def build_array_nmt(
@@ -452,7 +453,7 @@ def build_array_nmt(
     Each line gets ``<eos>``, is mapped to ids and is truncated or padded with ``<pad>``;
     ``valid_len`` counts the ids that are not ``<pad>``, as d2l counts them.
     """
-    array, _ = translation.build_array(lines, vocab, num_steps)
+    array, _ = translate.build_array(lines, vocab, num_steps)
     valid_len = (array != vocab["<pad>"]).sum(1)
     return array, valid_len
 

@@ -29,7 +29,6 @@ such a row *uniform* weights; it is kept here as written for reference.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import torch
@@ -56,20 +55,6 @@ __all__ = [
 ]
 
 BACKENDS = ("fused", "eager")
-
-
-def check_positive_int(name: str, value: Any, what: str = "integer") -> None:
-    """Raise a one-line error unless ``value`` is an ``int`` >= 1 (a size, a count).
-
-    ``TypeError`` for a value that is not an integer (``2.0``, ``True``, a tensor),
-    ``ValueError`` for zero or a negative one. ``what`` names the unit in the message.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{name} must be a positive {what}, got {value!r} of type {type(value).__name__}"
-        )
-    if value < 1:
-        raise ValueError(f"{name} must be a positive {what}, got {value}")
 
 
 # ---------------------------------------------------------------------------

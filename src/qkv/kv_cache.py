@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .functional import check_positive_int
+from .checks import check_positive_int
 
 __all__ = ["KVCache"]
 

@@ -9,43 +9,21 @@ request, padding masks, cross-attention and a KV cache.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from .checks import check_dropout, check_heads, check_positive_int
 from .functional import (
     BACKENDS,
     attention,
-    check_positive_int,
     check_valid_lens,
     lengths_to_mask,
 )
 from .kv_cache import KVCache
 
-__all__ = ["MultiHeadAttention", "check_heads", "check_dropout"]
-
-
-def check_heads(d_out: int, num_heads: int, name: str = "d_out") -> None:
-    """Raise a one-line error unless ``d_out`` (called ``name``) splits into ``num_heads``."""
-    check_positive_int(name, d_out)
-    check_positive_int("num_heads", num_heads)
-    if d_out % num_heads != 0:
-        raise ValueError(
-            f"{name} ({d_out}) must be divisible by num_heads ({num_heads}); "
-            f"e.g. num_heads in {[h for h in range(1, d_out + 1) if d_out % h == 0][:8]}"
-        )
-
-
-def check_dropout(p: float) -> None:
-    """Raise a one-line error unless ``p`` is a probability that leaves something to keep."""
-    if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise TypeError(
-            f"dropout must be a probability in [0, 1), got {p!r} of type {type(p).__name__}"
-        )
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout must be a probability in [0, 1), got {p}")
+__all__ = ["MultiHeadAttention"]
 
 
 def _check_input(name: str, x: Tensor, width: int) -> None:

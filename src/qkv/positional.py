@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .functional import check_positive_int
-from .multihead import check_dropout
+from .checks import check_dropout, check_positive_int
 
 __all__ = ["PositionalEncoding", "sinusoidal_table"]
 

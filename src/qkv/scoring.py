@@ -12,14 +12,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .checks import check_dropout, check_positive_int
 from .functional import (
     attention,
-    check_positive_int,
     check_valid_lens,
     lengths_to_mask,
     softmax_with_mask,
 )
-from .multihead import check_dropout
 
 __all__ = ["DotProductAttention", "AdditiveAttention", "check_same_width"]
 

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..multihead import MultiHeadAttention
-from ..viz import new_figure, save_figure
+from ..utils.figures import new_figure, save_figure
 from .timing import (
     MEMORY_MODES,
     format_mib,

@@ -5,7 +5,7 @@ windows of ``max_length`` tokens, the target shifted by one, a new window every
 ``stride`` tokens. With the defaults, one million ids, windows of 256 and stride 1,
 there is a window at almost every position:
 
-- ``qkv``: :class:`qkv.data.gpt.GPTDataset` stores the ids once, as one int64 tensor, and
+- ``qkv``: :class:`qkv.data.lm.GPTDataset` stores the ids once, as one int64 tensor, and
   slices each window as a view when it is asked for;
 - ``list-of-tensors``: the book's ``GPTDatasetV1`` algorithm, written here, which builds
   a list of input tensors and a list of target tensors up front, one pair per window,
@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from ..data.gpt import GPTDataset
-from ..viz import new_figure, save_figure
+from ..data.lm import GPTDataset
+from ..utils.figures import new_figure, save_figure
 from .timing import (
     MEMORY_MODES,
     Stats,

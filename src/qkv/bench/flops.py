@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import attention
-from ..viz import new_figure, save_figure
+from ..utils.figures import new_figure, save_figure
 from .attention import causal_mask_mod
 from .timing import (
     Stats,

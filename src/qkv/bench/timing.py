@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..fileio import write_atomic
+from ..utils.fileio import write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

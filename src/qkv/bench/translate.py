@@ -36,16 +36,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..data.translation import BOS
-from ..models.seq2seq import Seq2SeqConfig, build_model, teacher_forcing_input
+from ..data.translate import BOS
+from ..models.build import build_model
+from ..models.seq2seq import Seq2SeqConfig, teacher_forcing_input
+from ..tasks.translate import TranslateSettings, prepare_data, translation_loss
 from ..training import (
     TrainConfig,
     Trainer,
     epoch_seed,
     seed_everything,
 )
-from ..translation import TranslateSettings, prepare_data, translation_loss
-from ..viz import new_figure, save_figure
+from ..utils.figures import new_figure, save_figure
 from .timing import (
     hbars,
     machine_info,
@@ -239,7 +240,7 @@ class TranslateBenchConfig:
     """What to train: qkv's ``translate train`` defaults on the ``dates`` corpus.
 
     One timed call is one epoch over the training split; ``warmup`` untimed epochs run
-    first. The remaining fields are :class:`qkv.translation.TranslateSettings`'.
+    first. The remaining fields are :class:`qkv.tasks.translate.TranslateSettings`'.
     """
 
     num_examples: int = 10_000

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..fileio import check_writable
+from ..utils.fileio import check_writable
 
 SUITES = ("attention", "generate", "translate", "data", "flops")
 
@@ -110,7 +110,7 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
         config = AttentionConfig.quick(**kwargs) if args.quick else AttentionConfig(**kwargs)
         return run_attention(config, args.out)
     if name == "generate":
-        from ..bench.generate import GenerateConfig, run_generate
+        from ..bench.lm import GenerateConfig, run_generate
 
         kwargs = {**_overrides(args), "device": args.device, "dtype": args.dtype}
         config = GenerateConfig.quick(**kwargs) if args.quick else GenerateConfig(**kwargs)

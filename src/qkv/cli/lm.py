@@ -100,7 +100,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from ..language_model import LMSettings, train_language_model
+    from ..tasks.lm import LMSettings, train_language_model
     from ..training import is_main_process
 
     given = given_settings(args, SETTINGS_FLAGS)
@@ -123,7 +123,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from ..language_model import LanguageModel
+    from ..tasks.lm import LanguageModel
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -138,8 +138,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_attention(args: argparse.Namespace) -> int:
-    from ..language_model import LanguageModel
-    from ..viz import check_image_path
+    from ..tasks.lm import LanguageModel
+    from ..utils.figures import check_image_path
 
     check_image_path(args.heatmap)
     lm = LanguageModel.load(args.ckpt, device=args.device, bpe_dir=args.bpe_dir)

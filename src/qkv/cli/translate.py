@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..translation import TranslateSettings
+from ..tasks.translate import TranslateSettings
 from .runs import check_resume_flags, given_settings, reporting_stops
 
 # TranslateSettings field -> the argparse destination of its flag.
@@ -112,7 +112,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _print_translations(translations, refs: list[str] | None = None) -> None:
-    from ..metrics import bleu
+    from ..training.metrics import bleu
 
     for i, t in enumerate(translations):
         extra = "" if refs is None else f", bleu {bleu(' '.join(t.tokens), refs[i], k=2):.3f}"
@@ -129,8 +129,8 @@ def _print_metrics(label: str, metrics: dict[str, float | None]) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from ..tasks.translate import ATTENTION_PLOT, train_translator
     from ..training import is_main_process
-    from ..translation import ATTENTION_PLOT, train_translator
 
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -171,13 +171,13 @@ def _report_training(translator, run_dir: Path, heatmap: Path) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from ..translation import Translator
+    from ..tasks.translate import Translator
 
     return Translator.load(args.ckpt, device=args.device)
 
 
 def run_translate(args: argparse.Namespace) -> int:
-    from ..viz import check_image_path
+    from ..utils.figures import check_image_path
 
     if args.heatmap is not None:
         check_image_path(args.heatmap)
@@ -205,7 +205,7 @@ def run_translate(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from ..translation import load_pairs, prepare_data
+    from ..tasks.translate import load_pairs, prepare_data
 
     translator = _load(args)
     settings = translator.settings

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import argparse
 
-from ..walkthrough import BOOK_TEXT, MAX_TOKENS, heatmap_panels, select_steps, walkthrough_steps
+from ..book.walkthrough import (
+    BOOK_TEXT,
+    MAX_TOKENS,
+    heatmap_panels,
+    select_steps,
+    walkthrough_steps,
+)
 
 HELP = "walk through self-attention step by step (LLMs-from-scratch §3.3-3.6)"
 
@@ -58,7 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     # Validate the output path before any work so a typo fails at once.
     if args.heatmap:
-        from ..viz import check_image_path
+        from ..utils.figures import check_image_path
 
         check_image_path(args.heatmap)
 
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n\n".join(step.render() for step in steps))
 
     if panels is not None:
-        from ..viz import plot_attention_grid
+        from ..utils.figures import plot_attention_grid
 
         matrices, titles, tokens = panels
         source = BOOK_TEXT if args.text is None else " ".join(args.text.split())

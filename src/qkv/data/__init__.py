@@ -3,7 +3,7 @@
 # The book's ch. 2 ends with the input embeddings; they are a model's first layer and
 # live in qkv.models.gpt, re-exported here beside the data pipeline that feeds them.
 from ..models.gpt import GPTEmbedding, embed_tokens
-from .gpt import (
+from .lm import (
     GPTDataset,
     GPTDatasetV1,
     create_dataloader,

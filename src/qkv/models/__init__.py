@@ -4,6 +4,8 @@ Both share one interface (:class:`EncoderDecoder`), built from a :class:`Seq2Seq
 by :func:`build_model`; :func:`greedy_decode` and :func:`beam_search` work with either.
 """
 
+from .bahdanau import BahdanauSeq2Seq, BahdanauState, Seq2SeqAttentionDecoder, Seq2SeqEncoder
+from .build import build_model
 from .decoding import beam_search, greedy_decode, length_penalty_factor, score_sequence
 from .gpt import (
     GELU,
@@ -20,13 +22,8 @@ from .gpt import (
 from .gpt import PRESETS as GPT_PRESETS
 from .seq2seq import (
     MODEL_NAMES,
-    BahdanauSeq2Seq,
-    BahdanauState,
     EncoderDecoder,
-    Seq2SeqAttentionDecoder,
     Seq2SeqConfig,
-    Seq2SeqEncoder,
-    build_model,
     init_seq2seq,
     num_parameters,
     teacher_forcing_input,

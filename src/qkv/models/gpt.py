@@ -33,9 +33,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ..checks import MAX_SIZE, check_float, check_int, show, small_divisors
+from ..checks import (
+    MAX_SIZE,
+    check_dropout,
+    check_float,
+    check_heads,
+    check_int,
+    show,
+    small_divisors,
+)
 from ..kv_cache import KVCache
-from ..multihead import MultiHeadAttention, check_dropout, check_heads
+from ..multihead import MultiHeadAttention
 
 __all__ = [
     "GPTEmbedding",

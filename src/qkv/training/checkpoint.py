@@ -65,14 +65,14 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import MAX_COUNT, check_bool, check_float, check_int, check_str, show
-from ..fileio import (
+from ..utils.fileio import (
     deferred_signals,
     fsync_dir,
     remove_stale_temp_files,
     write_atomic,
     write_durable,
 )
-from ..testing import pause_point
+from ..utils.testing import pause_point
 from .lock import run_dir_lock
 
 __all__ = [

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..fileio import process_alive
+from ..utils.fileio import process_alive
 
 try:
     import fcntl

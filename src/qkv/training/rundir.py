@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..fileio import check_writable
+from ..utils.fileio import check_writable
 from .checkpoint import (
     CONFIG,
     MANIFEST,

@@ -66,8 +66,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from ..checks import check_float
-from ..testing import pause_point
-from ..viz import new_figure, save_figure
+from ..utils.figures import new_figure, save_figure
+from ..utils.testing import pause_point
 from .checkpoint import (
     CheckpointError,
     capture_rng_state,

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..models.gpt import PRESETS, GPTConfig, GPTModel, generate
-from ..viz import new_figure, save_figure
+from ..utils.figures import new_figure, save_figure
 from .timing import (
     hbars,
     machine_info,

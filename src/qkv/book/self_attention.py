@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .functional import attention, check_positive_int
-from .multihead import check_dropout
+from ..checks import check_dropout, check_positive_int
+from ..functional import attention
 
 __all__ = [
     "SelfAttentionV1",

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .checks import (
+from ..checks import (
     MAX_SIZE,
     check_bool,
     check_float,
@@ -43,11 +43,11 @@ from .checks import (
     fields_from_dict,
     show,
 )
-from .data.gpt import GPTDataset, create_dataloader, generated_corpus
-from .data.tokenizers import TOKENIZER_NAMES, Tokenizer, get_tokenizer, tokenizer_from_dict
-from .data.translation import read_corpus
-from .models.gpt import PRESETS, GPTConfig, GPTModel, generate
-from .training import (
+from ..data.lm import GPTDataset, create_dataloader, generated_corpus
+from ..data.tokenizers import TOKENIZER_NAMES, Tokenizer, get_tokenizer, tokenizer_from_dict
+from ..data.translate import read_corpus
+from ..models.gpt import PRESETS, GPTConfig, GPTModel, generate
+from ..training import (
     LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
     TRAIN_BYTES_PER_PARAMETER,
@@ -276,7 +276,7 @@ class LanguageModel:
 
     def heatmap(self, prompt: str, path: str | Path, layers: Sequence[int] | None = None):
         """Per-layer, per-head attention of ``prompt``: one row of panels per layer."""
-        from .viz import plot_attention_grid
+        from ..utils.figures import plot_attention_grid
 
         labels, weights = self.attention(prompt)
         layers = range(len(weights)) if layers is None else layers

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .functional import (
+from ..functional import (
     all_attention_scores,
     attention,
     attention_scores,
@@ -47,7 +47,7 @@ from .functional import (
     softmax_stable,
     softmax_with_mask,
 )
-from .multihead import MultiHeadAttention
+from ..multihead import MultiHeadAttention
 from .self_attention import (
     CausalAttention,
     MultiHeadAttentionWrapper,

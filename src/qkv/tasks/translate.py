@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
-from .checks import (
+from ..checks import (
     MAX_COUNT,
     MAX_SIZE,
     check_float,
@@ -52,8 +52,8 @@ from .checks import (
     fields_from_dict,
     show,
 )
-from .data.dates import DATES_NUM_STEPS, join_date_tokens, make_date_pairs, normalize_date_text
-from .data.translation import (
+from ..data.dates import DATES_NUM_STEPS, join_date_tokens, make_date_pairs, normalize_date_text
+from ..data.translate import (
     BOS,
     EOS,
     PAD,
@@ -66,8 +66,7 @@ from .data.translation import (
     read_corpus,
     read_pairs,
 )
-from .metrics import bleu, corpus_bleu, exact_match, has_sacrebleu
-from .models import (
+from ..models import (
     MODEL_NAMES,
     EncoderDecoder,
     Seq2SeqConfig,
@@ -77,7 +76,7 @@ from .models import (
     num_parameters,
     teacher_forcing_input,
 )
-from .training import (
+from ..training import (
     LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
     TRAIN_BYTES_PER_PARAMETER,
@@ -99,6 +98,7 @@ from .training import (
     resumed_settings,
     seed_everything,
 )
+from ..training.metrics import bleu, corpus_bleu, exact_match, has_sacrebleu
 
 __all__ = [
     "TranslateSettings",
@@ -528,7 +528,7 @@ class Translator:
 
     def heatmap(self, translations: Sequence[Translation], path: str | Path) -> Path:
         """Draw target tokens (rows) against source tokens (columns), one panel each."""
-        from .viz import plot_attention_grid
+        from ..utils.figures import plot_attention_grid
 
         # One attention row per decoder step: the output tokens, plus <eos> when the
         # decoder stopped on its own rather than at num_steps.
