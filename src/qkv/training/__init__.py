@@ -45,8 +45,11 @@ from .rundir import (
     open_run_dir,
     resumed_settings,
 )
+from .schedule import DECAYS, LRSchedule
 from .trainer import (
+    BEST_DIR,
     LOSS_PLOT,
+    EarlyStopping,
     TrainConfig,
     Trainer,
     TrainingDivergedError,
@@ -88,7 +91,11 @@ __all__ = [
     "open_run_dir",
     "MaskedSoftmaxCELoss",
     "masked_cross_entropy",
+    "DECAYS",
+    "LRSchedule",
+    "BEST_DIR",
     "LOSS_PLOT",
+    "EarlyStopping",
     "TrainConfig",
     "Trainer",
     "TrainingDivergedError",

@@ -36,7 +36,7 @@ def _check_shapes(logits: Tensor, targets: Tensor, valid_len: Tensor) -> None:
 
 
 def masked_cross_entropy(
-    logits: Tensor, targets: Tensor, valid_len: Tensor
+    logits: Tensor, targets: Tensor, valid_len: Tensor, *, label_smoothing: float = 0.0
 ) -> tuple[Tensor, Tensor]:
     """Softmax cross-entropy summed over the valid positions only.
 
@@ -45,6 +45,9 @@ def masked_cross_entropy(
         targets: ``(batch, T)`` class indices.
         valid_len: ``(batch,)``; position ``t`` of example ``b`` counts when
             ``t < valid_len[b]``.
+        label_smoothing: ``eps`` in ``[0, 1)``: the target distribution puts ``1 - eps``
+            on the target and spreads ``eps`` evenly over all ``vocab`` classes (the
+            target included), as ``torch.nn.functional.cross_entropy`` defines it.
 
     Returns:
         ``(loss_sum, num_tokens)``: two scalar tensors on the logits' device (float
@@ -63,6 +66,7 @@ def masked_cross_entropy(
         masked_targets.reshape(-1),
         ignore_index=ignore,
         reduction="sum",
+        label_smoothing=label_smoothing,
     )
     return loss_sum, mask.sum()
 

@@ -50,7 +50,9 @@ loads on every rank. See ``docs/distributed.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import random
 import sys
 import time
@@ -77,9 +79,12 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .distributed import init_distributed
+from .schedule import LRSchedule
 
 __all__ = [
+    "BEST_DIR",
     "LOSS_PLOT",
+    "EarlyStopping",
     "TrainConfig",
     "Trainer",
     "TrainingDivergedError",
@@ -93,8 +98,48 @@ LossFn = Callable[[nn.Module, Batch], tuple[Tensor, Tensor]]
 DataFactory = Callable[[torch.Generator], Iterable[Batch]]
 
 LOSS_PLOT = "loss.png"
+# The sub-directory of run_dir that holds the best weights seen by early stopping: a
+# checkpoint of its own (weights and config, no trainer state), loadable as any other.
+BEST_DIR = "best"
 # Seconds between progress-bar refreshes; each refresh reads the loss from the device.
 _PROGRESS_INTERVAL = 0.5
+
+
+@dataclass(frozen=True)
+class EarlyStopping:
+    """Stop when a validation metric has not improved for ``patience`` epochs.
+
+    Attributes:
+        metric: a key of the history, e.g. ``"valid_loss"`` or ``"valid_bleu"``.
+        mode: ``"min"`` (lower is better) or ``"max"``.
+        patience: epochs without improvement before stopping; 0 never stops (the best
+            weights are still kept).
+        min_delta: an improvement smaller than this does not count.
+    """
+
+    metric: str = "valid_loss"
+    mode: str = "min"
+    patience: int = 3
+    min_delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric.startswith("valid_"):
+            raise ValueError(f"early stopping metric must name a validation metric "
+                             f"('valid_...'), got {self.metric!r}")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"early stopping mode must be 'min' or 'max', got {self.mode!r}")
+        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or \
+                self.patience < 0:
+            raise ValueError(f"patience must be an int >= 0, got {self.patience!r}")
+        check_float("min_delta", self.min_delta, 0.0)
+
+    def improved(self, value: float, best: float | None) -> bool:
+        """Whether ``value`` beats ``best`` (None: nothing yet) by more than ``min_delta``."""
+        if best is None:
+            return True
+        if self.mode == "min":
+            return value < best - self.min_delta
+        return value > best + self.min_delta
 
 
 @dataclass
@@ -111,6 +156,11 @@ class TrainConfig:
         log_every: log a line every this many epochs (and after the last); 0: never.
         checkpoint_every: save every this many epochs; 0: only at the end (and on Ctrl-C).
         progress: show a tqdm progress bar on stderr.
+        schedule: the learning rate of step ``s`` is ``lr * schedule.factor(s)``; None:
+            ``lr`` throughout. A ``total_steps`` of None becomes epochs x batches.
+        early_stopping: watch a validation metric, keep the best weights in
+            ``run_dir/best`` and stop after ``patience`` epochs without improvement;
+            :meth:`Trainer.fit` then returns with the best weights in the model.
     """
 
     epochs: int = 1
@@ -121,6 +171,8 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 0
     progress: bool = True
+    schedule: LRSchedule | None = None
+    early_stopping: EarlyStopping | None = None
 
     def __post_init__(self) -> None:
         if self.epochs < 0:
@@ -229,6 +281,10 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.checkpoint_config = dict(checkpoint_config or {})
         self.optimizer = optimizer or default_optimizer(model, config.lr, self.device)
+        # Each group's peak rate, which a schedule scales; taken before a resume loads
+        # the saved (scheduled) rates into the groups.
+        self._peak_lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
+        self.schedule = config.schedule
         if self.world_size > 1:
             # DDP broadcasts rank 0's weights now, so every rank starts from the same
             # model, and averages the gradients across ranks in backward().
@@ -242,6 +298,11 @@ class Trainer:
         # The epoch of the checkpoint in run_dir that this trainer saved or resumed from.
         self.saved_epoch: int | None = None
         self.history: dict[str, list] = {"epoch": [], "loss": [], "tokens_per_sec": []}
+        # Early stopping: {"metric", "epoch", "value"} of the best validation so far, and
+        # a CPU copy of that epoch's weights when this process saw it.
+        self.best: dict[str, Any] | None = None
+        self._best_weights: dict[str, Any] | None = None
+        self.stopped_early = False
 
     @property
     def is_main_process(self) -> bool:
@@ -280,19 +341,24 @@ class Trainer:
         rescue = self._capture() if self._can_save else None
         try:
             pause_point("train-start")
-            while self.epoch < cfg.epochs:
+            stop = self._patience_spent()
+            while self.epoch < cfg.epochs and not stop:
                 record = self._train_epoch(self.epoch, bar)
                 if self.validate is not None:
                     record.update(self._run_validation())
                 self.epoch += 1
                 self._append_history(record)
-                if cfg.log_every and (self.epoch % cfg.log_every == 0 or self.epoch == cfg.epochs):
+                if cfg.early_stopping is not None:
+                    self._track_best(record)
+                    stop = self._patience_spent()
+                last = self.epoch == cfg.epochs or stop
+                if cfg.log_every and (self.epoch % cfg.log_every == 0 or last):
                     self._log_epoch(record)
                 if self._can_save:
                     rescue = self._capture()
                 pause_point("epoch-end")
                 periodic = cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0
-                if periodic and self.epoch < cfg.epochs:  # the last one is saved below
+                if periodic and not last:  # the last one is saved below
                     self._save_and_wait()
         except (KeyboardInterrupt, TrainingDivergedError) as stop:
             bar.close()
@@ -302,6 +368,14 @@ class Trainer:
         finally:
             bar.close()
         self._save_and_wait()
+        if stop and self.best is not None:
+            self.stopped_early = self.epoch < cfg.epochs
+            if self.is_main_process:
+                self.log(f"early stop after epoch {self.epoch}: "
+                         f"{self.best['metric']} has not improved for "
+                         f"{self.epoch - self.best['epoch']} epochs")
+        if self.best is not None:
+            self._load_best()
         if self.history["loss"] and self.is_main_process:
             # The reference's closing line (d2l train_seq2seq): the last epoch's numbers.
             where = self.device if self.world_size == 1 else (
@@ -338,6 +412,13 @@ class Trainer:
         batches = self.data(generator)
         if bar.total is None and hasattr(batches, "__len__"):
             bar.reset(total=len(batches) * (cfg.epochs - epoch))
+        if self.schedule is not None and self.schedule.needs_total and \
+                self.schedule.total_steps is None:
+            if not hasattr(batches, "__len__"):
+                raise ValueError(f"decay {self.schedule.decay!r} needs the schedule's "
+                                 "total_steps when the data has no len()")
+            self.schedule = dataclasses.replace(self.schedule,
+                                                total_steps=len(batches) * cfg.epochs)
         # Accumulate on the device: reading the loss every step would force a sync.
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         token_total = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -368,6 +449,11 @@ class Trainer:
                 (loss_sum * self.world_size / global_tokens.clamp_min(1)).backward()
             if cfg.clip_norm is not None:
                 nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_norm)
+            if self.schedule is not None:
+                factor = self.schedule.factor(self.step)
+                for group, peak in zip(self.optimizer.param_groups, self._peak_lrs,
+                                       strict=True):
+                    group["lr"] = peak * factor
             self.optimizer.step()
             self.step += 1
             loss_total += loss_sum.detach()
@@ -466,6 +552,8 @@ class Trainer:
             "epoch": self.epoch,
             "step": self.step,
             "history": _cpu_copy(self.history),
+            "best": _cpu_copy(self.best),
+            "best_weights": self._best_weights,  # never modified in place: no copy needed
         }
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
@@ -474,6 +562,43 @@ class Trainer:
         restore_rng_state(snapshot["rng"])
         self.epoch, self.step = snapshot["epoch"], snapshot["step"]
         self.history = snapshot["history"]
+        self.best, self._best_weights = snapshot["best"], snapshot["best_weights"]
+
+    def _track_best(self, record: dict[str, float]) -> None:
+        """Remember (and save to ``run_dir/best``) this epoch's weights if they are the best
+        so far by the early-stopping metric."""
+        rule = self.config.early_stopping
+        assert rule is not None
+        value = record.get(rule.metric)
+        if value is None:
+            given = sorted(k for k in record if k.startswith("valid_"))
+            raise ValueError(f"early stopping watches {rule.metric!r}, but validation gives "
+                             f"{given or 'nothing (no validate function)'}")
+        if not math.isfinite(value) or not rule.improved(
+                value, None if self.best is None else self.best["value"]):
+            return
+        self.best = {"metric": rule.metric, "epoch": self.epoch, "value": float(value)}
+        self._best_weights = _cpu_copy(self._module.state_dict())
+        if self.run_dir is not None:
+            if self.is_main_process:
+                best_dir = self.run_dir / BEST_DIR
+                best_dir.mkdir(exist_ok=True)
+                save_checkpoint(best_dir, self._module, self.checkpoint_config)
+            if self.world_size > 1:
+                dist.barrier()
+
+    def _patience_spent(self) -> bool:
+        rule = self.config.early_stopping
+        if rule is None or self.best is None or rule.patience == 0:
+            return False
+        return self.epoch - self.best["epoch"] >= rule.patience
+
+    def _load_best(self) -> None:
+        """Put the best weights into the model: from memory, or from ``run_dir/best``."""
+        if self._best_weights is not None:
+            self._module.load_state_dict(self._best_weights)
+        elif self.run_dir is not None and (self.run_dir / BEST_DIR).is_dir():
+            load_weights(self.run_dir / BEST_DIR, self._module)
 
     def trainer_state(self) -> dict[str, Any]:
         """The JSON-able loop state saved with a checkpoint."""
@@ -482,6 +607,7 @@ class Trainer:
             "step": self.step,
             "history": self.history,
             "train_config": asdict(self.config),
+            "best": self.best,
         }
 
     def save(self) -> None:
@@ -528,6 +654,7 @@ class Trainer:
             raise CheckpointError(f"{self.run_dir}: trainer state needs epoch, step and "
                                   "history") from None
         self.saved_epoch = self.epoch
+        self.best = _saved_best(state.get("best"), self.run_dir)
         saved = state.get("train_config") or {}
         saved_lr = saved.get("lr")  # finite and > 0: load_trainer_state checked it
         if saved_lr is not None and saved_lr != self.config.lr:
@@ -541,6 +668,21 @@ class Trainer:
         if changed and self.is_main_process:
             self.log(f"note: resuming at epoch {self.epoch} with {', '.join(changed)}; the "
                      "run will not match an uninterrupted one")
+
+
+def _saved_best(best: Any, run_dir: Path | None) -> dict[str, Any] | None:
+    """The ``best`` record of a saved trainer state, checked; None when there is none."""
+    if best is None:
+        return None
+    try:
+        ok = (isinstance(best, dict) and isinstance(best.get("metric"), str)
+              and isinstance(best.get("epoch"), int) and isinstance(best.get("value"), float))
+    except TypeError:
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{run_dir}: trainer state's 'best' must hold metric, epoch "
+                              f"and value, got {best!r:.80}")
+    return dict(best)
 
 
 def plot_history(history: dict[str, list], path: str | Path) -> Path:
