@@ -188,3 +188,99 @@ def test_bad_early_stopping_is_one_line(kwargs):
     with pytest.raises(ValueError) as info:
         EarlyStopping(**kwargs)
     assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------- accumulation
+
+
+def _weighted(model: nn.Module, batch):
+    # A loss whose token count varies per row, so that batches weigh differently.
+    x, y, tokens = batch
+    per_row = (model(x).squeeze(-1) - y) ** 2 * tokens
+    return per_row.sum(), tokens.sum()
+
+
+def _weighted_data():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(20, generator=g, dtype=torch.float64)
+    tokens = torch.randint(1, 9, (20,), generator=g)
+    return TensorDataset(x, y, tokens)
+
+
+def _train_once(batch_size: int, accumulate: int, epochs: int = 2):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).double()
+    data = _weighted_data()
+    trainer = Trainer(model, _weighted, lambda g: DataLoader(data, batch_size=batch_size),
+                      TrainConfig(epochs=epochs, lr=0.1, device="cpu", progress=False,
+                                  clip_norm=None, accumulate=accumulate),
+                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                      log=lambda s: None)
+    history = trainer.fit()
+    return model, history, trainer.step
+
+
+def test_accumulation_steps_as_one_big_batch_would():
+    # 20 rows: batches of 4 accumulated 5 at a time == one batch of 20, per-token mean.
+    big, big_history, big_steps = _train_once(20, 1)
+    acc, acc_history, acc_steps = _train_once(4, 5)
+    assert big_steps == acc_steps == 2
+    torch.testing.assert_close(acc.weight, big.weight, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(acc.bias, big.bias, rtol=1e-12, atol=1e-12)
+    assert acc_history["loss"] == pytest.approx(big_history["loss"], rel=1e-12)
+
+
+def test_accumulation_with_a_short_last_group():
+    # 20 rows in batches of 8: groups of 2 batches are (8 + 8) and (4): two steps per
+    # epoch, the second over its 4 rows only, as batches of 16 and 4 would give.
+    ref, _, ref_steps = _train_once(16, 1)
+    acc, _, acc_steps = _train_once(8, 2)
+    assert ref_steps == acc_steps == 4
+    torch.testing.assert_close(acc.weight, ref.weight, rtol=1e-12, atol=1e-12)
+
+
+def test_bfloat16_autocast_trains_close_to_float32():
+    def run(dtype):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+        data = _regression(64)
+        trainer = Trainer(model, _mse, lambda g: DataLoader(data, batch_size=16, generator=g),
+                          TrainConfig(epochs=3, lr=0.01, device="cpu", progress=False,
+                                      dtype=dtype), log=lambda s: None)
+        return trainer.fit()["loss"], model
+
+    fp32, _ = run("float32")
+    bf16, model = run("bfloat16")
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast, not a cast
+    assert bf16 != fp32  # bfloat16 really ran ...
+    assert bf16 == pytest.approx(fp32, rel=0.05)  # ... and learned the same thing
+
+
+@pytest.mark.parametrize("kwargs, match", [({"accumulate": 0}, "accumulate"),
+                                           ({"dtype": "float16"}, "dtype must be one of"),
+                                           ({"compile": "yes"}, "compile")])
+def test_bad_train_config_is_one_line(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match) as info:
+        TrainConfig(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_compiled_training_matches_eager_and_saves_the_plain_model(tmp_path):
+    def run(compile_, run_dir):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+        data = _regression(32)
+        trainer = Trainer(model, _mse, lambda g: DataLoader(data, batch_size=8, generator=g),
+                          TrainConfig(epochs=2, lr=0.01, device="cpu", progress=False,
+                                      compile=compile_),
+                          run_dir=run_dir, checkpoint_config={"task": "test"},
+                          log=lambda s: None)
+        return trainer.fit()["loss"], trainer
+
+    eager, _ = run(False, tmp_path / "eager")
+    compiled, trainer = run(True, tmp_path / "compiled")
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    assert trainer.model is not trainer.module  # it really trained through a wrapper
+    plain = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    load_weights(tmp_path / "compiled", plain)  # strict: no '_orig_mod.' prefixes

@@ -50,13 +50,14 @@ loads on every rank. See ``docs/distributed.md``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from ..checks import check_float
+from ..checks import MAX_COUNT, check_bool, check_float, check_int, show
 from ..utils.figures import new_figure, save_figure
 from ..utils.testing import pause_point
 from .checkpoint import (
@@ -101,6 +102,7 @@ LOSS_PLOT = "loss.png"
 # The sub-directory of run_dir that holds the best weights seen by early stopping: a
 # checkpoint of its own (weights and config, no trainer state), loadable as any other.
 BEST_DIR = "best"
+DTYPES = ("float32", "bfloat16")
 # Seconds between progress-bar refreshes; each refresh reads the loss from the device.
 _PROGRESS_INTERVAL = 0.5
 
@@ -161,6 +163,11 @@ class TrainConfig:
         early_stopping: watch a validation metric, keep the best weights in
             ``run_dir/best`` and stop after ``patience`` epochs without improvement;
             :meth:`Trainer.fit` then returns with the best weights in the model.
+        accumulate: micro-batches per optimizer step (gradient accumulation); the step
+            is that of the per-token mean over all of them, as one big batch would give.
+        dtype: ``"float32"``, or ``"bfloat16"`` to run the forward under
+            ``torch.autocast`` (weights, gradients and optimizer stay float32).
+        compile: train through ``torch.compile(model)``; checkpoints hold the plain model.
     """
 
     epochs: int = 1
@@ -173,8 +180,15 @@ class TrainConfig:
     progress: bool = True
     schedule: LRSchedule | None = None
     early_stopping: EarlyStopping | None = None
+    accumulate: int = 1
+    dtype: str = "float32"
+    compile: bool = False
 
     def __post_init__(self) -> None:
+        check_int("accumulate", self.accumulate, 1, MAX_COUNT)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {show(self.dtype)}")
+        check_bool("compile", self.compile)
         if self.epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {self.epochs}")
         check_float("lr", self.lr, 0.0, lo_open=True)
@@ -276,6 +290,7 @@ class Trainer:
         # process's device: cuda:LOCAL_RANK for a multi-GPU run.
         self.rank, self.world_size, self.device = init_distributed(config.device)
         model = model.to(self.device)
+        self._plain = model  # what is saved and loaded, whatever wraps it for training
         self.loss_fn = loss_fn
         self.data = dataset_or_loader_factory
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -290,6 +305,9 @@ class Trainer:
             # model, and averages the gradients across ranks in backward().
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=device_ids)
+        self._ddp = model if self.world_size > 1 else None
+        if config.compile:
+            model = torch.compile(model)
         self.model = model
         self.validate = validate
         self.log = log or tqdm.write
@@ -314,13 +332,14 @@ class Trainer:
 
     @property
     def module(self) -> nn.Module:
-        """The model being trained, unwrapped: ``self.model`` is a DDP wrapper under DDP."""
+        """The model being trained, unwrapped: ``self.model`` may be wrapped by DDP and
+        ``torch.compile``."""
         return self._module
 
     @property
     def _module(self) -> nn.Module:
-        # A DDP wrapper keeps the real model in .module; checkpoints hold the unwrapped one.
-        return getattr(self.model, "module", self.model)
+        # DDP and torch.compile wrap the model; checkpoints hold the unwrapped one.
+        return self._plain
 
     # ------------------------------------------------------------------ training
 
@@ -411,14 +430,15 @@ class Trainer:
         start = time.perf_counter()  # includes data loading, as the reference's timer does
         batches = self.data(generator)
         if bar.total is None and hasattr(batches, "__len__"):
-            bar.reset(total=len(batches) * (cfg.epochs - epoch))
+            bar.reset(total=-(-len(batches) // cfg.accumulate) * (cfg.epochs - epoch))
         if self.schedule is not None and self.schedule.needs_total and \
                 self.schedule.total_steps is None:
             if not hasattr(batches, "__len__"):
                 raise ValueError(f"decay {self.schedule.decay!r} needs the schedule's "
                                  "total_steps when the data has no len()")
+            steps_per_epoch = -(-len(batches) // cfg.accumulate)
             self.schedule = dataclasses.replace(self.schedule,
-                                                total_steps=len(batches) * cfg.epochs)
+                                                total_steps=steps_per_epoch * cfg.epochs)
         # Accumulate on the device: reading the loss every step would force a sync.
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         token_total = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -426,27 +446,26 @@ class Trainer:
         # only every _PROGRESS_INTERVAL, so that checking costs no synchronisation.
         bad_step = torch.full((), -1, dtype=torch.int64, device=self.device)
         last_refresh = last_check = start
-        for batch in batches:
-            batch = tuple(
-                t.to(self.device, non_blocking=True) if isinstance(t, Tensor) else t
-                for t in batch
-            )
+        for group in _groups(batches, cfg.accumulate):
             self.optimizer.zero_grad(set_to_none=True)
-            loss_sum, num_tokens = self.loss_fn(self.model, batch)
+            if len(group) == 1:
+                loss_sum, num_tokens = self._forward(group[0])
+                if self.world_size == 1:
+                    # Mean per valid token in this batch; clamp keeps an all-padding batch
+                    # finite.
+                    (loss_sum / num_tokens.clamp_min(1)).backward()
+                else:
+                    # The mean per valid token of the combined batch of all ranks. DDP
+                    # averages gradients (divides their sum by world_size), so scale by
+                    # world_size over the global token count; dividing by the local count
+                    # instead would weight a rank's tokens by how few of them it got.
+                    global_tokens = num_tokens.detach().clone()
+                    dist.all_reduce(global_tokens)
+                    (loss_sum * self.world_size / global_tokens.clamp_min(1)).backward()
+            else:
+                loss_sum, num_tokens = self._accumulate(group)
             bad_step = torch.where((bad_step < 0) & ~loss_sum.detach().isfinite(),
                                    self.step + 1, bad_step)
-            num_tokens = torch.as_tensor(num_tokens, device=self.device)
-            if self.world_size == 1:
-                # Mean per valid token in this batch; clamp keeps an all-padding batch finite.
-                (loss_sum / num_tokens.clamp_min(1)).backward()
-            else:
-                # The mean per valid token of the combined batch of all ranks. DDP averages
-                # gradients (divides their sum by world_size), so scale by world_size over
-                # the global token count; dividing by the local count instead would weight
-                # a rank's tokens by how few of them it happened to get.
-                global_tokens = num_tokens.detach().clone()
-                dist.all_reduce(global_tokens)
-                (loss_sum * self.world_size / global_tokens.clamp_min(1)).backward()
             if cfg.clip_norm is not None:
                 nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_norm)
             if self.schedule is not None:
@@ -487,6 +506,41 @@ class Trainer:
             raise ValueError(f"epoch {epoch + 1}: the data yielded no tokens (no batches, "
                              "or num_tokens was always 0)")
         return {"loss": loss_sum_total / tokens, "tokens_per_sec": tokens / seconds}
+
+    def _forward(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        """``loss_fn`` on ``batch`` moved to the device, under autocast when configured."""
+        batch = tuple(t.to(self.device, non_blocking=True) if isinstance(t, Tensor) else t
+                      for t in batch)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                            enabled=self.config.dtype == "bfloat16"):
+            loss_sum, num_tokens = self.loss_fn(self.model, batch)
+        return loss_sum, torch.as_tensor(num_tokens, device=self.device)
+
+    def _accumulate(self, group: list[Batch]) -> tuple[Tensor, Tensor]:
+        """Gradients of the per-token mean over all of ``group``'s micro-batches (and, under
+        DDP, all ranks'): each micro-batch back-propagates its loss *sum*, and the summed
+        gradients are divided by the group's token count once it is known. Returns the
+        group's ``(loss_sum, num_tokens)``."""
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        for i, micro in enumerate(group):
+            # Under DDP, all-reduce the gradients once, after the last micro-batch.
+            last = i == len(group) - 1
+            sync = contextlib.nullcontext() if last or self._ddp is None else \
+                self._ddp.no_sync()
+            with sync:
+                loss_sum, num_tokens = self._forward(micro)
+                loss_sum.backward()
+            loss_total = loss_total + loss_sum.detach().double()
+            tokens = tokens + num_tokens.detach()
+        global_tokens = tokens.clone()
+        if self.world_size > 1:
+            dist.all_reduce(global_tokens)
+        scale = self.world_size / global_tokens.clamp_min(1).double()
+        for param in self._module.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale.to(param.grad.dtype))
+        return loss_total, tokens
 
     def _check_finite(self, epoch: int, bad_step: Tensor, weights: bool = False) -> None:
         """Raise :class:`TrainingDivergedError` if a step's loss (or, with ``weights``, a
@@ -668,6 +722,18 @@ class Trainer:
         if changed and self.is_main_process:
             self.log(f"note: resuming at epoch {self.epoch} with {', '.join(changed)}; the "
                      "run will not match an uninterrupted one")
+
+
+def _groups(batches: Iterable[Batch], size: int) -> Iterator[list[Batch]]:
+    """Consecutive lists of ``size`` batches (the last may be shorter)."""
+    group: list[Batch] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 def _saved_best(best: Any, run_dir: Path | None) -> dict[str, Any] | None:
