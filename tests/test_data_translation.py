@@ -676,3 +676,14 @@ def test_default_cache_dir_and_constants(monkeypatch, tmp_path):
     assert tr.default_cache_dir() == Path.home() / ".cache" / "qkv"
     assert FRA_ENG_URL == "http://d2l-data.s3-accelerate.amazonaws.com/fra-eng.zip"
     assert len(FRA_ENG_SHA1) == 40
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Go.", "go."),
+    ("Hello, Tom. Are you here?", "hello, tom. are you here?"),
+    ("Wait...", "wait..."),
+    ("Va !", "va!"),  # French typography's space before "!" is not restored
+    ("? Why", "? why"),
+])
+def test_detokenize_undoes_preprocess_split(text, expected):
+    assert tr.detokenize(tr.preprocess(text).split()) == expected

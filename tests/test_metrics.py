@@ -110,3 +110,19 @@ def test_exact_match():
         exact_match(["a"], ["a", "b"])
     with pytest.raises(ValueError, match="at least one"):
         exact_match([], [])
+
+
+def test_corpus_bleu_on_detokenized_text_gives_no_tokenization_warning(caplog):
+    pytest.importorskip("sacrebleu")
+    from qkv.data.translate import detokenize, preprocess
+
+    lines = [f"il y a {i} chats ." for i in range(120)]
+    detok = [detokenize(preprocess(line).split()) for line in lines]
+    assert detok[0] == "il y a 0 chats."
+    with caplog.at_level("WARNING"):
+        assert corpus_bleu(detok, detok) == pytest.approx(100.0)
+    assert "tokenized period" not in caplog.text
+    # The warning the detokenisation avoids: tokenised lines handed to sacreBLEU's 13a.
+    with caplog.at_level("WARNING"):
+        corpus_bleu(lines, lines)
+    assert "tokenized period" in caplog.text

@@ -74,6 +74,22 @@ def preprocess(text: str) -> str:
     return "".join(out)
 
 
+def detokenize(tokens: Sequence[str]) -> str:
+    """Token list -> text as a person writes it: the inverse of :func:`preprocess`'s split.
+
+    ``["va", "!"] -> "va!"``, ``["hello", ",", "tom", "."] -> "hello, tom."``: the space
+    :func:`preprocess` inserted before ``, . ! ?`` is removed. (Case and no-break spaces
+    are not restored.) Used to score translations with sacreBLEU on detokenised text.
+    """
+    out: list[str] = []
+    for token in tokens:
+        if out and token in {",", ".", "!", "?"}:
+            out[-1] += token
+        else:
+            out.append(token)
+    return " ".join(out)
+
+
 def read_pairs(text: str, num_examples: int | None = None) -> tuple[TokenLines, TokenLines]:
     """Split `source<TAB>target[<TAB>ignored...]` lines into token lists.
 

@@ -56,18 +56,23 @@ def has_sacrebleu() -> bool:
     return True
 
 
-def corpus_bleu(preds: Sequence[str], refs: Sequence[str], *, tokenize: str = "none") -> float:
+SACREBLEU_TOKENIZER = "13a"
+
+
+def corpus_bleu(
+    preds: Sequence[str], refs: Sequence[str], *, tokenize: str = SACREBLEU_TOKENIZER
+) -> float:
     """Standard corpus-level BLEU-4 from sacreBLEU, on its 0-100 scale.
 
     This is the number papers report, unlike :func:`bleu` (d2l's sentence score, 0-1,
     k = 2 by default): n-gram counts are pooled over the corpus before the precisions
     and the brevity penalty are taken.
 
-    ``tokenize="none"`` by default: predictions and references are already tokenised by
-    the translation pipeline, so each space-separated token is scored exactly as the model
-    produced it; sacreBLEU's ``"13a"`` would split some tokens again and score different
-    units than :func:`bleu`. Pass ``tokenize="13a"`` for raw, detokenised text.
-    One reference per prediction.
+    ``preds`` and ``refs`` are *detokenised* text (``"va!"``, as a person writes it, not
+    the pipeline's ``"va !"``; see :func:`qkv.data.translate.detokenize`), which
+    sacreBLEU's own tokenizer, ``"13a"`` by default, splits the same way for every
+    system: that is what makes the score comparable with other tools'. ``tokenize="none"``
+    scores space-separated tokens as given. One reference per prediction.
     """
     if len(preds) != len(refs):
         raise ValueError(f"got {len(preds)} predictions but {len(refs)} references")
