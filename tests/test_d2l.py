@@ -69,6 +69,19 @@ def test_dot_product_attention_2d_valid_lens():
     torch.testing.assert_close(w[0, 1], torch.softmax(q[0, 1] @ k[0].T / 2, dim=-1))
 
 
+def plain_masked_softmax(X, valid_lens):
+    """d2l's masked_softmax re-derived: scores at key index >= valid length become -1e6
+    (so a row with valid length 0 is all -1e6 and comes out uniform), then softmax."""
+    if valid_lens is None:
+        return torch.softmax(X, dim=-1)
+    lens = valid_lens if valid_lens.dim() == 2 else valid_lens[:, None].expand(X.shape[:2])
+    masked = X.clone()
+    for b in range(X.shape[0]):
+        for i in range(X.shape[1]):
+            masked[b, i, int(lens[b, i]):] = -1e6
+    return torch.softmax(masked, dim=-1)
+
+
 def d2l_reference_mha(m, queries, keys, values, valid_lens):
     """d2l's algorithm: fold the heads into the batch and repeat valid_lens."""
     h = m.num_heads
@@ -77,16 +90,19 @@ def d2l_reference_mha(m, queries, keys, values, valid_lens):
         b, n, _ = x.shape
         return x.reshape(b, n, h, -1).permute(0, 2, 1, 3).reshape(b * h, n, -1)
 
-    q = fold(queries @ m.W_query.weight.T)
-    k = fold(keys @ m.W_key.weight.T)
-    v = fold(values @ m.W_value.weight.T)
+    def linear(x, layer):
+        return x @ layer.weight.T + (0 if layer.bias is None else layer.bias)
+
+    q = fold(linear(queries, m.W_query))
+    k = fold(linear(keys, m.W_key))
+    v = fold(linear(values, m.W_value))
     lens = torch.repeat_interleave(valid_lens, repeats=h, dim=0)
     scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
-    weights = qkv.masked_softmax(scores, lens)
+    weights = plain_masked_softmax(scores, lens)
     out = weights @ v  # (b*h, n_q, d)
     b = queries.shape[0]
     out = out.reshape(b, h, out.shape[1], -1).permute(0, 2, 1, 3).reshape(b, out.shape[1], -1)
-    return out @ m.out_proj.weight.T, weights
+    return linear(out, m.out_proj), weights
 
 
 def test_d2l_multihead_example_and_reference():
@@ -101,6 +117,40 @@ def test_d2l_multihead_example_and_reference():
     torch.testing.assert_close(m.attention_weights.reshape(10, 4, 6), ref_w, atol=1e-6, rtol=0)
     assert m.out_proj.bias is None and m.W_query.bias is None  # bias-free by default
     assert isinstance(m, qkv.MultiHeadAttention)  # one implementation, not two
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "valid_lens", [[0, 3], [[0, 6, 2, 0], [1, 0, 6, 3]], [0, 0]], ids=["1d", "2d", "all-empty"]
+)
+def test_d2l_multihead_zero_valid_len_is_uniform_as_d2l(bias, valid_lens):
+    """A query with valid length 0 attends uniformly to all keys (d2l's -1e6 fill), in
+    float64 against the folded-heads reference."""
+    torch.manual_seed(3)
+    m = d2l.MultiHeadAttention(12, 3, 0.0, bias=bias).double().eval()
+    queries = torch.randn(2, 4, 12, dtype=torch.float64)
+    keys, values = torch.randn(2, 6, 12, dtype=torch.float64), torch.randn(2, 6, 12,
+                                                                         dtype=torch.float64)
+    lens = torch.tensor(valid_lens)
+    out = m(queries, keys, values, lens)
+    expected, ref_w = d2l_reference_mha(m, queries, keys, values, lens)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(m.attention_weights.reshape(6, 4, 6), ref_w, atol=1e-12, rtol=0)
+    empty = (lens == 0) if lens.dim() == 2 else (lens == 0)[:, None].expand(2, 4)
+    assert (m.attention_weights[empty.nonzero(as_tuple=True)[0], :,
+                                empty.nonzero(as_tuple=True)[1]] == 1 / 6).all()
+
+
+def test_d2l_multihead_zero_valid_len_gradients_and_training_dropout():
+    torch.manual_seed(4)
+    m = d2l.MultiHeadAttention(8, 2, 0.5)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    m.train()
+    out = m(x, x, x, torch.tensor([0, 2]))
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    # the weights are kept before dropout, as d2l keeps them
+    torch.testing.assert_close(m.attention_weights[0], torch.full((2, 3, 3), 1 / 3))
 
 
 def test_d2l_multihead_other_widths():

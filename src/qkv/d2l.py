@@ -7,8 +7,8 @@ qkv has it (vocabulary, padding, BLEU, the GRU encoder, the attention modules).
 
 Where qkv departs from d2l on purpose, the names here follow d2l:
 
-- ``masked_softmax`` and the two scoring modules give a row whose valid length is 0
-  *uniform* weights (qkv's kernels give zeros);
+- ``masked_softmax``, the two scoring modules and ``MultiHeadAttention`` give a query
+  whose valid length is 0 *uniform* weights over all keys (qkv's kernels give zeros);
 - ``MaskedSoftmaxCELoss`` averages each sequence's masked loss over all ``num_steps``
   positions (qkv's averages over the valid tokens);
 - ``tokenize_nmt(text, num_examples)`` reads lines ``0 .. num_examples`` inclusive,
@@ -156,7 +156,9 @@ class MultiHeadAttention(multihead.MultiHeadAttention):
     A thin front on the one :class:`qkv.MultiHeadAttention` (non-causal, cross-attention
     capable), not a second implementation: heads run in parallel on a head axis rather
     than being folded into the batch, and ``valid_lens`` is broadcast over that axis,
-    which is what d2l's ``repeat_interleave`` over the folded batch computes.
+    which is what d2l's ``repeat_interleave`` over the folded batch computes. A query
+    with ``valid_len == 0`` attends uniformly to all keys, as in d2l (the parent gives it
+    zero weights; the difference is added back for those rows only).
 
     Args:
         num_hiddens: width of every projection and of the output.
@@ -207,10 +209,36 @@ class MultiHeadAttention(multihead.MultiHeadAttention):
     def forward(  # type: ignore[override]
         self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
     ) -> Tensor:
-        out, self.attention_weights = super().forward(
+        out, weights = super().forward(
             queries, keys, values, valid_lens=valid_lens, need_weights=True
         )
+        if valid_lens is not None:  # checked by the parent
+            empty = (valid_lens.to(out.device) == 0)
+            if empty.dim() == 1:
+                empty = empty[:, None].expand(out.shape[0], out.shape[1])
+            if bool(empty.any()):
+                out, weights = self._uniform_empty_rows(out, weights, values, empty)
+        self.attention_weights = weights
         return out
+
+    def _uniform_empty_rows(
+        self, out: Tensor, weights: Tensor, values: Tensor, empty: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """d2l's result for the queries with ``valid_len == 0`` (``empty (batch, n_q)``).
+
+        The parent gives those rows zero weights, so their output is ``out_proj``'s bias
+        alone. d2l gives them weight ``1 / n_k`` on every key; this adds what those
+        weights contribute, ``W_o (dropout(uniform) @ V)`` per head, to those rows only
+        (zero weights elsewhere add exactly zero), and puts the uniform rows in the weights.
+        """
+        batch, num_queries, _ = out.shape
+        num_keys = values.shape[1]
+        uniform = empty[:, None, :, None].to(weights.dtype) / num_keys  # (b, 1, n_q, 1)
+        uniform = uniform.expand(batch, self.num_heads, num_queries, num_keys)
+        v = self._split_heads(self.W_value(values))  # (b, heads, n_k, head_dim)
+        heads = (self.dropout(uniform) @ v).transpose(1, 2).reshape(batch, num_queries, -1)
+        out = out + nn.functional.linear(heads, self.out_proj.weight)
+        return out, weights + uniform
 
 
 # ----------------------------------------------------------------------------
