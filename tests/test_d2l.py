@@ -449,3 +449,128 @@ def test_train_seq2seq_prints_d2l_line_and_saves_plot(tmp_path, monkeypatch, cap
     assert float(line.split()[1].rstrip(",")) < 0.5  # learnt a 3-token sequence
     assert (tmp_path / "seq2seq_loss.png").stat().st_size > 0
     d2l.plt.close("all")
+
+
+# ----------------------------------------------------------------------------
+# AdditiveAttention in both of d2l's forms; the scoring functions' empty rows
+
+
+def plain_additive(W_q, W_k, w_v, queries, keys, values, valid_lens):
+    """float64 loop: score(q, k) = w_v . tanh(W_q q + W_k k), d2l's masked softmax, @ V."""
+    W_q, W_k, w_v = W_q.double(), W_k.double(), w_v.double()
+    b, n_q, n_k = queries.shape[0], queries.shape[1], keys.shape[1]
+    scores = torch.empty(b, n_q, n_k, dtype=torch.float64)
+    for i in range(b):
+        for j in range(n_q):
+            for t in range(n_k):
+                feat = torch.tanh(W_q @ queries[i, j].double() + W_k @ keys[i, t].double())
+                scores[i, j, t] = (w_v @ feat)[0]
+    weights = plain_masked_softmax(scores, valid_lens)
+    return weights @ values.double(), weights
+
+
+def test_d2l_additive_attention_lazy_form_as_d2l_1_0_3():
+    torch.manual_seed(5)
+    attn = d2l.AdditiveAttention(8, 0.1)
+    # d2l 1.0.3: three bias-free LazyLinear layers, sized on the first call
+    for layer, width in ((attn.W_k, 8), (attn.W_q, 8), (attn.w_v, 1)):
+        assert isinstance(layer, nn.LazyLinear) and layer.has_uninitialized_params()
+        assert layer.out_features == width and layer.bias is None
+    assert attn.dropout.p == 0.1
+    assert isinstance(attn, qkv.AdditiveAttention)
+    attn.eval()
+    # d2l's demo: identical keys, so uniform weights over the valid keys
+    torch.testing.assert_close(attn(torch.normal(0, 1, (2, 1, 20)), KEYS, VALUES, VALID_LENS),
+                               EXPECTED)
+    assert attn.W_q.weight.shape == (8, 20) and attn.W_k.weight.shape == (8, 2)
+    assert attn.w_v.weight.shape == (1, 8)
+    q, k, v = torch.randn(2, 3, 20), torch.randn(2, 5, 2), torch.randn(2, 5, 4)
+    lens = torch.tensor([[5, 0, 2], [1, 3, 0]])
+    out = attn(q, k, v, lens)
+    expected, weights = plain_additive(attn.W_q.weight, attn.W_k.weight, attn.w_v.weight,
+                                       q, k, v, lens)
+    torch.testing.assert_close(out.double(), expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(attn.attention_weights.double(), weights, atol=1e-6, rtol=0)
+    torch.testing.assert_close(attn.attention_weights[0, 1], torch.full((5,), 0.2))
+
+
+def test_d2l_additive_attention_forms_by_arguments():
+    lazy = d2l.AdditiveAttention(num_hiddens=6, dropout=0.2)
+    assert isinstance(lazy.W_k, nn.LazyLinear) and lazy.dropout.p == 0.2
+    assert isinstance(d2l.AdditiveAttention(6).W_q, nn.LazyLinear)  # dropout defaults to 0
+    for explicit in (d2l.AdditiveAttention(3, 5, 6, 0.2), d2l.AdditiveAttention(3, 5, 6),
+                     d2l.AdditiveAttention(key_size=3, query_size=5, num_hiddens=6),
+                     d2l.AdditiveAttention(3, query_size=5, num_hiddens=6, dropout=0.2)):
+        assert type(explicit.W_k) is nn.Linear and explicit.W_k.weight.shape == (6, 3)
+        assert explicit.W_q.weight.shape == (6, 5) and explicit.w_v.weight.shape == (1, 6)
+    with pytest.raises(TypeError, match=r"AdditiveAttention\(\) got an unexpected keyword"):
+        d2l.AdditiveAttention(6, 0.0, size=3)
+    with pytest.raises(ValueError, match="num_hiddens"):
+        d2l.AdditiveAttention(0, 0.0)
+    with pytest.raises(ValueError, match="dropout"):
+        d2l.AdditiveAttention(6, 1.5)
+
+
+def test_d2l_additive_attention_lazy_form_loads_a_state_dict():
+    """What the inference script does: a fresh lazy module takes trained weights."""
+    torch.manual_seed(6)
+    trained = d2l.AdditiveAttention(3, 5, 6, 0.0).eval()
+    fresh = d2l.AdditiveAttention(6, 0.0).eval()
+    fresh.load_state_dict(trained.state_dict())
+    q, k, v = torch.randn(2, 1, 5), torch.randn(2, 4, 3), torch.randn(2, 4, 2)
+    lens = torch.tensor([4, 2])
+    torch.testing.assert_close(fresh(q, k, v, lens), trained(q, k, v, lens))
+    assert fresh.state_dict().keys() == trained.state_dict().keys()
+
+
+def test_d2l_train_seq2seq_leaves_lazy_layers_to_their_own_init(capsys):
+    """d2l's init picks exact nn.Linear / nn.GRU types: an attention layer not yet sized is
+    skipped (not an error) and is sized by the first batch."""
+    torch.manual_seed(7)
+    vocab = d2l.Vocab([["a", "b"]] * 2, reserved_tokens=["<pad>", "<bos>", "<eos>"])
+    X = torch.tensor([[4, 5, 3, 1]] * 4)
+    lens = torch.tensor([3, 3, 3, 3])
+
+    class Decoder(d2l.AttentionDecoder):
+        def __init__(self):
+            super().__init__()
+            self.attention = d2l.AdditiveAttention(8, 0.0)
+            self.embedding = nn.Embedding(len(vocab), 8)
+            self.dense = nn.Linear(16, len(vocab))
+
+        def init_state(self, enc_all_outputs, enc_valid_lens):
+            return enc_all_outputs[0].permute(1, 0, 2), enc_valid_lens
+
+        def forward(self, X, state):
+            enc, enc_lens = state
+            emb = self.embedding(X)
+            context = self.attention(emb, enc, enc, enc_lens)
+            return self.dense(torch.cat((emb, context), -1)), state
+
+    decoder = Decoder()
+    net = d2l.EncoderDecoder(d2l.Seq2SeqEncoder(len(vocab), 8, 8, 1), decoder)
+    dense_before = decoder.dense.weight.detach().clone()
+    d2l.train_seq2seq(net, d2l.load_array((X, lens, X, lens), 2), 0.0, 1, vocab, "cpu")
+    assert "tokens/sec on cpu" in capsys.readouterr().out
+    assert type(decoder.attention.W_k) is nn.Linear  # sized by the first batch
+    assert decoder.attention.W_k.weight.shape == (8, 8)
+    # lr 0: what is there is the init; the exact nn.Linear was re-drawn Xavier-uniform
+    bound = math.sqrt(6 / (16 + len(vocab)))
+    assert not torch.equal(decoder.dense.weight, dense_before)
+    assert decoder.dense.weight.abs().max() <= bound
+    d2l.plt.close("all")
+
+
+@pytest.mark.parametrize("valid_lens", [[0, 3], [[0, 4, 1], [2, 0, 4]]], ids=["1d", "2d"])
+def test_d2l_masked_softmax_and_dot_product_against_plain_reference(valid_lens):
+    torch.manual_seed(8)
+    lens = torch.tensor(valid_lens)
+    scores = torch.randn(2, 3, 4, dtype=torch.float64)
+    torch.testing.assert_close(d2l.masked_softmax(scores, lens),
+                               plain_masked_softmax(scores, lens), atol=1e-12, rtol=0)
+    q, k, v = (torch.randn(2, 3, 5), torch.randn(2, 4, 5), torch.randn(2, 4, 2))
+    dot = d2l.DotProductAttention(0.0).eval()
+    out = dot(q, k, v, lens)
+    weights = plain_masked_softmax(q.double() @ k.double().transpose(1, 2) / math.sqrt(5), lens)
+    torch.testing.assert_close(dot.attention_weights.double(), weights, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.double(), weights @ v.double(), atol=1e-6, rtol=1e-5)

@@ -21,9 +21,11 @@ Versions: d2l 1.0.3's forms where the versions differ and 1.0.3 has the name
 (``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)``,
 ``download(url, folder, sha1_hash)``, ``EncoderDecoder``); the d2l 0.17/2.0 functions
 the translator chapter used (``load_data_nmt``, ``train_seq2seq``, ``predict_seq2seq``)
-otherwise. ``AdditiveAttention`` keeps the explicit ``(key_size, query_size,
-num_hiddens, dropout)`` form: d2l 1.0.3's ``(num_hiddens, dropout)`` infers the widths
-lazily, which a module built once and then initialised cannot do.
+otherwise. ``AdditiveAttention`` takes both forms: 1.0.3's ``(num_hiddens, dropout)``,
+whose ``W_k``, ``W_q``, ``w_v`` are ``nn.LazyLinear`` sized by the first call, and
+0.17's ``(key_size, query_size, num_hiddens, dropout)``. As in d2l, ``train_seq2seq``
+Xavier-initialises exact ``nn.Linear``/``nn.GRU`` modules only, so lazy layers not yet
+sized keep PyTorch's init.
 
 Plots: ``plt`` is matplotlib's pyplot. ``train_seq2seq`` draws its loss curve on a
 figure without showing it, so a later ``plt.show()`` displays it on a desktop; with a
@@ -51,7 +53,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from . import multihead, scoring
-from .checks import check_positive_int
+from .checks import check_dropout, check_positive_int
 from .data import translate
 from .data.loading import batch_loader
 from .functional import masked_softmax
@@ -131,14 +133,41 @@ class DotProductAttention(scoring.DotProductAttention):
 
 
 class AdditiveAttention(scoring.AdditiveAttention):
-    """d2l's additive (Bahdanau) attention, ``AdditiveAttention(key_size, query_size,
-    num_hiddens, dropout)``.
+    """d2l's additive (Bahdanau) attention, in either of d2l's two forms.
+
+    - ``AdditiveAttention(num_hiddens, dropout)`` (d2l 1.0.3): ``W_k``, ``W_q`` and
+      ``w_v`` are bias-free :class:`torch.nn.LazyLinear` layers whose input widths are
+      taken from the first call (or from a loaded ``state_dict``);
+    - ``AdditiveAttention(key_size, query_size, num_hiddens, dropout)`` (d2l 0.17): the
+      widths are given, the layers are ordinary bias-free ``nn.Linear``.
+
+    The form is told by the arguments: three or more positional ones, or ``key_size`` /
+    ``query_size`` by keyword, select the second; anything else the first. ``dropout``
+    defaults to 0 in both.
 
     ``queries (batch, n_q, query_size)``, ``keys (batch, n_k, key_size)``,
     ``values (batch, n_k, d_v)``, ``valid_lens`` None, ``(batch,)`` or ``(batch, n_q)``
     ``-> (batch, n_q, d_v)``; ``attention_weights (batch, n_q, n_k)``. A query with
     ``valid_len == 0`` attends uniformly, as in d2l.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if len(args) >= 3 or "key_size" in kwargs or "query_size" in kwargs:
+            super().__init__(*args, **kwargs)
+            return
+        try:
+            num_hiddens, dropout = _lazy_additive_args(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(str(e).replace("_lazy_additive_args", "AdditiveAttention")) from None
+        nn.Module.__init__(self)  # the parent's __init__ needs the widths up front
+        check_positive_int("num_hiddens", num_hiddens)
+        check_dropout(dropout)
+        # Created in d2l's order; sized (and initialised) on the first call.
+        self.W_k = nn.LazyLinear(num_hiddens, bias=False)
+        self.W_q = nn.LazyLinear(num_hiddens, bias=False)
+        self.w_v = nn.LazyLinear(1, bias=False)
+        self.dropout = nn.Dropout(dropout)
+        self.attention_weights = None
 
     def forward(  # type: ignore[override]
         self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
@@ -148,6 +177,12 @@ class AdditiveAttention(scoring.AdditiveAttention):
         scores = self.w_v(features).squeeze(-1)
         self.attention_weights = masked_softmax(scores, valid_lens)
         return self.dropout(self.attention_weights) @ values
+
+
+def _lazy_additive_args(num_hiddens: int, dropout: float = 0.0) -> tuple[int, float]:
+    """``AdditiveAttention(num_hiddens, dropout)``'s arguments, bound as Python binds them
+    (so a wrong call is the usual ``TypeError``)."""
+    return num_hiddens, dropout
 
 
 class MultiHeadAttention(multihead.MultiHeadAttention):
@@ -570,14 +605,19 @@ def train_seq2seq(
 ) -> None:
     """Train a seq2seq model with teacher forcing, d2l's recipe.
 
-    Xavier-uniform init of every linear and GRU weight, Adam at ``lr``,
+    Xavier-uniform init of every ``nn.Linear`` and ``nn.GRU`` weight (exact types, as
+    d2l tests them: a lazy layer not yet sized, such as the 2-argument
+    :class:`AdditiveAttention`'s, keeps PyTorch's init when the first batch sizes it),
+    Adam at ``lr``,
     :class:`MaskedSoftmaxCELoss` summed over the batch, gradients clipped to norm 1.
     ``net(X, dec_input, X_valid_len)`` may return ``Y_hat`` or ``(Y_hat, state)`` with
     ``Y_hat (batch, num_steps, vocab)``. Every 10 epochs the loss per token goes on the
     loss curve (see the module docstring for where it ends up); at the end one line,
     ``loss X, Y tokens/sec on DEVICE``, is printed for the last epoch.
     """
-    seq2seq.init_seq2seq(net)
+    for module in net.modules():
+        if type(module) in (nn.Linear, nn.GRU):
+            seq2seq.init_seq2seq(module)
     net.to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=lr)
     loss = MaskedSoftmaxCELoss()
