@@ -574,3 +574,80 @@ def test_d2l_masked_softmax_and_dot_product_against_plain_reference(valid_lens):
     weights = plain_masked_softmax(q.double() @ k.double().transpose(1, 2) / math.sqrt(5), lens)
     torch.testing.assert_close(dot.attention_weights.double(), weights, atol=1e-6, rtol=0)
     torch.testing.assert_close(out.double(), weights @ v.double(), atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# Vocab: d2l's token order, re-derived
+
+
+def plain_vocab_order(lines, min_freq, reserved):
+    """d2l's order in plain steps: <unk>, the reserved tokens as given, then the counted
+    tokens by descending count (stable, so ties keep first-seen order), stopping at the
+    first count below min_freq, skipping tokens already placed."""
+    flat = [tok for line in lines for tok in line] if lines and isinstance(lines[0], list) \
+        else list(lines)
+    counts = {}
+    for tok in flat:  # a dict keeps insertion (first-seen) order
+        counts[tok] = counts.get(tok, 0) + 1
+    by_count = sorted(counts.items(), key=lambda kv: -kv[1])
+    order = ["<unk>", *reserved]
+    for tok, n in by_count:
+        if n < min_freq:
+            break
+        if tok not in order:
+            order.append(tok)
+    return order, by_count
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("min_freq", [0, 1, 2, 3])
+def test_d2l_vocab_order_against_plain_rederivation(seed, min_freq):
+    import random
+
+    rng = random.Random(seed)
+    words = ["zeta", "alpha", "mu", "beta", ".", "!", "<pad>", "omega", "kappa"]
+    lines = [[rng.choice(words) for _ in range(rng.randint(0, 6))] for _ in range(12)]
+    reserved = ["<pad>", "<bos>", "<eos>"]
+    vocab = d2l.Vocab(lines, min_freq=min_freq, reserved_tokens=reserved)
+    order, by_count = plain_vocab_order(lines, min_freq, reserved)
+    assert vocab.idx_to_token == order
+    assert vocab.token_to_idx == {tok: i for i, tok in enumerate(order)}
+    assert vocab.token_freqs == by_count
+    assert len(vocab) == len(order)
+
+
+def test_d2l_vocab_ties_keep_first_seen_order_and_lookups():
+    # zeta and alpha both twice, zeta first: zeta gets the lower id (not alphabetical)
+    lines = [["zeta", "alpha", "mu"], ["alpha", "zeta", "zeta2"]]
+    vocab = d2l.Vocab(lines, min_freq=2, reserved_tokens=["<pad>"])
+    assert vocab.idx_to_token == ["<unk>", "<pad>", "zeta", "alpha"]
+    assert vocab.unk == 0 and vocab["mu"] == 0 and vocab["zeta"] == 2
+    # lists and tuples map element-wise (nested too); anything else is one token
+    assert vocab[["alpha", "nope"]] == [3, 0]
+    assert vocab[("zeta", ["alpha"])] == [2, [3]]
+    assert vocab[5] == 0
+    # to_tokens: one id (Python indexing) or a list, tuple or tensor of ids
+    assert vocab.to_tokens(3) == "alpha" and vocab.to_tokens(-1) == "alpha"
+    assert vocab.to_tokens([2, 3]) == ["zeta", "alpha"]
+    assert vocab.to_tokens((1,)) == ["<pad>"]
+    assert vocab.to_tokens(torch.tensor([3, 2])) == ["alpha", "zeta"]
+    assert vocab.to_tokens(torch.tensor(2)) == "zeta"
+    with pytest.raises(IndexError):
+        vocab.to_tokens(4)
+
+
+def test_d2l_vocab_flat_tokens_defaults_and_reserved_checks():
+    # a flat list of tokens (d2l flattens only when the first item is a list)
+    vocab = d2l.Vocab(list("abracadabra"))
+    assert vocab.idx_to_token == ["<unk>", "a", "b", "r", "c", "d"]
+    assert d2l.Vocab().idx_to_token == ["<unk>"] and d2l.Vocab([]).token_freqs == []
+    assert d2l.Vocab([1, 2, 2]).idx_to_token == ["<unk>", 2, 1]  # any hashable token
+    # min_freq 0 and 1 keep everything; a reserved token seen in the text keeps its place
+    vocab = d2l.Vocab([["<eos>", "x", "<eos>"]], min_freq=1, reserved_tokens=["<eos>"])
+    assert vocab.idx_to_token == ["<unk>", "<eos>", "x"]
+    assert vocab.token_freqs == [("<eos>", 2), ("x", 1)]
+    with pytest.raises(ValueError, match="<unk>"):
+        d2l.Vocab([["a"]], reserved_tokens=["<unk>"])
+    with pytest.raises(ValueError, match="duplicates"):
+        d2l.Vocab([["a"]], reserved_tokens=["<pad>", "<pad>"])
+    assert isinstance(vocab, qkv.data.translate.Vocab)

@@ -27,6 +27,13 @@ whose ``W_k``, ``W_q``, ``w_v`` are ``nn.LazyLinear`` sized by the first call, a
 Xavier-initialises exact ``nn.Linear``/``nn.GRU`` modules only, so lazy layers not yet
 sized keep PyTorch's init.
 
+``Vocab`` numbers its tokens as d2l 0.17 does: ``<unk>`` (id 0), the reserved tokens as
+given, then by descending frequency, ties in first-seen order. d2l 1.0.3's ``Vocab``
+sorts ``idx_to_token`` alphabetically instead (so its ``<unk>`` is not always id 0);
+qkv.d2l keeps 0.17's order, the one the translator chapter's functions were written
+with. Unlike d2l, it refuses ``reserved_tokens`` that hold ``<unk>`` or one token twice
+(d2l would give that token two ids).
+
 Plots: ``plt`` is matplotlib's pyplot. ``train_seq2seq`` draws its loss curve on a
 figure without showing it, so a later ``plt.show()`` displays it on a desktop; with a
 non-interactive backend (Agg, which matplotlib picks when there is no display) it saves
@@ -35,6 +42,7 @@ the curve to ``seq2seq_loss.png`` in the working directory instead. Nothing here
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import os
@@ -488,19 +496,58 @@ def tokenize_nmt(
 class Vocab(translate.Vocab):
     """d2l's vocabulary: ``Vocab(tokens=None, min_freq=0, reserved_tokens=None)``.
 
-    Id 0 is ``<unk>``, then ``reserved_tokens``, then tokens seen at least ``min_freq``
-    times by descending frequency (ties in first-seen order). ``vocab[token]`` or
-    ``vocab[list_of_tokens]`` give ids (unknown tokens: ``vocab.unk``);
-    ``vocab.to_tokens(ids)`` goes back; ``token_freqs`` lists every token with its count.
+    ``tokens`` is a list of tokens, or a list of token *lists* (flattened when its first
+    item is a list, as d2l checks it); tokens may be any hashable. Id 0 is ``<unk>``,
+    then ``reserved_tokens`` as given, then every token seen at least ``min_freq`` times,
+    most frequent first, ties in first-seen order (d2l 0.17's order; see the module
+    docstring). ``vocab[token]`` gives an id (unknown: ``vocab.unk``, i.e. 0), and a list
+    or tuple gives a list of ids; ``vocab.to_tokens(ids)`` goes back; ``token_freqs``
+    lists every token with its count, most frequent first.
+
+    Raises:
+        ValueError: ``reserved_tokens`` holds ``<unk>`` or a token twice (d2l would give
+            the same token two ids).
     """
 
     def __init__(
         self,
-        tokens: Iterable[Any] | None = None,
+        tokens: Sequence[Any] | None = None,
         min_freq: int = 0,
         reserved_tokens: Sequence[str] | None = None,
     ) -> None:
-        super().__init__(tokens if tokens is not None else [], min_freq, reserved_tokens or [])
+        tokens = [] if tokens is None else tokens
+        reserved = list(reserved_tokens or [])
+        # The checks on reserved_tokens are the parent's; the counting below is d2l's.
+        super().__init__([], 0, reserved)
+        if len(tokens) and isinstance(tokens[0], list):
+            tokens = [token for line in tokens for token in line]
+        # Counter keeps first-seen order and sorted() is stable: ties stay in that order.
+        token_freqs = sorted(collections.Counter(tokens).items(), key=lambda kv: kv[1],
+                             reverse=True)
+        idx_to_token = list(self.idx_to_token)  # <unk>, then the reserved tokens
+        known = set(idx_to_token)
+        for token, freq in token_freqs:
+            if freq < min_freq:
+                break
+            if token not in known:
+                idx_to_token.append(token)
+                known.add(token)
+        self._set(idx_to_token, token_freqs)
+
+    def __getitem__(self, tokens: Any) -> Any:
+        """The id of one token, or a list of ids for a list or tuple of tokens."""
+        if not isinstance(tokens, (list, tuple)):
+            return self.token_to_idx.get(tokens, self.unk)
+        return [self[token] for token in tokens]
+
+    def to_tokens(self, indices: Any) -> Any:
+        """The token at one id (Python indexing: ``-1`` is the last), or a list of tokens
+        for a list, tuple, tensor or array of ids."""
+        if hasattr(indices, "tolist"):  # tensors and numpy arrays (and their scalars)
+            indices = indices.tolist()
+        if isinstance(indices, (list, tuple)):
+            return [self.to_tokens(i) for i in indices]
+        return self.idx_to_token[indices]
 
 
 def truncate_pad(line: list[int], num_steps: int, padding_token: int) -> list[int]:
