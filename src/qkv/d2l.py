@@ -17,6 +17,23 @@ Where qkv departs from d2l on purpose, the names here follow d2l:
 - ``EncoderDecoder.forward`` returns the decoder's output only (d2l 1.0.3); callers that
   unpack ``Y_hat, state`` get both from ``decoder(...)`` directly.
 
+Where it departs from d2l:
+
+- ``read_data_nmt`` reads the file named by ``$QKV_FRA_ENG`` when that is set; otherwise,
+  while ``download`` and ``download_extract`` are this module's own, it takes the corpus
+  from qkv's SHA-1-verified cache (``$QKV_CACHE`` or ``~/.cache/qkv``) instead of d2l's
+  ``../data``. Once a script replaces either (``d2l.download = my_download``), it goes
+  through them as d2l does: ``download_extract('fra-eng')`` calling ``download``, both
+  looked up at call time;
+- ``download_extract`` refuses archive members whose path would leave the extraction
+  folder, and ``download`` never leaves a partial or unverified file behind;
+- ``Vocab`` refuses ``reserved_tokens`` that hold ``<unk>`` or one token twice (d2l would
+  give that token two ids);
+- ``MultiHeadAttention`` sizes its projections when built (``query_size``, ``key_size``,
+  ``value_size``, default ``num_hiddens``) where d2l 1.0.3's are lazy, and keeps its
+  weights in ``attention_weights`` as ``(batch, num_heads, n_q, n_k)`` where d2l's sit
+  on its inner ``attention`` module folded to ``(batch * num_heads, n_q, n_k)``.
+
 Versions: d2l 1.0.3's forms where the versions differ and 1.0.3 has the name
 (``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)``,
 ``download(url, folder, sha1_hash)``, ``EncoderDecoder``); the d2l 0.17/2.0 functions
@@ -31,8 +48,7 @@ sized keep PyTorch's init.
 given, then by descending frequency, ties in first-seen order. d2l 1.0.3's ``Vocab``
 sorts ``idx_to_token`` alphabetically instead (so its ``<unk>`` is not always id 0);
 qkv.d2l keeps 0.17's order, the one the translator chapter's functions were written
-with. Unlike d2l, it refuses ``reserved_tokens`` that hold ``<unk>`` or one token twice
-(d2l would give that token two ids).
+with.
 
 Plots: ``plt`` is matplotlib's pyplot. ``train_seq2seq`` draws its loss curve on a
 figure without showing it, so a later ``plt.show()`` displays it on a desktop; with a
@@ -446,6 +462,11 @@ def download_extract(name: str, folder: str | None = None) -> str:
     return os.path.join(base_dir, folder) if folder else data_dir
 
 
+# The module's own functions, kept so read_data_nmt can tell when a user replaced them.
+_DOWNLOAD = download
+_DOWNLOAD_EXTRACT = download_extract
+
+
 def _check_members(names: Iterable[str], archive: str) -> None:
     for name in names:
         parts = Path(name.replace("\\", "/")).parts
@@ -456,15 +477,26 @@ def _check_members(names: Iterable[str], archive: str) -> None:
 def read_data_nmt() -> str:
     """The raw English-French text: ``"Go.\\tVa !\\n..."``, one tab-separated pair a line.
 
-    Reads the file named by the environment variable ``QKV_FRA_ENG`` when it is set (a
-    local ``fra.txt``, nothing downloaded); otherwise the Tatoeba fra-eng corpus through
-    :func:`qkv.data.translate.download_fra_eng` (fetched once, SHA-1 verified, cached
-    under ``$QKV_CACHE`` or ``~/.cache/qkv``). :func:`load_data_nmt` calls this name at
-    run time, so assigning ``d2l.read_data_nmt = my_reader`` also replaces the corpus.
+    Where it comes from, first match wins:
+
+    1. the file named by the environment variable ``QKV_FRA_ENG`` (nothing downloaded);
+    2. when ``d2l.download`` or ``d2l.download_extract`` has been replaced (a script
+       redirecting d2l's data folder does this), d2l's own path:
+       ``download_extract('fra-eng')``, which calls ``download('fra-eng')``, both looked
+       up at call time, then ``fra.txt`` in the folder it returns;
+    3. otherwise the Tatoeba fra-eng corpus through
+       :func:`qkv.data.translate.download_fra_eng` (fetched once, SHA-1 verified, cached
+       under ``$QKV_CACHE`` or ``~/.cache/qkv`` rather than d2l's ``../data``).
+
+    :func:`load_data_nmt` calls this name at run time, so assigning
+    ``d2l.read_data_nmt = my_reader`` also replaces the corpus.
     """
     local = os.environ.get(FRA_ENG_ENV)
-    path = Path(local).expanduser() if local else translate.download_fra_eng()
-    return translate.load_corpus(path)
+    if local:
+        return translate.load_corpus(Path(local).expanduser())
+    if download is not _DOWNLOAD or download_extract is not _DOWNLOAD_EXTRACT:
+        return translate.load_corpus(Path(download_extract("fra-eng")) / "fra.txt")
+    return translate.load_corpus(translate.download_fra_eng())
 
 
 def preprocess_nmt(text: str) -> str:
