@@ -69,6 +69,19 @@ def test_dot_product_attention_2d_valid_lens():
     torch.testing.assert_close(w[0, 1], torch.softmax(q[0, 1] @ k[0].T / 2, dim=-1))
 
 
+def plain_masked_softmax(X, valid_lens):
+    """d2l's masked_softmax re-derived: scores at key index >= valid length become -1e6
+    (so a row with valid length 0 is all -1e6 and comes out uniform), then softmax."""
+    if valid_lens is None:
+        return torch.softmax(X, dim=-1)
+    lens = valid_lens if valid_lens.dim() == 2 else valid_lens[:, None].expand(X.shape[:2])
+    masked = X.clone()
+    for b in range(X.shape[0]):
+        for i in range(X.shape[1]):
+            masked[b, i, int(lens[b, i]):] = -1e6
+    return torch.softmax(masked, dim=-1)
+
+
 def d2l_reference_mha(m, queries, keys, values, valid_lens):
     """d2l's algorithm: fold the heads into the batch and repeat valid_lens."""
     h = m.num_heads
@@ -77,16 +90,19 @@ def d2l_reference_mha(m, queries, keys, values, valid_lens):
         b, n, _ = x.shape
         return x.reshape(b, n, h, -1).permute(0, 2, 1, 3).reshape(b * h, n, -1)
 
-    q = fold(queries @ m.W_query.weight.T)
-    k = fold(keys @ m.W_key.weight.T)
-    v = fold(values @ m.W_value.weight.T)
+    def linear(x, layer):
+        return x @ layer.weight.T + (0 if layer.bias is None else layer.bias)
+
+    q = fold(linear(queries, m.W_query))
+    k = fold(linear(keys, m.W_key))
+    v = fold(linear(values, m.W_value))
     lens = torch.repeat_interleave(valid_lens, repeats=h, dim=0)
     scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
-    weights = qkv.masked_softmax(scores, lens)
+    weights = plain_masked_softmax(scores, lens)
     out = weights @ v  # (b*h, n_q, d)
     b = queries.shape[0]
     out = out.reshape(b, h, out.shape[1], -1).permute(0, 2, 1, 3).reshape(b, out.shape[1], -1)
-    return out @ m.out_proj.weight.T, weights
+    return linear(out, m.out_proj), weights
 
 
 def test_d2l_multihead_example_and_reference():
@@ -101,6 +117,40 @@ def test_d2l_multihead_example_and_reference():
     torch.testing.assert_close(m.attention_weights.reshape(10, 4, 6), ref_w, atol=1e-6, rtol=0)
     assert m.out_proj.bias is None and m.W_query.bias is None  # bias-free by default
     assert isinstance(m, qkv.MultiHeadAttention)  # one implementation, not two
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "valid_lens", [[0, 3], [[0, 6, 2, 0], [1, 0, 6, 3]], [0, 0]], ids=["1d", "2d", "all-empty"]
+)
+def test_d2l_multihead_zero_valid_len_is_uniform_as_d2l(bias, valid_lens):
+    """A query with valid length 0 attends uniformly to all keys (d2l's -1e6 fill), in
+    float64 against the folded-heads reference."""
+    torch.manual_seed(3)
+    m = d2l.MultiHeadAttention(12, 3, 0.0, bias=bias).double().eval()
+    queries = torch.randn(2, 4, 12, dtype=torch.float64)
+    keys, values = torch.randn(2, 6, 12, dtype=torch.float64), torch.randn(2, 6, 12,
+                                                                         dtype=torch.float64)
+    lens = torch.tensor(valid_lens)
+    out = m(queries, keys, values, lens)
+    expected, ref_w = d2l_reference_mha(m, queries, keys, values, lens)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(m.attention_weights.reshape(6, 4, 6), ref_w, atol=1e-12, rtol=0)
+    empty = (lens == 0) if lens.dim() == 2 else (lens == 0)[:, None].expand(2, 4)
+    assert (m.attention_weights[empty.nonzero(as_tuple=True)[0], :,
+                                empty.nonzero(as_tuple=True)[1]] == 1 / 6).all()
+
+
+def test_d2l_multihead_zero_valid_len_gradients_and_training_dropout():
+    torch.manual_seed(4)
+    m = d2l.MultiHeadAttention(8, 2, 0.5)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    m.train()
+    out = m(x, x, x, torch.tensor([0, 2]))
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    # the weights are kept before dropout, as d2l keeps them
+    torch.testing.assert_close(m.attention_weights[0], torch.full((2, 3, 3), 1 / 3))
 
 
 def test_d2l_multihead_other_widths():
@@ -399,3 +449,205 @@ def test_train_seq2seq_prints_d2l_line_and_saves_plot(tmp_path, monkeypatch, cap
     assert float(line.split()[1].rstrip(",")) < 0.5  # learnt a 3-token sequence
     assert (tmp_path / "seq2seq_loss.png").stat().st_size > 0
     d2l.plt.close("all")
+
+
+# ----------------------------------------------------------------------------
+# AdditiveAttention in both of d2l's forms; the scoring functions' empty rows
+
+
+def plain_additive(W_q, W_k, w_v, queries, keys, values, valid_lens):
+    """float64 loop: score(q, k) = w_v . tanh(W_q q + W_k k), d2l's masked softmax, @ V."""
+    W_q, W_k, w_v = W_q.double(), W_k.double(), w_v.double()
+    b, n_q, n_k = queries.shape[0], queries.shape[1], keys.shape[1]
+    scores = torch.empty(b, n_q, n_k, dtype=torch.float64)
+    for i in range(b):
+        for j in range(n_q):
+            for t in range(n_k):
+                feat = torch.tanh(W_q @ queries[i, j].double() + W_k @ keys[i, t].double())
+                scores[i, j, t] = (w_v @ feat)[0]
+    weights = plain_masked_softmax(scores, valid_lens)
+    return weights @ values.double(), weights
+
+
+def test_d2l_additive_attention_lazy_form_as_d2l_1_0_3():
+    torch.manual_seed(5)
+    attn = d2l.AdditiveAttention(8, 0.1)
+    # d2l 1.0.3: three bias-free LazyLinear layers, sized on the first call
+    for layer, width in ((attn.W_k, 8), (attn.W_q, 8), (attn.w_v, 1)):
+        assert isinstance(layer, nn.LazyLinear) and layer.has_uninitialized_params()
+        assert layer.out_features == width and layer.bias is None
+    assert attn.dropout.p == 0.1
+    assert isinstance(attn, qkv.AdditiveAttention)
+    attn.eval()
+    # d2l's demo: identical keys, so uniform weights over the valid keys
+    torch.testing.assert_close(attn(torch.normal(0, 1, (2, 1, 20)), KEYS, VALUES, VALID_LENS),
+                               EXPECTED)
+    assert attn.W_q.weight.shape == (8, 20) and attn.W_k.weight.shape == (8, 2)
+    assert attn.w_v.weight.shape == (1, 8)
+    q, k, v = torch.randn(2, 3, 20), torch.randn(2, 5, 2), torch.randn(2, 5, 4)
+    lens = torch.tensor([[5, 0, 2], [1, 3, 0]])
+    out = attn(q, k, v, lens)
+    expected, weights = plain_additive(attn.W_q.weight, attn.W_k.weight, attn.w_v.weight,
+                                       q, k, v, lens)
+    torch.testing.assert_close(out.double(), expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(attn.attention_weights.double(), weights, atol=1e-6, rtol=0)
+    torch.testing.assert_close(attn.attention_weights[0, 1], torch.full((5,), 0.2))
+
+
+def test_d2l_additive_attention_forms_by_arguments():
+    lazy = d2l.AdditiveAttention(num_hiddens=6, dropout=0.2)
+    assert isinstance(lazy.W_k, nn.LazyLinear) and lazy.dropout.p == 0.2
+    assert isinstance(d2l.AdditiveAttention(6).W_q, nn.LazyLinear)  # dropout defaults to 0
+    for explicit in (d2l.AdditiveAttention(3, 5, 6, 0.2), d2l.AdditiveAttention(3, 5, 6),
+                     d2l.AdditiveAttention(key_size=3, query_size=5, num_hiddens=6),
+                     d2l.AdditiveAttention(3, query_size=5, num_hiddens=6, dropout=0.2)):
+        assert type(explicit.W_k) is nn.Linear and explicit.W_k.weight.shape == (6, 3)
+        assert explicit.W_q.weight.shape == (6, 5) and explicit.w_v.weight.shape == (1, 6)
+    with pytest.raises(TypeError, match=r"AdditiveAttention\(\) got an unexpected keyword"):
+        d2l.AdditiveAttention(6, 0.0, size=3)
+    with pytest.raises(ValueError, match="num_hiddens"):
+        d2l.AdditiveAttention(0, 0.0)
+    with pytest.raises(ValueError, match="dropout"):
+        d2l.AdditiveAttention(6, 1.5)
+
+
+def test_d2l_additive_attention_lazy_form_loads_a_state_dict():
+    """What the inference script does: a fresh lazy module takes trained weights."""
+    torch.manual_seed(6)
+    trained = d2l.AdditiveAttention(3, 5, 6, 0.0).eval()
+    fresh = d2l.AdditiveAttention(6, 0.0).eval()
+    fresh.load_state_dict(trained.state_dict())
+    q, k, v = torch.randn(2, 1, 5), torch.randn(2, 4, 3), torch.randn(2, 4, 2)
+    lens = torch.tensor([4, 2])
+    torch.testing.assert_close(fresh(q, k, v, lens), trained(q, k, v, lens))
+    assert fresh.state_dict().keys() == trained.state_dict().keys()
+
+
+def test_d2l_train_seq2seq_leaves_lazy_layers_to_their_own_init(capsys):
+    """d2l's init picks exact nn.Linear / nn.GRU types: an attention layer not yet sized is
+    skipped (not an error) and is sized by the first batch."""
+    torch.manual_seed(7)
+    vocab = d2l.Vocab([["a", "b"]] * 2, reserved_tokens=["<pad>", "<bos>", "<eos>"])
+    X = torch.tensor([[4, 5, 3, 1]] * 4)
+    lens = torch.tensor([3, 3, 3, 3])
+
+    class Decoder(d2l.AttentionDecoder):
+        def __init__(self):
+            super().__init__()
+            self.attention = d2l.AdditiveAttention(8, 0.0)
+            self.embedding = nn.Embedding(len(vocab), 8)
+            self.dense = nn.Linear(16, len(vocab))
+
+        def init_state(self, enc_all_outputs, enc_valid_lens):
+            return enc_all_outputs[0].permute(1, 0, 2), enc_valid_lens
+
+        def forward(self, X, state):
+            enc, enc_lens = state
+            emb = self.embedding(X)
+            context = self.attention(emb, enc, enc, enc_lens)
+            return self.dense(torch.cat((emb, context), -1)), state
+
+    decoder = Decoder()
+    net = d2l.EncoderDecoder(d2l.Seq2SeqEncoder(len(vocab), 8, 8, 1), decoder)
+    dense_before = decoder.dense.weight.detach().clone()
+    d2l.train_seq2seq(net, d2l.load_array((X, lens, X, lens), 2), 0.0, 1, vocab, "cpu")
+    assert "tokens/sec on cpu" in capsys.readouterr().out
+    assert type(decoder.attention.W_k) is nn.Linear  # sized by the first batch
+    assert decoder.attention.W_k.weight.shape == (8, 8)
+    # lr 0: what is there is the init; the exact nn.Linear was re-drawn Xavier-uniform
+    bound = math.sqrt(6 / (16 + len(vocab)))
+    assert not torch.equal(decoder.dense.weight, dense_before)
+    assert decoder.dense.weight.abs().max() <= bound
+    d2l.plt.close("all")
+
+
+@pytest.mark.parametrize("valid_lens", [[0, 3], [[0, 4, 1], [2, 0, 4]]], ids=["1d", "2d"])
+def test_d2l_masked_softmax_and_dot_product_against_plain_reference(valid_lens):
+    torch.manual_seed(8)
+    lens = torch.tensor(valid_lens)
+    scores = torch.randn(2, 3, 4, dtype=torch.float64)
+    torch.testing.assert_close(d2l.masked_softmax(scores, lens),
+                               plain_masked_softmax(scores, lens), atol=1e-12, rtol=0)
+    q, k, v = (torch.randn(2, 3, 5), torch.randn(2, 4, 5), torch.randn(2, 4, 2))
+    dot = d2l.DotProductAttention(0.0).eval()
+    out = dot(q, k, v, lens)
+    weights = plain_masked_softmax(q.double() @ k.double().transpose(1, 2) / math.sqrt(5), lens)
+    torch.testing.assert_close(dot.attention_weights.double(), weights, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.double(), weights @ v.double(), atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# Vocab: d2l's token order, re-derived
+
+
+def plain_vocab_order(lines, min_freq, reserved):
+    """d2l's order in plain steps: <unk>, the reserved tokens as given, then the counted
+    tokens by descending count (stable, so ties keep first-seen order), stopping at the
+    first count below min_freq, skipping tokens already placed."""
+    flat = [tok for line in lines for tok in line] if lines and isinstance(lines[0], list) \
+        else list(lines)
+    counts = {}
+    for tok in flat:  # a dict keeps insertion (first-seen) order
+        counts[tok] = counts.get(tok, 0) + 1
+    by_count = sorted(counts.items(), key=lambda kv: -kv[1])
+    order = ["<unk>", *reserved]
+    for tok, n in by_count:
+        if n < min_freq:
+            break
+        if tok not in order:
+            order.append(tok)
+    return order, by_count
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("min_freq", [0, 1, 2, 3])
+def test_d2l_vocab_order_against_plain_rederivation(seed, min_freq):
+    import random
+
+    rng = random.Random(seed)
+    words = ["zeta", "alpha", "mu", "beta", ".", "!", "<pad>", "omega", "kappa"]
+    lines = [[rng.choice(words) for _ in range(rng.randint(0, 6))] for _ in range(12)]
+    reserved = ["<pad>", "<bos>", "<eos>"]
+    vocab = d2l.Vocab(lines, min_freq=min_freq, reserved_tokens=reserved)
+    order, by_count = plain_vocab_order(lines, min_freq, reserved)
+    assert vocab.idx_to_token == order
+    assert vocab.token_to_idx == {tok: i for i, tok in enumerate(order)}
+    assert vocab.token_freqs == by_count
+    assert len(vocab) == len(order)
+
+
+def test_d2l_vocab_ties_keep_first_seen_order_and_lookups():
+    # zeta and alpha both twice, zeta first: zeta gets the lower id (not alphabetical)
+    lines = [["zeta", "alpha", "mu"], ["alpha", "zeta", "zeta2"]]
+    vocab = d2l.Vocab(lines, min_freq=2, reserved_tokens=["<pad>"])
+    assert vocab.idx_to_token == ["<unk>", "<pad>", "zeta", "alpha"]
+    assert vocab.unk == 0 and vocab["mu"] == 0 and vocab["zeta"] == 2
+    # lists and tuples map element-wise (nested too); anything else is one token
+    assert vocab[["alpha", "nope"]] == [3, 0]
+    assert vocab[("zeta", ["alpha"])] == [2, [3]]
+    assert vocab[5] == 0
+    # to_tokens: one id (Python indexing) or a list, tuple or tensor of ids
+    assert vocab.to_tokens(3) == "alpha" and vocab.to_tokens(-1) == "alpha"
+    assert vocab.to_tokens([2, 3]) == ["zeta", "alpha"]
+    assert vocab.to_tokens((1,)) == ["<pad>"]
+    assert vocab.to_tokens(torch.tensor([3, 2])) == ["alpha", "zeta"]
+    assert vocab.to_tokens(torch.tensor(2)) == "zeta"
+    with pytest.raises(IndexError):
+        vocab.to_tokens(4)
+
+
+def test_d2l_vocab_flat_tokens_defaults_and_reserved_checks():
+    # a flat list of tokens (d2l flattens only when the first item is a list)
+    vocab = d2l.Vocab(list("abracadabra"))
+    assert vocab.idx_to_token == ["<unk>", "a", "b", "r", "c", "d"]
+    assert d2l.Vocab().idx_to_token == ["<unk>"] and d2l.Vocab([]).token_freqs == []
+    assert d2l.Vocab([1, 2, 2]).idx_to_token == ["<unk>", 2, 1]  # any hashable token
+    # min_freq 0 and 1 keep everything; a reserved token seen in the text keeps its place
+    vocab = d2l.Vocab([["<eos>", "x", "<eos>"]], min_freq=1, reserved_tokens=["<eos>"])
+    assert vocab.idx_to_token == ["<unk>", "<eos>", "x"]
+    assert vocab.token_freqs == [("<eos>", 2), ("x", 1)]
+    with pytest.raises(ValueError, match="<unk>"):
+        d2l.Vocab([["a"]], reserved_tokens=["<unk>"])
+    with pytest.raises(ValueError, match="duplicates"):
+        d2l.Vocab([["a"]], reserved_tokens=["<pad>", "<pad>"])
+    assert isinstance(vocab, qkv.data.translate.Vocab)

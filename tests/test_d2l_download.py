@@ -117,3 +117,84 @@ def test_download_extract_refuses_escaping_members(server, tmp_path, monkeypatch
     with pytest.raises(DownloadError, match="refusing to extract"):
         d2l.download_extract("evil")
     assert not (tmp_path / "evil.txt").exists()
+
+
+@pytest.fixture
+def fra_eng_hub(server, tmp_path, monkeypatch):
+    """``DATA_HUB['fra-eng']`` served locally; qkv's own cache path made to fail loudly, and
+    ``QKV_FRA_ENG`` unset. Yields the corpus text."""
+    base, www, requests = server
+    text = "Go.\tVa !\nHi.\tSalut !\n"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("fra-eng/fra.txt", text)
+    (www / "fra-eng.zip").write_bytes(buf.getvalue())
+    monkeypatch.setitem(d2l.DATA_HUB, "fra-eng", (base + "fra-eng.zip", sha1(buf.getvalue())))
+    monkeypatch.delenv("QKV_FRA_ENG", raising=False)
+
+    def no_qkv_cache(*args, **kwargs):
+        raise AssertionError("read_data_nmt took qkv's cache, not the replaced download")
+
+    monkeypatch.setattr(d2l.translate, "download_fra_eng", no_qkv_cache)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return text
+
+
+def test_read_data_nmt_goes_through_a_replaced_download(fra_eng_hub, tmp_path, monkeypatch):
+    """As in d2l: read_data_nmt -> download_extract('fra-eng') -> download('fra-eng'), each
+    looked up on the module, so a script that redirects d2l.download moves the data."""
+    original, calls = d2l.download, []
+    mine = tmp_path / "mine"
+
+    def download_to_mine(url, folder=str(mine), sha1_hash=None):
+        calls.append(url)
+        return original(url, folder=folder, sha1_hash=sha1_hash)
+
+    monkeypatch.setattr(d2l, "download", download_to_mine)
+    assert d2l.read_data_nmt() == fra_eng_hub
+    assert calls == ["fra-eng"]
+    assert (mine / "fra-eng.zip").is_file()
+    assert (mine / "fra-eng" / "fra.txt").read_text(encoding="utf-8") == fra_eng_hub
+    # load_data_nmt reads through read_data_nmt, so it follows too
+    _, src_vocab, _ = d2l.load_data_nmt(2, 4)
+    assert calls == ["fra-eng", "fra-eng"]
+    assert src_vocab["."] != src_vocab.unk  # "." twice: kept with min_freq=2
+
+
+def test_read_data_nmt_goes_through_a_replaced_download_extract(fra_eng_hub, tmp_path,
+                                                                monkeypatch):
+    folder = tmp_path / "elsewhere"
+    folder.mkdir()
+    (folder / "fra.txt").write_text("A.\tB.\n", encoding="utf-8")
+    calls = []
+    monkeypatch.setattr(d2l, "download_extract",
+                        lambda name, folder_=None: calls.append(name) or str(folder))
+    assert d2l.read_data_nmt() == "A.\tB.\n"
+    assert calls == ["fra-eng"]
+
+
+def test_qkv_fra_eng_wins_over_a_replaced_download(fra_eng_hub, tmp_path, monkeypatch):
+    """The env var names a local file: nothing is downloaded, whatever d2l.download is."""
+    local = tmp_path / "fra.txt"
+    local.write_text("Local.\tLocal.\n", encoding="utf-8")
+    monkeypatch.setenv("QKV_FRA_ENG", str(local))
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("downloaded although QKV_FRA_ENG is set")
+
+    monkeypatch.setattr(d2l, "download", no_download)
+    assert d2l.read_data_nmt() == "Local.\tLocal.\n"
+
+
+def test_read_data_nmt_without_replacement_uses_qkv_cache(fra_eng_hub, tmp_path,
+                                                          monkeypatch):
+    """With d2l's own download in place, the corpus comes from qkv's verified cache
+    (not ../data), as the module docstring says."""
+    path = tmp_path / "cache" / "fra.txt"
+    path.parent.mkdir()
+    path.write_text("Cached.\tCache.\n", encoding="utf-8")
+    monkeypatch.setattr(d2l.translate, "download_fra_eng", lambda *a, **k: path)
+    assert d2l.read_data_nmt() == "Cached.\tCache.\n"
+    assert not (tmp_path / "data").exists()

@@ -74,9 +74,13 @@ def train_and_translate(reference: Path, tmp_path: Path, corpus: Path,
     """Train with the training script, then translate with the inference script."""
     train = install(reference, "d2l_bahdanau_train.py", tmp_path)
     infer = install(reference, "d2l_bahdanau_infer.py", tmp_path)
-    out = run(train, corpus=corpus).stdout
+    proc = run(train, corpus=corpus)
+    out = proc.stdout
     # d2l's one line at the end of training
     assert re.search(r"^loss \d+\.\d{3}, \d+\.\d tokens/sec on (cpu|cuda:0)$", out, re.M), out
+    # The script tries d2l 1.0.3's AdditiveAttention(num_hiddens, dropout) first; it is
+    # taken, so its three lazy layers are unsized when the script counts the parameters.
+    assert "uninitialized_params=3" in proc.stderr, proc.stderr[-3000:]
     assert (tmp_path / "checkpoint.pth").is_file()
     out = run(infer, "--ckpt", "checkpoint.pth", "--text", *sentences).stdout
     return [line for line in out.splitlines() if " => " in line]

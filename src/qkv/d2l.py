@@ -7,8 +7,8 @@ qkv has it (vocabulary, padding, BLEU, the GRU encoder, the attention modules).
 
 Where qkv departs from d2l on purpose, the names here follow d2l:
 
-- ``masked_softmax`` and the two scoring modules give a row whose valid length is 0
-  *uniform* weights (qkv's kernels give zeros);
+- ``masked_softmax``, the two scoring modules and ``MultiHeadAttention`` give a query
+  whose valid length is 0 *uniform* weights over all keys (qkv's kernels give zeros);
 - ``MaskedSoftmaxCELoss`` averages each sequence's masked loss over all ``num_steps``
   positions (qkv's averages over the valid tokens);
 - ``tokenize_nmt(text, num_examples)`` reads lines ``0 .. num_examples`` inclusive,
@@ -17,13 +17,38 @@ Where qkv departs from d2l on purpose, the names here follow d2l:
 - ``EncoderDecoder.forward`` returns the decoder's output only (d2l 1.0.3); callers that
   unpack ``Y_hat, state`` get both from ``decoder(...)`` directly.
 
+Where it departs from d2l:
+
+- ``read_data_nmt`` reads the file named by ``$QKV_FRA_ENG`` when that is set; otherwise,
+  while ``download`` and ``download_extract`` are this module's own, it takes the corpus
+  from qkv's SHA-1-verified cache (``$QKV_CACHE`` or ``~/.cache/qkv``) instead of d2l's
+  ``../data``. Once a script replaces either (``d2l.download = my_download``), it goes
+  through them as d2l does: ``download_extract('fra-eng')`` calling ``download``, both
+  looked up at call time;
+- ``download_extract`` refuses archive members whose path would leave the extraction
+  folder, and ``download`` never leaves a partial or unverified file behind;
+- ``Vocab`` refuses ``reserved_tokens`` that hold ``<unk>`` or one token twice (d2l would
+  give that token two ids);
+- ``MultiHeadAttention`` sizes its projections when built (``query_size``, ``key_size``,
+  ``value_size``, default ``num_hiddens``) where d2l 1.0.3's are lazy, and keeps its
+  weights in ``attention_weights`` as ``(batch, num_heads, n_q, n_k)`` where d2l's sit
+  on its inner ``attention`` module folded to ``(batch * num_heads, n_q, n_k)``.
+
 Versions: d2l 1.0.3's forms where the versions differ and 1.0.3 has the name
 (``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)``,
 ``download(url, folder, sha1_hash)``, ``EncoderDecoder``); the d2l 0.17/2.0 functions
 the translator chapter used (``load_data_nmt``, ``train_seq2seq``, ``predict_seq2seq``)
-otherwise. ``AdditiveAttention`` keeps the explicit ``(key_size, query_size,
-num_hiddens, dropout)`` form: d2l 1.0.3's ``(num_hiddens, dropout)`` infers the widths
-lazily, which a module built once and then initialised cannot do.
+otherwise. ``AdditiveAttention`` takes both forms: 1.0.3's ``(num_hiddens, dropout)``,
+whose ``W_k``, ``W_q``, ``w_v`` are ``nn.LazyLinear`` sized by the first call, and
+0.17's ``(key_size, query_size, num_hiddens, dropout)``. As in d2l, ``train_seq2seq``
+Xavier-initialises exact ``nn.Linear``/``nn.GRU`` modules only, so lazy layers not yet
+sized keep PyTorch's init.
+
+``Vocab`` numbers its tokens as d2l 0.17 does: ``<unk>`` (id 0), the reserved tokens as
+given, then by descending frequency, ties in first-seen order. d2l 1.0.3's ``Vocab``
+sorts ``idx_to_token`` alphabetically instead (so its ``<unk>`` is not always id 0);
+qkv.d2l keeps 0.17's order, the one the translator chapter's functions were written
+with.
 
 Plots: ``plt`` is matplotlib's pyplot. ``train_seq2seq`` draws its loss curve on a
 figure without showing it, so a later ``plt.show()`` displays it on a desktop; with a
@@ -33,6 +58,7 @@ the curve to ``seq2seq_loss.png`` in the working directory instead. Nothing here
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import os
@@ -51,7 +77,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from . import multihead, scoring
-from .checks import check_positive_int
+from .checks import check_dropout, check_positive_int
 from .data import translate
 from .data.loading import batch_loader
 from .functional import masked_softmax
@@ -131,14 +157,41 @@ class DotProductAttention(scoring.DotProductAttention):
 
 
 class AdditiveAttention(scoring.AdditiveAttention):
-    """d2l's additive (Bahdanau) attention, ``AdditiveAttention(key_size, query_size,
-    num_hiddens, dropout)``.
+    """d2l's additive (Bahdanau) attention, in either of d2l's two forms.
+
+    - ``AdditiveAttention(num_hiddens, dropout)`` (d2l 1.0.3): ``W_k``, ``W_q`` and
+      ``w_v`` are bias-free :class:`torch.nn.LazyLinear` layers whose input widths are
+      taken from the first call (or from a loaded ``state_dict``);
+    - ``AdditiveAttention(key_size, query_size, num_hiddens, dropout)`` (d2l 0.17): the
+      widths are given, the layers are ordinary bias-free ``nn.Linear``.
+
+    The form is told by the arguments: three or more positional ones, or ``key_size`` /
+    ``query_size`` by keyword, select the second; anything else the first. ``dropout``
+    defaults to 0 in both.
 
     ``queries (batch, n_q, query_size)``, ``keys (batch, n_k, key_size)``,
     ``values (batch, n_k, d_v)``, ``valid_lens`` None, ``(batch,)`` or ``(batch, n_q)``
     ``-> (batch, n_q, d_v)``; ``attention_weights (batch, n_q, n_k)``. A query with
     ``valid_len == 0`` attends uniformly, as in d2l.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if len(args) >= 3 or "key_size" in kwargs or "query_size" in kwargs:
+            super().__init__(*args, **kwargs)
+            return
+        try:
+            num_hiddens, dropout = _lazy_additive_args(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(str(e).replace("_lazy_additive_args", "AdditiveAttention")) from None
+        nn.Module.__init__(self)  # the parent's __init__ needs the widths up front
+        check_positive_int("num_hiddens", num_hiddens)
+        check_dropout(dropout)
+        # Created in d2l's order; sized (and initialised) on the first call.
+        self.W_k = nn.LazyLinear(num_hiddens, bias=False)
+        self.W_q = nn.LazyLinear(num_hiddens, bias=False)
+        self.w_v = nn.LazyLinear(1, bias=False)
+        self.dropout = nn.Dropout(dropout)
+        self.attention_weights = None
 
     def forward(  # type: ignore[override]
         self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
@@ -150,13 +203,21 @@ class AdditiveAttention(scoring.AdditiveAttention):
         return self.dropout(self.attention_weights) @ values
 
 
+def _lazy_additive_args(num_hiddens: int, dropout: float = 0.0) -> tuple[int, float]:
+    """``AdditiveAttention(num_hiddens, dropout)``'s arguments, bound as Python binds them
+    (so a wrong call is the usual ``TypeError``)."""
+    return num_hiddens, dropout
+
+
 class MultiHeadAttention(multihead.MultiHeadAttention):
     """d2l's multi-head attention.
 
     A thin front on the one :class:`qkv.MultiHeadAttention` (non-causal, cross-attention
     capable), not a second implementation: heads run in parallel on a head axis rather
     than being folded into the batch, and ``valid_lens`` is broadcast over that axis,
-    which is what d2l's ``repeat_interleave`` over the folded batch computes.
+    which is what d2l's ``repeat_interleave`` over the folded batch computes. A query
+    with ``valid_len == 0`` attends uniformly to all keys, as in d2l (the parent gives it
+    zero weights; the difference is added back for those rows only).
 
     Args:
         num_hiddens: width of every projection and of the output.
@@ -207,10 +268,36 @@ class MultiHeadAttention(multihead.MultiHeadAttention):
     def forward(  # type: ignore[override]
         self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
     ) -> Tensor:
-        out, self.attention_weights = super().forward(
+        out, weights = super().forward(
             queries, keys, values, valid_lens=valid_lens, need_weights=True
         )
+        if valid_lens is not None:  # checked by the parent
+            empty = (valid_lens.to(out.device) == 0)
+            if empty.dim() == 1:
+                empty = empty[:, None].expand(out.shape[0], out.shape[1])
+            if bool(empty.any()):
+                out, weights = self._uniform_empty_rows(out, weights, values, empty)
+        self.attention_weights = weights
         return out
+
+    def _uniform_empty_rows(
+        self, out: Tensor, weights: Tensor, values: Tensor, empty: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """d2l's result for the queries with ``valid_len == 0`` (``empty (batch, n_q)``).
+
+        The parent gives those rows zero weights, so their output is ``out_proj``'s bias
+        alone. d2l gives them weight ``1 / n_k`` on every key; this adds what those
+        weights contribute, ``W_o (dropout(uniform) @ V)`` per head, to those rows only
+        (zero weights elsewhere add exactly zero), and puts the uniform rows in the weights.
+        """
+        batch, num_queries, _ = out.shape
+        num_keys = values.shape[1]
+        uniform = empty[:, None, :, None].to(weights.dtype) / num_keys  # (b, 1, n_q, 1)
+        uniform = uniform.expand(batch, self.num_heads, num_queries, num_keys)
+        v = self._split_heads(self.W_value(values))  # (b, heads, n_k, head_dim)
+        heads = (self.dropout(uniform) @ v).transpose(1, 2).reshape(batch, num_queries, -1)
+        out = out + nn.functional.linear(heads, self.out_proj.weight)
+        return out, weights + uniform
 
 
 # ----------------------------------------------------------------------------
@@ -375,6 +462,11 @@ def download_extract(name: str, folder: str | None = None) -> str:
     return os.path.join(base_dir, folder) if folder else data_dir
 
 
+# The module's own functions, kept so read_data_nmt can tell when a user replaced them.
+_DOWNLOAD = download
+_DOWNLOAD_EXTRACT = download_extract
+
+
 def _check_members(names: Iterable[str], archive: str) -> None:
     for name in names:
         parts = Path(name.replace("\\", "/")).parts
@@ -385,15 +477,26 @@ def _check_members(names: Iterable[str], archive: str) -> None:
 def read_data_nmt() -> str:
     """The raw English-French text: ``"Go.\\tVa !\\n..."``, one tab-separated pair a line.
 
-    Reads the file named by the environment variable ``QKV_FRA_ENG`` when it is set (a
-    local ``fra.txt``, nothing downloaded); otherwise the Tatoeba fra-eng corpus through
-    :func:`qkv.data.translate.download_fra_eng` (fetched once, SHA-1 verified, cached
-    under ``$QKV_CACHE`` or ``~/.cache/qkv``). :func:`load_data_nmt` calls this name at
-    run time, so assigning ``d2l.read_data_nmt = my_reader`` also replaces the corpus.
+    Where it comes from, first match wins:
+
+    1. the file named by the environment variable ``QKV_FRA_ENG`` (nothing downloaded);
+    2. when ``d2l.download`` or ``d2l.download_extract`` has been replaced (a script
+       redirecting d2l's data folder does this), d2l's own path:
+       ``download_extract('fra-eng')``, which calls ``download('fra-eng')``, both looked
+       up at call time, then ``fra.txt`` in the folder it returns;
+    3. otherwise the Tatoeba fra-eng corpus through
+       :func:`qkv.data.translate.download_fra_eng` (fetched once, SHA-1 verified, cached
+       under ``$QKV_CACHE`` or ``~/.cache/qkv`` rather than d2l's ``../data``).
+
+    :func:`load_data_nmt` calls this name at run time, so assigning
+    ``d2l.read_data_nmt = my_reader`` also replaces the corpus.
     """
     local = os.environ.get(FRA_ENG_ENV)
-    path = Path(local).expanduser() if local else translate.download_fra_eng()
-    return translate.load_corpus(path)
+    if local:
+        return translate.load_corpus(Path(local).expanduser())
+    if download is not _DOWNLOAD or download_extract is not _DOWNLOAD_EXTRACT:
+        return translate.load_corpus(Path(download_extract("fra-eng")) / "fra.txt")
+    return translate.load_corpus(translate.download_fra_eng())
 
 
 def preprocess_nmt(text: str) -> str:
@@ -425,19 +528,58 @@ def tokenize_nmt(
 class Vocab(translate.Vocab):
     """d2l's vocabulary: ``Vocab(tokens=None, min_freq=0, reserved_tokens=None)``.
 
-    Id 0 is ``<unk>``, then ``reserved_tokens``, then tokens seen at least ``min_freq``
-    times by descending frequency (ties in first-seen order). ``vocab[token]`` or
-    ``vocab[list_of_tokens]`` give ids (unknown tokens: ``vocab.unk``);
-    ``vocab.to_tokens(ids)`` goes back; ``token_freqs`` lists every token with its count.
+    ``tokens`` is a list of tokens, or a list of token *lists* (flattened when its first
+    item is a list, as d2l checks it); tokens may be any hashable. Id 0 is ``<unk>``,
+    then ``reserved_tokens`` as given, then every token seen at least ``min_freq`` times,
+    most frequent first, ties in first-seen order (d2l 0.17's order; see the module
+    docstring). ``vocab[token]`` gives an id (unknown: ``vocab.unk``, i.e. 0), and a list
+    or tuple gives a list of ids; ``vocab.to_tokens(ids)`` goes back; ``token_freqs``
+    lists every token with its count, most frequent first.
+
+    Raises:
+        ValueError: ``reserved_tokens`` holds ``<unk>`` or a token twice (d2l would give
+            the same token two ids).
     """
 
     def __init__(
         self,
-        tokens: Iterable[Any] | None = None,
+        tokens: Sequence[Any] | None = None,
         min_freq: int = 0,
         reserved_tokens: Sequence[str] | None = None,
     ) -> None:
-        super().__init__(tokens if tokens is not None else [], min_freq, reserved_tokens or [])
+        tokens = [] if tokens is None else tokens
+        reserved = list(reserved_tokens or [])
+        # The checks on reserved_tokens are the parent's; the counting below is d2l's.
+        super().__init__([], 0, reserved)
+        if len(tokens) and isinstance(tokens[0], list):
+            tokens = [token for line in tokens for token in line]
+        # Counter keeps first-seen order and sorted() is stable: ties stay in that order.
+        token_freqs = sorted(collections.Counter(tokens).items(), key=lambda kv: kv[1],
+                             reverse=True)
+        idx_to_token = list(self.idx_to_token)  # <unk>, then the reserved tokens
+        known = set(idx_to_token)
+        for token, freq in token_freqs:
+            if freq < min_freq:
+                break
+            if token not in known:
+                idx_to_token.append(token)
+                known.add(token)
+        self._set(idx_to_token, token_freqs)
+
+    def __getitem__(self, tokens: Any) -> Any:
+        """The id of one token, or a list of ids for a list or tuple of tokens."""
+        if not isinstance(tokens, (list, tuple)):
+            return self.token_to_idx.get(tokens, self.unk)
+        return [self[token] for token in tokens]
+
+    def to_tokens(self, indices: Any) -> Any:
+        """The token at one id (Python indexing: ``-1`` is the last), or a list of tokens
+        for a list, tuple, tensor or array of ids."""
+        if hasattr(indices, "tolist"):  # tensors and numpy arrays (and their scalars)
+            indices = indices.tolist()
+        if isinstance(indices, (list, tuple)):
+            return [self.to_tokens(i) for i in indices]
+        return self.idx_to_token[indices]
 
 
 def truncate_pad(line: list[int], num_steps: int, padding_token: int) -> list[int]:
@@ -542,14 +684,19 @@ def train_seq2seq(
 ) -> None:
     """Train a seq2seq model with teacher forcing, d2l's recipe.
 
-    Xavier-uniform init of every linear and GRU weight, Adam at ``lr``,
+    Xavier-uniform init of every ``nn.Linear`` and ``nn.GRU`` weight (exact types, as
+    d2l tests them: a lazy layer not yet sized, such as the 2-argument
+    :class:`AdditiveAttention`'s, keeps PyTorch's init when the first batch sizes it),
+    Adam at ``lr``,
     :class:`MaskedSoftmaxCELoss` summed over the batch, gradients clipped to norm 1.
     ``net(X, dec_input, X_valid_len)`` may return ``Y_hat`` or ``(Y_hat, state)`` with
     ``Y_hat (batch, num_steps, vocab)``. Every 10 epochs the loss per token goes on the
     loss curve (see the module docstring for where it ends up); at the end one line,
     ``loss X, Y tokens/sec on DEVICE``, is printed for the last epoch.
     """
-    seq2seq.init_seq2seq(net)
+    for module in net.modules():
+        if type(module) in (nn.Linear, nn.GRU):
+            seq2seq.init_seq2seq(module)
     net.to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=lr)
     loss = MaskedSoftmaxCELoss()
