@@ -66,6 +66,7 @@ from ..data.translate import (
     read_corpus,
     read_pairs,
 )
+from ..functional import BACKENDS
 from ..models import (
     MODEL_NAMES,
     EncoderDecoder,
@@ -143,6 +144,10 @@ class TranslateSettings:
     dropout: float = Seq2SeqConfig.dropout
     num_heads: int = Seq2SeqConfig.num_heads
     ffn_num_hiddens: int = Seq2SeqConfig.ffn_num_hiddens
+    # How the model computes ("fused" or "eager", see Seq2SeqConfig), not what it is: a
+    # resume or a load may run a checkpoint under the other. None: "fused" for a new run,
+    # the run's own on a resume (and in a run saved before qkv recorded it).
+    backend: str | None = None
     batch_size: int = 64
     lr: float | None = None
     epochs: int | None = None
@@ -160,6 +165,7 @@ class TranslateSettings:
         values = {k: (defaults[k] if v is None and k in defaults else v)
                   for k, v in dataclasses.asdict(self).items()}
         out = TranslateSettings(**values)
+        out.backend = out.backend or Seq2SeqConfig.backend
         for name in ("num_examples", "num_steps", "min_freq", "batch_size", "epochs"):
             value = getattr(out, name)
             if not isinstance(value, int) or value < (0 if name == "epochs" else 1):
@@ -185,6 +191,8 @@ class TranslateSettings:
                      "ffn_num_hiddens", "batch_size"):
             check_int(name, getattr(self, name), 1, MAX_SIZE)
         check_float("dropout", self.dropout, 0.0, 1.0, hi_open=True)
+        if self.backend is not None:
+            check_str("backend", self.backend, choices=BACKENDS)
         if self.lr is not None or resolved:
             check_float("lr", self.lr, 0.0, lo_open=True)
         if self.clip_norm is not None:
@@ -209,6 +217,7 @@ class TranslateSettings:
             num_heads=self.num_heads,
             ffn_num_hiddens=self.ffn_num_hiddens,
             max_len=max(64, 2 * (self.num_steps or 10)),
+            backend=self.backend or Seq2SeqConfig.backend,
         )
 
     @classmethod
@@ -365,14 +374,23 @@ class Translator:
         self.held_out: list[tuple[list[str], list[str]]] = []
 
     @classmethod
-    def load(cls, run_dir: str | Path, device: str = "cpu") -> Translator:
+    def load(
+        cls, run_dir: str | Path, device: str = "cpu", *, backend: str | None = None
+    ) -> Translator:
         """Rebuild from a checkpoint; anything malformed is one ``CheckpointError`` line.
 
         Reads the checkpoint only (never the corpus, never the network). Everything is
         checked before the model is built: the config's fields, the weights file's header
         against the shapes the config implies, and the memory the model needs.
+        ``backend`` (``"fused"`` or ``"eager"``; None: the checkpoint's) runs the same
+        weights the other way.
         """
         settings, model_config, src_vocab, tgt_vocab = _read_config(run_dir)
+        if backend is not None:
+            check_str("backend", backend, choices=BACKENDS)
+            model_config = dataclasses.replace(model_config, backend=backend)
+        # The settings say the backend the model runs, whatever the run was saved with.
+        settings = dataclasses.replace(settings, backend=model_config.backend)
         n = model_config.num_parameters()
         check_weights(run_dir, model_config.parameter_shapes(), n)
         check_memory(
@@ -542,7 +560,8 @@ def train_translator(
 
     With ``resume``, the data, model and vocabularies come from the checkpoint; only
     ``settings.epochs`` (the new total; None: the run's own), ``settings.lr`` (None: the
-    run's own) and ``settings.device`` are taken from the arguments. Without it, a
+    run's own), ``settings.backend`` (None: the run's own) and ``settings.device`` are
+    taken from the arguments. Without it, a
     ``run_dir`` that holds a checkpoint is refused unless ``overwrite`` (see
     :func:`qkv.training.open_run_dir`: one writer at a time, outputs checked writable
     first). Returns the trained :class:`Translator` and the training history.
