@@ -5,7 +5,7 @@ loss; this module runs them the same way for both:
 
     with training_run(run_dir, settings.device, resume=resume, overwrite=overwrite,
                       outputs=(LOSS_PLOT,), log=log) as log:
-        saved = read_config(run_dir) if resume else None      # the task's config.json
+        saved = ... if resume else None                        # from the config.json
         settings = run_settings(settings, saved, run_dir)      # resolved, seeded
         ...                                                    # the task's data
         check_training_memory(...)                             # before the model exists
@@ -252,8 +252,7 @@ def fit(
                     device=settings.device, seed=settings.seed, log_every=log_every,
                     progress=progress),
         run_dir=run_dir,
-        checkpoint_config={"task": task, "settings": dataclasses.asdict(settings),  # type: ignore[call-overload]
-                           **sections},
+        checkpoint_config={"task": task, "settings": dataclasses.asdict(settings), **sections},
         optimizer=optimizer,
         validate=validate,
         log=log,
