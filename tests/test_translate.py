@@ -290,3 +290,91 @@ def test_a_checkpoint_runs_under_the_eager_backend_with_the_same_translations(tr
     for a, b in zip(fused.translate(sentences), loaded.translate(sentences), strict=True):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.attention, b.attention, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# --backend: how the model computes, never what it is
+
+TINY_DATES = ["--num-examples", "200", "--num-hiddens", "16", "--embed-size", "16",
+              "--num-heads", "2", "--ffn-num-hiddens", "16", "--num-layers", "1",
+              "--epochs", "1", "--batch-size", "32", "--dropout", "0", "--min-freq", "1",
+              "--no-progress"]
+
+
+def _history(run_dir):
+    return json.loads((run_dir / "trainer.json").read_text())["trainer_state"]["history"]
+
+
+@pytest.mark.parametrize("model_name", ["bahdanau", "transformer"])
+def test_backend_flag_trains_the_same_loss_and_is_recorded(model_name, tmp_path, capsys):
+    """One epoch of a tiny dates model under each backend: the same batches, the same
+    weights, so the same loss to float32 rounding; the checkpoint says which ran."""
+    losses = {}
+    for backend in ("fused", "eager"):
+        run_dir = tmp_path / backend
+        assert main(["translate", "train", "--model", model_name, "--run-dir", str(run_dir),
+                     "--backend", backend, *TINY_DATES]) == 0
+        config = json.loads((run_dir / "config.json").read_text())
+        assert config["settings"]["backend"] == config["model"]["backend"] == backend
+        losses[backend] = _history(run_dir)["loss"]
+    capsys.readouterr()
+    assert len(losses["fused"]) == 1
+    torch.testing.assert_close(losses["eager"], losses["fused"], rtol=1e-4, atol=1e-5)
+    # and the eager run's modules really ran eager
+    translator = Translator.load(tmp_path / "eager")
+    if model_name == "bahdanau":
+        assert (translator.model.encoder.backend, translator.model.decoder.backend) == (
+            "eager", "eager")
+    else:
+        layers = [m for m in translator.model.modules() if hasattr(m, "W_query")]
+        assert layers and {m.backend for m in layers} == {"eager"}
+
+
+@pytest.mark.parametrize("model_name", ["bahdanau", "transformer"])
+def test_eval_and_run_under_the_other_backend_translate_the_same(model_name, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["translate", "train", "--model", model_name, "--run-dir", str(run_dir),
+                 *TINY_DATES]) == 0
+    capsys.readouterr()
+    outputs = {}
+    for backend in ("fused", "eager"):
+        assert main(["translate", "eval", "--ckpt", str(run_dir), "--backend", backend]) == 0
+        assert main(["translate", "run", "--ckpt", str(run_dir), "--backend", backend]) == 0
+        outputs[backend] = capsys.readouterr().out
+    assert outputs["eager"] == outputs["fused"]
+    assert "held-out (20 pairs): exact match" in outputs["fused"]
+    # The flag overrides the checkpoint's backend, for this load only.
+    assert Translator.load(run_dir, backend="eager").settings.backend == "eager"
+    assert json.loads((run_dir / "config.json").read_text())["model"]["backend"] == "fused"
+
+
+def test_resume_may_change_the_backend(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["translate", "train", "--run-dir", str(run_dir), *TINY_DATES]) == 0
+    resume = ["translate", "train", "--run-dir", str(run_dir), "--resume", "--no-progress"]
+    assert main([*resume, "--epochs", "2", "--backend", "eager"]) == 0
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["settings"]["backend"] == config["model"]["backend"] == "eager"
+    # Without the flag a resume keeps the run's backend.
+    assert main([*resume, "--epochs", "3"]) == 0
+    assert json.loads((run_dir / "config.json").read_text())["model"]["backend"] == "eager"
+    assert _history(run_dir)["epoch"] == [1, 2, 3]
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("action", [["train"], ["eval", "--ckpt", "x"], ["run", "--ckpt", "x"]])
+def test_bad_backend_is_one_line_exit_2(action, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["translate", *action, "--backend", "cuda"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "--backend: invalid choice: 'cuda' (choose from " in err
+    assert "fused" in err and "eager" in err
+
+
+def test_bad_backend_in_the_library_is_one_line(trained):
+    with pytest.raises(ValueError, match="^backend must be one of 'fused', 'eager', got 'cuda'$"):
+        TranslateSettings(backend="cuda").resolved()
+    with pytest.raises(ValueError, match="^backend must be one of 'fused', 'eager', got 'x'$"):
+        Translator.load(trained, backend="x")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..functional import BACKENDS
 from ..tasks.translate import TranslateSettings
 from .runs import check_resume_flags, given_settings, reporting_stops
 
@@ -21,8 +22,14 @@ from .runs import check_resume_flags, given_settings, reporting_stops
 SETTINGS_FLAGS = {name: name for name in (
     "data", "model", "num_examples", "num_steps", "held_out", "min_freq", "embed_size",
     "num_hiddens", "num_layers", "dropout", "num_heads", "ffn_num_hiddens", "batch_size",
-    "lr", "epochs", "clip_norm", "seed", "device",
+    "lr", "epochs", "clip_norm", "seed", "device", "backend",
 )}
+
+# What --backend changes: the computation, never the weights, so any checkpoint runs
+# under either.
+BACKEND_HELP = ("how the model computes: 'fused' kernels or 'eager' (the Bahdanau model's "
+                "d2l loop, the Transformer's explicit attention weights); the same weights "
+                "and, up to float rounding, the same results")
 
 # d2l's four test sentences: the default input for an English->French model.
 FRA_ENG_EXAMPLES = ["go .", "i lost .", "he's calm .", "i'm home ."]
@@ -79,6 +86,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         train.add_argument(flag, type=kind, default=None, help=f"{note}default: {default}")
     train.add_argument("--lr", type=float, default=None,
                        help="learning rate (default: 0.005; with --resume, the run's own)")
+    train.add_argument("--backend", choices=BACKENDS, default=None,
+                       help=f"{BACKEND_HELP} (default: fused; with --resume, the run's own)")
     train.add_argument("--device", default="auto", help="auto, cpu or cuda")
     train.add_argument("--threads", type=int, default=1,
                        help="CPU threads for torch (default 1: these models are small, a "
@@ -99,6 +108,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--beam", type=int, default=1, help="beam size (1 = greedy)")
     run.add_argument("--heatmap", type=Path, default=None,
                      help="save target-vs-source attention to this PNG/PDF/SVG")
+    run.add_argument("--backend", choices=BACKENDS, default=None,
+                     help=f"{BACKEND_HELP} (default: the checkpoint's)")
     run.add_argument("--device", default="cpu")
     run.set_defaults(run=run_translate)
 
@@ -107,6 +118,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--data", default=None,
                           help="evaluate on this data instead of the run's held-out split")
     evaluate.add_argument("--num-examples", type=int, default=None)
+    evaluate.add_argument("--backend", choices=BACKENDS, default=None,
+                          help=f"{BACKEND_HELP} (default: the checkpoint's)")
     evaluate.add_argument("--device", default="cpu")
     evaluate.set_defaults(run=run_eval)
 
@@ -173,7 +186,7 @@ def _report_training(translator, run_dir: Path, heatmap: Path) -> None:
 def _load(args: argparse.Namespace):
     from ..tasks.translate import Translator
 
-    return Translator.load(args.ckpt, device=args.device)
+    return Translator.load(args.ckpt, device=args.device, backend=args.backend)
 
 
 def run_translate(args: argparse.Namespace) -> int:

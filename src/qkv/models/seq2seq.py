@@ -52,10 +52,12 @@ MODEL_NAMES = ("bahdanau", "transformer")
 class Seq2SeqConfig:
     """Everything needed to rebuild a model (it is saved next to the weights as JSON).
 
-    ``num_heads``, ``ffn_num_hiddens`` and ``max_len`` are used by the Transformer only;
-    ``backend`` (``"fused"`` or ``"eager"``, see :class:`Seq2SeqEncoder`) by the Bahdanau
-    model only. The backend changes how the model computes, not its parameters: a
-    checkpoint saved under one loads under the other.
+    ``num_heads``, ``ffn_num_hiddens`` and ``max_len`` are used by the Transformer only.
+    ``backend`` (``"fused"`` or ``"eager"``) is how either model computes: the Bahdanau
+    model's recurrences (see :class:`qkv.models.bahdanau.Seq2SeqEncoder`) or the
+    Transformer's attention layers (see :class:`qkv.MultiHeadAttention`). It changes how
+    the model computes, not its parameters: a checkpoint saved under one loads under the
+    other.
     The Transformer's width is ``num_hiddens``; its ``embed_size`` must equal it (the
     embeddings are added to the residual stream, so they have the model's width).
 

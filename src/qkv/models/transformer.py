@@ -60,14 +60,16 @@ class TransformerEncoderBlock(nn.Module):
     """Pre-norm block: ``x + SelfAttn(LN(x))`` then ``x + FFN(LN(x))``.
 
     ``X (b, S, d)``, ``valid_lens (b,)`` ``-> (b, S, d)``. Padded source positions are never
-    attended to; their own outputs are computed but ignored downstream.
+    attended to; their own outputs are computed but ignored downstream. ``backend`` is
+    the attention's (see :class:`qkv.MultiHeadAttention`).
     """
 
-    def __init__(self, num_hiddens: int, ffn_num_hiddens: int, num_heads: int, dropout: float):
+    def __init__(self, num_hiddens: int, ffn_num_hiddens: int, num_heads: int, dropout: float,
+                 backend: str = "fused"):
         super().__init__()
         self.ln1 = nn.LayerNorm(num_hiddens)
         self.attention = MultiHeadAttention(
-            num_hiddens, num_hiddens, None, dropout, num_heads, causal=False
+            num_hiddens, num_hiddens, None, dropout, num_heads, causal=False, backend=backend
         )
         self.ln2 = nn.LayerNorm(num_hiddens)
         self.ffn = PositionWiseFFN(num_hiddens, ffn_num_hiddens)
@@ -84,18 +86,20 @@ class TransformerDecoderBlock(nn.Module):
     ``X (b, T, d)``, ``enc_outputs (b, S, d)``, ``src_valid_len (b,)`` ``-> (b, T, d)``.
     With ``cache`` the ``T`` new tokens are appended to the self-attention's KV cache and
     attend to everything stored before them. With ``need_weights`` the cross-attention
-    weights ``(b, heads, T, S)`` are returned as well (else None).
+    weights ``(b, heads, T, S)`` are returned as well (else None). ``backend`` is both
+    attentions' (see :class:`qkv.MultiHeadAttention`).
     """
 
-    def __init__(self, num_hiddens: int, ffn_num_hiddens: int, num_heads: int, dropout: float):
+    def __init__(self, num_hiddens: int, ffn_num_hiddens: int, num_heads: int, dropout: float,
+                 backend: str = "fused"):
         super().__init__()
         self.ln1 = nn.LayerNorm(num_hiddens)
         self.self_attention = MultiHeadAttention(
-            num_hiddens, num_hiddens, None, dropout, num_heads, causal=True
+            num_hiddens, num_hiddens, None, dropout, num_heads, causal=True, backend=backend
         )
         self.ln2 = nn.LayerNorm(num_hiddens)
         self.cross_attention = MultiHeadAttention(
-            num_hiddens, num_hiddens, None, dropout, num_heads, causal=False
+            num_hiddens, num_hiddens, None, dropout, num_heads, causal=False, backend=backend
         )
         self.ln3 = nn.LayerNorm(num_hiddens)
         self.ffn = PositionWiseFFN(num_hiddens, ffn_num_hiddens)
@@ -145,6 +149,10 @@ class TransformerState:
 class TransformerSeq2Seq(EncoderDecoder):
     """Transformer encoder-decoder of width ``num_hiddens`` (see the module docstring).
 
+    Every attention layer runs ``config.backend``: ``"fused"`` (PyTorch's
+    ``scaled_dot_product_attention``) or ``"eager"`` (the weights computed explicitly);
+    the parameters are the same, so a checkpoint saved under one loads under the other.
+
     ``model.trace`` (a ``Callable[[str], None]`` or None) logs the tensor shapes of each
     teacher-forced forward and each decode step.
     """
@@ -160,12 +168,12 @@ class TransformerSeq2Seq(EncoderDecoder):
         # One table serves both sides; it has no parameters.
         self.pos_encoding = PositionalEncoding(d, c.dropout, c.max_len)
         self.encoder_blocks = nn.ModuleList(
-            TransformerEncoderBlock(d, c.ffn_num_hiddens, c.num_heads, c.dropout)
+            TransformerEncoderBlock(d, c.ffn_num_hiddens, c.num_heads, c.dropout, c.backend)
             for _ in range(c.num_layers)
         )
         self.encoder_ln = nn.LayerNorm(d)
         self.decoder_blocks = nn.ModuleList(
-            TransformerDecoderBlock(d, c.ffn_num_hiddens, c.num_heads, c.dropout)
+            TransformerDecoderBlock(d, c.ffn_num_hiddens, c.num_heads, c.dropout, c.backend)
             for _ in range(c.num_layers)
         )
         self.decoder_ln = nn.LayerNorm(d)

@@ -50,25 +50,14 @@ from ..models.gpt import PRESETS, GPTConfig, GPTModel, generate
 from ..training import (
     LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
-    TRAIN_BYTES_PER_PARAMETER,
     CheckpointError,
-    TrainConfig,
-    Trainer,
     check_memory,
-    check_resume_target,
     check_weights,
-    format_bytes,
     get_rank_and_world_size,
-    init_distributed,
-    load_config,
     load_weights,
-    main_process_log,
-    make_loader,
-    open_run_dir,
     resolve_device,
-    resumed_settings,
-    seed_everything,
 )
+from . import pipeline
 
 __all__ = ["LMSettings", "LanguageModel", "Generation", "train_language_model", "lm_loss"]
 
@@ -317,49 +306,16 @@ def _model_name(settings: LMSettings, num_params: int) -> str:
     return f"this {num_params:,}-parameter GPT ('{settings.preset}' preset)"
 
 
-def _check_training_memory(cfg: GPTConfig, settings: LMSettings) -> None:
-    """Refuse, before it is built, a model whose training cannot fit in memory."""
-    n = cfg.num_parameters()
-    batch, window = settings.batch_size, cfg.context_length
-    activations = 4 * cfg.num_saved_activations(batch, window)
-    check_memory(
-        TRAIN_BYTES_PER_PARAMETER * n + activations,
-        f"training {_model_name(settings, n)} on batches of {batch} x {window} tokens "
-        f"({TRAIN_BYTES_PER_PARAMETER} bytes per parameter for float32 weights, gradients "
-        f"and AdamW's two moments, and {format_bytes(activations)} of activations)",
-        hint="choose a smaller --preset, --context-length or --batch-size",
-        device=resolve_device(settings.device),
-    )
-
-
 def _read_config(run_dir: str | Path) -> tuple[LMSettings, GPTConfig, dict[str, Any]]:
     """A language model's ``config.json``, validated and cross-checked; the tokenizer's
     dict is checked when the tokenizer is rebuilt."""
-    config = load_config(run_dir, task=TASK)
-    path = Path(run_dir) / "config.json"
-    sections = ("task", "settings", "model", "tokenizer")
-    unknown = sorted(set(config) - set(sections))
-    missing = [name for name in sections if name not in config]
-    if unknown or missing:
-        what = f"unknown section {show(unknown[0])}" if unknown else f"no {missing[0]!r}"
-        raise CheckpointError(f"{path} has {what}; a language model's config has "
-                              f"{', '.join(sections)}")
-    try:
-        settings = LMSettings.from_dict(config["settings"])
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: settings: {e}") from None
-    try:
-        model_config = GPTConfig.from_dict(config["model"])
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: model: {e}") from None
-    # Training built the model from the settings, and resuming does again: they agree.
+    config = pipeline.read_run_config(run_dir, task=TASK, what="a language model",
+                                      sections=("task", "settings", "model", "tokenizer"))
+    settings = config.parse("settings", LMSettings.from_dict)
+    model_config = config.parse("model", GPTConfig.from_dict)
     implied = settings.model_config(model_config.vocab_size)
-    for name in GPTConfig.field_names():
-        saved, expected = getattr(model_config, name), getattr(implied, name)
-        if saved != expected:
-            raise CheckpointError(f"{path}: model.{name} is {show(saved)} but the settings "
-                                  f"imply {show(expected)}")
-    return settings, model_config, config["tokenizer"]
+    pipeline.check_model_config(config.path, model_config, implied)
+    return settings, model_config, config.sections["tokenizer"]
 
 
 def train_language_model(
@@ -383,99 +339,71 @@ def train_language_model(
     windows (``settings.batch_size`` per process); only rank 0 logs and saves.
     """
     run_dir = Path(run_dir)
-    # Join the torchrun process group, if any, before anything logs or touches a device.
-    init_distributed(settings.device)
-    log = main_process_log(log)
-    with open_run_dir(run_dir, resume=resume, overwrite=overwrite, outputs=(LOSS_PLOT,),
-                      log=log):
-        return _train(settings, run_dir, resume=resume, progress=progress, log=log)
+    with pipeline.training_run(run_dir, settings.device, resume=resume, overwrite=overwrite,
+                               outputs=(LOSS_PLOT,), log=log) as log:
+        saved, saved_tokenizer = None, None
+        if resume:
+            saved, _, saved_tokenizer = _read_config(run_dir)
+        settings = pipeline.run_settings(settings, saved, run_dir)
 
+        if saved_tokenizer is None:
+            tokenizer = get_tokenizer(settings.tokenizer, bpe_dir=settings.bpe_dir)
+        else:  # offline, and checked to give the saved run's ids
+            tokenizer = tokenizer_from_dict(saved_tokenizer, bpe_dir=settings.bpe_dir)
+        text, text_sha256 = _load_text(settings)
+        settings = dataclasses.replace(settings, text_sha256=text_sha256)
+        ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+        cfg = settings.model_config(tokenizer.n_vocab)
+        window = cfg.context_length
+        stride = settings.stride or max(1, window // 2)
+        split = int(len(ids) * (1 - settings.val_fraction))
+        train_ids, val_ids = ids[:split], ids[split:]
+        train_set = GPTDataset(train_ids, window, stride)
+        val_set = GPTDataset(val_ids, window, window) if len(val_ids) > window else None
+        _, world_size = get_rank_and_world_size()
+        if len(train_set) < settings.batch_size * world_size:
+            raise ValueError(
+                f"{len(train_ids):,} training tokens give {len(train_set)} windows of "
+                f"{window}, fewer than batch_size={settings.batch_size} x {world_size} "
+                "process(es); use more text, a smaller --context-length or --batch-size"
+            )
 
-def _train(
-    settings: LMSettings,
-    run_dir: Path,
-    *,
-    resume: bool,
-    progress: bool,
-    log: Callable[[str], None],
-) -> tuple[LanguageModel, dict[str, list]]:
-    saved_tokenizer = None
-    if resume:
-        old, _, saved_tokenizer = _read_config(run_dir)
-        settings = resumed_settings(old, settings)
-    settings = settings.resolved()
-    if resume:
-        check_resume_target(run_dir, settings.epochs)
-    seed_everything(settings.seed)
+        num_params, batch = cfg.num_parameters(), settings.batch_size
+        pipeline.check_training_memory(  # before a byte of the model exists
+            f"{_model_name(settings, num_params)} on batches of {batch} x {window} tokens",
+            num_params, optimizer="AdamW", device=settings.device,
+            activation_bytes=4 * cfg.num_saved_activations(batch, window),
+            hint="choose a smaller --preset, --context-length or --batch-size",
+        )
+        model = GPTModel(cfg).init_weights()
+        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log(f"GPT '{settings.preset}': {n_params:,} parameters, {cfg.n_layers} layers x "
+            f"{cfg.n_heads} heads, context {window}; tokenizer {tokenizer.name} "
+            f"({tokenizer.n_vocab:,} ids); {len(train_ids):,} training tokens in "
+            f"{len(train_set):,} windows, {len(val_ids):,} validation tokens")
 
-    if saved_tokenizer is None:
-        tokenizer = get_tokenizer(settings.tokenizer, bpe_dir=settings.bpe_dir)
-    else:  # offline, and checked to give the saved run's ids
-        tokenizer = tokenizer_from_dict(saved_tokenizer, bpe_dir=settings.bpe_dir)
-    text, text_sha256 = _load_text(settings)
-    settings = dataclasses.replace(settings, text_sha256=text_sha256)
-    ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
-    cfg = settings.model_config(tokenizer.n_vocab)
-    window = cfg.context_length
-    stride = settings.stride or max(1, window // 2)
-    split = int(len(ids) * (1 - settings.val_fraction))
-    train_ids, val_ids = ids[:split], ids[split:]
-    train_set = GPTDataset(train_ids, window, stride)
-    val_set = GPTDataset(val_ids, window, window) if len(val_ids) > window else None
-    _, world_size = get_rank_and_world_size()
-    if len(train_set) < settings.batch_size * world_size:
-        raise ValueError(
-            f"{len(train_ids):,} training tokens give {len(train_set)} windows of "
-            f"{window}, fewer than batch_size={settings.batch_size} x {world_size} "
-            "process(es); use more text, a smaller --context-length or --batch-size"
+        # The usual GPT recipe: decay matrices, not biases and norm gains.
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": settings.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=settings.lr,
         )
 
-    _check_training_memory(cfg, settings)  # before a byte of the model exists
-    model = GPTModel(cfg).init_weights()
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log(f"GPT '{settings.preset}': {n_params:,} parameters, {cfg.n_layers} layers x "
-        f"{cfg.n_heads} heads, context {window}; tokenizer {tokenizer.name} "
-        f"({tokenizer.n_vocab:,} ids); {len(train_ids):,} training tokens in "
-        f"{len(train_set):,} windows, {len(val_ids):,} validation tokens")
+        def validate(module: nn.Module) -> dict[str, float]:
+            device = next(module.parameters()).device
+            loss_sum, tokens = 0.0, 0
+            for inputs, targets in create_dataloader(val_set, batch_size=settings.batch_size,
+                                                     shuffle=False, drop_last=False):
+                s, n = lm_loss(module, (inputs.to(device), targets.to(device)))
+                loss_sum, tokens = loss_sum + s.item(), tokens + int(n)
+            return {"loss": loss_sum / tokens}
 
-    # The usual GPT recipe: decay matrices, not biases and norm gains.
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": settings.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=settings.lr,
-    )
-
-    def validate(module: nn.Module) -> dict[str, float]:
-        device = next(module.parameters()).device
-        loss_sum, tokens = 0.0, 0
-        for inputs, targets in create_dataloader(val_set, batch_size=settings.batch_size,
-                                                 shuffle=False, drop_last=False):
-            s, n = lm_loss(module, (inputs.to(device), targets.to(device)))
-            loss_sum, tokens = loss_sum + s.item(), tokens + int(n)
-        return {"loss": loss_sum / tokens}
-
-    trainer = Trainer(
-        model,
-        lm_loss,
-        # This process's shard under torchrun; otherwise a seeded shuffle of all windows.
-        lambda g: make_loader(train_set, settings.batch_size, g, drop_last=True),
-        TrainConfig(epochs=settings.epochs, lr=settings.lr, clip_norm=settings.clip_norm,
-                    device=settings.device, seed=settings.seed, log_every=1,
-                    progress=progress),
-        run_dir=run_dir,
-        checkpoint_config={
-            "task": TASK,
-            "settings": dataclasses.asdict(settings),
-            "model": cfg.to_dict(),
-            "tokenizer": tokenizer.to_dict(),
-        },
-        optimizer=optimizer,
-        validate=validate if val_set is not None else None,
-        log=log,
-    )
-    if resume:
-        trainer.resume()
-    history = trainer.fit()
-    return LanguageModel(trainer.module, tokenizer, settings), history
+        module, history = pipeline.fit(
+            model, lm_loss, train_set, settings, task=TASK, run_dir=run_dir, resume=resume,
+            progress=progress, log=log, log_every=1, drop_last=True, optimizer=optimizer,
+            sections={"model": cfg.to_dict(), "tokenizer": tokenizer.to_dict()},
+            validate=validate if val_set is not None else None,
+        )
+        return LanguageModel(module, tokenizer, settings), history

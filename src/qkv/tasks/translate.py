@@ -66,6 +66,7 @@ from ..data.translate import (
     read_corpus,
     read_pairs,
 )
+from ..functional import BACKENDS
 from ..models import (
     MODEL_NAMES,
     EncoderDecoder,
@@ -79,26 +80,16 @@ from ..models import (
 from ..training import (
     LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
-    TRAIN_BYTES_PER_PARAMETER,
     CheckpointError,
-    TrainConfig,
-    Trainer,
     check_memory,
-    check_resume_target,
     check_weights,
-    init_distributed,
     is_main_process,
-    load_config,
     load_weights,
-    main_process_log,
-    make_loader,
     masked_cross_entropy,
-    open_run_dir,
     resolve_device,
-    resumed_settings,
-    seed_everything,
 )
 from ..training.metrics import bleu, corpus_bleu, exact_match, has_sacrebleu
+from . import pipeline
 
 __all__ = [
     "TranslateSettings",
@@ -153,6 +144,10 @@ class TranslateSettings:
     dropout: float = Seq2SeqConfig.dropout
     num_heads: int = Seq2SeqConfig.num_heads
     ffn_num_hiddens: int = Seq2SeqConfig.ffn_num_hiddens
+    # How the model computes ("fused" or "eager", see Seq2SeqConfig), not what it is: a
+    # resume or a load may run a checkpoint under the other. None: "fused" for a new run,
+    # the run's own on a resume (and in a run saved before qkv recorded it).
+    backend: str | None = None
     batch_size: int = 64
     lr: float | None = None
     epochs: int | None = None
@@ -170,6 +165,7 @@ class TranslateSettings:
         values = {k: (defaults[k] if v is None and k in defaults else v)
                   for k, v in dataclasses.asdict(self).items()}
         out = TranslateSettings(**values)
+        out.backend = out.backend or Seq2SeqConfig.backend
         for name in ("num_examples", "num_steps", "min_freq", "batch_size", "epochs"):
             value = getattr(out, name)
             if not isinstance(value, int) or value < (0 if name == "epochs" else 1):
@@ -195,6 +191,8 @@ class TranslateSettings:
                      "ffn_num_hiddens", "batch_size"):
             check_int(name, getattr(self, name), 1, MAX_SIZE)
         check_float("dropout", self.dropout, 0.0, 1.0, hi_open=True)
+        if self.backend is not None:
+            check_str("backend", self.backend, choices=BACKENDS)
         if self.lr is not None or resolved:
             check_float("lr", self.lr, 0.0, lo_open=True)
         if self.clip_norm is not None:
@@ -219,6 +217,7 @@ class TranslateSettings:
             num_heads=self.num_heads,
             ffn_num_hiddens=self.ffn_num_hiddens,
             max_len=max(64, 2 * (self.num_steps or 10)),
+            backend=self.backend or Seq2SeqConfig.backend,
         )
 
     @classmethod
@@ -314,40 +313,16 @@ def _model_name(config: Seq2SeqConfig, num_params: int) -> str:
     return f"this {num_params:,}-parameter {config.model} translator"
 
 
-def _check_training_memory(config: Seq2SeqConfig, device: str) -> None:
-    """Refuse, before it is built, a model whose training cannot fit in memory."""
-    n = config.num_parameters()
-    check_memory(
-        TRAIN_BYTES_PER_PARAMETER * n + 4 * config.num_buffer_elements(),
-        f"training {_model_name(config, n)} ({TRAIN_BYTES_PER_PARAMETER} bytes per parameter: "
-        "float32 weights, gradients and Adam's two moments)",
-        hint="choose a smaller --num-hiddens, --num-layers, --embed-size or --ffn-num-hiddens",
-        device=resolve_device(device),
-    )
-
-
 def _read_config(run_dir: str | Path) -> tuple[TranslateSettings, Seq2SeqConfig, Vocab, Vocab]:
     """A translator's ``config.json``, every field validated and cross-checked."""
-    config = load_config(run_dir, task=TASK)
-    path = Path(run_dir) / "config.json"
-    sections = ("task", "settings", "model", "src_vocab", "tgt_vocab")
-    unknown = sorted(set(config) - set(sections))
-    missing = [name for name in sections if name not in config]
-    if unknown or missing:
-        what = f"unknown section {show(unknown[0])}" if unknown else f"no {missing[0]!r}"
-        raise CheckpointError(f"{path} has {what}; a translator's config has "
-                              f"{', '.join(sections)}")
-
-    def parse(section: str, build: Callable[[Any], Any]) -> Any:
-        try:
-            return build(config[section])
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: {section}: {e}") from None
-
-    settings = parse("settings", TranslateSettings.from_dict)
-    model_config = parse("model", Seq2SeqConfig.from_dict)
-    src_vocab = parse("src_vocab", Vocab.from_dict)
-    tgt_vocab = parse("tgt_vocab", Vocab.from_dict)
+    config = pipeline.read_run_config(
+        run_dir, task=TASK, what="a translator",
+        sections=("task", "settings", "model", "src_vocab", "tgt_vocab"),
+    )
+    settings = config.parse("settings", TranslateSettings.from_dict)
+    model_config = config.parse("model", Seq2SeqConfig.from_dict)
+    src_vocab = config.parse("src_vocab", Vocab.from_dict)
+    tgt_vocab = config.parse("tgt_vocab", Vocab.from_dict)
     if (model_config.src_vocab_size, model_config.tgt_vocab_size) != (
         len(src_vocab), len(tgt_vocab)
     ):
@@ -356,16 +331,9 @@ def _read_config(run_dir: str | Path) -> tuple[TranslateSettings, Seq2SeqConfig,
             f"match the model's ({model_config.src_vocab_size}, "
             f"{model_config.tgt_vocab_size})"
         )
-    # Training built the model from the settings, and resuming does again: they agree.
-    # Except the backend, which changes how the model computes, not what it is.
+    # Not the backend, which changes how the model computes, not what it is.
     implied = settings.model_config(src_vocab, tgt_vocab)
-    for f in dataclasses.fields(Seq2SeqConfig):
-        if f.name == "backend":
-            continue
-        saved, expected = getattr(model_config, f.name), getattr(implied, f.name)
-        if saved != expected:
-            raise CheckpointError(f"{path}: model.{f.name} is {show(saved)} but the settings "
-                                  f"imply {show(expected)}")
+    pipeline.check_model_config(config.path, model_config, implied, ignore=("backend",))
     return settings, model_config, src_vocab, tgt_vocab
 
 
@@ -406,14 +374,23 @@ class Translator:
         self.held_out: list[tuple[list[str], list[str]]] = []
 
     @classmethod
-    def load(cls, run_dir: str | Path, device: str = "cpu") -> Translator:
+    def load(
+        cls, run_dir: str | Path, device: str = "cpu", *, backend: str | None = None
+    ) -> Translator:
         """Rebuild from a checkpoint; anything malformed is one ``CheckpointError`` line.
 
         Reads the checkpoint only (never the corpus, never the network). Everything is
         checked before the model is built: the config's fields, the weights file's header
         against the shapes the config implies, and the memory the model needs.
+        ``backend`` (``"fused"`` or ``"eager"``; None: the checkpoint's) runs the same
+        weights the other way.
         """
         settings, model_config, src_vocab, tgt_vocab = _read_config(run_dir)
+        if backend is not None:
+            check_str("backend", backend, choices=BACKENDS)
+            model_config = dataclasses.replace(model_config, backend=backend)
+        # The settings say the backend the model runs, whatever the run was saved with.
+        settings = dataclasses.replace(settings, backend=model_config.backend)
         n = model_config.num_parameters()
         check_weights(run_dir, model_config.parameter_shapes(), n)
         check_memory(
@@ -583,7 +560,8 @@ def train_translator(
 
     With ``resume``, the data, model and vocabularies come from the checkpoint; only
     ``settings.epochs`` (the new total; None: the run's own), ``settings.lr`` (None: the
-    run's own) and ``settings.device`` are taken from the arguments. Without it, a
+    run's own), ``settings.backend`` (None: the run's own) and ``settings.device`` are
+    taken from the arguments. Without it, a
     ``run_dir`` that holds a checkpoint is refused unless ``overwrite`` (see
     :func:`qkv.training.open_run_dir`: one writer at a time, outputs checked writable
     first). Returns the trained :class:`Translator` and the training history.
@@ -593,90 +571,63 @@ def train_translator(
     and saves, and every rank returns the same trained translator.
     """
     run_dir = Path(run_dir)
-    # Join the torchrun process group, if any, before anything logs or touches a device.
-    init_distributed(settings.device)
-    log = main_process_log(log)
-    with open_run_dir(run_dir, resume=resume, overwrite=overwrite,
-                      outputs=(LOSS_PLOT, ATTENTION_PLOT), log=log):
-        return _train(settings, run_dir, resume=resume, progress=progress, log=log,
-                      trace=trace)
+    with pipeline.training_run(run_dir, settings.device, resume=resume, overwrite=overwrite,
+                               outputs=(LOSS_PLOT, ATTENTION_PLOT), log=log) as log:
+        saved, src_vocab, tgt_vocab = None, None, None
+        if resume:
+            saved, _, src_vocab, tgt_vocab = _read_config(run_dir)
+        settings = pipeline.run_settings(settings, saved, run_dir)
+
+        data = prepare_data(settings, src_vocab, tgt_vocab)
+        settings = dataclasses.replace(settings, data_sha256=data.corpus_sha256)
+        config = settings.model_config(data.src_vocab, data.tgt_vocab)
+        n = config.num_parameters()
+        pipeline.check_training_memory(  # before a byte of the model exists
+            _model_name(config, n), n, optimizer="Adam", device=settings.device,
+            buffer_bytes=4 * config.num_buffer_elements(),
+            hint="choose a smaller --num-hiddens, --num-layers, --embed-size or "
+                 "--ffn-num-hiddens",
+        )
+        model = build_model(config)
+        log(f"{settings.model} translator: {num_parameters(model):,} trainable parameters; "
+            f"{len(data.train[0]):,} training pairs, {len(data.valid[0]):,} held out; "
+            f"vocabularies {len(data.src_vocab)} -> {len(data.tgt_vocab)}")
+        loss_fn = translation_loss(data.tgt_vocab[BOS])
+        if trace is not None and is_main_process():
+            loss_fn = _traced_first_batch(model, loss_fn, trace)
+
+        translator = Translator(model, data.src_vocab, data.tgt_vocab, settings)
+        translator.held_out = data.valid_pairs
+        # Exact match on (up to 1,000 of) the held-out pairs after every epoch.
+        held_src = [s for s, _ in data.valid_pairs[:1000]]
+        held_tgt = [t for _, t in data.valid_pairs[:1000]]
+
+        def validate(_: torch.nn.Module) -> dict[str, float]:
+            return {"exact_match": translator.evaluate(held_src, held_tgt)["exact_match"]}
+
+        module, history = pipeline.fit(
+            model, loss_fn, TensorDataset(*data.train), settings, task=TASK, run_dir=run_dir,
+            resume=resume, progress=progress, log=log, log_every=max(1, settings.epochs // 10),
+            sections={"model": model.config.to_dict(), "src_vocab": data.src_vocab.to_dict(),
+                      "tgt_vocab": data.tgt_vocab.to_dict()},
+            validate=validate if held_src else None,
+        )
+        model.trace = None
+        translator.model = module.eval()
+        return translator, history
 
 
-def _train(
-    settings: TranslateSettings,
-    run_dir: Path,
-    *,
-    resume: bool,
-    progress: bool,
-    log: Callable[[str], None],
-    trace: Callable[[str], None] | None,
-) -> tuple[Translator, dict[str, list]]:
-    if resume:
-        old, _, src_vocab, tgt_vocab = _read_config(run_dir)
-        settings = resumed_settings(old, settings).resolved()
-        check_resume_target(run_dir, settings.epochs)
-    else:
-        settings = settings.resolved()
-        src_vocab = tgt_vocab = None
+def _traced_first_batch(
+    model: EncoderDecoder, loss_fn: Callable[..., tuple[Tensor, Tensor]],
+    trace: Callable[[str], None],
+) -> Callable[..., tuple[Tensor, Tensor]]:
+    """``loss_fn`` with ``model.trace`` on for the first training batch only: the shapes
+    of every decoder step, then the norms, once."""
+    model.trace = trace
 
-    seed_everything(settings.seed)
-    data = prepare_data(settings, src_vocab, tgt_vocab)
-    settings = dataclasses.replace(settings, data_sha256=data.corpus_sha256)
-    config = settings.model_config(data.src_vocab, data.tgt_vocab)
-    _check_training_memory(config, settings.device)  # before a byte of the model exists
-    model = build_model(config)
-    log(f"{settings.model} translator: {num_parameters(model):,} trainable parameters; "
-        f"{len(data.train[0]):,} training pairs, {len(data.valid[0]):,} held out; "
-        f"vocabularies {len(data.src_vocab)} -> {len(data.tgt_vocab)}")
-    loss_fn = translation_loss(data.tgt_vocab[BOS])
-    if trace is not None and is_main_process():
-        # Trace the first training batch only: shapes of every decoder step, then norms.
-        model.trace = trace
-        untraced = loss_fn
+    def traced(m: torch.nn.Module, batch: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+        out = loss_fn(m, batch)
+        model.trace = None
+        return out
 
-        def loss_fn(m: torch.nn.Module, batch: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-            out = untraced(m, batch)
-            model.trace = None
-            return out
-
-    translator = Translator(model, data.src_vocab, data.tgt_vocab, settings)
-    translator.held_out = data.valid_pairs
-    # Exact match on (up to 1,000 of) the held-out pairs after every epoch.
-    held_src = [s for s, _ in data.valid_pairs[:1000]]
-    held_tgt = [t for _, t in data.valid_pairs[:1000]]
-
-    def validate(_: torch.nn.Module) -> dict[str, float]:
-        return {"exact_match": translator.evaluate(held_src, held_tgt)["exact_match"]}
-
-    train_set = TensorDataset(*data.train)
-    trainer = Trainer(
-        model,
-        loss_fn,
-        # This process's shard under torchrun; otherwise exactly data.train_loader's batches.
-        lambda g: make_loader(train_set, settings.batch_size, g),
-        TrainConfig(
-            epochs=settings.epochs,
-            lr=settings.lr,
-            clip_norm=settings.clip_norm,
-            device=settings.device,
-            seed=settings.seed,
-            log_every=max(1, settings.epochs // 10),
-            progress=progress,
-        ),
-        run_dir=run_dir,
-        checkpoint_config={
-            "task": TASK,
-            "settings": dataclasses.asdict(settings),
-            "model": model.config.to_dict(),
-            "src_vocab": data.src_vocab.to_dict(),
-            "tgt_vocab": data.tgt_vocab.to_dict(),
-        },
-        validate=validate if held_src else None,
-        log=log,
-    )
-    if resume:
-        trainer.resume()
-    history = trainer.fit()
-    model.trace = None
-    translator.model = trainer.module.eval()  # trainer.model is a DDP wrapper under DDP
-    return translator, history
+    return traced

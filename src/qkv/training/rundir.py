@@ -46,9 +46,10 @@ __all__ = [
     "resumed_settings",
 ]
 
-# The settings a resume may change: the total epochs, the learning rate, the device, and
-# the BPE folder (it may have moved since training). Every other setting is the run's.
-RESUMABLE = frozenset({"epochs", "lr", "device", "bpe_dir"})
+# The settings a resume may change: the total epochs, the learning rate, the device, the
+# BPE folder (it may have moved since training) and a translator's backend (how the model
+# computes, not what it is). Every other setting is the run's.
+RESUMABLE = frozenset({"epochs", "lr", "device", "bpe_dir", "backend"})
 
 Settings = TypeVar("Settings")
 
