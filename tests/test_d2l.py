@@ -322,13 +322,14 @@ def test_preprocess_and_tokenize_nmt():
 def test_vocab_and_build_array_nmt():
     source = [["go", "."], ["hi", "."], ["run", "!"], ["run", "!"]]
     vocab = d2l.Vocab(source, min_freq=2, reserved_tokens=["<pad>", "<bos>", "<eos>"])
-    assert vocab.idx_to_token == ["<unk>", "<pad>", "<bos>", "<eos>", ".", "run", "!"]
-    assert vocab["go"] == vocab.unk == 0
-    assert vocab.to_tokens([5, 6]) == ["run", "!"]
+    # d2l 1.0.3: the sorted set of <unk>, the reserved and the kept tokens
+    assert vocab.idx_to_token == ["!", ".", "<bos>", "<eos>", "<pad>", "<unk>", "run"]
+    assert vocab["go"] == vocab.unk == 5
+    assert vocab.to_tokens([6, 0]) == ["run", "!"]
     assert len(d2l.Vocab()) == 1
     array, valid_len = d2l.build_array_nmt(source + [["run"] * 12], vocab, 4)
-    assert array.tolist()[0] == [0, 4, 3, 1]  # go . <eos> <pad>
-    assert array.tolist()[4] == [5, 5, 5, 5]  # truncated, <eos> cut off
+    assert array.tolist()[0] == [5, 1, 3, 4]  # go(<unk>) . <eos> <pad>
+    assert array.tolist()[4] == [6, 6, 6, 6]  # truncated, <eos> cut off
     assert valid_len.dtype == torch.int64
     assert valid_len.tolist() == [3, 3, 3, 3, 4]
 
@@ -344,12 +345,12 @@ def test_load_data_nmt_from_env_file_and_replaced_reader(tmp_path, monkeypatch):
     X, X_valid_len, Y, Y_valid_len = batches[0]
     assert X.shape == Y.shape == (2, 5) and X.dtype == torch.int64
     assert X_valid_len.shape == Y_valid_len.shape == (2,)
-    assert src_vocab.idx_to_token[4:] == [".", "run", "!"]
-    assert tgt_vocab.idx_to_token[4:] == ["!"]
+    assert src_vocab.idx_to_token == ["!", ".", "<bos>", "<eos>", "<pad>", "<unk>", "run"]
+    assert tgt_vocab.idx_to_token == ["!", "<bos>", "<eos>", "<pad>", "<unk>"]
     # a replaced reader is what load_data_nmt reads, as with d2l
     monkeypatch.setattr(d2l, "read_data_nmt", lambda: "A.\tB.\nA.\tB.\n")
     _, src_vocab, _ = d2l.load_data_nmt(2, 5)
-    assert src_vocab.idx_to_token[4:] == ["a", "."]
+    assert src_vocab.idx_to_token == [".", "<bos>", "<eos>", "<pad>", "<unk>", "a"]
 
 
 def test_read_data_nmt_from_qkv_cache_without_network(tmp_path, monkeypatch):
@@ -577,77 +578,111 @@ def test_d2l_masked_softmax_and_dot_product_against_plain_reference(valid_lens):
 
 
 # ----------------------------------------------------------------------------
-# Vocab: d2l's token order, re-derived
+# Vocab: d2l 1.0.3's token order, re-derived
 
 
-def plain_vocab_order(lines, min_freq, reserved):
-    """d2l's order in plain steps: <unk>, the reserved tokens as given, then the counted
-    tokens by descending count (stable, so ties keep first-seen order), stopping at the
-    first count below min_freq, skipping tokens already placed."""
+def plain_vocab_1_0_3(lines, min_freq, reserved):
+    """d2l 1.0.3's rule in plain steps: count (flattening when the first item is a list),
+    order the counts by descending count (ties in first-seen order), and number the
+    sorted set of <unk>, the reserved tokens and the tokens counted >= min_freq times."""
     flat = [tok for line in lines for tok in line] if lines and isinstance(lines[0], list) \
         else list(lines)
     counts = {}
     for tok in flat:  # a dict keeps insertion (first-seen) order
         counts[tok] = counts.get(tok, 0) + 1
     by_count = sorted(counts.items(), key=lambda kv: -kv[1])
-    order = ["<unk>", *reserved]
-    for tok, n in by_count:
-        if n < min_freq:
-            break
-        if tok not in order:
-            order.append(tok)
-    return order, by_count
+    kept = [tok for tok, n in by_count if n >= min_freq]
+    return sorted(set(["<unk>", *reserved, *kept])), by_count
 
 
-@pytest.mark.parametrize("seed", range(5))
+RESERVED_CASES = [
+    [],
+    ["<pad>", "<bos>", "<eos>"],
+    ["<eos>", "<bos>", "<pad>"],  # the order given does not matter
+    ["zz", "<pad>", "AA"],  # "AA" and "zz" sort after "<unk>" ("<" is 60, "A" 65)
+    ["<pad>", "<unk>", "<pad>"],  # 1.0.3 takes a set: one id each
+]
+
+
+@pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("min_freq", [0, 1, 2, 3])
-def test_d2l_vocab_order_against_plain_rederivation(seed, min_freq):
+@pytest.mark.parametrize("reserved", RESERVED_CASES)
+def test_d2l_vocab_against_plain_1_0_3_rederivation(seed, min_freq, reserved):
     import random
 
     rng = random.Random(seed)
-    words = ["zeta", "alpha", "mu", "beta", ".", "!", "<pad>", "omega", "kappa"]
-    lines = [[rng.choice(words) for _ in range(rng.randint(0, 6))] for _ in range(12)]
-    reserved = ["<pad>", "<bos>", "<eos>"]
+    # Tokens either side of "<unk>" in code-point order: punctuation and "<..." before
+    # it, "<zz>", capitals, lower case and non-ASCII after it.
+    words = ["zeta", "alpha", "mu", "beta", ".", "!", "<pad>", "<zz>", "Omega", "été",
+             "a", "''", "<a>", "kappa", "1"]
+    words = rng.sample(words, rng.randint(3, len(words)))
+    lines = [[rng.choice(words) for _ in range(rng.randint(0, 7))] for _ in range(15)]
     vocab = d2l.Vocab(lines, min_freq=min_freq, reserved_tokens=reserved)
-    order, by_count = plain_vocab_order(lines, min_freq, reserved)
+    order, by_count = plain_vocab_1_0_3(lines, min_freq, reserved)
     assert vocab.idx_to_token == order
     assert vocab.token_to_idx == {tok: i for i, tok in enumerate(order)}
     assert vocab.token_freqs == by_count
     assert len(vocab) == len(order)
+    assert vocab.unk == order.index("<unk>")
+    # every token maps to its own id, or (dropped by min_freq or never seen) to <unk>
+    for tok in [*words, "never-seen", "<UNK>"]:
+        assert vocab[tok] == (order.index(tok) if tok in order else vocab.unk)
+    flat = [tok for line in lines for tok in line]
+    assert vocab[lines] == [[vocab[tok] for tok in line] for line in lines]
+    assert vocab.to_tokens(vocab[flat]) == [tok if tok in order else "<unk>" for tok in flat]
+    # the flat form of the same corpus gives the same vocabulary
+    assert d2l.Vocab(flat, min_freq, reserved).idx_to_token == order
 
 
-def test_d2l_vocab_ties_keep_first_seen_order_and_lookups():
-    # zeta and alpha both twice, zeta first: zeta gets the lower id (not alphabetical)
-    lines = [["zeta", "alpha", "mu"], ["alpha", "zeta", "zeta2"]]
+def test_d2l_vocab_unk_not_first_and_lookups():
+    # "!" and "." sort before "<unk>"; zeta and alpha both twice, alpha sorts first
+    lines = [["zeta", "alpha", "mu", "!"], ["alpha", "zeta", "zeta2", "!", "."], ["."]]
     vocab = d2l.Vocab(lines, min_freq=2, reserved_tokens=["<pad>"])
-    assert vocab.idx_to_token == ["<unk>", "<pad>", "zeta", "alpha"]
-    assert vocab.unk == 0 and vocab["mu"] == 0 and vocab["zeta"] == 2
+    assert vocab.idx_to_token == ["!", ".", "<pad>", "<unk>", "alpha", "zeta"]
+    assert vocab.unk == 3 and vocab["<unk>"] == 3
+    assert vocab["mu"] == vocab["zeta2"] == vocab["never"] == 3  # rare or unseen: <unk>
+    assert vocab.token_freqs[:4] == [("zeta", 2), ("alpha", 2), ("!", 2), (".", 2)]
     # lists and tuples map element-wise (nested too); anything else is one token
-    assert vocab[["alpha", "nope"]] == [3, 0]
-    assert vocab[("zeta", ["alpha"])] == [2, [3]]
-    assert vocab[5] == 0
+    assert vocab[["alpha", "nope"]] == [4, 3]
+    assert vocab[("zeta", ["alpha", "mu"])] == [5, [4, 3]]
+    assert vocab[5] == 3
     # to_tokens: one id (Python indexing) or a list, tuple or tensor of ids
-    assert vocab.to_tokens(3) == "alpha" and vocab.to_tokens(-1) == "alpha"
-    assert vocab.to_tokens([2, 3]) == ["zeta", "alpha"]
-    assert vocab.to_tokens((1,)) == ["<pad>"]
-    assert vocab.to_tokens(torch.tensor([3, 2])) == ["alpha", "zeta"]
-    assert vocab.to_tokens(torch.tensor(2)) == "zeta"
+    assert vocab.to_tokens(4) == "alpha" and vocab.to_tokens(-1) == "zeta"
+    assert vocab.to_tokens([5, 4]) == ["zeta", "alpha"]
+    assert vocab.to_tokens((3,)) == ["<unk>"]
+    assert vocab.to_tokens(torch.tensor([0, 1])) == ["!", "."]
+    assert vocab.to_tokens(torch.tensor(2)) == "<pad>"
     with pytest.raises(IndexError):
-        vocab.to_tokens(4)
+        vocab.to_tokens(6)
+    # to_dict / from_dict keep the ids, <unk> where it was
+    again = d2l.Vocab.from_dict(vocab.to_dict())
+    assert type(again) is d2l.Vocab and again.unk == 3
+    assert again.idx_to_token == vocab.idx_to_token and again.token_freqs == vocab.token_freqs
+    with pytest.raises(ValueError, match="<unk>"):
+        d2l.Vocab.from_dict({"idx_to_token": ["a", "b"]})
+    with pytest.raises(ValueError, match="duplicate"):
+        d2l.Vocab.from_dict(["a", "<unk>", "a"])
 
 
-def test_d2l_vocab_flat_tokens_defaults_and_reserved_checks():
+def test_d2l_vocab_flat_tokens_defaults_and_reserved():
     # a flat list of tokens (d2l flattens only when the first item is a list)
     vocab = d2l.Vocab(list("abracadabra"))
-    assert vocab.idx_to_token == ["<unk>", "a", "b", "r", "c", "d"]
+    assert vocab.idx_to_token == ["<unk>", "a", "b", "c", "d", "r"]
+    assert vocab.token_freqs == [("a", 5), ("b", 2), ("r", 2), ("c", 1), ("d", 1)]
     assert d2l.Vocab().idx_to_token == ["<unk>"] and d2l.Vocab([]).token_freqs == []
-    assert d2l.Vocab([1, 2, 2]).idx_to_token == ["<unk>", 2, 1]  # any hashable token
-    # min_freq 0 and 1 keep everything; a reserved token seen in the text keeps its place
-    vocab = d2l.Vocab([["<eos>", "x", "<eos>"]], min_freq=1, reserved_tokens=["<eos>"])
-    assert vocab.idx_to_token == ["<unk>", "<eos>", "x"]
-    assert vocab.token_freqs == [("<eos>", 2), ("x", 1)]
-    with pytest.raises(ValueError, match="<unk>"):
-        d2l.Vocab([["a"]], reserved_tokens=["<unk>"])
-    with pytest.raises(ValueError, match="duplicates"):
-        d2l.Vocab([["a"]], reserved_tokens=["<pad>", "<pad>"])
+    # min_freq 0 and 1 keep everything; a reserved token is kept whatever its count
+    vocab = d2l.Vocab([["x", "<eos>", "x"]], min_freq=3, reserved_tokens=["<eos>"])
+    assert vocab.idx_to_token == ["<eos>", "<unk>"]
+    assert vocab.token_freqs == [("x", 2), ("<eos>", 1)]
+    # 1.0.3 takes a set: a reserved <unk> or a token reserved twice gets one id
+    vocab = d2l.Vocab([["a"]], reserved_tokens=["<unk>", "<pad>", "<pad>"])
+    assert vocab.idx_to_token == ["<pad>", "<unk>", "a"] and vocab.unk == 1
+    # 1.0.3 sorts the tokens with "<unk>": they must be strings
+    with pytest.raises(TypeError, match="strings"):
+        d2l.Vocab([1, 2, 2])
     assert isinstance(vocab, qkv.data.translate.Vocab)
+    # qkv's own vocabulary keeps its order (<unk> at 0) and its reserved-token checks
+    own = qkv.data.translate.Vocab([["x", "!", "x"]], reserved_tokens=["<pad>"])
+    assert own.idx_to_token == ["<unk>", "<pad>", "x", "!"] and own.unk == 0
+    with pytest.raises(ValueError, match="<unk>"):
+        qkv.data.translate.Vocab([["a"]], reserved_tokens=["<unk>"])

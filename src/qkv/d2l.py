@@ -27,8 +27,6 @@ Where it departs from d2l:
   looked up at call time;
 - ``download_extract`` refuses archive members whose path would leave the extraction
   folder, and ``download`` never leaves a partial or unverified file behind;
-- ``Vocab`` refuses ``reserved_tokens`` that hold ``<unk>`` or one token twice (d2l would
-  give that token two ids);
 - ``MultiHeadAttention`` sizes its projections when built (``query_size``, ``key_size``,
   ``value_size``, default ``num_hiddens``) where d2l 1.0.3's are lazy, and keeps its
   weights in ``attention_weights`` as ``(batch, num_heads, n_q, n_k)`` where d2l's sit
@@ -44,11 +42,12 @@ whose ``W_k``, ``W_q``, ``w_v`` are ``nn.LazyLinear`` sized by the first call, a
 Xavier-initialises exact ``nn.Linear``/``nn.GRU`` modules only, so lazy layers not yet
 sized keep PyTorch's init.
 
-``Vocab`` numbers its tokens as d2l 0.17 does: ``<unk>`` (id 0), the reserved tokens as
-given, then by descending frequency, ties in first-seen order. d2l 1.0.3's ``Vocab``
-sorts ``idx_to_token`` alphabetically instead (so its ``<unk>`` is not always id 0);
-qkv.d2l keeps 0.17's order, the one the translator chapter's functions were written
-with.
+``Vocab`` numbers its tokens as d2l 1.0.3 does: ``idx_to_token`` is the sorted set of
+``<unk>``, the reserved tokens and the tokens kept by ``min_freq`` (0.17 put ``<unk>``
+at 0, then the reserved tokens, then by frequency), so ``<unk>`` is not always id 0;
+``vocab.unk`` is its id, and the functions here look ``<pad>``, ``<bos>``, ``<eos>`` up
+by name. Unlike ``qkv.data.translate.Vocab``, a reserved ``<unk>`` or a token reserved
+twice is accepted and gets one id, as in 1.0.3.
 
 Plots: ``plt`` is matplotlib's pyplot. ``train_seq2seq`` draws its loss curve on a
 figure without showing it, so a later ``plt.show()`` displays it on a desktop; with a
@@ -67,7 +66,7 @@ import tempfile
 import time
 import urllib.request
 import zipfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -528,17 +527,18 @@ def tokenize_nmt(
 class Vocab(translate.Vocab):
     """d2l's vocabulary: ``Vocab(tokens=None, min_freq=0, reserved_tokens=None)``.
 
-    ``tokens`` is a list of tokens, or a list of token *lists* (flattened when its first
-    item is a list, as d2l checks it); tokens may be any hashable. Id 0 is ``<unk>``,
-    then ``reserved_tokens`` as given, then every token seen at least ``min_freq`` times,
-    most frequent first, ties in first-seen order (d2l 0.17's order; see the module
-    docstring). ``vocab[token]`` gives an id (unknown: ``vocab.unk``, i.e. 0), and a list
-    or tuple gives a list of ids; ``vocab.to_tokens(ids)`` goes back; ``token_freqs``
-    lists every token with its count, most frequent first.
+    ``tokens`` is a list of string tokens, or a list of token *lists* (flattened when its
+    first item is a list, as d2l checks it). As in d2l 1.0.3, ``idx_to_token`` is the
+    sorted (code-point order) set of ``<unk>``, ``reserved_tokens`` and every token seen
+    at least ``min_freq`` times, so ``<unk>`` need not be id 0 and special tokens are
+    looked up by name (``vocab["<pad>"]``). ``vocab[token]`` gives an id (unknown:
+    ``vocab.unk``, the id of ``<unk>``), and a list or tuple gives a list of ids;
+    ``vocab.to_tokens(ids)`` goes back; ``token_freqs`` lists every token with its count,
+    most frequent first, ties in first-seen order.
 
     Raises:
-        ValueError: ``reserved_tokens`` holds ``<unk>`` or a token twice (d2l would give
-            the same token two ids).
+        TypeError: a token that cannot be sorted with strings (d2l 1.0.3's ``sorted``
+            fails there too).
     """
 
     def __init__(
@@ -548,23 +548,45 @@ class Vocab(translate.Vocab):
         reserved_tokens: Sequence[str] | None = None,
     ) -> None:
         tokens = [] if tokens is None else tokens
-        reserved = list(reserved_tokens or [])
-        # The checks on reserved_tokens are the parent's; the counting below is d2l's.
-        super().__init__([], 0, reserved)
         if len(tokens) and isinstance(tokens[0], list):
             tokens = [token for line in tokens for token in line]
         # Counter keeps first-seen order and sorted() is stable: ties stay in that order.
         token_freqs = sorted(collections.Counter(tokens).items(), key=lambda kv: kv[1],
                              reverse=True)
-        idx_to_token = list(self.idx_to_token)  # <unk>, then the reserved tokens
-        known = set(idx_to_token)
-        for token, freq in token_freqs:
-            if freq < min_freq:
-                break
-            if token not in known:
-                idx_to_token.append(token)
-                known.add(token)
+        # d2l 1.0.3: a set, so a reserved "<unk>" or a token given twice gets one id.
+        kept = {"<unk>", *(reserved_tokens or []),
+                *(token for token, freq in token_freqs if freq >= min_freq)}
+        try:
+            idx_to_token = sorted(kept)
+        except TypeError as e:
+            raise TypeError("d2l.Vocab sorts its tokens (d2l 1.0.3's order), so they must "
+                            f"be strings: {e}") from None
+        # The parent's __init__ (which puts <unk> at 0) is not called: _set is all it needs.
         self._set(idx_to_token, token_freqs)
+
+    @property
+    def unk(self) -> int:
+        """Id of ``<unk>`` (where sorting put it; not always 0)."""
+        return self.token_to_idx["<unk>"]
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Vocab:
+        """Rebuild from :meth:`to_dict` output, ids as they were (``<unk>`` anywhere).
+
+        Raises:
+            ValueError: as ``qkv.data.translate.Vocab.from_dict``, except that ``<unk>``
+                may be at any index (but must be there, once).
+        """
+        idx_to_token = d.get("idx_to_token") if isinstance(d, Mapping) else d
+        if not isinstance(idx_to_token, list) or idx_to_token.count("<unk>") != 1:
+            raise ValueError("vocabulary 'idx_to_token' must be a list holding '<unk>' once")
+        # The parent checks everything else with <unk> moved to the front.
+        moved = ["<unk>", *(tok for tok in idx_to_token if tok != "<unk>")]
+        parent = translate.Vocab.from_dict(
+            {**d, "idx_to_token": moved} if isinstance(d, Mapping) else moved)
+        vocab = cls()
+        vocab._set(list(idx_to_token), parent.token_freqs)
+        return vocab
 
     def __getitem__(self, tokens: Any) -> Any:
         """The id of one token, or a list of ids for a list or tuple of tokens."""
