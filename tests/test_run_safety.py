@@ -28,8 +28,8 @@ from qkv.utils.testing import PAUSE_ENV
 PAIRS = [("Go.", "Va !"), ("I lost.", "J'ai perdu."), ("Hi.", "Salut !"), ("Run!", "Cours !"),
          ("Who?", "Qui ?"), ("Wow!", "Ça alors !"), ("I won.", "J'ai gagné."),
          ("Help!", "À l'aide !")]
-TRAIN = ["translate", "train", "--min-freq", "1", "--batch-size", "2", "--no-progress",
-         "--num-hiddens", "8", "--embed-size", "8"]
+TRAIN = ["translate", "train", "--preset", "d2l", "--min-freq", "1", "--batch-size", "2",
+         "--no-progress", "--num-hiddens", "8", "--embed-size", "8"]
 SAVE_PHASES = ["save-begin", "save-staged", "save-committed", "save-moving", "save-done"]
 # A save that dies before its manifest is committed leaves the old checkpoint.
 COMMITTED = {"save-begin": False, "save-staged": False, "save-committed": True,

@@ -1,5 +1,6 @@
 """qkv translate end to end on corpora the tests write: train, run, eval, errors."""
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -20,7 +21,7 @@ PAIRS = [
     ("Be calm.", "Sois calme !"), ("Be nice.", "Sois gentil !"), ("Get up.", "Lève-toi !"),
     ("Go on.", "Poursuis."), ("I'm OK.", "Je vais bien."),
 ]
-FAST = ["--min-freq", "1", "--dropout", "0", "--lr", "0.01", "--no-progress"]
+FAST = ["--preset", "d2l", "--min-freq", "1", "--dropout", "0", "--lr", "0.01", "--no-progress"]
 
 
 
@@ -112,8 +113,8 @@ def test_unknown_words_and_truncation_warning(trained, capsys):
 def test_eval_on_the_training_file(trained, corpus, capsys):
     assert main(["translate", "eval", "--ckpt", str(trained), "--data", str(corpus)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"\(20 pairs\): exact match 100\.0%, BLEU \(d2l, k=2\) 1\.000, "
-                     r"sacreBLEU 100\.0", out), out
+    assert re.search(r"\(20 pairs, greedy\): exact match 100\.0%, BLEU \(d2l, k=2\) 1\.000, "
+                     r"sacreBLEU 100\.0 \(13a, detokenized\)", out), out
 
 
 def test_eval_without_sacrebleu_reports_the_rest(trained, corpus, capsys, monkeypatch):
@@ -123,7 +124,7 @@ def test_eval_without_sacrebleu_reports_the_rest(trained, corpus, capsys, monkey
     monkeypatch.setitem(sys.modules, "sacrebleu", None)  # makes `import sacrebleu` fail
     assert main(["translate", "eval", "--ckpt", str(trained), "--data", str(corpus)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"\(20 pairs\): exact match 100\.0%, BLEU \(d2l, k=2\) 1\.000, "
+    assert re.search(r"\(20 pairs, greedy\): exact match 100\.0%, BLEU \(d2l, k=2\) 1\.000, "
                      r"sacreBLEU n/a \(pip install 'qkv\[bleu\]'\)", out), out
 
 
@@ -175,7 +176,7 @@ def test_input_errors(trained, capsys):
     one_line_error(capsys, ["translate", "train", "--data", "/no/such/file.txt"],
                    "neither 'dates', 'fra-eng' nor an existing file")
     one_line_error(capsys, ["translate", "train", "--epochs", "-1"],
-                   "epochs must be a positive integer, got -1")
+                   r"epochs must be an integer in \[0, 2147483647\], got -1")
     with pytest.raises(SystemExit) as info:
         main(["translate", "run"])
     assert info.value.code == 2
@@ -206,7 +207,7 @@ def test_dates_default_runs_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert re.search(r"^loss [0-9.]+, [0-9.]+ tokens/sec on cpu$", out, flags=re.M)
     assert "tuesday, march 3, 2021 => " in out
-    assert re.search(r"held-out \(40 pairs\): exact match [0-9.]+%", out)
+    assert re.search(r"held-out \(40 pairs, greedy\): exact match [0-9.]+%", out)
     assert (run_dir / "attention.png").is_file()
 
 
@@ -342,7 +343,7 @@ def test_eval_and_run_under_the_other_backend_translate_the_same(model_name, tmp
         assert main(["translate", "run", "--ckpt", str(run_dir), "--backend", backend]) == 0
         outputs[backend] = capsys.readouterr().out
     assert outputs["eager"] == outputs["fused"]
-    assert "held-out (20 pairs): exact match" in outputs["fused"]
+    assert "held-out (20 pairs, greedy): exact match" in outputs["fused"]
     # The flag overrides the checkpoint's backend, for this load only.
     assert Translator.load(run_dir, backend="eager").settings.backend == "eager"
     assert json.loads((run_dir / "config.json").read_text())["model"]["backend"] == "fused"
@@ -378,3 +379,104 @@ def test_bad_backend_in_the_library_is_one_line(trained):
         TranslateSettings(backend="cuda").resolved()
     with pytest.raises(ValueError, match="^backend must be one of 'fused', 'eager', got 'x'$"):
         Translator.load(trained, backend="x")
+
+
+# ---------------------------------------------------------------------------- recipes
+
+
+def _many_pairs(n: int) -> str:
+    # Distinct pairs: "i see N ." -> "je vois N ." for N in 0..n-1, plus the d2l ones.
+    lines = [f"I see {i}.\tJe vois {i}." for i in range(n)]
+    return "".join(f"{line}\n" for line in lines)
+
+
+def test_corpus_recipe_is_chosen_for_a_file_and_printed(tmp_path, capsys):
+    corpus = tmp_path / "pairs.txt"
+    corpus.write_text(_many_pairs(400), encoding="utf-8")
+    run_dir = tmp_path / "run"
+    assert main(["translate", "train", "--data", str(corpus), "--run-dir", str(run_dir),
+                 "--num-hiddens", "16", "--embed-size", "16", "--epochs", "2", "--beam", "2",
+                 "--no-progress", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    settings = json.loads((run_dir / "config.json").read_text())["settings"]
+    # every pair read; 5 % held out, raised to one batch (128) but at most a fifth: 80
+    assert settings["preset"] == "corpus" and settings["num_examples"] is None
+    assert settings["held_out"] == 80
+    assert settings["num_steps"] == 5  # "je vois N ." is 4 tokens, + <eos>
+    assert (settings["warmup_steps"], settings["decay"], settings["label_smoothing"],
+            settings["patience"]) == (200, "cosine", 0.1, 4)  # bahdanau
+    # one line per choice, naming its flag; given flags are not "chosen"
+    assert "recipe 'corpus'" in out
+    assert "  label_smoothing 0.1  (--label-smoothing)" in out
+    assert "  held_out 80  (--held-out)" in out
+    assert "--num-hiddens)" not in out and "--epochs)" not in out
+    # the report is on the held-out pairs, with the beam and sacreBLEU's tokenizer named
+    assert re.search(r"held-out \(80 pairs, beam 2\): exact match [0-9.]+%, BLEU \(d2l, "
+                     r"k=2\) [0-9.]+, sacreBLEU [0-9.]+ \(13a, detokenized\)", out), out
+    assert "held-out examples:" in out and "(reference: je vois" in out
+    assert "tokenized period" not in out
+    # early stopping keeps the best weights apart; loading the run uses them
+    best = load_file(run_dir / "best" / "model.safetensors")
+    loaded = Translator.load(run_dir)
+    for name, value in loaded.model.state_dict().items():
+        assert torch.equal(value, best[name]), name
+
+
+def test_held_out_split_is_deterministic_and_disjoint(tmp_path):
+    from qkv.tasks.translate import prepare_run_data
+
+    corpus = tmp_path / "pairs.txt"
+    corpus.write_text(_many_pairs(300), encoding="utf-8")
+    settings = TranslateSettings(data=str(corpus), batch_size=8).resolved()
+    a_settings, a = prepare_run_data(settings)
+    b_settings, b = prepare_run_data(settings)
+    assert a_settings.held_out == b_settings.held_out == 15  # 5 % of 300
+    assert a.valid_pairs == b.valid_pairs and len(a.valid_pairs) == 15
+    train = {(tuple(s), tuple(t)) for s, t in a.train_pairs}
+    held = {(tuple(s), tuple(t)) for s, t in a.valid_pairs}
+    assert not train & held and len(train) + len(held) == 300
+    # the vocabularies are built on the training pairs only
+    held_only = {w for s, _ in a.valid_pairs for w in s} - {w for s, _ in a.train_pairs
+                                                           for w in s}
+    assert held_only and all(w not in a.src_vocab for w in held_only)
+
+
+@pytest.mark.parametrize("n, batch, expected", [
+    (18066, 128, 903),      # 5 %
+    (400, 128, 80),         # one batch would be 128, but at most a fifth of the pairs
+    (1000, 128, 128),       # 5 % = 50, raised to one batch
+    (500_000, 64, 5000),    # capped
+])
+def test_held_out_count_by_corpus_size(n, batch, expected):
+    s = TranslateSettings(data="x.txt", batch_size=batch).resolved().for_corpus(n, 10)
+    assert s.held_out == expected
+    steps = -(-(n - expected) // batch)
+    assert s.epochs == min(max(-(-3000 // steps), 3), 100)
+
+
+def test_presets_keep_the_books_recipe_for_fra_eng_and_dates():
+    d2l = TranslateSettings(data="fra-eng").resolved()
+    assert (d2l.recipe, d2l.num_examples, d2l.num_steps, d2l.epochs, d2l.num_hiddens,
+            d2l.lr, d2l.held_out, d2l.label_smoothing, d2l.patience, d2l.beam,
+            d2l.warmup_steps) == ("d2l", 600, 10, 250, 32, 0.005, 0.0, 0.0, 0, 1, 0)
+    dates = TranslateSettings().resolved()
+    assert (dates.recipe, dates.num_examples, dates.epochs) == ("dates", 10_000, 10)
+    # a file with --preset d2l trains exactly d2l's recipe
+    assert TranslateSettings(data="x.txt", preset="d2l").resolved().num_examples == 600
+
+
+def test_a_run_saved_before_recipes_loads_as_d2l():
+    old = dataclasses.asdict(TranslateSettings(data="x.txt", preset="d2l").resolved())
+    for name in ("preset", "warmup_steps", "decay", "label_smoothing", "patience", "beam",
+                 "accumulate", "dtype", "compile"):
+        del old[name]
+    loaded = TranslateSettings.from_dict(old)
+    assert loaded.recipe == "d2l" and loaded.patience == 0 and loaded.beam == 1
+
+
+def test_bad_recipe_flags_are_one_line(capsys):
+    one_line_error(capsys, ["translate", "train", "--label-smoothing", "1.5"],
+                   r"label_smoothing must be")
+    one_line_error(capsys, ["translate", "train", "--patience", "-1"], r"patience must be")
+    one_line_error(capsys, ["translate", "train", "--decay", "inverse_sqrt",
+                            "--warmup-steps", "0"], r"inverse_sqrt' needs warmup_steps")

@@ -87,7 +87,7 @@ def resume_command(task: str, run_dir: Path, args: argparse.Namespace, **extra: 
     words = ["qkv", task, "train", "--run-dir", str(run_dir), "--resume"]
     if args.device not in (None, "auto"):
         words += ["--device", args.device]
-    if getattr(args, "threads", 1) != 1:
+    if getattr(args, "threads", None) is not None:
         words += ["--threads", str(args.threads)]
     for flag, value in extra.items():
         words += [f"--{flag.replace('_', '-')}", str(value)]

@@ -9,20 +9,24 @@
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 from pathlib import Path
 
 import torch
 
 from ..functional import BACKENDS
-from ..tasks.translate import TranslateSettings
+from ..tasks.translate import PRESET_NAMES, TranslateSettings
+from ..training import DECAYS
+from ..training.trainer import DTYPES
 from .runs import check_resume_flags, given_settings, reporting_stops
 
 # TranslateSettings field -> the argparse destination of its flag.
 SETTINGS_FLAGS = {name: name for name in (
     "data", "model", "num_examples", "num_steps", "held_out", "min_freq", "embed_size",
     "num_hiddens", "num_layers", "dropout", "num_heads", "ffn_num_hiddens", "batch_size",
-    "lr", "epochs", "clip_norm", "seed", "device", "backend",
+    "lr", "epochs", "clip_norm", "seed", "device", "backend", "preset", "warmup_steps",
+    "decay", "label_smoothing", "patience", "beam", "accumulate", "dtype", "compile",
 )}
 
 # What --backend changes: the computation, never the weights, so any checkpoint runs
@@ -72,27 +76,50 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="pairs to read (default: 10000 for dates, 600 otherwise)")
     train.add_argument("--num-steps", "--num_steps", type=int, default=None,
                        help="tokens per sentence after truncation/padding")
-    train.add_argument("--held-out", type=float, default=None,
-                       help="fraction held out for evaluation (default: 0.1 dates, 0 else)")
-    defaults = TranslateSettings()
+    train.add_argument("--held-out", type=_fraction_or_count, default=None,
+                       help="held out for evaluation: a fraction (0.1) or a count of pairs "
+                            "(default: 0.1 dates, 0 fra-eng, 5%% of a file, at least one "
+                            "batch, at most 5000)")
+    train.add_argument("--preset", choices=PRESET_NAMES, default=None,
+                       help="a known recipe: 'd2l' (the book's, for 600 pairs), 'dates', or "
+                            "'corpus' (for your own pairs: sizes, schedule, smoothing, early "
+                            "stopping and beam chosen for them). Default: dates for dates, "
+                            "d2l for fra-eng, corpus for a file. Flags override it")
     for flag, kind, note in (
-        ("--min-freq", int, ""), ("--embed-size", int, ""), ("--num-hiddens", int, ""),
-        ("--num-layers", int, ""), ("--dropout", float, ""),
-        ("--num-heads", int, "transformer only; "),
-        ("--ffn-num-hiddens", int, "transformer only; "), ("--batch-size", int, ""),
-        ("--clip-norm", float, ""), ("--seed", int, ""),
+        ("--min-freq", int, "default: 2"), ("--embed-size", int, "bahdanau only"),
+        ("--num-hiddens", int, ""), ("--num-layers", int, ""), ("--dropout", float, ""),
+        ("--num-heads", int, "transformer only"),
+        ("--ffn-num-hiddens", int, "transformer only"), ("--batch-size", int, ""),
+        ("--clip-norm", float, "default: 1"), ("--seed", int, "default: 0"),
+        ("--warmup-steps", int, "learning-rate warm-up, in optimizer steps"),
+        ("--label-smoothing", float, "in [0, 1)"),
+        ("--patience", int, "stop after this many epochs without a better held-out loss "
+                            "and keep the best weights; 0: never"),
+        ("--beam", int, "beam size of the held-out report after training (1: greedy)"),
     ):
-        default = getattr(defaults, flag[2:].replace("-", "_"))
-        train.add_argument(flag, type=kind, default=None, help=f"{note}default: {default}")
+        help_text = f"{note}{'; ' if note else ''}default: the preset's" \
+            if "default" not in note else note
+        train.add_argument(flag, type=kind, default=None, help=help_text)
+    train.add_argument("--decay", choices=DECAYS, default=None,
+                       help="learning-rate decay after warm-up (default: the preset's)")
+    train.add_argument("--accumulate", type=int, default=None,
+                       help="micro-batches per optimizer step (gradient accumulation; "
+                            "default 1)")
+    train.add_argument("--dtype", choices=DTYPES, default=None,
+                       help="forward precision: bfloat16 runs under autocast (default "
+                            "float32)")
+    train.add_argument("--compile", action="store_const", const=True, default=None,
+                       help="train through torch.compile")
     train.add_argument("--lr", type=float, default=None,
-                       help="learning rate (default: 0.005; with --resume, the run's own)")
+                       help="peak learning rate (default: the preset's; with --resume, the "
+                            "run's own)")
     train.add_argument("--backend", choices=BACKENDS, default=None,
                        help=f"{BACKEND_HELP} (default: fused; with --resume, the run's own)")
     train.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    train.add_argument("--threads", type=int, default=1,
-                       help="CPU threads for torch (default 1: these models are small, a "
-                            "second thread gains nothing and collapses when the cores are "
-                            "busy)")
+    train.add_argument("--threads", type=int, default=None,
+                       help="CPU threads for torch (default: 1 for the d2l and dates "
+                            "recipes, whose models are too small to gain from a second "
+                            "thread; every core, up to 8, for the corpus recipe)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--trace", action="store_true",
                        help="log decoder tensor shapes per step and first-batch norms")
@@ -124,6 +151,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     evaluate.set_defaults(run=run_eval)
 
 
+def _fraction_or_count(text: str) -> float | int:
+    """``--held-out``: ``0.05`` is a fraction, ``500`` a number of pairs."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a fraction in [0, 1) or a count of pairs, got {text!r}") from None
+
+
 def _print_translations(translations, refs: list[str] | None = None) -> None:
     from ..training.metrics import bleu
 
@@ -136,19 +176,27 @@ def _print_translations(translations, refs: list[str] | None = None) -> None:
 
 def _print_metrics(label: str, metrics: dict[str, float | None]) -> None:
     sacre = metrics["sacrebleu"]
-    sacre_text = "n/a (pip install 'qkv[bleu]')" if sacre is None else f"{sacre:.1f}"
-    print(f"{label} ({int(metrics['n'])} pairs): exact match {metrics['exact_match']:.1%}, "
-          f"BLEU (d2l, k=2) {metrics['bleu']:.3f}, sacreBLEU {sacre_text}")
+    sacre_text = ("n/a (pip install 'qkv[bleu]')" if sacre is None
+                  else f"{sacre:.1f} (13a, detokenized)")
+    beam = int(metrics.get("beam") or 1)
+    how = "greedy" if beam == 1 else f"beam {beam}"
+    print(f"{label} ({int(metrics['n'])} pairs, {how}): exact match "
+          f"{metrics['exact_match']:.1%}, BLEU (d2l, k=2) {metrics['bleu']:.3f}, "
+          f"sacreBLEU {sacre_text}")
 
 
 def run_train(args: argparse.Namespace) -> int:
     from ..tasks.translate import ATTENTION_PLOT, train_translator
     from ..training import is_main_process
 
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
     given = given_settings(args, SETTINGS_FLAGS)
+    threads = args.threads
+    if threads is None:
+        recipe = TranslateSettings(**given).recipe
+        threads = 1 if recipe in ("d2l", "dates") else min(os.cpu_count() or 1, 8)
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
     run_dir = args.run_dir or Path("runs") / f"translate-{Path(args.data or 'dates').stem}"
     if args.resume:
         check_resume_flags(run_dir, "translate", given, SETTINGS_FLAGS)
@@ -179,7 +227,12 @@ def _report_training(translator, run_dir: Path, heatmap: Path) -> None:
         src = [s for s, _ in translator.held_out]
         tgt = [t for _, t in translator.held_out]
         print()
-        _print_metrics("held-out", translator.evaluate(src, tgt))
+        beam = translator.settings.beam or 1
+        _print_metrics("held-out", translator.evaluate(src, tgt, beam=beam))
+        print("held-out examples:")
+        for s, o, r in zip(src[:5], translator.predict(src[:5], beam=beam), tgt[:5],
+                           strict=False):
+            print(f"  {' '.join(s)} => {' '.join(o)}   (reference: {' '.join(r)})")
     print(f"attention heatmap written to {heatmap}")
 
 

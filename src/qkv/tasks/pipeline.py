@@ -34,6 +34,8 @@ from ..checks import show
 from ..training import (
     TRAIN_BYTES_PER_PARAMETER,
     CheckpointError,
+    EarlyStopping,
+    LRSchedule,
     TrainConfig,
     Trainer,
     check_memory,
@@ -233,6 +235,11 @@ def fit(
     drop_last: bool = False,
     optimizer: torch.optim.Optimizer | None = None,
     validate: Callable[[nn.Module], dict[str, float]] | None = None,
+    schedule: LRSchedule | None = None,
+    early_stopping: EarlyStopping | None = None,
+    accumulate: int = 1,
+    dtype: str = "float32",
+    compile: bool = False,
 ) -> tuple[nn.Module, dict[str, list]]:
     """Train ``model`` to ``settings.epochs``, checkpointing to ``run_dir``.
 
@@ -242,7 +249,9 @@ def fit(
     settings as a dict, **sections}``, the sections the task's config reader expects.
     With ``resume`` the weights, optimizer, random state and history come from
     ``run_dir``'s checkpoint first. Returns the trained model, unwrapped from DDP, and
-    the history (see :meth:`qkv.training.Trainer.fit`).
+    the history (see :meth:`qkv.training.Trainer.fit`). ``schedule`` to ``compile`` are
+    :class:`qkv.training.TrainConfig`'s; with ``early_stopping`` the model returned holds
+    the best weights.
     """
     trainer = Trainer(
         model,
@@ -250,7 +259,8 @@ def fit(
         lambda g: make_loader(train_set, settings.batch_size, g, drop_last=drop_last),
         TrainConfig(epochs=settings.epochs, lr=settings.lr, clip_norm=settings.clip_norm,
                     device=settings.device, seed=settings.seed, log_every=log_every,
-                    progress=progress),
+                    progress=progress, schedule=schedule, early_stopping=early_stopping,
+                    accumulate=accumulate, dtype=dtype, compile=compile),
         run_dir=run_dir,
         checkpoint_config={"task": task, "settings": dataclasses.asdict(settings), **sections},
         optimizer=optimizer,

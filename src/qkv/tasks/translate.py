@@ -45,6 +45,7 @@ from torch.utils.data import TensorDataset
 from ..checks import (
     MAX_COUNT,
     MAX_SIZE,
+    check_bool,
     check_float,
     check_int,
     check_sha256,
@@ -53,6 +54,7 @@ from ..checks import (
     show,
 )
 from ..data.dates import DATES_NUM_STEPS, join_date_tokens, make_date_pairs, normalize_date_text
+from ..data.loading import batch_loader
 from ..data.translate import (
     BOS,
     EOS,
@@ -61,6 +63,7 @@ from ..data.translate import (
     Vocab,
     build_array,
     cached_fra_eng,
+    detokenize,
     download_fra_eng,
     preprocess,
     read_corpus,
@@ -78,17 +81,23 @@ from ..models import (
     teacher_forcing_input,
 )
 from ..training import (
+    BEST_DIR,
+    DECAYS,
     LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
     CheckpointError,
+    EarlyStopping,
+    LRSchedule,
     check_memory,
     check_weights,
+    is_checkpoint,
     is_main_process,
     load_weights,
     masked_cross_entropy,
     resolve_device,
 )
 from ..training.metrics import bleu, corpus_bleu, exact_match, has_sacrebleu
+from ..training.trainer import DTYPES
 from . import pipeline
 
 __all__ = [
@@ -106,14 +115,40 @@ logger = logging.getLogger(__name__)
 TASK = "translate"
 ATTENTION_PLOT = "attention.png"
 
-# Defaults that depend on the data: the dates corpus is larger, its sentences longer,
-# and it needs far fewer epochs than the reference's 600 pairs x 250 epochs.
-_DATA_DEFAULTS = {
-    "dates": {"num_examples": 10_000, "num_steps": DATES_NUM_STEPS, "epochs": 10,
-              "held_out": 0.1, "lr": 0.005},
-    "other": {"num_examples": 600, "num_steps": 10, "epochs": 250, "held_out": 0.0,
-              "lr": 0.005},
+# d2l's recipe for its 600 fra-eng pairs: the model's sizes, Adam at 0.005 for 250
+# epochs, no schedule, no smoothing, no early stopping, greedy decoding.
+_D2L = {"num_examples": 600, "num_steps": 10, "epochs": 250, "held_out": 0.0, "lr": 0.005,
+        "embed_size": 32, "num_hiddens": 32, "num_layers": 2, "dropout": 0.1, "num_heads": 4,
+        "ffn_num_hiddens": 64, "batch_size": 64, "warmup_steps": 0, "decay": "constant",
+        "label_smoothing": 0.0, "patience": 0, "beam": 1}
+# Named recipes (--preset). "d2l" and "dates" are fixed; "corpus" is for a user's own
+# sentence pairs: every pair read, 5 % held out, a wider model, warm-up + cosine decay,
+# label smoothing, early stopping on the held-out loss and beam search in the final
+# report, with the epochs (and the held-out count and sentence length) chosen from the
+# corpus once it is read (see TranslateSettings.for_corpus).
+PRESETS: dict[str, dict[str, Any]] = {
+    "d2l": _D2L,
+    # The dates corpus is larger and its sentences longer; it needs far fewer epochs.
+    "dates": {**_D2L, "num_examples": 10_000, "num_steps": DATES_NUM_STEPS, "epochs": 10,
+              "held_out": 0.1},
+    "corpus": {
+        "bahdanau": {"embed_size": 128, "num_hiddens": 256, "num_layers": 2,
+                     "dropout": 0.2, "batch_size": 128, "lr": 0.002, "warmup_steps": 200,
+                     "decay": "cosine", "label_smoothing": 0.1, "patience": 4, "beam": 4},
+        "transformer": {"num_hiddens": 128, "num_layers": 2, "num_heads": 4,
+                        "ffn_num_hiddens": 512, "dropout": 0.2, "batch_size": 128,
+                        "lr": 0.002, "warmup_steps": 300, "decay": "cosine",
+                        "label_smoothing": 0.1, "patience": 4, "beam": 4},
+    },
 }
+PRESET_NAMES = tuple(PRESETS)
+# The corpus recipe's training length: about this many optimizer steps (epochs are
+# rounded up), between these bounds. At its model sizes on 2 CPU cores this is about
+# ten minutes for an 18k-pair corpus; see docs/benchmarks.md.
+CORPUS_STEPS = 3_000
+CORPUS_EPOCHS = (3, 100)
+# The corpus recipe's held-out split: 5 % of the pairs, at least one batch, at most 5,000.
+CORPUS_HELD_OUT = (0.05, 5_000)
 # Bounds on settings that size work rather than the model (which is bounded by memory):
 # sentences are decoded token by token up to num_steps, and the dates corpus is generated
 # num_examples pairs at a time.
@@ -125,33 +160,51 @@ MAX_NUM_EXAMPLES = 10_000_000
 class TranslateSettings:
     """Everything that defines a training run; saved in the checkpoint.
 
-    ``None`` fields take a default that depends on ``data`` (see ``_DATA_DEFAULTS``):
-    the dates corpus uses 10,000 pairs, ``num_steps`` 14, 10 epochs and a 10 % held-out
-    split; fra-eng and files use d2l's recipe: 600 pairs, ``num_steps`` 10, 250 epochs
-    and no split. The model and optimiser defaults are d2l's too (``lr`` 0.005).
+    ``None`` fields take the value of the run's recipe, ``preset`` (see ``PRESETS``),
+    which by default follows ``data``: ``"dates"`` for the dates corpus (10,000 pairs,
+    ``num_steps`` 14, 10 epochs, 10 % held out), ``"d2l"`` for fra-eng (d2l's recipe:
+    600 pairs, ``num_steps`` 10, 250 epochs, no split, 32 hidden units, ``lr`` 0.005) and
+    ``"corpus"`` for a file (every pair, 5 % held out, a wider model with warm-up +
+    cosine decay, label smoothing, early stopping and beam search; epochs, held-out count
+    and ``num_steps`` chosen from the corpus). A field given explicitly always wins.
     """
 
     data: str = "dates"
     model: str = Seq2SeqConfig.model
+    preset: str | None = None
+    # None with the corpus recipe: every pair.
     num_examples: int | None = None
     num_steps: int | None = None
-    held_out: float | None = None
+    # A fraction in [0, 1), or (the corpus recipe's choice) a count of pairs.
+    held_out: float | int | None = None
     min_freq: int = 2
-    # the model's defaults live once, in Seq2SeqConfig
-    embed_size: int = Seq2SeqConfig.embed_size
-    num_hiddens: int = Seq2SeqConfig.num_hiddens
-    num_layers: int = Seq2SeqConfig.num_layers
-    dropout: float = Seq2SeqConfig.dropout
-    num_heads: int = Seq2SeqConfig.num_heads
-    ffn_num_hiddens: int = Seq2SeqConfig.ffn_num_hiddens
+    embed_size: int | None = None
+    num_hiddens: int | None = None
+    num_layers: int | None = None
+    dropout: float | None = None
+    num_heads: int | None = None
+    ffn_num_hiddens: int | None = None
     # How the model computes ("fused" or "eager", see Seq2SeqConfig), not what it is: a
     # resume or a load may run a checkpoint under the other. None: "fused" for a new run,
     # the run's own on a resume (and in a run saved before qkv recorded it).
     backend: str | None = None
-    batch_size: int = 64
+    batch_size: int | None = None
     lr: float | None = None
     epochs: int | None = None
     clip_norm: float = 1.0
+    # Learning-rate schedule (qkv.training.LRSchedule): warm-up steps and decay.
+    warmup_steps: int | None = None
+    decay: str | None = None
+    label_smoothing: float | None = None
+    # Stop after this many epochs without a better held-out loss, keeping the best
+    # weights (in run_dir/best); 0: train every epoch, keep the last.
+    patience: int | None = None
+    # Beam size of the held-out report at the end of training (1: greedy).
+    beam: int | None = None
+    # Micro-batches per optimizer step, forward precision, torch.compile.
+    accumulate: int = 1
+    dtype: str = "float32"
+    compile: bool = False
     seed: int = 0
     device: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -159,17 +212,70 @@ class TranslateSettings:
     # qkv recorded it); evaluating or resuming the run checks the file against it.
     data_sha256: str | None = None
 
+    @property
+    def recipe(self) -> str:
+        """The preset this run follows: ``preset``, or the one its ``data`` implies."""
+        if self.preset is not None:
+            return self.preset
+        return {"dates": "dates", "fra-eng": "d2l"}.get(self.data, "corpus")
+
     def resolved(self) -> TranslateSettings:
-        """A copy with every ``None`` replaced by the data's default; validated."""
-        defaults = _DATA_DEFAULTS["dates" if self.data == "dates" else "other"]
+        """A copy with every ``None`` the recipe fixes filled in; validated.
+
+        The corpus recipe leaves ``num_examples`` None (every pair) and, until
+        :meth:`for_corpus` has seen the corpus, ``num_steps``, ``held_out`` and
+        ``epochs``.
+        """
+        check_str("preset", self.recipe, choices=PRESET_NAMES)
+        check_str("model", self.model, choices=MODEL_NAMES)
+        defaults = PRESETS[self.recipe]
+        if self.recipe == "corpus":
+            defaults = {**_D2L, "num_examples": None, "num_steps": None, "held_out": None,
+                        "epochs": None, **defaults[self.model]}
         values = {k: (defaults[k] if v is None and k in defaults else v)
                   for k, v in dataclasses.asdict(self).items()}
         out = TranslateSettings(**values)
+        out.preset = self.recipe
         out.backend = out.backend or Seq2SeqConfig.backend
-        for name in ("num_examples", "num_steps", "min_freq", "batch_size", "epochs"):
-            value = getattr(out, name)
-            if not isinstance(value, int) or value < (0 if name == "epochs" else 1):
-                raise ValueError(f"{name} must be a positive integer, got {show(value)}")
+        out.validate(resolved=out.recipe != "corpus")
+        return out
+
+    def choices(self, given: TranslateSettings) -> list[str]:
+        """One line per setting the recipe chose (those ``given`` left None), naming the
+        flag that changes it: what a run prints when it starts."""
+        lines = []
+        for f in dataclasses.fields(self):
+            if getattr(given, f.name, None) is None and f.name not in (
+                    "preset", "backend", "data_sha256", "extra"):
+                value = getattr(self, f.name)
+                if f.name == "num_examples" and value is None:
+                    value = "all"
+                if f.name == "embed_size" and self.model == "transformer":
+                    continue  # the Transformer's width is num_hiddens
+                if f.name in ("num_heads", "ffn_num_hiddens") and self.model != "transformer":
+                    continue
+                lines.append(f"  {f.name} {value}  (--{f.name.replace('_', '-')})")
+        return lines
+
+    def for_corpus(self, num_pairs: int, longest: int) -> TranslateSettings:
+        """The corpus recipe's choices that depend on the corpus, made once it is read:
+        ``num_steps`` fits the longest sentence (``longest`` tokens, plus ``<eos>``),
+        ``held_out`` is a count (5 %, at least one batch, at most 5,000, at most a fifth
+        of the pairs) and ``epochs`` gives about ``CORPUS_STEPS`` optimizer steps.
+        Settings that are already set are kept; the result is validated."""
+        out = dataclasses.replace(self)
+        if out.num_steps is None:
+            out.num_steps = min(longest + 1, 128)
+        if out.held_out is None:
+            fraction, most = CORPUS_HELD_OUT
+            k = min(max(round(fraction * num_pairs), out.batch_size), most, num_pairs // 5)
+            out.held_out = k if k > 0 or num_pairs < 2 else 1
+        if out.epochs is None:
+            held = out.held_out if isinstance(out.held_out, int) else round(
+                out.held_out * num_pairs)
+            steps_per_epoch = -(-(num_pairs - held) // (out.batch_size * out.accumulate))
+            lo, hi = CORPUS_EPOCHS
+            out.epochs = min(max(-(-CORPUS_STEPS // max(steps_per_epoch, 1)), lo), hi)
         out.validate(resolved=True)
         return out
 
@@ -180,17 +286,35 @@ class TranslateSettings:
         """
         check_str("data", self.data)
         check_str("model", self.model, choices=MODEL_NAMES)
+        if self.preset is not None:
+            check_str("preset", self.preset, choices=PRESET_NAMES)
+        all_pairs = resolved and self.num_examples is None and self.recipe == "corpus"
         for name, lo, hi in (("num_examples", 1, MAX_NUM_EXAMPLES),
                              ("num_steps", 1, MAX_NUM_STEPS), ("epochs", 0, MAX_SIZE)):
-            if getattr(self, name) is not None or resolved:
+            if getattr(self, name) is not None or (resolved and not (
+                    name == "num_examples" and all_pairs)):
                 check_int(name, getattr(self, name), lo, hi)
-        if self.held_out is not None or resolved:
+        if isinstance(self.held_out, int) and not isinstance(self.held_out, bool):
+            check_int("held_out", self.held_out, 0, MAX_NUM_EXAMPLES)
+        elif self.held_out is not None or resolved:
             check_float("held_out", self.held_out, 0.0, 1.0, hi_open=True)
         check_int("min_freq", self.min_freq, 1, MAX_COUNT)
         for name in ("embed_size", "num_hiddens", "num_layers", "num_heads",
-                     "ffn_num_hiddens", "batch_size"):
-            check_int(name, getattr(self, name), 1, MAX_SIZE)
-        check_float("dropout", self.dropout, 0.0, 1.0, hi_open=True)
+                     "ffn_num_hiddens", "batch_size", "warmup_steps", "patience", "beam"):
+            if getattr(self, name) is not None or resolved:
+                lo = 0 if name in ("warmup_steps", "patience") else 1
+                check_int(name, getattr(self, name), lo, MAX_SIZE)
+        if self.dropout is not None or resolved:
+            check_float("dropout", self.dropout, 0.0, 1.0, hi_open=True)
+        if self.label_smoothing is not None or resolved:
+            check_float("label_smoothing", self.label_smoothing, 0.0, 1.0, hi_open=True)
+        if self.decay is not None or resolved:
+            check_str("decay", self.decay, choices=DECAYS)
+            if self.decay == "inverse_sqrt" and self.warmup_steps == 0:
+                raise ValueError("decay 'inverse_sqrt' needs warmup_steps >= 1")
+        check_int("accumulate", self.accumulate, 1, MAX_COUNT)
+        check_str("dtype", self.dtype, choices=DTYPES)
+        check_bool("compile", self.compile)
         if self.backend is not None:
             check_str("backend", self.backend, choices=BACKENDS)
         if self.lr is not None or resolved:
@@ -222,8 +346,15 @@ class TranslateSettings:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TranslateSettings:
-        """The settings of a saved run (resolved), every field validated."""
-        settings = cls(**fields_from_dict(cls, d, "translate settings"))
+        """The settings of a saved run (resolved), every field validated.
+
+        A run saved before qkv had recipes trained d2l's (or, on dates, the dates one):
+        the fields it lacks take that recipe's values."""
+        d = fields_from_dict(cls, d, "translate settings")
+        if "preset" not in d:
+            old = "dates" if d.get("data") == "dates" else "d2l"
+            d = {**{k: v for k, v in PRESETS[old].items() if k not in d}, **d, "preset": old}
+        settings = cls(**d)
         settings.validate(resolved=True)
         return settings
 
@@ -293,8 +424,24 @@ def prepare_data(
     saved run's vocabularies come with its settings. ``corpus_sha256`` of the result is
     the digest of the corpus file read, for the run to record.
     """
+    return prepare_run_data(settings, src_vocab, tgt_vocab, reload=reload)[1]
+
+
+def prepare_run_data(
+    settings: TranslateSettings,
+    src_vocab: Vocab | None = None,
+    tgt_vocab: Vocab | None = None,
+    *,
+    reload: bool | None = None,
+) -> tuple[TranslateSettings, TranslationData]:
+    """:func:`prepare_data`, and the settings with the corpus recipe's corpus-dependent
+    choices made (see :meth:`TranslateSettings.for_corpus`): what a new run records."""
     reload = src_vocab is not None if reload is None else reload
     src, tgt, digest = _load_pairs(settings, reload)
+    if settings.recipe == "corpus":
+        lengths = sorted(max(len(s), len(t)) for s, t in zip(src, tgt, strict=True))
+        # The 99.9th percentile: one stray paragraph must not pad every sentence to it.
+        settings = settings.for_corpus(len(src), lengths[int(0.999 * (len(lengths) - 1))])
     data = TranslationData.from_pairs(
         src,
         tgt,
@@ -306,7 +453,7 @@ def prepare_data(
         tgt_vocab=tgt_vocab,
     )
     data.corpus_sha256 = digest
-    return data
+    return settings, data
 
 
 def _model_name(config: Seq2SeqConfig, num_params: int) -> str:
@@ -383,7 +530,9 @@ class Translator:
         checked before the model is built: the config's fields, the weights file's header
         against the shapes the config implies, and the memory the model needs.
         ``backend`` (``"fused"`` or ``"eager"``; None: the checkpoint's) runs the same
-        weights the other way.
+        weights the other way. A run trained with early stopping (``patience`` > 0)
+        loads its best weights, ``run_dir/best``; ``run_dir`` itself holds the last
+        epoch's, which ``--resume`` continues from.
         """
         settings, model_config, src_vocab, tgt_vocab = _read_config(run_dir)
         if backend is not None:
@@ -391,15 +540,18 @@ class Translator:
             model_config = dataclasses.replace(model_config, backend=backend)
         # The settings say the backend the model runs, whatever the run was saved with.
         settings = dataclasses.replace(settings, backend=model_config.backend)
+        weights_dir = Path(run_dir)
+        if settings.patience and is_checkpoint(weights_dir / BEST_DIR):
+            weights_dir = weights_dir / BEST_DIR
         n = model_config.num_parameters()
-        check_weights(run_dir, model_config.parameter_shapes(), n)
+        check_weights(weights_dir, model_config.parameter_shapes(), n)
         check_memory(
             LOAD_BYTES_PER_PARAMETER * n + 4 * model_config.num_buffer_elements(),
             f"loading {_model_name(model_config, n)}",
             hint="load it on a machine with more memory",
         )
         model = build_model(model_config)
-        load_weights(run_dir, model)
+        load_weights(weights_dir, model)
         return cls(model.to(resolve_device(device)), src_vocab, tgt_vocab, settings)
 
     @property
@@ -476,31 +628,64 @@ class Translator:
         return results
 
     @torch.no_grad()
-    def evaluate(
-        self, src: list[list[str]], tgt: list[list[str]], *, batch_size: int = 256
-    ) -> dict[str, float | None]:
-        """Greedy translations of token lists scored against references.
+    def predict(
+        self, src: list[list[str]], *, beam: int = 1, batch_size: int = 256
+    ) -> list[list[str]]:
+        """Output token lists for source token lists: batched greedy decoding for
+        ``beam == 1``, beam search one sentence at a time otherwise."""
+        if beam < 1:
+            raise ValueError(f"beam must be >= 1, got {beam}")
+        num_steps = self.settings.num_steps
+        bos, eos = self.tgt_vocab[BOS], self.tgt_vocab[EOS]
+        out_tokens: list[list[str]] = []
+        for start in range(0, len(src), batch_size):
+            X, valid = build_array(src[start : start + batch_size], self.src_vocab, num_steps)
+            X, valid = X.to(self.device), valid.to(self.device)
+            if beam == 1:
+                out, _ = greedy_decode(self.model, X, valid, bos_id=bos, eos_id=eos,
+                                       max_steps=num_steps)
+                out_tokens += [self.tgt_vocab.to_tokens(list(o)) for o in out]
+            else:
+                for i in range(len(X)):
+                    ids, _, _ = beam_search(self.model, X[i : i + 1], valid[i : i + 1],
+                                            bos_id=bos, eos_id=eos, max_steps=num_steps,
+                                            beam_size=beam)
+                    out_tokens.append(self.tgt_vocab.to_tokens(list(ids)))
+        return out_tokens
 
-        Returns ``bleu`` (d2l's per-sentence BLEU, k=2, averaged), ``sacrebleu`` (corpus
-        BLEU-4 on the tokenised text, 0-100; None without the optional sacreBLEU package),
-        ``exact_match`` (fraction) and ``n``.
+    def plain_text(self, tokens: Sequence[str]) -> str:
+        """Tokens as a person writes them (``"va!"``): what sacreBLEU scores."""
+        if self.settings.data == "dates":
+            return join_date_tokens(tokens)
+        return detokenize(tokens)
+
+    @torch.no_grad()
+    def evaluate(
+        self, src: list[list[str]], tgt: list[list[str]], *, beam: int = 1,
+        batch_size: int = 256,
+    ) -> dict[str, float | None]:
+        """Translations of token lists scored against references.
+
+        Returns ``bleu`` (d2l's per-sentence BLEU, k=2, averaged over the tokenised
+        text), ``sacrebleu`` (corpus BLEU-4 on detokenised text with sacreBLEU's
+        ``13a`` tokenizer, 0-100; None without the optional sacreBLEU package),
+        ``exact_match`` (fraction), ``n`` and ``beam`` (1: greedy).
         """
         if not src:
             raise ValueError("nothing to evaluate: the evaluation set is empty")
-        num_steps = self.settings.num_steps
-        bos, eos = self.tgt_vocab[BOS], self.tgt_vocab[EOS]
-        preds: list[str] = []
-        for start in range(0, len(src), batch_size):
-            X, valid = build_array(src[start : start + batch_size], self.src_vocab, num_steps)
-            out, _ = greedy_decode(self.model, X.to(self.device), valid.to(self.device),
-                                   bos_id=bos, eos_id=eos, max_steps=num_steps)
-            preds += [" ".join(self.tgt_vocab.to_tokens(list(o))) for o in out]
+        outputs = self.predict(src, beam=beam, batch_size=batch_size)
+        preds = [" ".join(o) for o in outputs]
         refs = [" ".join(t) for t in tgt]
+        sacre = None
+        if has_sacrebleu():
+            sacre = corpus_bleu([self.plain_text(o) for o in outputs],
+                                [self.plain_text(t) for t in tgt])
         return {
             "bleu": sum(bleu(p, r, k=2) for p, r in zip(preds, refs, strict=True)) / len(refs),
-            "sacrebleu": corpus_bleu(preds, refs) if has_sacrebleu() else None,
+            "sacrebleu": sacre,
             "exact_match": exact_match(preds, refs),
             "n": float(len(refs)),
+            "beam": float(beam),
         }
 
     def heatmap(self, translations: Sequence[Translation], path: str | Path) -> Path:
@@ -525,7 +710,9 @@ class Translator:
 # Training
 
 
-def translation_loss(bos_id: int) -> Callable[..., tuple[Tensor, Tensor]]:
+def translation_loss(
+    bos_id: int, label_smoothing: float = 0.0
+) -> Callable[..., tuple[Tensor, Tensor]]:
     """The trainer's loss for a translation batch ``(src, src_valid_len, tgt,
     tgt_valid_len)``: teacher forcing, then the summed masked cross-entropy and the number
     of target tokens (the trainer divides one by the other: a mean per valid token).
@@ -541,7 +728,8 @@ def translation_loss(bos_id: int) -> Callable[..., tuple[Tensor, Tensor]]:
         steps = max(int(tgt_valid_len.max()), 1) if tgt_valid_len.numel() else tgt.shape[1]
         tgt = tgt[:, :steps]
         logits = model(src, src_valid_len, teacher_forcing_input(tgt, bos_id))
-        return masked_cross_entropy(logits, tgt, tgt_valid_len)
+        return masked_cross_entropy(logits, tgt, tgt_valid_len,
+                                    label_smoothing=label_smoothing)
 
     return loss_fn
 
@@ -576,10 +764,12 @@ def train_translator(
         saved, src_vocab, tgt_vocab = None, None, None
         if resume:
             saved, _, src_vocab, tgt_vocab = _read_config(run_dir)
+        given = settings
         settings = pipeline.run_settings(settings, saved, run_dir)
 
-        data = prepare_data(settings, src_vocab, tgt_vocab)
+        settings, data = prepare_run_data(settings, src_vocab, tgt_vocab)
         settings = dataclasses.replace(settings, data_sha256=data.corpus_sha256)
+
         config = settings.model_config(data.src_vocab, data.tgt_vocab)
         n = config.num_parameters()
         pipeline.check_training_memory(  # before a byte of the model exists
@@ -592,7 +782,12 @@ def train_translator(
         log(f"{settings.model} translator: {num_parameters(model):,} trainable parameters; "
             f"{len(data.train[0]):,} training pairs, {len(data.valid[0]):,} held out; "
             f"vocabularies {len(data.src_vocab)} -> {len(data.tgt_vocab)}")
-        loss_fn = translation_loss(data.tgt_vocab[BOS])
+        if saved is None:
+            log(f"recipe {settings.recipe!r}; chosen for these pairs, each changed by its "
+                "flag:")
+            for line in settings.choices(given):
+                log(line)
+        loss_fn = translation_loss(data.tgt_vocab[BOS], settings.label_smoothing)
         if trace is not None and is_main_process():
             loss_fn = _traced_first_batch(model, loss_fn, trace)
 
@@ -602,8 +797,19 @@ def train_translator(
         held_src = [s for s, _ in data.valid_pairs[:1000]]
         held_tgt = [t for _, t in data.valid_pairs[:1000]]
 
-        def validate(_: torch.nn.Module) -> dict[str, float]:
-            return {"exact_match": translator.evaluate(held_src, held_tgt)["exact_match"]}
+        held_set = TensorDataset(*(x[:1000] for x in data.valid))
+        plain_loss = translation_loss(data.tgt_vocab[BOS])
+
+        def validate(module: torch.nn.Module) -> dict[str, float]:
+            # Held-out loss without label smoothing (what early stopping watches) and
+            # greedy exact match, on up to 1,000 held-out pairs.
+            device = next(module.parameters()).device
+            loss_sum, tokens = 0.0, 0
+            for batch in batch_loader(held_set, 256):
+                s, n = plain_loss(module, tuple(x.to(device) for x in batch))
+                loss_sum, tokens = loss_sum + float(s), tokens + int(n)
+            return {"loss": loss_sum / max(tokens, 1),
+                    "exact_match": translator.evaluate(held_src, held_tgt)["exact_match"]}
 
         module, history = pipeline.fit(
             model, loss_fn, TensorDataset(*data.train), settings, task=TASK, run_dir=run_dir,
@@ -611,6 +817,10 @@ def train_translator(
             sections={"model": model.config.to_dict(), "src_vocab": data.src_vocab.to_dict(),
                       "tgt_vocab": data.tgt_vocab.to_dict()},
             validate=validate if held_src else None,
+            schedule=LRSchedule(warmup_steps=settings.warmup_steps, decay=settings.decay),
+            early_stopping=EarlyStopping("valid_loss", patience=settings.patience)
+            if settings.patience and held_src else None,
+            accumulate=settings.accumulate, dtype=settings.dtype, compile=settings.compile,
         )
         model.trace = None
         translator.model = module.eval()
