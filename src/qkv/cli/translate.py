@@ -17,8 +17,7 @@ import torch
 
 from ..functional import BACKENDS
 from ..tasks.translate import PRESET_NAMES, TranslateSettings
-from ..training import DECAYS
-from ..training.trainer import DTYPES
+from ..training import DECAYS, DTYPES
 from .runs import check_resume_flags, given_settings, reporting_stops
 
 # TranslateSettings field -> the argparse destination of its flag.
@@ -228,10 +227,10 @@ def _report_training(translator, run_dir: Path, heatmap: Path) -> None:
         tgt = [t for _, t in translator.held_out]
         print()
         beam = translator.settings.beam or 1
-        _print_metrics("held-out", translator.evaluate(src, tgt, beam=beam))
+        outputs = translator.predict(src, beam=beam)
+        _print_metrics("held-out", translator.score(outputs, tgt, beam=beam))
         print("held-out examples:")
-        for s, o, r in zip(src[:5], translator.predict(src[:5], beam=beam), tgt[:5],
-                           strict=False):
+        for s, o, r in zip(src[:5], outputs[:5], tgt[:5], strict=False):
             print(f"  {' '.join(s)} => {' '.join(o)}   (reference: {' '.join(r)})")
     print(f"attention heatmap written to {heatmap}")
 

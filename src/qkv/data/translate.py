@@ -369,7 +369,7 @@ def build_array(
 # Dataset
 
 
-def _num_held_out(held_out: float | int, n: int) -> int:
+def num_held_out(held_out: float | int, n: int) -> int:
     """How many of `n` pairs go to the held-out split (`held_out`: a fraction or a count)."""
     if isinstance(held_out, bool) or not isinstance(held_out, (int, float)):
         raise TypeError(f"held_out must be a fraction (float) or a count (int), got {held_out!r}")
@@ -435,7 +435,7 @@ class TranslationData:
         n = len(src_tokens)
         if n == 0:
             raise ValueError("no sentence pairs to build a dataset from")
-        k = _num_held_out(held_out, n)
+        k = num_held_out(held_out, n)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
         valid_idx, train_idx = sorted(order[:k]), sorted(order[k:])
         train_pairs = [(src_tokens[i], tgt_tokens[i]) for i in train_idx]

@@ -65,6 +65,7 @@ from ..data.translate import (
     cached_fra_eng,
     detokenize,
     download_fra_eng,
+    num_held_out,
     preprocess,
     read_corpus,
     read_pairs,
@@ -83,6 +84,7 @@ from ..models import (
 from ..training import (
     BEST_DIR,
     DECAYS,
+    DTYPES,
     LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
     CheckpointError,
@@ -97,7 +99,6 @@ from ..training import (
     resolve_device,
 )
 from ..training.metrics import bleu, corpus_bleu, exact_match, has_sacrebleu
-from ..training.trainer import DTYPES
 from . import pipeline
 
 __all__ = [
@@ -271,8 +272,7 @@ class TranslateSettings:
             k = min(max(round(fraction * num_pairs), out.batch_size), most, num_pairs // 5)
             out.held_out = k if k > 0 or num_pairs < 2 else 1
         if out.epochs is None:
-            held = out.held_out if isinstance(out.held_out, int) else round(
-                out.held_out * num_pairs)
+            held = num_held_out(out.held_out, num_pairs)
             steps_per_epoch = -(-(num_pairs - held) // (out.batch_size * out.accumulate))
             lo, hi = CORPUS_EPOCHS
             out.epochs = min(max(-(-CORPUS_STEPS // max(steps_per_epoch, 1)), lo), hi)
@@ -310,8 +310,8 @@ class TranslateSettings:
             check_float("label_smoothing", self.label_smoothing, 0.0, 1.0, hi_open=True)
         if self.decay is not None or resolved:
             check_str("decay", self.decay, choices=DECAYS)
-            if self.decay == "inverse_sqrt" and self.warmup_steps == 0:
-                raise ValueError("decay 'inverse_sqrt' needs warmup_steps >= 1")
+            if self.warmup_steps is not None:
+                self.schedule()  # LRSchedule's own checks: inverse_sqrt needs a warm-up
         check_int("accumulate", self.accumulate, 1, MAX_COUNT)
         check_str("dtype", self.dtype, choices=DTYPES)
         check_bool("compile", self.compile)
@@ -327,6 +327,10 @@ class TranslateSettings:
             raise ValueError(f"extra must be an object, got {show(self.extra)}")
         if self.data_sha256 is not None:
             check_sha256("data_sha256", self.data_sha256)
+
+    def schedule(self) -> LRSchedule:
+        """The learning-rate schedule of these (resolved) settings."""
+        return LRSchedule(warmup_steps=self.warmup_steps, decay=self.decay)
 
     def model_config(self, src_vocab: Vocab, tgt_vocab: Vocab) -> Seq2SeqConfig:
         embed = self.num_hiddens if self.model == "transformer" else self.embed_size
@@ -673,7 +677,16 @@ class Translator:
         """
         if not src:
             raise ValueError("nothing to evaluate: the evaluation set is empty")
-        outputs = self.predict(src, beam=beam, batch_size=batch_size)
+        return self.score(self.predict(src, beam=beam, batch_size=batch_size), tgt,
+                          beam=beam)
+
+    def score(
+        self, outputs: list[list[str]], tgt: list[list[str]], *, beam: int = 1
+    ) -> dict[str, float | None]:
+        """:meth:`evaluate`'s scores of output token lists (from :meth:`predict`, decoded
+        with ``beam``) against reference token lists."""
+        if not outputs:
+            raise ValueError("nothing to score: there are no outputs")
         preds = [" ".join(o) for o in outputs]
         refs = [" ".join(t) for t in tgt]
         sacre = None
@@ -817,7 +830,7 @@ def train_translator(
             sections={"model": model.config.to_dict(), "src_vocab": data.src_vocab.to_dict(),
                       "tgt_vocab": data.tgt_vocab.to_dict()},
             validate=validate if held_src else None,
-            schedule=LRSchedule(warmup_steps=settings.warmup_steps, decay=settings.decay),
+            schedule=settings.schedule(),
             early_stopping=EarlyStopping("valid_loss", patience=settings.patience)
             if settings.patience and held_src else None,
             accumulate=settings.accumulate, dtype=settings.dtype, compile=settings.compile,

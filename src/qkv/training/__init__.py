@@ -48,6 +48,7 @@ from .rundir import (
 from .schedule import DECAYS, LRSchedule
 from .trainer import (
     BEST_DIR,
+    DTYPES,
     LOSS_PLOT,
     EarlyStopping,
     TrainConfig,
@@ -94,6 +95,7 @@ __all__ = [
     "DECAYS",
     "LRSchedule",
     "BEST_DIR",
+    "DTYPES",
     "LOSS_PLOT",
     "EarlyStopping",
     "TrainConfig",

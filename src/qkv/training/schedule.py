@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..checks import MAX_COUNT, check_float, check_int, show
+from ..checks import MAX_COUNT, check_float, check_int, check_str
 
 __all__ = ["DECAYS", "LRSchedule"]
 
@@ -44,8 +44,7 @@ class LRSchedule:
 
     def __post_init__(self) -> None:
         check_int("warmup_steps", self.warmup_steps, 0, MAX_COUNT)
-        if self.decay not in DECAYS:
-            raise ValueError(f"decay must be one of {DECAYS}, got {show(self.decay)}")
+        check_str("decay", self.decay, choices=DECAYS)
         if self.total_steps is not None:
             check_int("total_steps", self.total_steps, 1, MAX_COUNT)
         check_float("min_factor", self.min_factor, 0.0, 1.0)

@@ -68,7 +68,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from ..checks import MAX_COUNT, check_bool, check_float, check_int, show
+from ..checks import MAX_COUNT, check_bool, check_float, check_int, check_str, show
 from ..utils.figures import new_figure, save_figure
 from ..utils.testing import pause_point
 from .checkpoint import (
@@ -127,12 +127,9 @@ class EarlyStopping:
     def __post_init__(self) -> None:
         if not isinstance(self.metric, str) or not self.metric.startswith("valid_"):
             raise ValueError(f"early stopping metric must name a validation metric "
-                             f"('valid_...'), got {self.metric!r}")
-        if self.mode not in ("min", "max"):
-            raise ValueError(f"early stopping mode must be 'min' or 'max', got {self.mode!r}")
-        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or \
-                self.patience < 0:
-            raise ValueError(f"patience must be an int >= 0, got {self.patience!r}")
+                             f"('valid_...'), got {show(self.metric)}")
+        check_str("early stopping mode", self.mode, choices=("min", "max"))
+        check_int("patience", self.patience, 0, MAX_COUNT)
         check_float("min_delta", self.min_delta, 0.0)
 
     def improved(self, value: float, best: float | None) -> bool:
@@ -186,8 +183,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_int("accumulate", self.accumulate, 1, MAX_COUNT)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {show(self.dtype)}")
+        check_str("dtype", self.dtype, choices=DTYPES)
         check_bool("compile", self.compile)
         if self.epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {self.epochs}")
@@ -429,16 +425,17 @@ class Trainer:
         generator = torch.Generator().manual_seed(epoch_seed(cfg.seed, epoch))
         start = time.perf_counter()  # includes data loading, as the reference's timer does
         batches = self.data(generator)
-        if bar.total is None and hasattr(batches, "__len__"):
-            bar.reset(total=-(-len(batches) // cfg.accumulate) * (cfg.epochs - epoch))
+        # Optimizer steps per epoch (a short last group of micro-batches is a step too).
+        steps = -(-len(batches) // cfg.accumulate) if hasattr(batches, "__len__") else None
+        if bar.total is None and steps is not None:
+            bar.reset(total=steps * (cfg.epochs - epoch))
         if self.schedule is not None and self.schedule.needs_total and \
                 self.schedule.total_steps is None:
-            if not hasattr(batches, "__len__"):
+            if steps is None:
                 raise ValueError(f"decay {self.schedule.decay!r} needs the schedule's "
                                  "total_steps when the data has no len()")
-            steps_per_epoch = -(-len(batches) // cfg.accumulate)
             self.schedule = dataclasses.replace(self.schedule,
-                                                total_steps=steps_per_epoch * cfg.epochs)
+                                                total_steps=steps * cfg.epochs)
         # Accumulate on the device: reading the loss every step would force a sync.
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         token_total = torch.zeros((), dtype=torch.int64, device=self.device)
