@@ -3,6 +3,7 @@
 import dataclasses
 import hashlib
 import json
+import os
 import re
 
 import pytest
@@ -480,3 +481,21 @@ def test_bad_recipe_flags_are_one_line(capsys):
     one_line_error(capsys, ["translate", "train", "--patience", "-1"], r"patience must be")
     one_line_error(capsys, ["translate", "train", "--decay", "inverse_sqrt",
                             "--warmup-steps", "0"], r"inverse_sqrt' needs warmup_steps")
+
+
+def test_a_resumed_corpus_run_keeps_the_corpus_recipes_threads(tmp_path, capsys):
+    # --threads defaults by recipe; a resume names no --data, so the saved run decides.
+    corpus = tmp_path / "pairs.txt"
+    corpus.write_text(_many_pairs(300), encoding="utf-8")
+    run_dir = tmp_path / "run"
+    common = ["--no-progress", "--beam", "1", "--num-hiddens", "8", "--embed-size", "8"]
+    before = torch.get_num_threads()
+    try:
+        assert main(["translate", "train", "--data", str(corpus), "--run-dir", str(run_dir),
+                     "--epochs", "1", *common]) == 0
+        torch.set_num_threads(1)
+        assert main(["translate", "train", "--run-dir", str(run_dir), "--resume",
+                     "--epochs", "2", "--no-progress"]) == 0
+        assert torch.get_num_threads() == min(os.cpu_count() or 1, 8)
+    finally:
+        torch.set_num_threads(before)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -189,14 +190,14 @@ def run_train(args: argparse.Namespace) -> int:
     from ..training import is_main_process
 
     given = given_settings(args, SETTINGS_FLAGS)
+    run_dir = args.run_dir or Path("runs") / f"translate-{Path(args.data or 'dates').stem}"
     threads = args.threads
     if threads is None:
-        recipe = TranslateSettings(**given).recipe
+        recipe = _recipe(given, run_dir, args.resume)
         threads = 1 if recipe in ("d2l", "dates") else min(os.cpu_count() or 1, 8)
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
-    run_dir = args.run_dir or Path("runs") / f"translate-{Path(args.data or 'dates').stem}"
     if args.resume:
         check_resume_flags(run_dir, "translate", given, SETTINGS_FLAGS)
     settings = TranslateSettings(**given)
@@ -213,6 +214,19 @@ def run_train(args: argparse.Namespace) -> int:
         if is_main_process():
             _report_training(translator, run_dir, heatmap)
     return 0
+
+
+def _recipe(given: dict, run_dir: Path, resume: bool) -> str:
+    """The recipe of the run about to train: a resume's is the saved run's (its flags
+    name only what changes), a new run's follows from the flags."""
+    if resume:
+        from ..training import load_config
+
+        # An unreadable checkpoint is reported, in one line, by the training call itself.
+        with contextlib.suppress(ValueError, OSError, KeyError, TypeError):
+            saved = load_config(run_dir, task="translate")["settings"]
+            return TranslateSettings.from_dict(saved).recipe
+    return TranslateSettings(**given).recipe
 
 
 def _report_training(translator, run_dir: Path, heatmap: Path) -> None:
