@@ -499,3 +499,24 @@ def test_a_resumed_corpus_run_keeps_the_corpus_recipes_threads(tmp_path, capsys)
         assert torch.get_num_threads() == min(os.cpu_count() or 1, 8)
     finally:
         torch.set_num_threads(before)
+
+
+def test_validation_leaves_the_training_random_stream_alone(tmp_path, monkeypatch):
+    # Held-out loss and exact match after each epoch must not change what training draws
+    # (dropout masks, shuffles): a run with validation trains exactly as one without.
+    from qkv.tasks import pipeline
+
+    settings = TranslateSettings(num_examples=400, epochs=3, num_hiddens=16,
+                                 embed_size=16)
+    _, with_validation = train_translator(settings, tmp_path / "a", progress=False,
+                                          log=lambda s: None)
+    real_fit = pipeline.fit
+
+    def fit_without_validation(*args, **kwargs):
+        return real_fit(*args, **{**kwargs, "validate": None})
+
+    monkeypatch.setattr(pipeline, "fit", fit_without_validation)
+    _, without = train_translator(settings, tmp_path / "b", progress=False,
+                                  log=lambda s: None)
+    assert "valid_loss" in with_validation and "valid_loss" not in without
+    assert with_validation["loss"] == without["loss"]

@@ -818,7 +818,10 @@ def train_translator(
             # greedy exact match, on up to 1,000 held-out pairs.
             device = next(module.parameters()).device
             loss_sum, tokens = 0.0, 0
-            for batch in batch_loader(held_set, 256):
+            # A DataLoader draws a seed from the global RNG each time it is iterated,
+            # unless it has a generator of its own: validating must not change the
+            # dropout masks of the epochs that follow.
+            for batch in batch_loader(held_set, 256, generator=torch.Generator()):
                 s, n = plain_loss(module, tuple(x.to(device) for x in batch))
                 loss_sum, tokens = loss_sum + float(s), tokens + int(n)
             return {"loss": loss_sum / max(tokens, 1),
