@@ -687,3 +687,43 @@ def test_default_cache_dir_and_constants(monkeypatch, tmp_path):
 ])
 def test_detokenize_undoes_preprocess_split(text, expected):
     assert tr.detokenize(tr.preprocess(text).split()) == expected
+
+
+def test_held_out_by_source_keeps_every_translation_of_a_sentence_together():
+    from qkv.data.translate import held_out_indices
+
+    # 30 source sentences, sentence j given (j % 3) + 1 translations: 60 pairs.
+    src, tgt = [], []
+    for j in range(30):
+        for r in range(j % 3 + 1):
+            src.append(["s", str(j)])
+            tgt.append(["t", str(j), str(r)])
+    data = TranslationData.from_pairs(src, tgt, held_out=10, seed=3, split_by="source")
+    held = {tuple(s) for s, _ in data.valid_pairs}
+    trained = {tuple(s) for s, _ in data.train_pairs}
+    assert not held & trained
+    # whole sentences are drawn until at least 10 pairs are out: at most 2 more
+    assert 10 <= len(data.valid_pairs) <= 12
+    for s in held:  # every translation of a held-out sentence is held out
+        assert sum(tuple(p) == s for p, _ in data.valid_pairs) == int(s[1]) % 3 + 1
+    assert len(data.valid_pairs) + len(data.train_pairs) == 60
+    # deterministic under the seed, different under another
+    again = held_out_indices(src, 10, seed=3, by="source")
+    assert [src[i] for i in again] == [s for s, _ in data.valid_pairs]
+    assert held_out_indices(src, 10, seed=4, by="source") != again
+    # by pair: the plain random choice, which splits some sentence from a translation
+    by_pair = held_out_indices(src, 10, seed=3)
+    assert by_pair == sorted(torch.randperm(60, generator=torch.Generator().manual_seed(3))
+                             [:10].tolist())
+
+
+def test_held_out_by_source_never_takes_the_whole_corpus():
+    from qkv.data.translate import held_out_indices
+
+    # one sentence with five translations, one with one: holding out the big group would
+    # leave one training pair, which is allowed; both groups would leave none.
+    src = [["a"]] * 5 + [["b"]]
+    chosen = held_out_indices(src, 4, seed=0, by="source")
+    assert 0 < len(chosen) < 6
+    with pytest.raises(ValueError, match="split by must be one of pair, source"):
+        held_out_indices(src, 1, by="sentence")

@@ -126,3 +126,57 @@ def test_corpus_bleu_on_detokenized_text_gives_no_tokenization_warning(caplog):
     with caplog.at_level("WARNING"):
         corpus_bleu(lines, lines)
     assert "tokenized period" in caplog.text
+
+
+def _naive_multi_ref_bleu(preds, refs, max_n=4):
+    """Corpus BLEU-4 written out from its definition, in float64, on whitespace tokens:
+    each n-gram clipped by the most any one reference has, the brevity penalty on the
+    summed reference lengths closest to each prediction's (the shorter on a tie)."""
+    matches, totals = [0] * max_n, [0] * max_n
+    hyp_len = ref_len = 0
+    for pred, group in zip(preds, refs, strict=True):
+        p, rs = pred.split(), [r.split() for r in group]
+        hyp_len += len(p)
+        ref_len += min((abs(len(r) - len(p)), len(r)) for r in rs)[1]
+        for n in range(1, max_n + 1):
+            grams = [tuple(p[i:i + n]) for i in range(len(p) - n + 1)]
+            most = {}
+            for r in rs:
+                counts = {}
+                for g in (tuple(r[i:i + n]) for i in range(len(r) - n + 1)):
+                    counts[g] = counts.get(g, 0) + 1
+                for g, c in counts.items():
+                    most[g] = max(most.get(g, 0), c)
+            seen = {}
+            for g in grams:
+                seen[g] = seen.get(g, 0) + 1
+            matches[n - 1] += sum(min(c, most.get(g, 0)) for g, c in seen.items())
+            totals[n - 1] += len(grams)
+    precision = sum(math.log(m / t) for m, t in zip(matches, totals, strict=True)) / max_n
+    penalty = 1.0 if hyp_len > ref_len else math.exp(1 - ref_len / hyp_len)
+    return 100 * penalty * math.exp(precision)
+
+
+def test_corpus_bleu_with_several_references_per_prediction():
+    pytest.importorskip("sacrebleu")
+    preds = ["le chat dort sur le tapis rouge", "il fait beau aujourd'hui à paris",
+             "je ne sais pas quoi faire maintenant"]
+    refs = [["le chien dort sur le tapis", "le chat dort sur un tapis rouge"],
+            ["il fait beau aujourd'hui à paris"],
+            ["je ne sais pas quoi dire", "je sais pas quoi faire", "je ne sais plus quoi faire"]]
+    want = _naive_multi_ref_bleu(preds, refs)
+    assert corpus_bleu(preds, refs, tokenize="none") == pytest.approx(want, abs=1e-9)
+    # More references can only find more matches than the first alone.
+    first = corpus_bleu(preds, [group[0] for group in refs], tokenize="none")
+    assert first == pytest.approx(_naive_multi_ref_bleu(preds, [[g[0]] for g in refs]))
+    assert first < want
+    # A prediction equal to its second reference is a perfect translation.
+    assert corpus_bleu(["il fait très beau à paris ce matin"],
+                       [["il pleut", "il fait très beau à paris ce matin"]]) == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="references of prediction 1 must be"):
+        corpus_bleu(preds[:2], [["a"], []])
+
+
+def test_exact_match_with_several_references():
+    assert exact_match(["va !", "marche .", "x"],
+                       [["bouge !", "va !"], "marche .", ["y", "z"]]) == pytest.approx(2 / 3)

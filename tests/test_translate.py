@@ -449,10 +449,12 @@ def test_held_out_split_is_deterministic_and_disjoint(tmp_path):
     (500_000, 64, 5000),    # capped
 ])
 def test_held_out_count_by_corpus_size(n, batch, expected):
-    s = TranslateSettings(data="x.txt", batch_size=batch).resolved().for_corpus(n, 10)
-    assert s.held_out == expected
-    steps = -(-(n - expected) // batch)
-    assert s.epochs == min(max(-(-3000 // steps), 3), 100)
+    for model, budget in (("bahdanau", 1600), ("transformer", 2700)):
+        s = TranslateSettings(data="x.txt", model=model,
+                              batch_size=batch).resolved().for_corpus(n, 10)
+        assert s.held_out == expected
+        steps = -(-(n - expected) // batch)
+        assert s.epochs == min(max(-(-budget // steps), 3), 100)
 
 
 def test_presets_keep_the_books_recipe_for_fra_eng_and_dates():
@@ -520,3 +522,90 @@ def test_validation_leaves_the_training_random_stream_alone(tmp_path, monkeypatc
                                   log=lambda s: None)
     assert "valid_loss" in with_validation and "valid_loss" not in without
     assert with_validation["loss"] == without["loss"]
+
+
+def test_group_references_collects_every_translation_of_a_sentence():
+    from qkv.tasks.translate import group_references
+
+    src = [["go", "."], ["hi", "."], ["go", "."], ["run", "!"], ["go", "."]]
+    tgt = [["va", "!"], ["salut", "."], ["marche", "."], ["cours", "!"], ["bouge", "!"]]
+    sources, refs = group_references(src, tgt)
+    assert sources == [["go", "."], ["hi", "."], ["run", "!"]]
+    assert refs == [[["va", "!"], ["marche", "."], ["bouge", "!"]], [["salut", "."]],
+                    [["cours", "!"]]]
+    with pytest.raises(ValueError, match="2 source and 1 target"):
+        group_references(src[:2], tgt[:1])
+
+
+def test_transformer_loss_is_the_same_with_the_source_padding_trimmed():
+    from qkv.models import Seq2SeqConfig, build_model
+    from qkv.tasks.translate import translation_loss
+
+    torch.manual_seed(0)
+    config = Seq2SeqConfig(model="transformer", src_vocab_size=30, tgt_vocab_size=40, embed_size=16,
+                           num_hiddens=16, num_layers=2, num_heads=4, ffn_num_hiddens=32,
+                           dropout=0.0)
+    model = build_model(config).eval()
+    src = torch.randint(3, 30, (6, 12))
+    src_len = torch.tensor([3, 5, 2, 4, 5, 1])  # everything past 5 is padding
+    src[:, 5:] = 1
+    tgt = torch.randint(3, 40, (6, 12))
+    tgt_len = torch.tensor([4, 7, 2, 3, 6, 5])
+    batch = (src, src_len, tgt, tgt_len)
+    full, n_full = translation_loss(2, 0.1)(model, batch)
+    trimmed, n_trimmed = translation_loss(2, 0.1, trim_source=True)(model, batch)
+    assert n_full == n_trimmed == int(tgt_len.sum())
+    torch.testing.assert_close(trimmed, full, rtol=1e-6, atol=1e-6)
+    seen = []
+    model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    translation_loss(2, trim_source=True)(model, batch)
+    assert seen == [5]
+
+
+def test_a_file_with_several_translations_per_sentence_is_split_and_scored_by_sentence(
+        tmp_path, capsys):
+    # 100 sentences, each with 1 to 3 translations: held-out sentences are never trained
+    # on under another translation, and each is scored once against all of its own.
+    lines = []
+    for i in range(100):
+        for word in ("vois", "regarde", "aperçois")[: i % 3 + 1]:
+            lines.append(f"I see {i}.\tJe {word} {i}.")
+    corpus = tmp_path / "pairs.txt"
+    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    run_dir = tmp_path / "run"
+    assert main(["translate", "train", "--data", str(corpus), "--run-dir", str(run_dir),
+                 "--num-hiddens", "8", "--embed-size", "8", "--epochs", "1", "--beam", "1",
+                 "--batch-size", "16", "--no-progress", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "  split_by source  (--split-by)" in out
+    m = re.search(r"held-out \((\d+) sentences, (\d+) references, greedy\)", out)
+    assert m, out
+    sentences, references = int(m[1]), int(m[2])
+    assert references >= 16 > sentences  # at least one batch of pairs held out
+    assert re.search(r"\(reference: je \w+ \d+ \. and [12] more\)", out), out
+    # the run's saved settings give back the same split: those sentences, with all of
+    # their translations, and none of them trained on
+    from qkv.tasks.translate import prepare_run_data
+
+    translator = Translator.load(run_dir)
+    _, data = prepare_run_data(translator.settings, translator.src_vocab,
+                               translator.tgt_vocab)
+    held = {tuple(s) for s, _ in data.valid_pairs}
+    assert len(held) == sentences and len(data.valid_pairs) == references
+    assert not held & {tuple(s) for s, _ in data.train_pairs}
+    for s in held:
+        i = int(s[2])
+        assert sum(tuple(p) == s for p, _ in data.valid_pairs) == i % 3 + 1
+    # --split-by pair is the plain random split, and runs saved before it load as that
+    capsys.readouterr()
+    assert main(["translate", "train", "--data", str(corpus), "--run-dir", str(run_dir),
+                 "--overwrite", "--split-by", "pair", "--num-hiddens", "8", "--embed-size",
+                 "8", "--epochs", "1", "--beam", "1", "--batch-size", "16", "--no-progress",
+                 "--threads", "1"]) == 0
+    assert Translator.load(run_dir).settings.split_by == "pair"
+    saved = dataclasses.asdict(TranslateSettings(data="x.txt").resolved()
+                               .for_corpus(200, 5))
+    del saved["split_by"]
+    assert TranslateSettings.from_dict(saved).split_by == "pair"
+    assert TranslateSettings(data="x.txt").resolved().split_by == "source"
+    assert TranslateSettings(data="fra-eng").resolved().split_by == "pair"

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from ..data.translate import SPLIT_BY
 from ..functional import BACKENDS
-from ..tasks.translate import PRESET_NAMES, TranslateSettings
+from ..tasks.translate import PRESET_NAMES, TranslateSettings, group_references
 from ..training import DECAYS, DTYPES
 from .runs import check_resume_flags, given_settings, reporting_stops
 
@@ -27,6 +28,7 @@ SETTINGS_FLAGS = {name: name for name in (
     "num_hiddens", "num_layers", "dropout", "num_heads", "ffn_num_hiddens", "batch_size",
     "lr", "epochs", "clip_norm", "seed", "device", "backend", "preset", "warmup_steps",
     "decay", "label_smoothing", "patience", "beam", "accumulate", "dtype", "compile",
+    "split_by",
 )}
 
 # What --backend changes: the computation, never the weights, so any checkpoint runs
@@ -80,6 +82,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="held out for evaluation: a fraction (0.1) or a count of pairs "
                             "(default: 0.1 dates, 0 fra-eng, 5%% of a file, at least one "
                             "batch, at most 5000)")
+    train.add_argument("--split-by", choices=SPLIT_BY, default=None,
+                       help="hold out random pairs, or random source sentences with all "
+                            "their translations, so no held-out sentence is trained on "
+                            "(default: source for a file, pair otherwise)")
     train.add_argument("--preset", choices=PRESET_NAMES, default=None,
                        help="a known recipe: 'd2l' (the book's, for 600 pairs), 'dates', or "
                             "'corpus' (for your own pairs: sizes, schedule, smoothing, early "
@@ -180,7 +186,9 @@ def _print_metrics(label: str, metrics: dict[str, float | None]) -> None:
                   else f"{sacre:.1f} (13a, detokenized)")
     beam = int(metrics.get("beam") or 1)
     how = "greedy" if beam == 1 else f"beam {beam}"
-    print(f"{label} ({int(metrics['n'])} pairs, {how}): exact match "
+    n, pairs = int(metrics["n"]), int(metrics.get("references") or metrics["n"])
+    cases = f"{n} pairs" if n == pairs else f"{n} sentences, {pairs} references"
+    print(f"{label} ({cases}, {how}): exact match "
           f"{metrics['exact_match']:.1%}, BLEU (d2l, k=2) {metrics['bleu']:.3f}, "
           f"sacreBLEU {sacre_text}")
 
@@ -237,15 +245,16 @@ def _report_training(translator, run_dir: Path, heatmap: Path) -> None:
     _print_translations(translations)
     translator.heatmap(translations[:4], heatmap)
     if translator.held_out:
-        src = [s for s, _ in translator.held_out]
-        tgt = [t for _, t in translator.held_out]
+        src, refs = group_references([s for s, _ in translator.held_out],
+                                     [t for _, t in translator.held_out])
         print()
         beam = translator.settings.beam or 1
         outputs = translator.predict(src, beam=beam)
-        _print_metrics("held-out", translator.score(outputs, tgt, beam=beam))
+        _print_metrics("held-out", translator.score(outputs, refs, beam=beam))
         print("held-out examples:")
-        for s, o, r in zip(src[:5], outputs[:5], tgt[:5], strict=False):
-            print(f"  {' '.join(s)} => {' '.join(o)}   (reference: {' '.join(r)})")
+        for s, o, r in zip(src[:5], outputs[:5], refs[:5], strict=False):
+            others = f" and {len(r) - 1} more" if len(r) > 1 else ""
+            print(f"  {' '.join(s)} => {' '.join(o)}   (reference: {' '.join(r[0])}{others})")
     print(f"attention heatmap written to {heatmap}")
 
 

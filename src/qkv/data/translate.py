@@ -108,6 +108,10 @@ def read_pairs(text: str, num_examples: int | None = None) -> tuple[TokenLines, 
         raise ValueError(f"num_examples must be >= 0 or None, got {num_examples}")
     source: TokenLines = []
     target: TokenLines = []
+    # One string object per distinct token rather than per occurrence: a corpus of 200k
+    # pairs repeats its few thousand words millions of times, and each copy costs ~50
+    # bytes where a shared one costs a pointer.
+    shared: dict[str, str] = {}
     for line in text.split("\n"):
         # Stop *before* reading pair num_examples + 1 (the reference's loop read one extra).
         if num_examples is not None and len(source) >= num_examples:
@@ -115,8 +119,8 @@ def read_pairs(text: str, num_examples: int | None = None) -> tuple[TokenLines, 
         parts = line.rstrip("\r").split("\t")
         if len(parts) < 2:
             continue
-        src = [tok for tok in parts[0].split(" ") if tok]
-        tgt = [tok for tok in parts[1].split(" ") if tok]
+        src = [shared.setdefault(tok, tok) for tok in parts[0].split(" ") if tok]
+        tgt = [shared.setdefault(tok, tok) for tok in parts[1].split(" ") if tok]
         if src and tgt:
             source.append(src)
             target.append(tgt)
@@ -384,6 +388,42 @@ def num_held_out(held_out: float | int, n: int) -> int:
     return k
 
 
+SPLIT_BY = ("pair", "source")
+
+
+def held_out_indices(
+    src_tokens: Sequence[Sequence[str]], held_out: float | int, *, seed: int = 0,
+    by: str = "pair",
+) -> list[int]:
+    """The sorted indices of the pairs to hold out: a random choice under ``seed``.
+
+    ``held_out`` is a fraction or a count of pairs (see :func:`num_held_out`).
+    ``by="pair"`` draws pairs; ``by="source"`` draws distinct source sentences and holds
+    out every pair of each one drawn, until at least that many pairs are held out, so
+    that no held-out sentence is ever seen in training with another translation
+    (corpora such as Tatoeba give one sentence several). The training split keeps at
+    least one pair.
+    """
+    if by not in SPLIT_BY:
+        raise ValueError(f"split by must be one of {', '.join(SPLIT_BY)}; got {by!r}")
+    n = len(src_tokens)
+    k = num_held_out(held_out, n)
+    generator = torch.Generator().manual_seed(seed)
+    if by == "pair":
+        return sorted(torch.randperm(n, generator=generator)[:k].tolist())
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, tokens in enumerate(src_tokens):
+        groups.setdefault(tuple(tokens), []).append(i)
+    members = list(groups.values())
+    chosen: list[int] = []
+    for g in torch.randperm(len(members), generator=generator).tolist():
+        if len(chosen) >= k:
+            break
+        if len(chosen) + len(members[g]) < n:  # never the whole corpus
+            chosen += members[g]
+    return sorted(chosen)
+
+
 @dataclass
 class TranslationData:
     """Both vocabularies and the tensors of a train and a held-out split.
@@ -415,6 +455,7 @@ class TranslationData:
         min_freq: int = 2,
         held_out: float | int = 0.0,
         seed: int = 0,
+        split_by: str = "pair",
         src_vocab: Vocab | None = None,
         tgt_vocab: Vocab | None = None,
     ) -> TranslationData:
@@ -427,6 +468,8 @@ class TranslationData:
             held_out: fraction in [0, 1) or number of pairs to hold out for validation.
             seed: the held-out pairs are a random subset chosen under this seed; both splits
                 keep the corpus order, so held_out=0 gives the corpus in its original order.
+            split_by: ``"pair"`` or ``"source"``: hold out whole source sentences, every
+                translation of each (see :func:`held_out_indices`).
             src_vocab, tgt_vocab: reuse these (e.g. from a checkpoint) instead of building new
                 ones; they must contain `<pad>` and `<eos>`.
         """
@@ -435,9 +478,9 @@ class TranslationData:
         n = len(src_tokens)
         if n == 0:
             raise ValueError("no sentence pairs to build a dataset from")
-        k = num_held_out(held_out, n)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-        valid_idx, train_idx = sorted(order[:k]), sorted(order[k:])
+        valid_idx = held_out_indices(src_tokens, held_out, seed=seed, by=split_by)
+        held = set(valid_idx)
+        train_idx = [i for i in range(n) if i not in held]
         train_pairs = [(src_tokens[i], tgt_tokens[i]) for i in train_idx]
         valid_pairs = [(src_tokens[i], tgt_tokens[i]) for i in valid_idx]
         # Vocabularies see the training split only, so held-out scores are honest about

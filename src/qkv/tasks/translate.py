@@ -59,6 +59,7 @@ from ..data.translate import (
     BOS,
     EOS,
     PAD,
+    SPLIT_BY,
     TranslationData,
     Vocab,
     build_array,
@@ -105,6 +106,7 @@ __all__ = [
     "TranslateSettings",
     "Translation",
     "Translator",
+    "group_references",
     "load_pairs",
     "prepare_data",
     "train_translator",
@@ -121,7 +123,7 @@ ATTENTION_PLOT = "attention.png"
 _D2L = {"num_examples": 600, "num_steps": 10, "epochs": 250, "held_out": 0.0, "lr": 0.005,
         "embed_size": 32, "num_hiddens": 32, "num_layers": 2, "dropout": 0.1, "num_heads": 4,
         "ffn_num_hiddens": 64, "batch_size": 64, "warmup_steps": 0, "decay": "constant",
-        "label_smoothing": 0.0, "patience": 0, "beam": 1}
+        "label_smoothing": 0.0, "patience": 0, "beam": 1, "split_by": "pair"}
 # Named recipes (--preset). "d2l" and "dates" are fixed; "corpus" is for a user's own
 # sentence pairs: every pair read, 5 % held out, a wider model, warm-up + cosine decay,
 # label smoothing, early stopping on the held-out loss and beam search in the final
@@ -143,10 +145,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 PRESET_NAMES = tuple(PRESETS)
-# The corpus recipe's training length: about this many optimizer steps (epochs are
-# rounded up), between these bounds. At its model sizes on 2 CPU cores this is about
-# ten minutes for an 18k-pair corpus; see docs/benchmarks.md.
-CORPUS_STEPS = 3_000
+# The corpus recipe's training length: about this many optimizer steps per model
+# (epochs are rounded up), between these bounds. At its model sizes on 2 CPU cores
+# either takes under ten minutes on an 18k-pair corpus; see docs/benchmarks.md.
+CORPUS_STEPS = {"transformer": 2_700, "bahdanau": 1_600}
 CORPUS_EPOCHS = (3, 100)
 # The corpus recipe's held-out split: 5 % of the pairs, at least one batch, at most 5,000.
 CORPUS_HELD_OUT = (0.05, 5_000)
@@ -178,6 +180,9 @@ class TranslateSettings:
     num_steps: int | None = None
     # A fraction in [0, 1), or (the corpus recipe's choice) a count of pairs.
     held_out: float | int | None = None
+    # "pair": hold out random pairs; "source" (the corpus recipe's): random source
+    # sentences with every one of their translations (see data.translate.held_out_indices).
+    split_by: str | None = None
     min_freq: int = 2
     embed_size: int | None = None
     num_hiddens: int | None = None
@@ -232,7 +237,7 @@ class TranslateSettings:
         defaults = PRESETS[self.recipe]
         if self.recipe == "corpus":
             defaults = {**_D2L, "num_examples": None, "num_steps": None, "held_out": None,
-                        "epochs": None, **defaults[self.model]}
+                        "epochs": None, "split_by": "source", **defaults[self.model]}
         values = {k: (defaults[k] if v is None and k in defaults else v)
                   for k, v in dataclasses.asdict(self).items()}
         out = TranslateSettings(**values)
@@ -262,7 +267,7 @@ class TranslateSettings:
         """The corpus recipe's choices that depend on the corpus, made once it is read:
         ``num_steps`` fits the longest sentence (``longest`` tokens, plus ``<eos>``),
         ``held_out`` is a count (5 %, at least one batch, at most 5,000, at most a fifth
-        of the pairs) and ``epochs`` gives about ``CORPUS_STEPS`` optimizer steps.
+        of the pairs) and ``epochs`` gives about ``CORPUS_STEPS[model]`` optimizer steps.
         Settings that are already set are kept; the result is validated."""
         out = dataclasses.replace(self)
         if out.num_steps is None:
@@ -275,7 +280,8 @@ class TranslateSettings:
             held = num_held_out(out.held_out, num_pairs)
             steps_per_epoch = -(-(num_pairs - held) // (out.batch_size * out.accumulate))
             lo, hi = CORPUS_EPOCHS
-            out.epochs = min(max(-(-CORPUS_STEPS // max(steps_per_epoch, 1)), lo), hi)
+            budget = CORPUS_STEPS[out.model]
+            out.epochs = min(max(-(-budget // max(steps_per_epoch, 1)), lo), hi)
         out.validate(resolved=True)
         return out
 
@@ -298,6 +304,8 @@ class TranslateSettings:
             check_int("held_out", self.held_out, 0, MAX_NUM_EXAMPLES)
         elif self.held_out is not None or resolved:
             check_float("held_out", self.held_out, 0.0, 1.0, hi_open=True)
+        if self.split_by is not None or resolved:
+            check_str("split_by", self.split_by, choices=SPLIT_BY)
         check_int("min_freq", self.min_freq, 1, MAX_COUNT)
         for name in ("embed_size", "num_hiddens", "num_layers", "num_heads",
                      "ffn_num_hiddens", "batch_size", "warmup_steps", "patience", "beam"):
@@ -358,6 +366,7 @@ class TranslateSettings:
         if "preset" not in d:
             old = "dates" if d.get("data") == "dates" else "d2l"
             d = {**{k: v for k, v in PRESETS[old].items() if k not in d}, **d, "preset": old}
+        d.setdefault("split_by", "pair")  # what every run saved before it existed did
         settings = cls(**d)
         settings.validate(resolved=True)
         return settings
@@ -453,11 +462,29 @@ def prepare_run_data(
         min_freq=settings.min_freq,
         held_out=settings.held_out,
         seed=settings.seed,
+        split_by=settings.split_by,
         src_vocab=src_vocab,
         tgt_vocab=tgt_vocab,
     )
     data.corpus_sha256 = digest
     return settings, data
+
+
+def group_references(
+    src: Sequence[list[str]], tgt: Sequence[list[str]]
+) -> tuple[list[list[str]], list[list[list[str]]]]:
+    """The distinct source sentences of the pairs ``(src[i], tgt[i])``, in the order they
+    first appear, and the list of every target each one has: its references.
+
+    Tatoeba, like many corpora, gives one sentence several translations ("go ." ->
+    "va !", "marche .", "bouge !"); a translation is right if it matches any of them.
+    """
+    if len(src) != len(tgt):
+        raise ValueError(f"got {len(src)} source and {len(tgt)} target sentences")
+    refs: dict[tuple[str, ...], list[list[str]]] = {}
+    for s, t in zip(src, tgt, strict=True):
+        refs.setdefault(tuple(s), []).append(list(t))
+    return [list(s) for s in refs], list(refs.values())
 
 
 def _model_name(config: Seq2SeqConfig, num_params: int) -> str:
@@ -670,34 +697,48 @@ class Translator:
     ) -> dict[str, float | None]:
         """Translations of token lists scored against references.
 
-        Returns ``bleu`` (d2l's per-sentence BLEU, k=2, averaged over the tokenised
-        text), ``sacrebleu`` (corpus BLEU-4 on detokenised text with sacreBLEU's
-        ``13a`` tokenizer, 0-100; None without the optional sacreBLEU package),
-        ``exact_match`` (fraction), ``n`` and ``beam`` (1: greedy).
+        Pairs that share a source sentence (``src[i] == src[j]``) are one test case:
+        the sentence is translated once and scored against all of its references (see
+        :func:`group_references`); each other sentence has its one reference.
+
+        Returns ``bleu`` (d2l's sentence BLEU, k=2, against the best-matching
+        reference, averaged over the sentences), ``sacrebleu`` (corpus BLEU-4 on
+        detokenised text with sacreBLEU's ``13a`` tokenizer and every reference, 0-100;
+        None without the optional sacreBLEU package), ``exact_match`` (the fraction
+        equal to one of their references), ``n`` (distinct source sentences),
+        ``references`` (pairs) and ``beam`` (1: greedy).
         """
         if not src:
             raise ValueError("nothing to evaluate: the evaluation set is empty")
-        return self.score(self.predict(src, beam=beam, batch_size=batch_size), tgt,
+        sources, refs = group_references(src, tgt)
+        return self.score(self.predict(sources, beam=beam, batch_size=batch_size), refs,
                           beam=beam)
 
     def score(
-        self, outputs: list[list[str]], tgt: list[list[str]], *, beam: int = 1
+        self, outputs: list[list[str]], refs: list[list[list[str]]], *, beam: int = 1
     ) -> dict[str, float | None]:
         """:meth:`evaluate`'s scores of output token lists (from :meth:`predict`, decoded
-        with ``beam``) against reference token lists."""
+        with ``beam``) against ``refs[i]``, the list of reference token lists of
+        ``outputs[i]``."""
         if not outputs:
             raise ValueError("nothing to score: there are no outputs")
+        if len(outputs) != len(refs) or not all(refs):
+            raise ValueError(f"need a non-empty list of references for each of the "
+                             f"{len(outputs)} outputs, got {len(refs)} lists")
         preds = [" ".join(o) for o in outputs]
-        refs = [" ".join(t) for t in tgt]
+        joined = [[" ".join(t) for t in group] for group in refs]
         sacre = None
         if has_sacrebleu():
             sacre = corpus_bleu([self.plain_text(o) for o in outputs],
-                                [self.plain_text(t) for t in tgt])
+                                [[self.plain_text(t) for t in group] for group in refs])
+        d2l_bleu = sum(max(bleu(p, r, k=2) for r in group)
+                       for p, group in zip(preds, joined, strict=True))
         return {
-            "bleu": sum(bleu(p, r, k=2) for p, r in zip(preds, refs, strict=True)) / len(refs),
+            "bleu": d2l_bleu / len(preds),
             "sacrebleu": sacre,
-            "exact_match": exact_match(preds, refs),
-            "n": float(len(refs)),
+            "exact_match": exact_match(preds, joined),
+            "n": float(len(preds)),
+            "references": float(sum(len(group) for group in refs)),
             "beam": float(beam),
         }
 
@@ -724,7 +765,7 @@ class Translator:
 
 
 def translation_loss(
-    bos_id: int, label_smoothing: float = 0.0
+    bos_id: int, label_smoothing: float = 0.0, *, trim_source: bool = False
 ) -> Callable[..., tuple[Tensor, Tensor]]:
     """The trainer's loss for a translation batch ``(src, src_valid_len, tgt,
     tgt_valid_len)``: teacher forcing, then the summed masked cross-entropy and the number
@@ -734,12 +775,19 @@ def translation_loss(
     add nothing to the loss or its gradients, and a decoder step never depends on later
     ones, so the model is run only up to that length (the batch keeps its ``num_steps``
     padding; the loss is the same to the last bit of what the model computes).
+
+    ``trim_source`` does the same to the source, for an encoder that masks padded
+    positions out (the Transformer's): nothing it gives the decoder depends on them,
+    so the loss is the same up to rounding. Not for the GRU encoder, which reads its
+    padding: its final state, the decoder's first, depends on how much there is.
     """
 
     def loss_fn(model: torch.nn.Module, batch: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
         src, src_valid_len, tgt, tgt_valid_len = batch
         steps = max(int(tgt_valid_len.max()), 1) if tgt_valid_len.numel() else tgt.shape[1]
         tgt = tgt[:, :steps]
+        if trim_source and src_valid_len.numel():
+            src = src[:, : max(int(src_valid_len.max()), 1)]
         logits = model(src, src_valid_len, teacher_forcing_input(tgt, bos_id))
         return masked_cross_entropy(logits, tgt, tgt_valid_len,
                                     label_smoothing=label_smoothing)
@@ -800,22 +848,27 @@ def train_translator(
                 "flag:")
             for line in settings.choices(given):
                 log(line)
-        loss_fn = translation_loss(data.tgt_vocab[BOS], settings.label_smoothing)
+        # The Transformer's encoder masks padding: its batches need none past their
+        # longest source sentence.
+        trim = settings.model == "transformer"
+        loss_fn = translation_loss(data.tgt_vocab[BOS], settings.label_smoothing,
+                                   trim_source=trim)
         if trace is not None and is_main_process():
             loss_fn = _traced_first_batch(model, loss_fn, trace)
 
         translator = Translator(model, data.src_vocab, data.tgt_vocab, settings)
         translator.held_out = data.valid_pairs
-        # Exact match on (up to 1,000 of) the held-out pairs after every epoch.
-        held_src = [s for s, _ in data.valid_pairs[:1000]]
-        held_tgt = [t for _, t in data.valid_pairs[:1000]]
+        # Exact match on (the sentences of up to 1,000 of) the held-out pairs after
+        # every epoch.
+        held_src, held_refs = group_references([s for s, _ in data.valid_pairs[:1000]],
+                                               [t for _, t in data.valid_pairs[:1000]])
 
         held_set = TensorDataset(*(x[:1000] for x in data.valid))
-        plain_loss = translation_loss(data.tgt_vocab[BOS])
+        plain_loss = translation_loss(data.tgt_vocab[BOS], trim_source=trim)
 
         def validate(module: torch.nn.Module) -> dict[str, float]:
-            # Held-out loss without label smoothing (what early stopping watches) and
-            # greedy exact match, on up to 1,000 held-out pairs.
+            # Held-out loss without label smoothing (what early stopping watches), and
+            # greedy exact match and sacreBLEU, on up to 1,000 held-out pairs.
             device = next(module.parameters()).device
             loss_sum, tokens = 0.0, 0
             # A DataLoader draws a seed from the global RNG each time it is iterated,
@@ -824,8 +877,11 @@ def train_translator(
             for batch in batch_loader(held_set, 256, generator=torch.Generator()):
                 s, n = plain_loss(module, tuple(x.to(device) for x in batch))
                 loss_sum, tokens = loss_sum + float(s), tokens + int(n)
-            return {"loss": loss_sum / max(tokens, 1),
-                    "exact_match": translator.evaluate(held_src, held_tgt)["exact_match"]}
+            scores = translator.score(translator.predict(held_src), held_refs)
+            record = {"loss": loss_sum / max(tokens, 1), "exact_match": scores["exact_match"]}
+            if scores["sacrebleu"] is not None:
+                record["sacrebleu"] = scores["sacrebleu"]  # greedy: a trend, not the report
+            return record
 
         module, history = pipeline.fit(
             model, loss_fn, TensorDataset(*data.train), settings, task=TASK, run_dir=run_dir,

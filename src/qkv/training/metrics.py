@@ -10,7 +10,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-__all__ = ["bleu", "corpus_bleu", "exact_match", "has_sacrebleu"]
+__all__ = ["References", "bleu", "corpus_bleu", "exact_match", "has_sacrebleu", "reference_sets"]
 
 
 def _ngrams(tokens: list[str], n: int) -> Counter[tuple[str, ...]]:
@@ -58,9 +58,25 @@ def has_sacrebleu() -> bool:
 
 SACREBLEU_TOKENIZER = "13a"
 
+# One reference per prediction, or a non-empty list of them (several valid translations).
+References = Sequence[str] | Sequence[Sequence[str]]
+
+
+def reference_sets(preds: Sequence[str], refs: References) -> list[list[str]]:
+    """Each prediction's references as a list: ``refs[i]`` is one string or a non-empty
+    sequence of strings."""
+    if len(preds) != len(refs):
+        raise ValueError(f"got {len(preds)} predictions but {len(refs)} references")
+    sets = [[r] if isinstance(r, str) else list(r) for r in refs]
+    for i, group in enumerate(sets):
+        if not group or not all(isinstance(r, str) for r in group):
+            raise ValueError(f"references of prediction {i} must be a string or a non-empty "
+                             f"list of strings, got {refs[i]!r}")
+    return sets
+
 
 def corpus_bleu(
-    preds: Sequence[str], refs: Sequence[str], *, tokenize: str = SACREBLEU_TOKENIZER
+    preds: Sequence[str], refs: References, *, tokenize: str = SACREBLEU_TOKENIZER
 ) -> float:
     """Standard corpus-level BLEU-4 from sacreBLEU, on its 0-100 scale.
 
@@ -72,10 +88,14 @@ def corpus_bleu(
     the pipeline's ``"va !"``; see :func:`qkv.data.translate.detokenize`), which
     sacreBLEU's own tokenizer, ``"13a"`` by default, splits the same way for every
     system: that is what makes the score comparable with other tools'. ``tokenize="none"``
-    scores space-separated tokens as given. One reference per prediction.
+    scores space-separated tokens as given.
+
+    ``refs[i]`` is the reference of ``preds[i]``, or a list of its references: an n-gram
+    then matches if any reference has it (clipped by the most any one has), and the
+    brevity penalty uses the reference length closest to the prediction's, as BLEU
+    defines for several references.
     """
-    if len(preds) != len(refs):
-        raise ValueError(f"got {len(preds)} predictions but {len(refs)} references")
+    sets = reference_sets(preds, refs)
     if not preds:
         raise ValueError("corpus_bleu needs at least one prediction")
     try:
@@ -84,13 +104,18 @@ def corpus_bleu(
         raise ImportError(
             "corpus_bleu needs sacrebleu: pip install 'qkv[bleu]'"
         ) from None
-    return float(sacrebleu.corpus_bleu(list(preds), [list(refs)], tokenize=tokenize).score)
+    # sacreBLEU takes reference *streams*; a prediction with fewer references than the
+    # most has None in the streams it lacks, which sacreBLEU skips.
+    streams = [[group[j] if j < len(group) else None for group in sets]
+               for j in range(max(len(group) for group in sets))]
+    return float(sacrebleu.corpus_bleu(list(preds), streams, tokenize=tokenize).score)
 
 
-def exact_match(preds: Sequence[str], refs: Sequence[str]) -> float:
-    """Fraction of predictions whose token sequence equals the reference's (whitespace-split)."""
-    if len(preds) != len(refs):
-        raise ValueError(f"got {len(preds)} predictions but {len(refs)} references")
+def exact_match(preds: Sequence[str], refs: References) -> float:
+    """Fraction of predictions whose token sequence (whitespace-split) equals the
+    reference's, or any of them when ``refs[i]`` is a list."""
+    sets = reference_sets(preds, refs)
     if not preds:
         raise ValueError("exact_match needs at least one prediction")
-    return sum(p.split() == r.split() for p, r in zip(preds, refs, strict=True)) / len(preds)
+    return sum(any(p.split() == r.split() for r in group)
+               for p, group in zip(preds, sets, strict=True)) / len(preds)
