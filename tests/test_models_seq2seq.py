@@ -775,3 +775,103 @@ def test_config_backend_reaches_the_modules_and_old_configs_load():
     saved = small_config("bahdanau").to_dict()
     del saved["backend"]  # a config saved before the field existed
     assert Seq2SeqConfig.from_dict(saved).backend == "fused"
+
+
+# ----------------------------------------------------------------------------
+# skip_padding: the GRU encoder's final state after each sentence's last real token
+
+
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_gru_final_states_at_each_rows_length_equal_nn_gru_on_the_unpadded_rows(num_layers):
+    from qkv.models.bahdanau_kernels import gru
+
+    torch.manual_seed(num_layers)
+    rnn = nn.GRU(4, 6, num_layers).double()
+    lengths = torch.tensor([5, 2, 1, 4])
+    x = torch.randn(5, 4, 4, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(num_layers, 4, 6, dtype=torch.float64, requires_grad=True)
+    out, last = gru(x, rnn, h0, lengths=lengths)
+    # outputs past a row's length are states after padding, which no caller uses: the
+    # loss weighs only real steps and the final states
+    real = (torch.arange(5)[:, None] < lengths[None, :])[..., None]
+    d_out, d_last = torch.randn_like(out) * real, torch.randn_like(last)
+    inputs = [x, h0, *rnn.parameters()]
+    ours = torch.autograd.grad((out * d_out).sum() + (last * d_last).sum(), inputs)
+    # the reference: nn.GRU on each row alone, cut to its length (no padding at all)
+    ref_loss = 0
+    for b, n in enumerate(lengths.tolist()):
+        row_out, row_last = rnn(x[:n, b : b + 1], h0[:, b : b + 1])
+        torch.testing.assert_close(out[:n, b : b + 1], row_out)
+        torch.testing.assert_close(last[:, b : b + 1], row_last)
+        ref_loss = ref_loss + (row_out * d_out[:n, b : b + 1]).sum() + (
+            row_last * d_last[:, b : b + 1]).sum()
+    ref = torch.autograd.grad(ref_loss, inputs)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b)
+    assert (ours[0] * ~real).abs().sum() == 0  # padding inputs change nothing used
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_skip_padding_backends_agree_and_padding_changes_nothing(num_layers):
+    fused, eager = twin_models(num_layers=num_layers, skip_padding=True)
+    src, _ = random_batch(fused.config, batch=4, seed=num_layers)
+    valid = torch.tensor([7, 4, 1, 2])
+    dec_input = torch.randint(0, fused.config.tgt_vocab_size, (4, 6))
+    d_logits = torch.randn(4, 6, fused.config.tgt_vocab_size, dtype=torch.float64)
+    results = []
+    for model in (fused, eager):
+        logits = model(src, valid, dec_input)
+        grads = torch.autograd.grad((logits * d_logits).sum(), list(model.parameters()))
+        results.append((logits, grads))
+    assert_same(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    # each sentence alone, with no padding, gives the same logits (the default, d2l's
+    # encoder, reads the padding and so does not)
+    for b, n in enumerate(valid.tolist()):
+        alone = fused(src[b : b + 1, :n], valid[b : b + 1], dec_input[b : b + 1])
+        assert_same(alone, results[0][0][b : b + 1])
+    d2l_style = build_model(dataclasses.replace(fused.config, skip_padding=False)).double()
+    d2l_style.load_state_dict(fused.state_dict())
+    padded = d2l_style(src[2:3], valid[2:3], dec_input[2:3])
+    alone = d2l_style(src[2:3, :1], valid[2:3], dec_input[2:3])
+    assert not torch.allclose(padded, alone)
+
+
+@pytest.mark.parametrize("model_name", ["bahdanau", "transformer"])
+def test_banned_ids_are_never_decoded_and_the_next_best_is_taken(model_name):
+    config = small_config(model_name, tgt_vocab_size=20)
+    torch.manual_seed(2)
+    model = build_model(config).eval()
+    src, valid = random_batch(config, batch=5, seed=4)
+    # ban the two tokens (not <eos>) the model likes best at the first step
+    with torch.no_grad():
+        first = model(src, valid, torch.full((5, 1), 2))[:, 0]
+    first[:, 3] = float("-inf")
+    banned = first.mean(0).topk(2).indices.tolist()
+    got, _ = greedy_decode(model, src, valid, bos_id=2, eos_id=3, max_steps=8,
+                           banned_ids=banned)
+    # the reference: re-run the whole prefix each step, the banned logits set to -inf
+    with torch.no_grad():
+        for row in range(5):
+            prefix, want = [2], []
+            for _ in range(8):
+                logits = model(src[row : row + 1], valid[row : row + 1],
+                               torch.tensor([prefix]))[0, -1].clone()
+                logits[banned] = float("-inf")
+                tok = int(logits.argmax())
+                if tok == 3:
+                    break
+                want.append(tok)
+                prefix.append(tok)
+            assert got[row] == want
+            toks, _, _ = beam_search(model, src[row : row + 1], valid[row : row + 1],
+                                     bos_id=2, eos_id=3, max_steps=8, beam_size=1,
+                                     banned_ids=banned)
+            assert toks == want
+            toks, _, _ = beam_search(model, src[row : row + 1], valid[row : row + 1],
+                                     bos_id=2, eos_id=3, max_steps=8, beam_size=4,
+                                     banned_ids=banned)
+            assert not set(toks) & set(banned)
+    with pytest.raises(ValueError, match=r"banned_ids must not hold eos_id \(3\)"):
+        greedy_decode(model, src, valid, bos_id=2, eos_id=3, max_steps=8, banned_ids=[3])

@@ -609,3 +609,99 @@ def test_a_file_with_several_translations_per_sentence_is_split_and_scored_by_se
     assert TranslateSettings.from_dict(saved).split_by == "pair"
     assert TranslateSettings(data="x.txt").resolved().split_by == "source"
     assert TranslateSettings(data="fra-eng").resolved().split_by == "pair"
+
+
+def test_curves_plot_held_out_scores_against_minutes_and_eval_reports_like_training(
+        tmp_path, capsys):
+    from qkv.training import read_history
+
+    lines = [f"I see {i}.\tJe {w} {i}." for i in range(150)
+             for w in ("vois", "regarde")[: i % 2 + 1]]
+    corpus = tmp_path / "pairs.txt"
+    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    runs = []
+    for model in ("bahdanau", "transformer"):
+        runs.append(tmp_path / model)
+        assert main(["translate", "train", "--data", str(corpus), "--run-dir", str(runs[-1]),
+                     "--model", model, "--num-hiddens", "8", "--embed-size", "8",
+                     "--num-heads", "2", "--ffn-num-hiddens", "16", "--epochs", "3",
+                     "--beam", "1", "--batch-size", "16", "--no-progress",
+                     "--threads", "1"]) == 0
+    rng = torch.get_rng_state()
+    history = read_history(runs[0])
+    assert torch.equal(torch.get_rng_state(), rng)  # reading restores nothing
+    assert len(history["seconds"]) == 3 and all(s > 0 for s in history["seconds"])
+    assert all(0 <= b <= 100 for b in history["valid_sacrebleu"])
+    capsys.readouterr()
+    png = tmp_path / "curves.png"
+    assert main(["translate", "curves", *map(str, runs), "--out", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    minutes = sum(history["seconds"]) / 60
+    assert f"bahdanau (bahdanau): 3 epochs, {minutes:.1f} min, last sacrebleu " \
+           f"{history['valid_sacrebleu'][-1]:.3f}" in out
+    assert "transformer (transformer): 3 epochs" in out
+    # eval prints what training's report printed: scores by sentence, then examples
+    assert main(["translate", "eval", "--ckpt", str(runs[1]), "--beam", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"held-out \(\d+ sentences, \d+ references, beam 2\): exact match", out)
+    assert "held-out examples:" in out and "(reference: je " in out
+    # a run trained without a held-out split has nothing to plot: one line, exit 2
+    flat = tmp_path / "flat"
+    assert main(["translate", "train", "--data", str(corpus), "--run-dir", str(flat),
+                 "--held-out", "0", "--num-hiddens", "8", "--embed-size", "8", "--epochs",
+                 "1", "--beam", "1", "--no-progress", "--threads", "1"]) == 0
+    one_line_error(capsys, ["translate", "curves", str(flat), "--out", str(png)],
+                   r"flat \(bahdanau\): its history has no per-epoch 'seconds' and "
+                   r"'valid_sacrebleu'")
+    one_line_error(capsys, ["translate", "eval", "--ckpt", str(runs[0]), "--beam", "0"],
+                   r"--beam must be >= 1, got 0")
+
+
+def test_a_resume_may_change_the_forward_dtype_and_compilation_and_keeps_them(tmp_path):
+    corpus = tmp_path / "pairs.txt"
+    corpus.write_text(_many_pairs(120), encoding="utf-8")
+    run_dir = tmp_path / "run"
+    small = ["--num-hiddens", "8", "--embed-size", "8", "--beam", "1", "--no-progress",
+             "--threads", "1"]
+    assert main(["translate", "train", "--data", str(corpus), "--run-dir", str(run_dir),
+                 "--epochs", "1", *small]) == 0
+
+    def saved():
+        return json.loads((run_dir / "config.json").read_text())["settings"]
+
+    assert (saved()["dtype"], saved()["compile"]) == ("float32", False)
+    assert main(["translate", "train", "--run-dir", str(run_dir), "--resume", "--epochs",
+                 "2", "--dtype", "bfloat16", "--no-progress"]) == 0
+    assert saved()["dtype"] == "bfloat16"
+    # a later resume that names no --dtype goes on in the run's own
+    assert main(["translate", "train", "--run-dir", str(run_dir), "--resume", "--epochs",
+                 "3", "--no-progress"]) == 0
+    assert (saved()["dtype"], saved()["compile"]) == ("bfloat16", False)
+
+
+def test_the_corpus_recipe_skips_padding_and_d2ls_reads_it():
+    from qkv.data.translate import Vocab
+
+    vocab = Vocab([["a", "b"]], 1, ("<pad>", "<bos>", "<eos>"))
+    corpus = TranslateSettings(data="x.txt").resolved().for_corpus(1000, 8)
+    assert corpus.skip_padding and corpus.model_config(vocab, vocab).skip_padding
+    given = TranslateSettings(data="x.txt")
+    assert "  skip_padding True  (--skip-padding)" in corpus.choices(given)
+    d2l = TranslateSettings(data="fra-eng").resolved()
+    assert not d2l.skip_padding and not d2l.model_config(vocab, vocab).skip_padding
+    # the Transformer's attention masks padding anyway: its config does not claim it
+    tf = TranslateSettings(data="x.txt", model="transformer").resolved().for_corpus(1000, 8)
+    assert not tf.model_config(vocab, vocab).skip_padding
+    assert not any("skip_padding" in line for line in tf.choices(given))
+    off = TranslateSettings(data="x.txt", skip_padding=False).resolved()
+    assert off.skip_padding is False
+
+
+def test_the_corpus_recipe_never_outputs_unk_and_d2ls_may():
+    assert TranslateSettings(data="x.txt").resolved().ban_unk is True
+    assert TranslateSettings(data="fra-eng").resolved().ban_unk is False
+    assert TranslateSettings().resolved().ban_unk is False  # dates
+    saved = dataclasses.asdict(TranslateSettings(data="x.txt").resolved().for_corpus(200, 5))
+    del saved["ban_unk"]
+    assert TranslateSettings.from_dict(saved).ban_unk is False  # runs saved before it

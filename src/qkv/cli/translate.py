@@ -28,7 +28,7 @@ SETTINGS_FLAGS = {name: name for name in (
     "num_hiddens", "num_layers", "dropout", "num_heads", "ffn_num_hiddens", "batch_size",
     "lr", "epochs", "clip_norm", "seed", "device", "backend", "preset", "warmup_steps",
     "decay", "label_smoothing", "patience", "beam", "accumulate", "dtype", "compile",
-    "split_by",
+    "split_by", "skip_padding", "ban_unk",
 )}
 
 # What --backend changes: the computation, never the weights, so any checkpoint runs
@@ -82,6 +82,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="held out for evaluation: a fraction (0.1) or a count of pairs "
                             "(default: 0.1 dates, 0 fra-eng, 5%% of a file, at least one "
                             "batch, at most 5000)")
+    train.add_argument("--skip-padding", action=argparse.BooleanOptionalAction, default=None,
+                       help="bahdanau: start the decoder from the encoder's state after each "
+                            "sentence's last real token, not after its padding as d2l does "
+                            "(default: on for a file, off otherwise)")
+    train.add_argument("--ban-unk", action=argparse.BooleanOptionalAction, default=None,
+                       help="never output <unk>: decode the most likely real word instead "
+                            "(default: on for a file, off otherwise)")
     train.add_argument("--split-by", choices=SPLIT_BY, default=None,
                        help="hold out random pairs, or random source sentences with all "
                             "their translations, so no held-out sentence is trained on "
@@ -151,10 +158,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--data", default=None,
                           help="evaluate on this data instead of the run's held-out split")
     evaluate.add_argument("--num-examples", type=int, default=None)
+    evaluate.add_argument("--beam", type=int, default=None,
+                          help="beam size (1 = greedy; default: the run's report's)")
     evaluate.add_argument("--backend", choices=BACKENDS, default=None,
                           help=f"{BACKEND_HELP} (default: the checkpoint's)")
     evaluate.add_argument("--device", default="cpu")
     evaluate.set_defaults(run=run_eval)
+
+    curves = actions.add_parser(
+        "curves", help="plot held-out scores of trained runs against minutes of training")
+    curves.add_argument("runs", type=Path, nargs="+", metavar="RUN",
+                        help="run directories (one line each)")
+    curves.add_argument("--out", type=Path, required=True, help="PNG/PDF/SVG to write")
+    curves.add_argument("--metric", choices=CURVE_METRICS, default="sacrebleu",
+                        help="held-out greedy sacreBLEU (default), exact match or loss, as "
+                             "recorded after each epoch")
+    curves.set_defaults(run=run_curves)
+
+
+CURVE_METRICS = {"sacrebleu": "held-out sacreBLEU (greedy)",
+                 "exact_match": "held-out exact match (greedy)",
+                 "loss": "held-out loss per token"}
 
 
 def _fraction_or_count(text: str) -> float | int:
@@ -245,17 +269,22 @@ def _report_training(translator, run_dir: Path, heatmap: Path) -> None:
     _print_translations(translations)
     translator.heatmap(translations[:4], heatmap)
     if translator.held_out:
-        src, refs = group_references([s for s, _ in translator.held_out],
-                                     [t for _, t in translator.held_out])
         print()
-        beam = translator.settings.beam or 1
-        outputs = translator.predict(src, beam=beam)
-        _print_metrics("held-out", translator.score(outputs, refs, beam=beam))
-        print("held-out examples:")
-        for s, o, r in zip(src[:5], outputs[:5], refs[:5], strict=False):
-            others = f" and {len(r) - 1} more" if len(r) > 1 else ""
-            print(f"  {' '.join(s)} => {' '.join(o)}   (reference: {' '.join(r[0])}{others})")
+        _report_scores(translator, translator.held_out, "held-out",
+                       translator.settings.beam or 1)
     print(f"attention heatmap written to {heatmap}")
+
+
+def _report_scores(translator, pairs: list, label: str, beam: int) -> None:
+    """Scores of the pairs' distinct sentences against all of their references, then
+    the first five with their translations."""
+    src, refs = group_references([s for s, _ in pairs], [t for _, t in pairs])
+    outputs = translator.predict(src, beam=beam)
+    _print_metrics(label, translator.score(outputs, refs, beam=beam))
+    print(f"{label} examples:")
+    for s, o, r in zip(src[:5], outputs[:5], refs[:5], strict=False):
+        others = f" and {len(r) - 1} more" if len(r) > 1 else ""
+        print(f"  {' '.join(s)} => {' '.join(o)}   (reference: {' '.join(r[0])}{others})")
 
 
 def _load(args: argparse.Namespace):
@@ -309,5 +338,28 @@ def run_eval(args: argparse.Namespace) -> int:
             other = dataclasses.replace(other, num_examples=settings.num_examples)
         src, tgt = load_pairs(other)
         label = args.data
-    _print_metrics(label, translator.evaluate(src, tgt))
+    beam = (translator.settings.beam or 1) if args.beam is None else args.beam
+    if beam < 1:
+        raise ValueError(f"--beam must be >= 1, got {beam}")
+    _report_scores(translator, list(zip(src, tgt, strict=True)), label, beam)
+    return 0
+
+
+def run_curves(args: argparse.Namespace) -> int:
+    from ..training import load_config, plot_progress, read_history
+    from ..utils.figures import check_image_path
+
+    check_image_path(args.out)
+    histories = {}
+    for run in args.runs:
+        settings = TranslateSettings.from_dict(load_config(run, task="translate")["settings"])
+        histories[f"{run.name} ({settings.model})"] = read_history(run)
+    key = f"valid_{args.metric}"
+    path = plot_progress(histories, key, args.out, ylabel=CURVE_METRICS[args.metric])
+    for label, history in histories.items():
+        minutes = sum(history["seconds"]) / 60
+        values = [v for v in history[key] if v is not None]
+        print(f"{label}: {len(history['seconds'])} epochs, {minutes:.1f} min, last "
+              f"{args.metric} {values[-1]:.3f}")
+    print(f"written to {path}")
     return 0

@@ -48,6 +48,11 @@ class Seq2SeqEncoder(nn.Module):
     the top layer's hidden state after reading token ``t``; ``state`` holds every layer's
     last hidden state. Padding positions are read too; attention masks them later.
 
+    With ``skip_padding`` and ``valid_len (batch,)`` given, ``state`` is instead every
+    layer's state after the row's last real token, as ``nn.GRU`` gives for a packed
+    sequence: how much padding follows a sentence then changes nothing the decoder sees.
+    (d2l's encoder, the default, hands the decoder the state after the padding.)
+
     ``backend="eager"`` calls ``self.rnn`` on the embedded sequence. ``"fused"`` (default)
     runs the same GRU (its parameters, maths and forward kernel, and its dropout between
     layers in training) with a hand-written backward, :func:`qkv.models.bahdanau_kernels.gru`,
@@ -64,19 +69,28 @@ class Seq2SeqEncoder(nn.Module):
         dropout: float = 0.0,
         *,
         backend: str = "fused",
+        skip_padding: bool = False,
     ) -> None:
         super().__init__()
         _check_backend(backend)
         self.backend = backend
+        self.skip_padding = skip_padding
         self.embedding = nn.Embedding(vocab_size, embed_size)
         self.rnn = nn.GRU(embed_size, num_hiddens, num_layers, dropout=dropout)
 
-    def forward(self, X: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, X: Tensor, valid_len: Tensor | None = None) -> tuple[Tensor, Tensor]:
         # Transpose the ids (cheap) rather than the embeddings: the GRU wants time first.
         embs = self.embedding(X.t())  # (steps, batch, embed_size)
+        lengths = valid_len if self.skip_padding else None
         if self.backend == "eager":
-            return self.rnn(embs)
-        return fused.gru(embs, self.rnn, training=self.training)
+            if lengths is None:
+                return self.rnn(embs)
+            steps = embs.shape[0]
+            packed = nn.utils.rnn.pack_padded_sequence(
+                embs, lengths.clamp(1, steps).cpu(), enforce_sorted=False)
+            outputs, state = self.rnn(packed)
+            return nn.utils.rnn.pad_packed_sequence(outputs, total_length=steps)[0], state
+        return fused.gru(embs, self.rnn, training=self.training, lengths=lengths)
 
 
 @dataclass
@@ -314,7 +328,7 @@ class BahdanauSeq2Seq(EncoderDecoder):
         c = config
         self.encoder = Seq2SeqEncoder(
             c.src_vocab_size, c.embed_size, c.num_hiddens, c.num_layers, c.dropout,
-            backend=c.backend,
+            backend=c.backend, skip_padding=c.skip_padding,
         )
         self.decoder = Seq2SeqAttentionDecoder(
             c.tgt_vocab_size, c.embed_size, c.num_hiddens, c.num_layers, c.dropout,
@@ -338,7 +352,7 @@ class BahdanauSeq2Seq(EncoderDecoder):
     def encode(
         self, src: Tensor, src_valid_len: Tensor, max_steps: int | None = None
     ) -> BahdanauState:
-        enc_outputs, enc_state = self.encoder(src)
+        enc_outputs, enc_state = self.encoder(src, src_valid_len)
         return self.decoder.init_state(enc_outputs, enc_state, src_valid_len)
 
     def decode_step(

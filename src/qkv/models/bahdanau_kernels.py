@@ -325,12 +325,13 @@ class _GRUStack(torch.autograd.Function):
     the one below), each in reverse over the steps with :func:`_cell_backward`.
 
     Inputs: ``x (T, batch, in)``, ``hidden (L, batch, H)``, ``layer_keep (T, L-1, batch,
-    H)`` or None, then per layer ``W_ih, b_ih, W_hh, b_hh``. Outputs: ``(T, batch, H)``
-    the top layer's states, ``(L, batch, H)`` the last state of every layer.
+    H)`` or None, ``last (batch,)`` int64 or None, then per layer ``W_ih, b_ih, W_hh,
+    b_hh``. Outputs: ``(T, batch, H)`` the top layer's states, ``(L, batch, H)`` every
+    layer's state after step ``last[b]`` of row ``b`` (None: after the last step).
     """
 
     @staticmethod
-    def forward(ctx, x, hidden, layer_keep, *flat):  # noqa: ANN001, ANN205
+    def forward(ctx, x, hidden, layer_keep, last, *flat):  # noqa: ANN001, ANN205
         outputs, inputs = [], x
         for i, layer in enumerate(_unflatten(flat)):
             if i > 0:
@@ -340,18 +341,21 @@ class _GRUStack(torch.autograd.Function):
                 True, 1, 0.0, False, False, False,  # biases, 1 layer, no dropout, eval, ...
             )
             outputs.append(out)
-        ctx.save_for_backward(x, hidden, layer_keep, *flat, *outputs)
+        ctx.save_for_backward(x, hidden, layer_keep, last, *flat, *outputs)
         ctx.num_layers = len(outputs)
-        return outputs[-1].clone(), torch.stack([out[-1] for out in outputs])
+        if last is None:
+            return outputs[-1].clone(), torch.stack([out[-1] for out in outputs])
+        rows = torch.arange(x.shape[1], device=x.device)
+        return outputs[-1].clone(), torch.stack([out[last, rows] for out in outputs])
 
     @staticmethod
     def backward(ctx, d_top, d_last):  # noqa: ANN001, ANN205
         L = ctx.num_layers
-        x, hidden, layer_keep, *rest = ctx.saved_tensors
+        x, hidden, layer_keep, last, *rest = ctx.saved_tensors
         layers, outputs = _unflatten(rest[: 4 * L]), rest[4 * L :]
         T, B, H = outputs[0].shape
         need = ctx.needs_input_grad
-        grads: list[Tensor | None] = [None] * (3 + 4 * L)
+        grads: list[Tensor | None] = [None] * (4 + 4 * L)
         d_out = d_top  # gradient of the current layer's outputs, (T, batch, H) or None
         d_hidden = []
         for i in reversed(range(L)):
@@ -362,7 +366,15 @@ class _GRUStack(torch.autograd.Function):
             G = _recompute_gates(inputs, before, layer).unbind(0)
             hidden_map = _hidden_map(layer.W_hh)
             views = _StepViews(x.new_empty(T, B, 5, H))
-            dh = d_last[i] if d_last is not None else x.new_zeros(B, H)
+            if last is not None and d_last is not None:
+                # Row b's final state is its state after step last[b]: that step's
+                # output receives the gradient, with the top layer's own.
+                placed = x.new_zeros(T, B, H)
+                placed[last, torch.arange(B, device=x.device)] = d_last[i]
+                d_out = placed if d_out is None else d_out + placed
+                dh = x.new_zeros(B, H)
+            else:
+                dh = d_last[i] if d_last is not None else x.new_zeros(B, H)
             d_outs = d_out.unbind(0) if d_out is not None else None
             if d_outs is not None:
                 dh = dh + d_outs[T - 1]
@@ -372,8 +384,8 @@ class _GRUStack(torch.autograd.Function):
                 dh = _cell_backward(dh, G[t], hidden_map, views, t, add)
             D = views.D
             d_hidden.append(dh)
-            grads[3 + 4 * i : 7 + 4 * i] = _weight_grads(D, inputs, before,
-                                                         need[3 + 4 * i : 7 + 4 * i])
+            grads[4 + 4 * i : 8 + 4 * i] = _weight_grads(D, inputs, before,
+                                                         need[4 + 4 * i : 8 + 4 * i])
             if i > 0 or need[0]:
                 # the gradient of this layer's inputs, all steps at once
                 d_out = _input_grads(D) @ layer.W_ih
@@ -391,6 +403,7 @@ def gru(
     *,
     training: bool = False,
     generator: torch.Generator | None = None,
+    lengths: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``rnn(x, hidden)`` for a unidirectional, time-major ``nn.GRU``, with its dropout
     between layers in training: ``x (T, batch, in) -> (outputs (T, batch, H),
@@ -399,6 +412,11 @@ def gru(
     Same maths, parameters and forward kernel as calling ``rnn``; the backward is
     :class:`_GRUStack`'s, which issues a fraction of the operations autograd's does
     through ``nn.GRU`` at small sizes.
+
+    ``lengths (batch,)``: row ``b`` is ``lengths[b]`` steps long (clamped to [1, T]) and
+    ``last[:, b]`` is every layer's state after its last step, as ``rnn`` gives for a
+    packed sequence; ``outputs`` past a row's length are states after reading padding,
+    which no caller should use (attention masks them).
     """
     layers = gru_layers(rnn)
     T, B = x.shape[:2]
@@ -409,7 +427,10 @@ def gru(
         dropout_keep(x, (T, L - 1, B, H), rnn.dropout, training, generator) if L > 1 else None
     )
     flat = [t for layer in layers for t in layer.flat()]
-    return _GRUStack.apply(x, hidden, layer_keep, *flat)
+    last = None if lengths is None else (lengths.to(x.device).clamp(1, T) - 1).long()
+    with _float32(x):
+        return _GRUStack.apply(x.float(), hidden.float(), layer_keep, last,
+                               *(t.float() for t in flat))
 
 
 class _AttentionGRU(torch.autograd.Function):
@@ -598,8 +619,17 @@ def attention_gru(
         if L > 1
         else None
     )
-    top, last, states, weights, contexts = _AttentionGRU.apply(
-        embs, hidden, layer_keep, values, keys, bias, row_ok, attn_keep, W_q, w_v,
-        *(t for layer in layers for t in layer.flat()),
-    )
+    with _float32(embs):
+        top, last, states, weights, contexts = _AttentionGRU.apply(
+            embs.float(), hidden.float(), layer_keep, values.float(), keys.float(),
+            bias.float(), row_ok, attn_keep, W_q.float(), w_v.float(),
+            *(t.float() for layer in layers for t in layer.flat()),
+        )
     return top, last, weights, contexts, states
+
+
+def _float32(like: Tensor) -> torch.autocast:
+    """Autocast off: the kernels write into float32 buffers and keep the recurrence in
+    float32, so under ``torch.autocast`` (``--dtype bfloat16``) they take their inputs in
+    float32 (the layers around them still run in the lower precision)."""
+    return torch.autocast(like.device.type, enabled=False)

@@ -11,7 +11,7 @@ Both run under ``torch.no_grad()``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -61,6 +61,7 @@ def greedy_decode(
     bos_id: int,
     eos_id: int,
     max_steps: int,
+    banned_ids: Sequence[int] = (),
 ) -> tuple[list[list[int]], list[Tensor]]:
     """Translate each row by always taking the most likely next token.
 
@@ -69,6 +70,8 @@ def greedy_decode(
         src_valid_len: ``(batch,)`` number of real source tokens per row.
         bos_id, eos_id: ids of ``<bos>`` (first decoder input) and ``<eos>`` (stop).
         max_steps: most tokens generated per row, ``<eos>`` included.
+        banned_ids: ids never generated (e.g. ``<unk>``, a placeholder no reader wants
+            to see): the most likely of the others is taken.
 
     Returns:
         tokens: per row, the generated ids without ``<bos>`` / ``<eos>``.
@@ -78,6 +81,7 @@ def greedy_decode(
     """
     _check_steps(max_steps)
     src, valid = _prepare(src, src_valid_len)
+    banned = _banned(banned_ids, eos_id)
     batch = src.shape[0]
     tokens: list[list[int]] = [[] for _ in range(batch)]
     attention: list[list[Tensor]] = [[] for _ in range(batch)]
@@ -87,6 +91,8 @@ def greedy_decode(
         inputs = torch.full((batch,), bos_id, dtype=torch.long, device=src.device)
         for _ in range(max_steps):
             logits, state, attn = model.decode_step(inputs, state)
+            if banned is not None:
+                logits = logits.index_fill(-1, banned.to(logits.device), float("-inf"))
             pred = logits.argmax(dim=-1)
             attn = attn.cpu()
             for i, (row, tok) in enumerate(zip(rows, pred.tolist(), strict=True)):
@@ -104,6 +110,14 @@ def greedy_decode(
                 pred = pred[keep]
             inputs = pred
     return tokens, [torch.stack(a) for a in attention]
+
+
+def _banned(banned_ids: Sequence[int], eos_id: int) -> Tensor | None:
+    """``banned_ids`` as an index tensor (None when empty); ``<eos>`` cannot be banned."""
+    ids = [int(i) for i in banned_ids]
+    if eos_id in ids:
+        raise ValueError(f"banned_ids must not hold eos_id ({eos_id}): decoding could never end")
+    return torch.tensor(ids, dtype=torch.long) if ids else None
 
 
 def length_penalty_factor(length: int, alpha: float) -> float:
@@ -127,6 +141,7 @@ def beam_search(
     max_steps: int,
     beam_size: int = 4,
     length_penalty: float = 0.6,
+    banned_ids: Sequence[int] = (),
 ) -> tuple[list[int], Tensor, float]:
     """Beam search for one source sentence ``src (1, src_len)`` (or ``(src_len,)``).
 
@@ -139,6 +154,9 @@ def beam_search(
     Search stops early once no live hypothesis can still beat the best finished one
     (its log-prob can only fall, and the normaliser is at most that of ``max_steps``).
 
+    ``banned_ids`` are never generated: their probability is spread over the other
+    tokens (the softmax is taken without them).
+
     Returns:
         tokens: the best hypothesis without ``<bos>`` / ``<eos>``.
         attention: its ``(steps, src_len)`` weights, rows as in :func:`greedy_decode`.
@@ -148,6 +166,7 @@ def beam_search(
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     src, valid = _prepare(src, src_valid_len)
+    banned = _banned(banned_ids, eos_id)
     if src.shape[0] != 1:
         raise ValueError(f"beam_search decodes one sentence, got a batch of {src.shape[0]}")
     device = src.device
@@ -161,6 +180,8 @@ def beam_search(
         best_possible = length_penalty_factor(max_steps, length_penalty)
         for step in range(max_steps):
             logits, state, attn = model.decode_step(inputs, state)
+            if banned is not None:
+                logits = logits.index_fill(-1, banned.to(logits.device), float("-inf"))
             vocab = logits.shape[-1]
             cand = logp[:, None] + torch.log_softmax(logits.float(), dim=-1)  # (live, vocab)
             attn_all = torch.cat([attn_so_far, attn.cpu()[:, None]], dim=1)
@@ -169,6 +190,8 @@ def beam_search(
             last_step = step == max_steps - 1
             keep: list[tuple[float, int, int]] = []
             for lp, flat in zip(top_logp.tolist(), top_idx.tolist(), strict=True):
+                if lp == float("-inf"):
+                    continue  # a banned token: fewer allowed candidates than the beam
                 beam, tok = divmod(flat, vocab)
                 if tok == eos_id:
                     finished.append((lp / norm, hyps[beam], attn_all[beam]))

@@ -76,6 +76,9 @@ class Seq2SeqConfig:
     ffn_num_hiddens: int = 64
     max_len: int = 1000
     backend: str = "fused"
+    # Bahdanau: hand the decoder the encoder's state after each sentence's last real
+    # token rather than after its padding (d2l's). The Transformer always masks padding.
+    skip_padding: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; ``Seq2SeqConfig.from_dict(c.to_dict()) == c``."""
@@ -236,6 +239,8 @@ def _layer_norm_shapes(prefix: str, H: int) -> Iterator[tuple[str, tuple[int, ..
 def _check_type(key: str, value: Any, expected: type) -> Any:
     """Return ``value`` (ints widened to float for float fields) or raise ``ValueError``."""
     # bool is a subclass of int, but `num_layers: true` is a mistake, not a 1.
+    if expected is bool and isinstance(value, bool):
+        return value
     if isinstance(value, bool) or not isinstance(value, expected):
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             try:

@@ -123,7 +123,8 @@ ATTENTION_PLOT = "attention.png"
 _D2L = {"num_examples": 600, "num_steps": 10, "epochs": 250, "held_out": 0.0, "lr": 0.005,
         "embed_size": 32, "num_hiddens": 32, "num_layers": 2, "dropout": 0.1, "num_heads": 4,
         "ffn_num_hiddens": 64, "batch_size": 64, "warmup_steps": 0, "decay": "constant",
-        "label_smoothing": 0.0, "patience": 0, "beam": 1, "split_by": "pair"}
+        "label_smoothing": 0.0, "patience": 0, "beam": 1, "split_by": "pair",
+        "dtype": "float32", "compile": False, "skip_padding": False, "ban_unk": False}
 # Named recipes (--preset). "d2l" and "dates" are fixed; "corpus" is for a user's own
 # sentence pairs: every pair read, 5 % held out, a wider model, warm-up + cosine decay,
 # label smoothing, early stopping on the held-out loss and beam search in the final
@@ -136,7 +137,7 @@ PRESETS: dict[str, dict[str, Any]] = {
               "held_out": 0.1},
     "corpus": {
         "bahdanau": {"embed_size": 128, "num_hiddens": 256, "num_layers": 2,
-                     "dropout": 0.2, "batch_size": 128, "lr": 0.002, "warmup_steps": 200,
+                     "dropout": 0.2, "batch_size": 128, "lr": 0.005, "warmup_steps": 200,
                      "decay": "cosine", "label_smoothing": 0.1, "patience": 4, "beam": 4},
         "transformer": {"num_hiddens": 128, "num_layers": 2, "num_heads": 4,
                         "ffn_num_hiddens": 512, "dropout": 0.2, "batch_size": 128,
@@ -190,6 +191,9 @@ class TranslateSettings:
     dropout: float | None = None
     num_heads: int | None = None
     ffn_num_hiddens: int | None = None
+    # Bahdanau: the decoder starts from the encoder's state after each sentence's last
+    # real token, not after its padding (d2l's; see Seq2SeqConfig.skip_padding).
+    skip_padding: bool | None = None
     # How the model computes ("fused" or "eager", see Seq2SeqConfig), not what it is: a
     # resume or a load may run a checkpoint under the other. None: "fused" for a new run,
     # the run's own on a resume (and in a run saved before qkv recorded it).
@@ -207,10 +211,15 @@ class TranslateSettings:
     patience: int | None = None
     # Beam size of the held-out report at the end of training (1: greedy).
     beam: int | None = None
-    # Micro-batches per optimizer step, forward precision, torch.compile.
+    # Never output <unk>: decoding takes the most likely real word instead (a reader
+    # has no use for the placeholder, and it matches no reference).
+    ban_unk: bool | None = None
+    # Micro-batches per optimizer step; forward precision and torch.compile, which change
+    # how the model computes, not what it is (None: float32, no compile; a resume may
+    # change them, e.g. to go on on a GPU in bfloat16).
     accumulate: int = 1
-    dtype: str = "float32"
-    compile: bool = False
+    dtype: str | None = None
+    compile: bool | None = None
     seed: int = 0
     device: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -237,7 +246,8 @@ class TranslateSettings:
         defaults = PRESETS[self.recipe]
         if self.recipe == "corpus":
             defaults = {**_D2L, "num_examples": None, "num_steps": None, "held_out": None,
-                        "epochs": None, "split_by": "source", **defaults[self.model]}
+                        "epochs": None, "split_by": "source", "skip_padding": True,
+                        "ban_unk": True, **defaults[self.model]}
         values = {k: (defaults[k] if v is None and k in defaults else v)
                   for k, v in dataclasses.asdict(self).items()}
         out = TranslateSettings(**values)
@@ -252,7 +262,7 @@ class TranslateSettings:
         lines = []
         for f in dataclasses.fields(self):
             if getattr(given, f.name, None) is None and f.name not in (
-                    "preset", "backend", "data_sha256", "extra"):
+                    "preset", "backend", "dtype", "compile", "data_sha256", "extra"):
                 value = getattr(self, f.name)
                 if f.name == "num_examples" and value is None:
                     value = "all"
@@ -260,6 +270,8 @@ class TranslateSettings:
                     continue  # the Transformer's width is num_hiddens
                 if f.name in ("num_heads", "ffn_num_hiddens") and self.model != "transformer":
                     continue
+                if f.name == "skip_padding" and self.model == "transformer":
+                    continue  # its attention always masks padding
                 lines.append(f"  {f.name} {value}  (--{f.name.replace('_', '-')})")
         return lines
 
@@ -321,8 +333,13 @@ class TranslateSettings:
             if self.warmup_steps is not None:
                 self.schedule()  # LRSchedule's own checks: inverse_sqrt needs a warm-up
         check_int("accumulate", self.accumulate, 1, MAX_COUNT)
-        check_str("dtype", self.dtype, choices=DTYPES)
-        check_bool("compile", self.compile)
+        if self.dtype is not None or resolved:
+            check_str("dtype", self.dtype, choices=DTYPES)
+        if self.compile is not None or resolved:
+            check_bool("compile", self.compile)
+        for name in ("skip_padding", "ban_unk"):
+            if getattr(self, name) is not None or resolved:
+                check_bool(name, getattr(self, name))
         if self.backend is not None:
             check_str("backend", self.backend, choices=BACKENDS)
         if self.lr is not None or resolved:
@@ -354,6 +371,8 @@ class TranslateSettings:
             ffn_num_hiddens=self.ffn_num_hiddens,
             max_len=max(64, 2 * (self.num_steps or 10)),
             backend=self.backend or Seq2SeqConfig.backend,
+            # The Transformer's attention masks padding whatever this says.
+            skip_padding=bool(self.skip_padding) and self.model == "bahdanau",
         )
 
     @classmethod
@@ -366,7 +385,9 @@ class TranslateSettings:
         if "preset" not in d:
             old = "dates" if d.get("data") == "dates" else "d2l"
             d = {**{k: v for k, v in PRESETS[old].items() if k not in d}, **d, "preset": old}
-        d.setdefault("split_by", "pair")  # what every run saved before it existed did
+        # What every run saved before these fields existed did.
+        d = {"split_by": "pair", "dtype": "float32", "compile": False, "skip_padding": False,
+             "ban_unk": False, **d}
         settings = cls(**d)
         settings.validate(resolved=True)
         return settings
@@ -589,6 +610,11 @@ class Translator:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def banned_ids(self) -> tuple[int, ...]:
+        """Target ids decoding never outputs: ``<unk>`` when the run's ``ban_unk``."""
+        return (self.tgt_vocab.unk,) if self.settings.ban_unk else ()
+
     def tokenize(self, text: str) -> list[str]:
         """Raw text -> the source tokens the model was trained on."""
         if self.settings.data == "dates":
@@ -645,12 +671,12 @@ class Translator:
             score = None
             if beam == 1:
                 out, attn = greedy_decode(self.model, src, valid, bos_id=bos, eos_id=eos,
-                                          max_steps=num_steps)
+                                          max_steps=num_steps, banned_ids=self.banned_ids)
                 out_ids, weights = out[0], attn[0]
             else:
                 out_ids, weights, score = beam_search(
                     self.model, src, valid, bos_id=bos, eos_id=eos, max_steps=num_steps,
-                    beam_size=beam,
+                    beam_size=beam, banned_ids=self.banned_ids,
                 )
             tokens = self.tgt_vocab.to_tokens(list(out_ids))
             attention = weights.detach().cpu()[:, : len(src_tokens)]  # drop the padding
@@ -674,13 +700,13 @@ class Translator:
             X, valid = X.to(self.device), valid.to(self.device)
             if beam == 1:
                 out, _ = greedy_decode(self.model, X, valid, bos_id=bos, eos_id=eos,
-                                       max_steps=num_steps)
+                                       max_steps=num_steps, banned_ids=self.banned_ids)
                 out_tokens += [self.tgt_vocab.to_tokens(list(o)) for o in out]
             else:
                 for i in range(len(X)):
                     ids, _, _ = beam_search(self.model, X[i : i + 1], valid[i : i + 1],
                                             bos_id=bos, eos_id=eos, max_steps=num_steps,
-                                            beam_size=beam)
+                                            beam_size=beam, banned_ids=self.banned_ids)
                     out_tokens.append(self.tgt_vocab.to_tokens(list(ids)))
         return out_tokens
 
@@ -778,8 +804,9 @@ def translation_loss(
 
     ``trim_source`` does the same to the source, for an encoder that masks padded
     positions out (the Transformer's): nothing it gives the decoder depends on them,
-    so the loss is the same up to rounding. Not for the GRU encoder, which reads its
-    padding: its final state, the decoder's first, depends on how much there is.
+    so the loss is the same up to rounding. Not for d2l's GRU encoder, which reads its
+    padding: its final state, the decoder's first, depends on how much there is (unless
+    the model's ``skip_padding`` is on).
     """
 
     def loss_fn(model: torch.nn.Module, batch: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
@@ -808,9 +835,9 @@ def train_translator(
     """Train (or, with ``resume``, continue) a translator in ``run_dir``.
 
     With ``resume``, the data, model and vocabularies come from the checkpoint; only
-    ``settings.epochs`` (the new total; None: the run's own), ``settings.lr`` (None: the
-    run's own), ``settings.backend`` (None: the run's own) and ``settings.device`` are
-    taken from the arguments. Without it, a
+    ``settings.epochs`` (the new total; None: the run's own), ``settings.lr``,
+    ``settings.backend``, ``settings.dtype``, ``settings.compile`` (each None: the run's
+    own) and ``settings.device`` are taken from the arguments. Without it, a
     ``run_dir`` that holds a checkpoint is refused unless ``overwrite`` (see
     :func:`qkv.training.open_run_dir`: one writer at a time, outputs checked writable
     first). Returns the trained :class:`Translator` and the training history.
@@ -848,9 +875,9 @@ def train_translator(
                 "flag:")
             for line in settings.choices(given):
                 log(line)
-        # The Transformer's encoder masks padding: its batches need none past their
-        # longest source sentence.
-        trim = settings.model == "transformer"
+        # An encoder that masks padding (the Transformer's, or a GRU that skips it)
+        # needs none past a batch's longest source sentence.
+        trim = settings.model == "transformer" or model.config.skip_padding
         loss_fn = translation_loss(data.tgt_vocab[BOS], settings.label_smoothing,
                                    trim_source=trim)
         if trace is not None and is_main_process():

@@ -15,6 +15,7 @@ from .checkpoint import (
     load_config,
     load_trainer_state,
     load_weights,
+    read_history,
     read_weights_header,
     save_checkpoint,
 )
@@ -55,6 +56,7 @@ from .trainer import (
     Trainer,
     TrainingDivergedError,
     epoch_seed,
+    plot_progress,
     seed_everything,
 )
 
@@ -66,6 +68,7 @@ __all__ = [
     "is_checkpoint",
     "load_config",
     "load_trainer_state",
+    "read_history",
     "load_weights",
     "read_weights_header",
     "save_checkpoint",
@@ -97,6 +100,7 @@ __all__ = [
     "BEST_DIR",
     "DTYPES",
     "LOSS_PLOT",
+    "plot_progress",
     "EarlyStopping",
     "TrainConfig",
     "Trainer",

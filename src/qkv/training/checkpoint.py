@@ -83,6 +83,7 @@ __all__ = [
     "load_config",
     "load_weights",
     "load_trainer_state",
+    "read_history",
     "is_checkpoint",
     "checkpoint_progress",
     "SafetensorsHeader",
@@ -1021,3 +1022,20 @@ def load_trainer_state(
             raise _fail(path, f"optimizer state does not fit this optimizer ({error})") from None
     restore_rng_state(rng)
     return trainer_state
+
+
+def read_history(run_dir: str | os.PathLike[str]) -> dict[str, list]:
+    """The per-epoch training history a checkpoint holds (see :meth:`Trainer.fit`), read
+    and validated without restoring anything; ``{}`` when it holds no trainer state."""
+    ckpt = _Checkpoint(run_dir)
+    if not ckpt.has(TRAINER_JSON):
+        return {}
+    path = ckpt.path(TRAINER_JSON)
+    saved = ckpt.read_json(TRAINER_JSON)
+    if not isinstance(saved, dict) or "trainer_state" not in saved:
+        raise _fail(path, "expected the key 'trainer_state'")
+    state = saved["trainer_state"]
+    if state is None:
+        return {}
+    _check_trainer_state(state, path)
+    return {key: list(column) for key, column in state.get("history", {}).items()}

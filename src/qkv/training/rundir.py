@@ -47,9 +47,10 @@ __all__ = [
 ]
 
 # The settings a resume may change: the total epochs, the learning rate, the device, the
-# BPE folder (it may have moved since training) and a translator's backend (how the model
-# computes, not what it is). Every other setting is the run's.
-RESUMABLE = frozenset({"epochs", "lr", "device", "bpe_dir", "backend"})
+# BPE folder (it may have moved since training) and a translator's backend, forward dtype
+# and compilation (how the model computes, not what it is). Every other setting is the
+# run's.
+RESUMABLE = frozenset({"epochs", "lr", "device", "bpe_dir", "backend", "dtype", "compile"})
 
 Settings = TypeVar("Settings")
 

@@ -57,7 +57,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,7 @@ from .schedule import LRSchedule
 __all__ = [
     "BEST_DIR",
     "LOSS_PLOT",
+    "plot_progress",
     "EarlyStopping",
     "TrainConfig",
     "Trainer",
@@ -342,8 +343,10 @@ class Trainer:
     def fit(self) -> dict[str, list]:
         """Train from the current epoch to ``config.epochs``; return the history.
 
-        The history maps ``"epoch"``, ``"loss"`` (per token), ``"tokens_per_sec"`` and each
-        ``"valid_<name>"`` to one value per completed epoch (resumed epochs included).
+        The history maps ``"epoch"``, ``"loss"`` (per token), ``"tokens_per_sec"``,
+        ``"seconds"`` (the epoch's wall time, its validation included; its running sum is
+        the time trained so far) and each ``"valid_<name>"`` to one value per completed
+        epoch (resumed epochs included).
         """
         cfg = self.config
         bar = tqdm(
@@ -358,9 +361,11 @@ class Trainer:
             pause_point("train-start")
             stop = self._patience_spent()
             while self.epoch < cfg.epochs and not stop:
+                started = time.perf_counter()
                 record = self._train_epoch(self.epoch, bar)
                 if self.validate is not None:
                     record.update(self._run_validation())
+                record["seconds"] = time.perf_counter() - started
                 self.epoch += 1
                 self._append_history(record)
                 if cfg.early_stopping is not None:
@@ -759,6 +764,37 @@ def plot_history(history: dict[str, list], path: str | Path) -> Path:
             ax.plot(*zip(*points, strict=True), label=label)
     ax.set_xlabel("epoch")
     ax.set_ylabel("loss per token")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return save_figure(fig, path, dpi=100)
+
+
+def plot_progress(
+    histories: Mapping[str, Mapping[str, list]], metric: str, path: str | Path, *,
+    ylabel: str | None = None,
+) -> Path:
+    """Draw ``metric`` (a history key, e.g. ``"valid_sacrebleu"``) against the minutes
+    trained, one line per history (labelled by its key), to ``path``.
+
+    The minutes are the running sum of each epoch's ``"seconds"`` (training and
+    validation, not saving), so runs of different speeds compare on time, not epochs.
+    """
+    if not histories:
+        raise ValueError("nothing to plot: no histories given")
+    fig = new_figure(6, 4)
+    ax = fig.add_subplot()
+    for label, history in histories.items():
+        seconds, values = history.get("seconds"), history.get(metric)
+        if not seconds or not values or None in seconds:
+            raise ValueError(f"{label}: its history has no per-epoch 'seconds' and "
+                             f"{metric!r} to plot (known: {', '.join(sorted(history))})")
+        minutes = [sum(seconds[: i + 1]) / 60 for i in range(len(seconds))]
+        points = [(m, v) for m, v in zip(minutes, values, strict=True) if v is not None]
+        if not points:
+            raise ValueError(f"{label}: no epoch recorded {metric!r}")
+        ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=label)
+    ax.set_xlabel("minutes of training (validation included)")
+    ax.set_ylabel(ylabel or metric)
     ax.grid(alpha=0.3)
     ax.legend()
     return save_figure(fig, path, dpi=100)
