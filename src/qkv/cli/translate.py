@@ -353,7 +353,10 @@ def run_curves(args: argparse.Namespace) -> int:
     histories = {}
     for run in args.runs:
         settings = TranslateSettings.from_dict(load_config(run, task="translate")["settings"])
-        histories[f"{run.name} ({settings.model})"] = read_history(run)
+        label = f"{run.name} ({settings.model})"
+        if label in histories:  # two runs of the same name in different folders
+            label = f"{run} ({settings.model})"
+        histories[label] = read_history(run)
     key = f"valid_{args.metric}"
     path = plot_progress(histories, key, args.out, ylabel=CURVE_METRICS[args.metric])
     for label, history in histories.items():

@@ -130,7 +130,10 @@ def dropout_keep(
     if not training or p == 0:
         return None
     # uniform < 1 - p is a Bernoulli(1 - p) draw, at half the cost of torch.bernoulli here
-    keep = torch.rand(shape, generator=generator, device=like.device) < 1.0 - p
+    # (torch.compile cannot trace an explicit generator=None with symbolic sizes.)
+    draw = torch.rand(shape, device=like.device) if generator is None else \
+        torch.rand(shape, generator=generator, device=like.device)
+    keep = draw < 1.0 - p
     return keep.to(like.dtype).mul_(1.0 / (1.0 - p) if p < 1 else 0.0)
 
 
