@@ -233,7 +233,8 @@ def test_loading_a_fra_eng_run_opens_no_socket(runs, tmp_path, no_network, monke
     cached.parent.mkdir(parents=True)
     shutil.copy(runs["corpus"], cached)
     assert main(["translate", "eval", "--ckpt", str(run_dir)]) == 0
-    assert "held-out (6 pairs, greedy)" in capsys.readouterr().out
+    # each held-out sentence once, against all of its translations, with the run's beam
+    assert "held-out (3 sentences, 6 references, beam 4)" in capsys.readouterr().out
     assert no_network == []
 
 

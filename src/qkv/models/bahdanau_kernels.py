@@ -432,8 +432,7 @@ def gru(
     flat = [t for layer in layers for t in layer.flat()]
     last = None if lengths is None else (lengths.to(x.device).clamp(1, T) - 1).long()
     with _float32(x):
-        return _GRUStack.apply(x.float(), hidden.float(), layer_keep, last,
-                               *(t.float() for t in flat))
+        return _GRUStack.apply(_up(x), _up(hidden), layer_keep, last, *map(_up, flat))
 
 
 class _AttentionGRU(torch.autograd.Function):
@@ -624,15 +623,20 @@ def attention_gru(
     )
     with _float32(embs):
         top, last, states, weights, contexts = _AttentionGRU.apply(
-            embs.float(), hidden.float(), layer_keep, values.float(), keys.float(),
-            bias.float(), row_ok, attn_keep, W_q.float(), w_v.float(),
-            *(t.float() for layer in layers for t in layer.flat()),
+            _up(embs), _up(hidden), layer_keep, _up(values), _up(keys), _up(bias), row_ok,
+            attn_keep, _up(W_q), _up(w_v), *(_up(t) for layer in layers for t in layer.flat()),
         )
     return top, last, weights, contexts, states
 
 
 def _float32(like: Tensor) -> torch.autocast:
-    """Autocast off: the kernels write into float32 buffers and keep the recurrence in
-    float32, so under ``torch.autocast`` (``--dtype bfloat16``) they take their inputs in
-    float32 (the layers around them still run in the lower precision)."""
+    """Autocast off: the kernels write into buffers of their inputs' dtype and keep the
+    recurrence in it, so under ``torch.autocast`` (``--dtype bfloat16``) they run in
+    float32, their lower-precision inputs cast up by :func:`_up` (the layers around them
+    still run in the lower precision)."""
     return torch.autocast(like.device.type, enabled=False)
+
+
+def _up(t: Tensor) -> Tensor:
+    """``t`` in float32 if it is in a lower precision (float64 stays float64)."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t

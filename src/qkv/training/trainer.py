@@ -365,7 +365,7 @@ class Trainer:
                 record = self._train_epoch(self.epoch, bar)
                 if self.validate is not None:
                     record.update(self._run_validation())
-                record["seconds"] = time.perf_counter() - started
+                record["seconds"] = self._slowest(time.perf_counter() - started)
                 self.epoch += 1
                 self._append_history(record)
                 if cfg.early_stopping is not None:
@@ -561,6 +561,15 @@ class Trainer:
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def _slowest(self, seconds: float) -> float:
+        """``seconds`` on one process; under DDP the slowest rank's, so every rank
+        records the same history."""
+        if self.world_size == 1:
+            return seconds
+        value = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return value.item()
 
     def _run_validation(self) -> dict[str, float]:
         assert self.validate is not None
