@@ -24,6 +24,7 @@ without the cache, at any length.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -380,6 +381,22 @@ class GPTModel(nn.Module):
         if cfg.tie_weights:
             # one Parameter in two places: the same storage, updated once per step
             self.out_head.weight = self.tok_emb.weight
+
+    @classmethod
+    def from_hf(cls, folder: str | os.PathLike[str]) -> GPTModel:
+        """GPT-2 from a Hugging Face folder (``config.json`` + ``model.safetensors``, or
+        only ``pytorch_model.bin``, read weights-only), any size from ``gpt2`` to
+        ``gpt2-xl``. The config and every tensor's name and shape are checked before
+        the model is built (see :mod:`qkv.models.hf_gpt2`); returned in eval mode.
+        """
+        from .hf_gpt2 import read_config, read_weights
+
+        fields = read_config(folder)
+        cfg = GPTConfig(**fields)
+        weights = read_weights(folder, fields)
+        model = cls(cfg)
+        model.load_state_dict(weights)
+        return model.eval()
 
     def forward(
         self,
