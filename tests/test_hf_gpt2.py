@@ -123,3 +123,27 @@ def test_missing_files_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither model.safetensors nor "
                                                 "pytorch_model.bin"):
         GPTModel.from_hf(folder)
+
+
+def test_a_hugging_face_folders_vocab_and_merges_give_gpt2s_ids(tmp_path):
+    # vocab.json + merges.txt are GPT-2's encoder.json + vocab.bpe under other names;
+    # checked against transformers' own GPT-2 tokenizer built from the same two files.
+    import shutil
+    from pathlib import Path
+
+    from qkv.data import get_tokenizer
+
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2"
+    if not (shared / "encoder.json").is_file():
+        pytest.skip("GPT-2's BPE files are not beside the repository")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    shutil.copy(shared / "encoder.json", folder / "vocab.json")
+    shutil.copy(shared / "vocab.bpe", folder / "merges.txt")
+    ours = get_tokenizer("gpt2", bpe_dir=folder)
+    theirs = transformers.GPT2Tokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
+    text = ("Hello, do you like tea? <|endoftext|> In the sunlit terraces of "
+            "someunknownPlace. Ça alors ! 1234  spaces\n\ttabs")
+    assert ours.encode(text) == theirs.encode(text)
+    assert ours.encode(text) == get_tokenizer("gpt2", bpe_dir=shared).encode(text)
+    assert ours.decode(ours.encode(text)) == text

@@ -58,6 +58,8 @@ GPT2_PAT_STR = (
 )
 
 BPE_FILES = ("encoder.json", "vocab.bpe")
+# The same two files under the names a Hugging Face GPT-2 folder gives them.
+HF_BPE_FILES = ("vocab.json", "merges.txt")
 MAX_BPE_FILE_BYTES = 64 * 2**20
 
 
@@ -188,7 +190,8 @@ def _sha256(path: Path) -> str:
 
 
 @lru_cache(maxsize=4)
-def _encoding_from_files(bpe_dir: str, stamp: tuple[int, ...]) -> Any:
+def _encoding_from_files(bpe_dir: str, stamp: tuple[int, ...],
+                         names: tuple[str, str] = BPE_FILES) -> Any:
     """Build the GPT-2 ``tiktoken.Encoding`` from the data-gym files in ``bpe_dir``.
 
     ``stamp`` (the files' sizes and modification times) is part of the cache key only, so
@@ -196,7 +199,7 @@ def _encoding_from_files(bpe_dir: str, stamp: tuple[int, ...]) -> Any:
     """
     tiktoken = _import_tiktoken()
     folder = Path(bpe_dir)
-    encoder_json, vocab_bpe = folder / "encoder.json", folder / "vocab.bpe"
+    encoder_json, vocab_bpe = folder / names[0], folder / names[1]
     try:
         # tiktoken keeps a copy of every file it reads in its own cache, keyed by the path
         # alone; passing the content hashes makes it notice when the file has changed.
@@ -223,22 +226,26 @@ def _encoding_from_files(bpe_dir: str, stamp: tuple[int, ...]) -> Any:
 
 def _gpt2_from_dir(bpe_dir: str | Path) -> GPT2Tokenizer:
     folder = Path(bpe_dir).expanduser().resolve()
-    missing = [name for name in BPE_FILES if not (folder / name).is_file()]
+    names = BPE_FILES
+    if not any((folder / name).is_file() for name in BPE_FILES) and all(
+            (folder / name).is_file() for name in HF_BPE_FILES):
+        names = HF_BPE_FILES  # a Hugging Face folder: vocab.json + merges.txt
+    missing = [name for name in names if not (folder / name).is_file()]
     if missing:
         raise FileNotFoundError(
             f"GPT-2 BPE files not found in {folder}: missing {', '.join(missing)} "
             f"; pass --bpe-dir DIR (or set ${BPE_DIR_ENV}) to a folder holding encoder.json "
             "and vocab.bpe"
         )
-    stats = [(folder / name).stat() for name in BPE_FILES]
-    for name, st in zip(BPE_FILES, stats, strict=True):
+    stats = [(folder / name).stat() for name in names]
+    for name, st in zip(names, stats, strict=True):
         # GPT-2's files are 1.0 MB and 0.5 MB; the folder may come from a checkpoint's
         # settings, so a huge or special file there is refused before it is read.
         if st.st_size > MAX_BPE_FILE_BYTES:
             raise ValueError(f"{folder / name} is {st.st_size:,} bytes; GPT-2's BPE files are "
                              f"far smaller (at most {MAX_BPE_FILE_BYTES:,} bytes accepted)")
     stamp = tuple(v for st in stats for v in (st.st_size, st.st_mtime_ns))
-    return GPT2Tokenizer(_encoding_from_files(str(folder), stamp))
+    return GPT2Tokenizer(_encoding_from_files(str(folder), stamp, names))
 
 
 def get_tokenizer(name: str = "gpt2", *, bpe_dir: str | Path | None = None) -> Tokenizer:
@@ -247,8 +254,10 @@ def get_tokenizer(name: str = "gpt2", *, bpe_dir: str | Path | None = None) -> T
     Args:
         name: ``"gpt2"`` (GPT-2 BPE via tiktoken, 50,257 ids, ``<|endoftext|>`` = 50256) or
             ``"bytes"`` (:class:`ByteTokenizer`, 257 ids).
-        bpe_dir: for ``"gpt2"``, a folder with GPT-2's ``encoder.json`` and ``vocab.bpe``;
-            the encoding is then built from those files with no network access. Defaults to
+        bpe_dir: for ``"gpt2"``, a folder with GPT-2's ``encoder.json`` and ``vocab.bpe``
+            (or a Hugging Face folder's ``vocab.json`` and ``merges.txt``, the same files
+            under other names); the encoding is then built from those files with no
+            network access. Defaults to
             ``$QKV_BPE_DIR``; with neither, ``tiktoken.get_encoding("gpt2")`` is used, which
             downloads the files once into tiktoken's cache. Ignored for ``"bytes"``.
 
