@@ -147,3 +147,58 @@ def test_a_hugging_face_folders_vocab_and_merges_give_gpt2s_ids(tmp_path):
     assert ours.encode(text) == theirs.encode(text)
     assert ours.encode(text) == get_tokenizer("gpt2", bpe_dir=shared).encode(text)
     assert ours.decode(ours.encode(text)) == text
+
+
+def _hf_folder_with_tokenizer(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2"
+    if not (shared / "encoder.json").is_file():
+        pytest.skip("GPT-2's BPE files are not beside the repository")
+    hf, folder = _hf_model(tmp_path, seed=5, vocab_size=50257, n_positions=64)
+    shutil.copy(shared / "encoder.json", folder / "vocab.json")
+    shutil.copy(shared / "vocab.bpe", folder / "merges.txt")
+    return hf, folder
+
+
+def test_lm_import_makes_a_run_that_generates_what_transformers_generates(tmp_path, capsys):
+    from qkv.cli import main
+    from qkv.tasks.lm import LanguageModel
+
+    hf, folder = _hf_folder_with_tokenizer(tmp_path)
+    run = tmp_path / "run"
+    assert main(["lm", "import", str(folder), "--run-dir", str(run)]) == 0
+    assert "2 layers, 4 heads, width 24, context 64, 50,257 ids" in capsys.readouterr().out
+    prompt = "Hello, I am"
+    assert main(["lm", "generate", "--ckpt", str(run), "--prompt", prompt,
+                 "--max-new-tokens", "12"]) == 0
+    ours = capsys.readouterr().out.splitlines()[0]
+    tok = transformers.GPT2Tokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
+    ids = tok(prompt, return_tensors="pt").input_ids
+    want = hf.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                       eos_token_id=None)
+    assert ours == tok.decode(want[0])
+    # the run loads like any other, with the same logits
+    lm = LanguageModel.load(run)
+    assert lm.settings.qkv_bias and lm.settings.tie_weights and lm.settings.emb_dim == 24
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(ids), hf(ids).logits, atol=1e-4, rtol=0)
+    assert main(["lm", "attention", "--ckpt", str(run), "--prompt", prompt, "--heatmap",
+                 str(tmp_path / "att.png")]) == 0
+    # a second import into the same run directory needs --overwrite
+    assert main(["lm", "import", str(folder), "--run-dir", str(run)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_lm_import_refuses_a_tokenizer_of_another_size_before_building(tmp_path, capsys):
+    from qkv.cli import main
+
+    _, folder = _hf_folder_with_tokenizer(tmp_path)
+    _edit_config(folder, vocab_size=50000)
+    capsys.readouterr()  # transformers' own progress bar, from saving the folder
+    assert main(["lm", "import", str(folder), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "the model has vocab_size 50000 but the GPT-2 tokenizer" in err
+    assert not (tmp_path / "run").exists()

@@ -98,6 +98,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     att.add_argument("--device", default="cpu")
     att.set_defaults(run=run_attention)
 
+    imp = actions.add_parser(
+        "import", help="make a run directory of a Hugging Face GPT-2 folder (gpt2 to gpt2-xl)")
+    imp.add_argument("folder", type=Path,
+                     help="config.json, model.safetensors (or pytorch_model.bin, read "
+                          "weights-only), vocab.json and merges.txt")
+    imp.add_argument("--run-dir", type=Path, required=True)
+    imp.add_argument("--bpe-dir", default=None,
+                     help="GPT-2's BPE files, if the folder has no vocab.json/merges.txt")
+    imp.add_argument("--overwrite", action="store_true",
+                     help="replace a checkpoint already in --run-dir")
+    imp.set_defaults(run=run_import)
+
 
 def run_train(args: argparse.Namespace) -> int:
     from ..tasks.lm import LMSettings, train_language_model
@@ -145,4 +157,16 @@ def run_attention(args: argparse.Namespace) -> int:
     lm = LanguageModel.load(args.ckpt, device=args.device, bpe_dir=args.bpe_dir)
     path = lm.heatmap(args.prompt, args.heatmap, layers=args.layers)
     print(f"heatmap written to {path}")
+    return 0
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from ..tasks.lm import import_gpt2
+
+    lm = import_gpt2(args.folder, args.run_dir, bpe_dir=args.bpe_dir,
+                     overwrite=args.overwrite, log=print)
+    cfg = lm.model.cfg
+    print(f"{cfg.n_layers} layers, {cfg.n_heads} heads, width {cfg.emb_dim}, context "
+          f"{cfg.context_length}, {lm.tokenizer.n_vocab:,} ids; try: qkv lm generate "
+          f"--ckpt {args.run_dir} --prompt \"Hello\"")
     return 0

@@ -56,10 +56,12 @@ from ..training import (
     get_rank_and_world_size,
     load_weights,
     resolve_device,
+    save_checkpoint,
 )
 from . import pipeline
 
-__all__ = ["LMSettings", "LanguageModel", "Generation", "train_language_model", "lm_loss"]
+__all__ = ["LMSettings", "LanguageModel", "Generation", "train_language_model", "lm_loss",
+           "import_gpt2"]
 
 TASK = "lm"
 # Most characters of the generated corpus a run may ask for (it is built in memory).
@@ -85,6 +87,12 @@ class LMSettings:
     stride: int | None = None
     drop_rate: float | None = None
     tie_weights: bool = False
+    # The architecture, where it differs from the preset's (an imported model's, say);
+    # None: the preset's.
+    emb_dim: int | None = None
+    n_heads: int | None = None
+    n_layers: int | None = None
+    qkv_bias: bool = False
     batch_size: int = 16
     epochs: int | None = None
     lr: float | None = None
@@ -116,9 +124,10 @@ class LMSettings:
             if getattr(self, name) is not None:
                 check_str(name, getattr(self, name))
         check_str("tokenizer", self.tokenizer, choices=TOKENIZER_NAMES)
-        for name in ("context_length", "stride"):
+        for name in ("context_length", "stride", "emb_dim", "n_heads", "n_layers"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1, MAX_SIZE)
+        check_bool("qkv_bias", self.qkv_bias)
         if self.drop_rate is not None:
             check_float("drop_rate", self.drop_rate, 0.0, 1.0, hi_open=True)
         check_bool("tie_weights", self.tie_weights)
@@ -140,11 +149,11 @@ class LMSettings:
             check_sha256("text_sha256", self.text_sha256)
 
     def model_config(self, vocab_size: int) -> GPTConfig:
-        overrides: dict[str, Any] = {"vocab_size": vocab_size, "tie_weights": self.tie_weights}
-        if self.context_length is not None:
-            overrides["context_length"] = self.context_length
-        if self.drop_rate is not None:
-            overrides["drop_rate"] = self.drop_rate
+        overrides: dict[str, Any] = {"vocab_size": vocab_size, "tie_weights": self.tie_weights,
+                                     "qkv_bias": self.qkv_bias}
+        for name in ("context_length", "drop_rate", "emb_dim", "n_heads", "n_layers"):
+            if getattr(self, name) is not None:
+                overrides[name] = getattr(self, name)
         return GPTConfig.preset(self.preset, **overrides)
 
     @classmethod
@@ -303,7 +312,9 @@ def _load_text(settings: LMSettings) -> tuple[str, str | None]:
 
 
 def _model_name(settings: LMSettings, num_params: int) -> str:
-    return f"this {num_params:,}-parameter GPT ('{settings.preset}' preset)"
+    resized = any(getattr(settings, k) is not None for k in ("emb_dim", "n_heads", "n_layers"))
+    return (f"this {num_params:,}-parameter GPT ('{settings.preset}' preset"
+            f"{', resized' if resized else ''})")
 
 
 def _read_config(run_dir: str | Path) -> tuple[LMSettings, GPTConfig, dict[str, Any]]:
@@ -407,3 +418,56 @@ def train_language_model(
             validate=validate if val_set is not None else None,
         )
         return LanguageModel(module, tokenizer, settings), history
+
+
+def import_gpt2(
+    folder: str | Path,
+    run_dir: str | Path,
+    *,
+    bpe_dir: str | Path | None = None,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> LanguageModel:
+    """Make a run directory of a Hugging Face GPT-2 folder, for ``lm generate``,
+    ``lm attention`` and :meth:`LanguageModel.load`.
+
+    The weights come through :meth:`GPTModel.from_hf`; the tokenizer is GPT-2's BPE from
+    the folder's ``vocab.json`` and ``merges.txt`` (or from ``bpe_dir``). The config,
+    the tokenizer's size against the model's and the memory the model needs are all
+    checked before it is built; the run directory follows the usual rules (one writer,
+    an existing checkpoint replaced only with ``overwrite``).
+    """
+    from ..models.hf_gpt2 import read_config
+
+    folder, run_dir = Path(folder), Path(run_dir)
+    fields = read_config(folder)
+    cfg = GPTConfig(**fields)
+    bpe = Path(bpe_dir) if bpe_dir is not None else folder
+    tokenizer = get_tokenizer("gpt2", bpe_dir=bpe)
+    if tokenizer.n_vocab != cfg.vocab_size:
+        raise ValueError(f"{folder}: the model has vocab_size {cfg.vocab_size} but the "
+                         f"GPT-2 tokenizer in {bpe} has {tokenizer.n_vocab} ids")
+    # The GPT-2 preset of this size, if there is one; the fields that differ are kept.
+    preset = next((name for name in ("gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl")
+                   if all(getattr(GPTConfig.preset(name), k) == getattr(cfg, k)
+                          for k in ("emb_dim", "n_heads", "n_layers"))), "gpt2-small")
+    base = GPTConfig.preset(preset)
+    settings = LMSettings(
+        tokenizer="gpt2", bpe_dir=str(bpe.resolve()), preset=preset,
+        context_length=cfg.context_length, drop_rate=cfg.drop_rate,
+        tie_weights=cfg.tie_weights, qkv_bias=cfg.qkv_bias, epochs=0, lr=1e-3,
+        **{k: getattr(cfg, k) for k in ("emb_dim", "n_heads", "n_layers")
+           if getattr(cfg, k) != getattr(base, k)},
+    )
+    settings.validate()
+    n = cfg.num_parameters()
+    check_memory(LOAD_BYTES_PER_PARAMETER * n, f"importing {_model_name(settings, n)}",
+                 hint="import it on a machine with more memory")
+    with pipeline.training_run(run_dir, "cpu", resume=False, overwrite=overwrite,
+                               outputs=(), log=log) as log:
+        model = GPTModel.from_hf(folder)
+        save_checkpoint(run_dir, model, {
+            "task": TASK, "settings": dataclasses.asdict(settings), "model": cfg.to_dict(),
+            "tokenizer": tokenizer.to_dict()})
+        log(f"imported {_model_name(settings, n)} from {folder} into {run_dir}")
+    return LanguageModel(model, tokenizer, settings)
