@@ -202,3 +202,23 @@ def test_lm_import_refuses_a_tokenizer_of_another_size_before_building(tmp_path,
     assert err.count("\n") == 1
     assert "the model has vocab_size 50000 but the GPT-2 tokenizer" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_imported_gpt2_fine_tunes_with_its_own_tokenizer_and_context(tmp_path, capsys):
+    import json
+
+    from qkv.cli import main
+
+    _, folder = _hf_folder_with_tokenizer(tmp_path)
+    run = tmp_path / "run"
+    assert main(["lm", "import", str(folder), "--run-dir", str(run)]) == 0
+    text = tmp_path / "story.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 60, encoding="utf-8")
+    tuned = tmp_path / "tuned"
+    assert main(["lm", "train", "--init", str(run), "--text", str(text), "--run-dir",
+                 str(tuned), "--epochs", "1", "--batch-size", "2", "--no-progress",
+                 "--sample", ""]) == 0
+    settings = json.loads((tuned / "config.json").read_text())["settings"]
+    assert (settings["tokenizer"], settings["context_length"], settings["qkv_bias"],
+            settings["tie_weights"], settings["emb_dim"]) == ("gpt2", 64, True, True, 24)
+    assert "starting from the weights of" in capsys.readouterr().out

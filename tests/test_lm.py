@@ -1,5 +1,6 @@
 """qkv lm end to end on text the tests write: train, generate, attention, errors."""
 
+import json
 import re
 
 import pytest
@@ -144,3 +145,45 @@ def test_resume_rebuilds_the_gpt2_tokenizer_offline(text_file, tmp_path, capsys)
     capsys.readouterr()
     assert main(["lm", "train", "--run-dir", str(run_dir), "--resume", "--epochs", "2",
                  "--bpe-dir", str(moved), "--no-progress", "--sample", ""]) == 0
+
+
+def test_fine_tuning_starts_from_a_runs_weights_and_keeps_its_architecture(
+        trained, text_file, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT[::-1], encoding="utf-8")
+    common = ["--text", str(other), "--batch-size", "8", "--no-progress", "--sample", ""]
+    start = tmp_path / "start"
+    assert main(["lm", "train", "--init", str(trained), "--run-dir", str(start),
+                 "--epochs", "0", *common]) == 0
+    before, after = load_file(trained / "model.safetensors"), load_file(
+        start / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    saved = json.loads((start / "config.json").read_text())
+    assert saved["settings"]["context_length"] == 32 and saved["settings"]["init"] == str(
+        trained)
+    # fine-tuned for an epoch, it starts far below a model trained from scratch
+    tuned, scratch = tmp_path / "tuned", tmp_path / "scratch"
+    assert main(["lm", "train", "--init", str(trained), "--run-dir", str(tuned),
+                 "--epochs", "1", *common]) == 0
+    assert main(["lm", "train", "--run-dir", str(scratch), "--epochs", "1",
+                 "--context-length", "32", *common]) == 0
+    loss = {}
+    for name, run in (("tuned", tuned), ("scratch", scratch)):
+        state = json.loads((run / "trainer.json").read_text())["trainer_state"]
+        loss[name] = state["history"]["loss"][0]
+    assert loss["tuned"] < 0.8 * loss["scratch"], loss
+    # and it resumes like any run
+    assert main(["lm", "train", "--run-dir", str(tuned), "--resume", "--epochs", "2",
+                 "--no-progress", "--sample", ""]) == 0
+    capsys.readouterr()
+    one_line_error(capsys, ["lm", "train", "--init", str(trained), "--preset", "mini",
+                            "--run-dir", str(tmp_path / "x"), *common],
+                   r"--preset comes from the run --init starts from")
+    one_line_error(capsys, ["lm", "train", "--init", str(tmp_path / "nothing"),
+                            "--run-dir", str(tmp_path / "x"), *common],
+                   r"--init .*nothing: no checkpoint there")
+    one_line_error(capsys, ["lm", "train", "--init", str(trained), "--resume",
+                            "--run-dir", str(tuned), *common], r"--init starts a new run")

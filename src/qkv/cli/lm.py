@@ -21,8 +21,10 @@ SETTINGS_FLAGS = {
     "context_length": "context_length", "stride": "stride", "drop_rate": "dropout",
     "tie_weights": "tie_weights", "batch_size": "batch_size", "epochs": "epochs", "lr": "lr",
     "weight_decay": "weight_decay", "clip_norm": "clip_norm", "val_fraction": "val_fraction",
-    "seed": "seed", "device": "device",
+    "seed": "seed", "device": "device", "init": "init",
 }
+# What a run started with --init takes from the run it starts from.
+FROM_INIT = ("tokenizer", "preset", "context_length", "tie_weights")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train = actions.add_parser("train", help="train a GPT on a text file (or a built-in one)")
     train.add_argument("--text", default=None,
                        help="UTF-8 text file (default: a corpus qkv generates itself)")
+    train.add_argument("--init", default=None, metavar="RUN",
+                       help="start from the weights of this run (trained here, or made by "
+                            "qkv lm import); its tokenizer, context length and "
+                            "architecture are kept")
     train.add_argument("--tokenizer", choices=["bytes", "gpt2"], default=None,
                        help="bytes: 256 byte symbols, no download (default); gpt2: GPT-2 BPE")
     train.add_argument("--bpe-dir", default=None,
@@ -116,6 +122,14 @@ def run_train(args: argparse.Namespace) -> int:
     from ..training import is_main_process
 
     given = given_settings(args, SETTINGS_FLAGS)
+    if args.init is not None:
+        if args.resume:
+            raise ValueError("--init starts a new run; --resume continues one: pass one")
+        clash = [f for f in FROM_INIT if f in given]
+        if clash:
+            flag = "--" + clash[0].replace("_", "-")
+            raise ValueError(f"{flag} comes from the run --init starts from "
+                             f"({args.init}); leave it out")
     if args.resume:
         check_resume_flags(args.run_dir, "lm", given, SETTINGS_FLAGS)
     settings = LMSettings(**given)

@@ -54,6 +54,7 @@ from ..training import (
     check_memory,
     check_weights,
     get_rank_and_world_size,
+    is_checkpoint,
     load_weights,
     resolve_device,
     save_checkpoint,
@@ -80,6 +81,9 @@ class LMSettings:
     """
 
     text: str | None = None
+    # Start from this run's weights (one trained here, or imported from GPT-2): its
+    # tokenizer, context length and architecture are this run's; None: from scratch.
+    init: str | None = None
     tokenizer: str = "bytes"
     bpe_dir: str | None = None
     preset: str = "tiny"
@@ -120,7 +124,7 @@ class LMSettings:
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {show(self.preset)}; choose one of "
                              f"{sorted(PRESETS)}")
-        for name in ("text", "bpe_dir"):
+        for name in ("text", "bpe_dir", "init"):
             if getattr(self, name) is not None:
                 check_str(name, getattr(self, name))
         check_str("tokenizer", self.tokenizer, choices=TOKENIZER_NAMES)
@@ -355,6 +359,8 @@ def train_language_model(
         saved, saved_tokenizer = None, None
         if resume:
             saved, _, saved_tokenizer = _read_config(run_dir)
+        elif settings.init is not None:
+            settings, saved_tokenizer = _settings_from_init(settings)
         settings = pipeline.run_settings(settings, saved, run_dir)
 
         if saved_tokenizer is None:
@@ -386,7 +392,13 @@ def train_language_model(
             activation_bytes=4 * cfg.num_saved_activations(batch, window),
             hint="choose a smaller --preset, --context-length or --batch-size",
         )
-        model = GPTModel(cfg).init_weights()
+        if settings.init is not None and not resume:
+            check_weights(settings.init, cfg.parameter_shapes(), num_params)
+            model = GPTModel(cfg)
+            load_weights(settings.init, model)
+            log(f"starting from the weights of {settings.init}")
+        else:
+            model = GPTModel(cfg).init_weights()
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         log(f"GPT '{settings.preset}': {n_params:,} parameters, {cfg.n_layers} layers x "
             f"{cfg.n_heads} heads, context {window}; tokenizer {tokenizer.name} "
@@ -418,6 +430,41 @@ def train_language_model(
             validate=validate if val_set is not None else None,
         )
         return LanguageModel(module, tokenizer, settings), history
+
+
+# What a run started with --init takes from the run it starts from.
+_FROM_INIT = ("tokenizer", "preset", "context_length", "emb_dim", "n_heads", "n_layers",
+              "qkv_bias", "tie_weights")
+
+
+def _settings_from_init(settings: LMSettings) -> tuple[LMSettings, dict[str, Any]]:
+    """``settings`` with the tokenizer and architecture of the run ``settings.init``
+    (read and validated), and that run's tokenizer dict. A field set to something else
+    than its default and than the init run's is refused in one line: the weights could
+    not be used."""
+    init = Path(settings.init)  # type: ignore[arg-type]
+    if not is_checkpoint(init):
+        raise ValueError(f"--init {init}: no checkpoint there (a run directory of qkv lm "
+                         "train or qkv lm import)")
+    theirs, cfg, tokenizer = _read_config(init)
+    arch = {"tokenizer": theirs.tokenizer, "preset": theirs.preset,
+            "context_length": cfg.context_length, "emb_dim": cfg.emb_dim,
+            "n_heads": cfg.n_heads, "n_layers": cfg.n_layers, "qkv_bias": cfg.qkv_bias,
+            "tie_weights": cfg.tie_weights}
+    defaults = LMSettings()
+    base = GPTConfig.preset(theirs.preset)
+    for name in _FROM_INIT:
+        ours = getattr(settings, name)
+        if ours != getattr(defaults, name) and ours != arch[name]:
+            raise ValueError(f"{name} {show(ours)} conflicts with the run it starts from "
+                             f"({init}: {show(arch[name])}); leave it out")
+    # Sizes equal to the preset's stay None, as in any run of that preset.
+    arch.update({k: None for k in ("emb_dim", "n_heads", "n_layers")
+                 if arch[k] == getattr(base, k)})
+    return dataclasses.replace(
+        settings, **arch, bpe_dir=settings.bpe_dir or theirs.bpe_dir,
+        drop_rate=cfg.drop_rate if settings.drop_rate is None else settings.drop_rate,
+    ), tokenizer
 
 
 def import_gpt2(
