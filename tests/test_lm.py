@@ -187,3 +187,78 @@ def test_fine_tuning_starts_from_a_runs_weights_and_keeps_its_architecture(
                    r"--init .*nothing: no checkpoint there")
     one_line_error(capsys, ["lm", "train", "--init", str(trained), "--resume",
                             "--run-dir", str(tuned), *common], r"--init starts a new run")
+
+
+def test_weight_decay_groups_leave_out_biases_norms_and_embeddings():
+    from qkv.models.gpt import GPTConfig, GPTModel
+    from qkv.tasks.lm import param_groups
+
+    for tie in (False, True):
+        model = GPTModel(GPTConfig.preset("tiny", vocab_size=50, qkv_bias=True,
+                                          tie_weights=tie))
+        decay, no_decay = param_groups(model, 0.1)
+        assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+        names = {id(p): n for n, p in model.named_parameters()}
+        decayed = sorted(names[id(p)] for p in decay["params"])
+        # written out by hand: every linear layer's matrix, and nothing else
+        want = [f"trf_blocks.{i}.{w}.weight" for i in range(2)
+                for w in ("att.W_query", "att.W_key", "att.W_value", "att.out_proj",
+                          "ff.layers.0", "ff.layers.2")]
+        if not tie:
+            want.append("out_head.weight")
+        assert decayed == sorted(want)
+        assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+        assert any(p is model.tok_emb.weight for p in no_decay["params"])
+
+
+def test_the_lm_recipe_follows_its_schedule_and_accumulates_to_a_token_batch(
+        text_file, tmp_path, monkeypatch, capsys):
+    import qkv.tasks.lm as task
+    from qkv.training import LRSchedule
+
+    rates = []
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):
+            rates.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    monkeypatch.setattr(task.torch.optim, "AdamW", Recording)
+    assert main(["lm", "train", "--text", str(text_file), "--run-dir", str(tmp_path / "r"),
+                 "--epochs", "2", "--lr", "0.002", "--warmup-steps", "3", "--decay",
+                 "cosine", "--batch-tokens", "700", "--patience", "1", *FAST]) == 0
+    out = capsys.readouterr().out
+    # 700 tokens per step from batches of 8 windows of 32 tokens: 3 micro-batches
+    assert "accumulate 3: 3 x 8 x 32 = 768 tokens per step" in out
+    windows = int(re.search(r"in ([\d,]+) windows", out)[1].replace(",", ""))
+    steps_per_epoch = -(-(windows // 8) // 3)  # full batches only, then groups of 3
+    assert len(rates) == 2 * steps_per_epoch
+    schedule = LRSchedule(warmup_steps=3, decay="cosine", total_steps=len(rates))
+    assert rates == pytest.approx([0.002 * schedule.factor(i) for i in range(len(rates))])
+    assert (tmp_path / "r" / "best" / "model.safetensors").is_file()
+
+
+def test_the_lm_trains_in_bfloat16_autocast(text_file, tmp_path):
+    assert main(["lm", "train", "--text", str(text_file), "--run-dir", str(tmp_path / "r"),
+                 "--epochs", "1", "--dtype", "bfloat16", *FAST]) == 0
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())["settings"]
+    assert saved["dtype"] == "bfloat16"
+    state = json.loads((tmp_path / "r" / "trainer.json").read_text())["trainer_state"]
+    assert 0 < state["history"]["loss"][0] < 10
+
+
+def test_lm_validation_leaves_the_training_random_stream_alone(text_file, tmp_path,
+                                                                monkeypatch):
+    # With dropout on, a run with validation must train exactly as one without.
+    from qkv.tasks import pipeline
+
+    args = ["lm", "train", "--text", str(text_file), "--epochs", "2", "--dropout", "0.1",
+            *FAST]
+    assert main([*args, "--run-dir", str(tmp_path / "a")]) == 0
+    real_fit = pipeline.fit
+    monkeypatch.setattr(pipeline, "fit",
+                        lambda *a, **k: real_fit(*a, **{**k, "validate": None}))
+    assert main([*args, "--run-dir", str(tmp_path / "b")]) == 0
+    losses = [json.loads((tmp_path / r / "trainer.json").read_text())["trainer_state"]
+              ["history"]["loss"] for r in ("a", "b")]
+    assert losses[0] == losses[1]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..training import DECAYS, DTYPES
 from .runs import check_resume_flags, given_settings, reporting_stops
 
 # LMSettings field -> the argparse destination of its flag.
@@ -21,7 +22,9 @@ SETTINGS_FLAGS = {
     "context_length": "context_length", "stride": "stride", "drop_rate": "dropout",
     "tie_weights": "tie_weights", "batch_size": "batch_size", "epochs": "epochs", "lr": "lr",
     "weight_decay": "weight_decay", "clip_norm": "clip_norm", "val_fraction": "val_fraction",
-    "seed": "seed", "device": "device", "init": "init",
+    "seed": "seed", "device": "device", "init": "init", "warmup_steps": "warmup_steps",
+    "decay": "decay", "accumulate": "accumulate", "batch_tokens": "batch_tokens",
+    "patience": "patience", "dtype": "dtype", "compile": "compile",
 }
 # What a run started with --init takes from the run it starts from.
 FROM_INIT = ("tokenizer", "preset", "context_length", "tie_weights")
@@ -65,7 +68,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="total epochs (default: 10; with --resume, the run's own)")
     train.add_argument("--lr", type=float, default=None,
                        help="learning rate (default: 0.001; with --resume, the run's own)")
-    train.add_argument("--weight-decay", type=float, default=None, help="default: 0.1")
+    train.add_argument("--weight-decay", type=float, default=None,
+                       help="AdamW's decoupled decay of the linear layers' matrices (not "
+                            "biases, norms or embeddings); default: 0.1")
+    train.add_argument("--warmup-steps", type=int, default=None,
+                       help="learning-rate warm-up, in optimizer steps (default: 0)")
+    train.add_argument("--decay", choices=DECAYS, default=None,
+                       help="learning-rate decay after the warm-up (default: constant)")
+    train.add_argument("--accumulate", type=int, default=None,
+                       help="micro-batches per optimizer step (default: 1)")
+    train.add_argument("--batch-tokens", type=int, default=None,
+                       help="tokens per optimizer step: --accumulate chosen to reach it")
+    train.add_argument("--patience", type=int, default=None,
+                       help="stop after this many epochs without a better validation loss, "
+                            "keeping the best weights (default: 0, never)")
+    train.add_argument("--dtype", choices=DTYPES, default=None,
+                       help="forward precision: float32 (default) or bfloat16 autocast")
+    train.add_argument("--compile", action="store_const", const=True, default=None,
+                       help="train through torch.compile")
     train.add_argument("--clip-norm", type=float, default=None, help="default: 1.0")
     train.add_argument("--val-fraction", type=float, default=None, help="default: 0.1")
     train.add_argument("--seed", type=int, default=None, help="default: 0")

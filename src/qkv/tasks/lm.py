@@ -48,9 +48,13 @@ from ..data.tokenizers import TOKENIZER_NAMES, Tokenizer, get_tokenizer, tokeniz
 from ..data.translate import read_corpus
 from ..models.gpt import PRESETS, GPTConfig, GPTModel, generate
 from ..training import (
+    DECAYS,
+    DTYPES,
     LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
     CheckpointError,
+    EarlyStopping,
+    LRSchedule,
     check_memory,
     check_weights,
     get_rank_and_world_size,
@@ -62,7 +66,7 @@ from ..training import (
 from . import pipeline
 
 __all__ = ["LMSettings", "LanguageModel", "Generation", "train_language_model", "lm_loss",
-           "import_gpt2"]
+           "import_gpt2", "param_groups"]
 
 TASK = "lm"
 # Most characters of the generated corpus a run may ask for (it is built in memory).
@@ -102,6 +106,21 @@ class LMSettings:
     lr: float | None = None
     weight_decay: float = 0.1
     clip_norm: float = 1.0
+    # Learning-rate schedule (qkv.training.LRSchedule): linear warm-up over this many
+    # optimizer steps, then "constant" (the book's), "linear", "cosine" or "inverse_sqrt".
+    warmup_steps: int = 0
+    decay: str = "constant"
+    # Micro-batches per optimizer step: one step then sees accumulate x batch_size windows.
+    # Or batch_tokens: the fewest tokens per optimizer step, accumulate chosen to reach it.
+    accumulate: int = 1
+    batch_tokens: int | None = None
+    # Stop after this many epochs without a better validation loss, keeping the best
+    # weights in run_dir/best; 0: never.
+    patience: int = 0
+    # Forward precision and torch.compile: how the model computes, not what it is (None:
+    # float32, no compile; a resume may change them).
+    dtype: str | None = None
+    compile: bool | None = None
     val_fraction: float = 0.1
     corpus_chars: int = 60_000
     seed: int = 0
@@ -141,6 +160,19 @@ class LMSettings:
         if self.lr is not None:
             check_float("lr", self.lr, 0.0, lo_open=True)
         check_float("weight_decay", self.weight_decay, 0.0)
+        check_int("warmup_steps", self.warmup_steps, 0, MAX_SIZE)
+        check_str("decay", self.decay, choices=DECAYS)
+        self.schedule()  # LRSchedule's own checks: inverse_sqrt needs a warm-up
+        check_int("accumulate", self.accumulate, 1, MAX_SIZE)
+        if self.batch_tokens is not None:
+            check_int("batch_tokens", self.batch_tokens, 1, MAX_SIZE)
+            if self.accumulate != 1:
+                raise ValueError("give accumulate or batch_tokens, not both")
+        check_int("patience", self.patience, 0, MAX_SIZE)
+        if self.dtype is not None:
+            check_str("dtype", self.dtype, choices=DTYPES)
+        if self.compile is not None:
+            check_bool("compile", self.compile)
         if self.clip_norm is not None:
             check_float("clip_norm", self.clip_norm, 0.0, lo_open=True)
         check_float("val_fraction", self.val_fraction, 0.0, 1.0, hi_open=True)
@@ -151,6 +183,10 @@ class LMSettings:
             raise ValueError(f"extra must be an object, got {show(self.extra)}")
         if self.text_sha256 is not None:
             check_sha256("text_sha256", self.text_sha256)
+
+    def schedule(self) -> LRSchedule:
+        """The learning-rate schedule of these settings."""
+        return LRSchedule(warmup_steps=self.warmup_steps, decay=self.decay)
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         overrides: dict[str, Any] = {"vocab_size": vocab_size, "tie_weights": self.tie_weights,
@@ -372,6 +408,13 @@ def train_language_model(
         ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
         cfg = settings.model_config(tokenizer.n_vocab)
         window = cfg.context_length
+        if settings.batch_tokens is not None:
+            settings = dataclasses.replace(
+                settings, batch_tokens=None,
+                accumulate=max(1, -(-settings.batch_tokens // (settings.batch_size * window))))
+            log(f"accumulate {settings.accumulate}: {settings.accumulate} x "
+                f"{settings.batch_size} x {window} = "
+                f"{settings.accumulate * settings.batch_size * window:,} tokens per step")
         stride = settings.stride or max(1, window // 2)
         split = int(len(ids) * (1 - settings.val_fraction))
         train_ids, val_ids = ids[:split], ids[split:]
@@ -405,20 +448,18 @@ def train_language_model(
             f"({tokenizer.n_vocab:,} ids); {len(train_ids):,} training tokens in "
             f"{len(train_set):,} windows, {len(val_ids):,} validation tokens")
 
-        # The usual GPT recipe: decay matrices, not biases and norm gains.
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": settings.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=settings.lr,
-        )
+        optimizer = torch.optim.AdamW(param_groups(model, settings.weight_decay),
+                                      lr=settings.lr)
 
         def validate(module: nn.Module) -> dict[str, float]:
             device = next(module.parameters()).device
             loss_sum, tokens = 0.0, 0
+            # A DataLoader draws a seed from the global RNG each time it is iterated,
+            # unless it has a generator of its own: validating must not change the
+            # dropout masks of the epochs that follow.
             for inputs, targets in create_dataloader(val_set, batch_size=settings.batch_size,
-                                                     shuffle=False, drop_last=False):
+                                                     shuffle=False, drop_last=False,
+                                                     generator=torch.Generator()):
                 s, n = lm_loss(module, (inputs.to(device), targets.to(device)))
                 loss_sum, tokens = loss_sum + s.item(), tokens + int(n)
             return {"loss": loss_sum / tokens}
@@ -428,8 +469,24 @@ def train_language_model(
             progress=progress, log=log, log_every=1, drop_last=True, optimizer=optimizer,
             sections={"model": cfg.to_dict(), "tokenizer": tokenizer.to_dict()},
             validate=validate if val_set is not None else None,
+            schedule=settings.schedule(), accumulate=settings.accumulate,
+            early_stopping=EarlyStopping("valid_loss", patience=settings.patience)
+            if settings.patience and val_set is not None else None,
+            dtype=settings.dtype or "float32", compile=bool(settings.compile),
         )
         return LanguageModel(module, tokenizer, settings), history
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's groups for a GPT: decoupled weight decay on the matrices of the linear
+    layers only; none on biases, norm gains and shifts, or the embeddings (a tied output
+    head is the token embedding, so it is not decayed either)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():  # each shared Parameter once
+        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
 
 
 # What a run started with --init takes from the run it starts from.
