@@ -186,6 +186,12 @@ def test_lm_import_makes_a_run_that_generates_what_transformers_generates(tmp_pa
         torch.testing.assert_close(lm.model(ids), hf(ids).logits, atol=1e-4, rtol=0)
     assert main(["lm", "attention", "--ckpt", str(run), "--prompt", prompt, "--heatmap",
                  str(tmp_path / "att.png")]) == 0
+    # an imported run has weights but no training state: resuming it points to --init
+    capsys.readouterr()
+    assert main(["lm", "train", "--run-dir", str(run), "--resume", "--epochs", "1",
+                 "--no-progress", "--sample", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--init {run}" in err
     # a second import into the same run directory needs --overwrite
     assert main(["lm", "import", str(folder), "--run-dir", str(run)]) == 2
     assert "--overwrite" in capsys.readouterr().err

@@ -57,6 +57,7 @@ from ..training import (
     LRSchedule,
     check_memory,
     check_weights,
+    checkpoint_progress,
     get_rank_and_world_size,
     is_checkpoint,
     load_weights,
@@ -395,6 +396,10 @@ def train_language_model(
         saved, saved_tokenizer = None, None
         if resume:
             saved, _, saved_tokenizer = _read_config(run_dir)
+            if checkpoint_progress(run_dir) is None:  # e.g. made by qkv lm import
+                raise CheckpointError(
+                    f"{run_dir}: holds weights but no training state, so there is nothing "
+                    f"to resume; start a new run from its weights: --init {run_dir}")
         elif settings.init is not None:
             settings, saved_tokenizer = _settings_from_init(settings)
         settings = pipeline.run_settings(settings, saved, run_dir)
