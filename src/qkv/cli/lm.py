@@ -26,8 +26,6 @@ SETTINGS_FLAGS = {
     "decay": "decay", "accumulate": "accumulate", "batch_tokens": "batch_tokens",
     "patience": "patience", "dtype": "dtype", "compile": "compile",
 }
-# What a run started with --init takes from the run it starts from.
-FROM_INIT = ("tokenizer", "preset", "context_length", "tie_weights")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -138,7 +136,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from ..tasks.lm import LMSettings, train_language_model
+    from ..tasks.lm import FROM_INIT, LMSettings, train_language_model
     from ..training import is_main_process
 
     given = given_settings(args, SETTINGS_FLAGS)

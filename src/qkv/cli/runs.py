@@ -4,8 +4,8 @@ an honest report when a run stops early.
 - The settings flags default to None, so a flag the user gave can be told from one
   left alone: a new run fills the rest from the settings' own defaults, and a resume
   takes the run's saved settings and refuses a flag that would change one of them
-  (except the total ``--epochs``, ``--lr``, ``--device``, ``--bpe-dir`` and
-  ``--backend``, which a resume may set).
+  (except the total ``--epochs``, ``--lr``, ``--device``, ``--bpe-dir``,
+  ``--backend``, ``--dtype`` and ``--compile``, which a resume may set).
 - When a run stops (Ctrl-C, SIGTERM, a diverging loss) the message says what the run
   directory holds, read back from disk, and the exact command that continues it.
 """

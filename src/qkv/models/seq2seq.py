@@ -149,6 +149,14 @@ class Seq2SeqConfig:
                     f"got {self.num_heads}; e.g. one of {small_divisors(self.num_hiddens)}"
                 )
 
+    @property
+    def ignores_source_padding(self) -> bool:
+        """Whether nothing the encoder hands the decoder depends on source positions past
+        a sentence's length: the Transformer masks them; the GRU encoder skips them only
+        with ``skip_padding`` (d2l's reads them into its final state). A batch may then
+        drop source padding past its longest sentence."""
+        return self.model == "transformer" or self.skip_padding
+
     # Sizes, from the config alone: nothing is allocated. Tested against built models.
 
     def num_parameters(self) -> int:

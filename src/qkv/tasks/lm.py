@@ -67,7 +67,7 @@ from ..training import (
 from . import pipeline
 
 __all__ = ["LMSettings", "LanguageModel", "Generation", "train_language_model", "lm_loss",
-           "import_gpt2", "param_groups"]
+           "import_gpt2", "param_groups", "FROM_INIT"]
 
 TASK = "lm"
 # Most characters of the generated corpus a run may ask for (it is built in memory).
@@ -353,7 +353,7 @@ def _load_text(settings: LMSettings) -> tuple[str, str | None]:
 
 
 def _model_name(settings: LMSettings, num_params: int) -> str:
-    resized = any(getattr(settings, k) is not None for k in ("emb_dim", "n_heads", "n_layers"))
+    resized = any(getattr(settings, k) is not None for k in _SIZES)
     return (f"this {num_params:,}-parameter GPT ('{settings.preset}' preset"
             f"{', resized' if resized else ''})")
 
@@ -494,9 +494,21 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+# The LMSettings fields that override a preset's sizes.
+_SIZES = ("emb_dim", "n_heads", "n_layers")
 # What a run started with --init takes from the run it starts from.
-_FROM_INIT = ("tokenizer", "preset", "context_length", "emb_dim", "n_heads", "n_layers",
-              "qkv_bias", "tie_weights")
+FROM_INIT = ("tokenizer", "preset", "context_length", *_SIZES, "qkv_bias", "tie_weights")
+
+
+def _architecture(cfg: GPTConfig, preset: str) -> dict[str, Any]:
+    """The LMSettings fields that make ``preset`` into ``cfg``'s architecture: its
+    context length, head bias and tying, and the sizes that differ from the preset's
+    (those equal to it stay None, as in any run of that preset)."""
+    base = GPTConfig.preset(preset)
+    return {"preset": preset, "context_length": cfg.context_length,
+            "qkv_bias": cfg.qkv_bias, "tie_weights": cfg.tie_weights,
+            **{k: getattr(cfg, k) if getattr(cfg, k) != getattr(base, k) else None
+               for k in _SIZES}}
 
 
 def _settings_from_init(settings: LMSettings) -> tuple[LMSettings, dict[str, Any]]:
@@ -509,20 +521,15 @@ def _settings_from_init(settings: LMSettings) -> tuple[LMSettings, dict[str, Any
         raise ValueError(f"--init {init}: no checkpoint there (a run directory of qkv lm "
                          "train or qkv lm import)")
     theirs, cfg, tokenizer = _read_config(init)
-    arch = {"tokenizer": theirs.tokenizer, "preset": theirs.preset,
-            "context_length": cfg.context_length, "emb_dim": cfg.emb_dim,
-            "n_heads": cfg.n_heads, "n_layers": cfg.n_layers, "qkv_bias": cfg.qkv_bias,
-            "tie_weights": cfg.tie_weights}
+    arch = {"tokenizer": theirs.tokenizer, **_architecture(cfg, theirs.preset)}
     defaults = LMSettings()
-    base = GPTConfig.preset(theirs.preset)
-    for name in _FROM_INIT:
-        ours = getattr(settings, name)
-        if ours != getattr(defaults, name) and ours != arch[name]:
+    for name in FROM_INIT:
+        ours, wanted = getattr(settings, name), arch[name]
+        if name in _SIZES and wanted is None:
+            wanted = getattr(cfg, name)  # the preset's size, which the weights have
+        if ours != getattr(defaults, name) and ours != wanted:
             raise ValueError(f"{name} {show(ours)} conflicts with the run it starts from "
-                             f"({init}: {show(arch[name])}); leave it out")
-    # Sizes equal to the preset's stay None, as in any run of that preset.
-    arch.update({k: None for k in ("emb_dim", "n_heads", "n_layers")
-                 if arch[k] == getattr(base, k)})
+                             f"({init}: {show(wanted)}); leave it out")
     return dataclasses.replace(
         settings, **arch, bpe_dir=settings.bpe_dir or theirs.bpe_dir,
         drop_rate=cfg.drop_rate if settings.drop_rate is None else settings.drop_rate,
@@ -558,16 +565,9 @@ def import_gpt2(
                          f"GPT-2 tokenizer in {bpe} has {tokenizer.n_vocab} ids")
     # The GPT-2 preset of this size, if there is one; the fields that differ are kept.
     preset = next((name for name in ("gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl")
-                   if all(getattr(GPTConfig.preset(name), k) == getattr(cfg, k)
-                          for k in ("emb_dim", "n_heads", "n_layers"))), "gpt2-small")
-    base = GPTConfig.preset(preset)
-    settings = LMSettings(
-        tokenizer="gpt2", bpe_dir=str(bpe.resolve()), preset=preset,
-        context_length=cfg.context_length, drop_rate=cfg.drop_rate,
-        tie_weights=cfg.tie_weights, qkv_bias=cfg.qkv_bias, epochs=0, lr=1e-3,
-        **{k: getattr(cfg, k) for k in ("emb_dim", "n_heads", "n_layers")
-           if getattr(cfg, k) != getattr(base, k)},
-    )
+                   if not any(_architecture(cfg, name)[k] for k in _SIZES)), "gpt2-small")
+    settings = LMSettings(tokenizer="gpt2", bpe_dir=str(bpe.resolve()), epochs=0, lr=1e-3,
+                          drop_rate=cfg.drop_rate, **_architecture(cfg, preset))
     settings.validate()
     n = cfg.num_parameters()
     check_memory(LOAD_BYTES_PER_PARAMETER * n, f"importing {_model_name(settings, n)}",

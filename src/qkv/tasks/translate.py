@@ -875,9 +875,7 @@ def train_translator(
                 "flag:")
             for line in settings.choices(given):
                 log(line)
-        # An encoder that masks padding (the Transformer's, or a GRU that skips it)
-        # needs none past a batch's longest source sentence.
-        trim = settings.model == "transformer" or model.config.skip_padding
+        trim = model.config.ignores_source_padding
         loss_fn = translation_loss(data.tgt_vocab[BOS], settings.label_smoothing,
                                    trim_source=trim)
         if trace is not None and is_main_process():

@@ -989,6 +989,18 @@ def _check_trainer_state(state: Any, path: Path) -> None:
         raise _fail(path, str(error)) from None
 
 
+def _read_trainer_json(ckpt: _Checkpoint) -> tuple[Path, dict[str, Any]]:
+    """``trainer.json`` (its path and content), its keys and its ``trainer_state`` checked;
+    the caller has checked that the checkpoint lists it."""
+    path = ckpt.path(TRAINER_JSON)
+    saved = ckpt.read_json(TRAINER_JSON)
+    if not isinstance(saved, dict) or not {"optimizer", "rng", "trainer_state"} <= set(saved):
+        raise _fail(path, "expected keys 'optimizer', 'rng' and 'trainer_state'")
+    if saved["trainer_state"] is not None:
+        _check_trainer_state(saved["trainer_state"], path)
+    return path, saved
+
+
 def load_trainer_state(
     run_dir: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any] | None:
@@ -1001,16 +1013,11 @@ def load_trainer_state(
     ckpt = _Checkpoint(run_dir)
     if not ckpt.has(TRAINER_JSON):
         return None
-    path = ckpt.path(TRAINER_JSON)
     if not ckpt.has(TRAINER_TENSORS):
         raise _fail(ckpt.run_dir, f"manifest lists {TRAINER_JSON} but not {TRAINER_TENSORS}")
     tensors = ckpt.read_tensors(TRAINER_TENSORS)
-    saved = ckpt.read_json(TRAINER_JSON)
-    if not isinstance(saved, dict) or not {"optimizer", "rng", "trainer_state"} <= set(saved):
-        raise _fail(path, "expected keys 'optimizer', 'rng' and 'trainer_state'")
+    path, saved = _read_trainer_json(ckpt)
     trainer_state = saved["trainer_state"]
-    if trainer_state is not None:
-        _check_trainer_state(trainer_state, path)
     rng = _rng_from_json(saved["rng"], tensors, path)
     if optimizer is not None:
         if saved["optimizer"] is None:
@@ -1030,12 +1037,7 @@ def read_history(run_dir: str | os.PathLike[str]) -> dict[str, list]:
     ckpt = _Checkpoint(run_dir)
     if not ckpt.has(TRAINER_JSON):
         return {}
-    path = ckpt.path(TRAINER_JSON)
-    saved = ckpt.read_json(TRAINER_JSON)
-    if not isinstance(saved, dict) or "trainer_state" not in saved:
-        raise _fail(path, "expected the key 'trainer_state'")
-    state = saved["trainer_state"]
+    state = _read_trainer_json(ckpt)[1]["trainer_state"]
     if state is None:
         return {}
-    _check_trainer_state(state, path)
     return {key: list(column) for key, column in state.get("history", {}).items()}

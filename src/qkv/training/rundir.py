@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 # The settings a resume may change: the total epochs, the learning rate, the device, the
-# BPE folder (it may have moved since training) and a translator's backend, forward dtype
+# BPE folder (it may have moved since training) and the model's backend, forward dtype
 # and compilation (how the model computes, not what it is). Every other setting is the
 # run's.
 RESUMABLE = frozenset({"epochs", "lr", "device", "bpe_dir", "backend", "dtype", "compile"})

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import math
 import random
 import sys
@@ -498,11 +499,9 @@ class Trainer:
             # and the slowest rank's time (the step is as fast as the slowest rank).
             totals = torch.tensor([loss_sum_total, tokens], dtype=torch.float64,
                                   device=self.device)
-            slowest = torch.tensor([seconds], dtype=torch.float64, device=self.device)
             dist.all_reduce(totals)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             loss_sum_total, tokens = totals[0].item(), int(totals[1].item())
-            seconds = slowest.item()
+        seconds = self._slowest(seconds)
         # After the all-reduce, so that every rank raises together (none waits forever).
         if tokens == 0:
             raise ValueError(f"epoch {epoch + 1}: the data yielded no tokens (no batches, "
@@ -797,7 +796,7 @@ def plot_progress(
         if not seconds or not values or None in seconds:
             raise ValueError(f"{label}: its history has no per-epoch 'seconds' and "
                              f"{metric!r} to plot (known: {', '.join(sorted(history))})")
-        minutes = [sum(seconds[: i + 1]) / 60 for i in range(len(seconds))]
+        minutes = [total / 60 for total in itertools.accumulate(seconds)]
         points = [(m, v) for m, v in zip(minutes, values, strict=True) if v is not None]
         if not points:
             raise ValueError(f"{label}: no epoch recorded {metric!r}")
