@@ -284,7 +284,8 @@ def _report_scores(translator, pairs: list, label: str, beam: int) -> None:
     print(f"{label} examples:")
     for s, o, r in zip(src[:5], outputs[:5], refs[:5], strict=False):
         others = f" and {len(r) - 1} more" if len(r) > 1 else ""
-        print(f"  {' '.join(s)} => {' '.join(o)}   (reference: {' '.join(r[0])}{others})")
+        print(f"  {' '.join(s)} => {translator.detokenize(o)}   "
+              f"(reference: {translator.detokenize(r[0])}{others})")
 
 
 def _load(args: argparse.Namespace):
