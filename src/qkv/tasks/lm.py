@@ -365,7 +365,9 @@ def _read_config(run_dir: str | Path) -> tuple[LMSettings, GPTConfig, dict[str, 
                                       sections=("task", "settings", "model", "tokenizer"))
     settings = config.parse("settings", LMSettings.from_dict)
     model_config = config.parse("model", GPTConfig.from_dict)
-    implied = settings.model_config(model_config.vocab_size)
+    # Settings that each pass their own checks may still not make a model (sizes that
+    # do not divide): that too is a bad checkpoint, in one line.
+    implied = config.parse("settings", lambda _: settings.model_config(model_config.vocab_size))
     pipeline.check_model_config(config.path, model_config, implied)
     return settings, model_config, config.sections["tokenizer"]
 
