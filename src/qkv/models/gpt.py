@@ -177,6 +177,25 @@ class GPTConfig:
         head = 0 if self.tie_weights else V * d
         return (V + C) * d + L * block + 2 * d + head
 
+    def training_flops_per_token(self, tokens: int | None = None) -> float:
+        """Floating-point operations of one training step per token of a ``tokens``-long
+        window (default: ``context_length``): the usual count behind "model FLOPs
+        utilisation" (MFU), so that figures compare with other trainers'.
+
+        ``6 N`` for the matrix products with the ``N`` weights they multiply (2 per
+        multiply-add in the forward pass, twice that in the backward): the projections
+        and MLP of every block and the output head (counted even when tied, as the
+        product is done either way); embedding look-ups, norms and biases are not
+        products. Attention adds ``12 L T d`` (``q k^T`` and ``weights @ v`` over the
+        whole window, forward and backward, without crediting the causal mask's skipped
+        half). Recomputation and padding are not counted: this is the model's work,
+        not the hardware's.
+        """
+        T = self.context_length if tokens is None else tokens
+        d, L = self.emb_dim, self.n_layers
+        matmul_weights = L * 12 * d * d + self.vocab_size * d
+        return 6.0 * matmul_weights + 12.0 * L * T * d
+
     def num_saved_activations(self, batch_size: int, tokens: int) -> int:
         """A lower bound on the float32 values a training step's forward pass keeps for
         backward, on ``(batch_size, tokens)`` ids: per token, 16 x ``emb_dim`` in each block

@@ -1,0 +1,55 @@
+"""How fast the device multiplies matrices, for "model FLOPs utilisation" (MFU).
+
+MFU is the share of a ceiling that training reaches: the model's floating-point
+operations per second (e.g. :meth:`qkv.models.gpt.GPTConfig.training_flops_per_token`
+times tokens per second) over what the device can do. Rather than a datasheet peak,
+which a CPU does not have and a GPU rarely reaches, the ceiling here is *measured*: the
+rate of one large square ``torch.mm`` in the training dtype on the same device. So a
+figure near 100 % means "as fast as this machine multiplies matrices", on any machine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["matmul_rate", "MATMUL_SIZES"]
+
+# n of the n x n x n product: large enough to reach the device's rate, small enough
+# to take well under a second on a laptop CPU (2 n^3 = 2.1 GFLOP at 1,024).
+MATMUL_SIZES = {"cpu": 1024, "cuda": 8192}
+
+
+def matmul_rate(device: torch.device | str, dtype: torch.dtype = torch.float32, *,
+                n: int | None = None, seconds: float = 0.25) -> float:
+    """FLOP/s of ``torch.mm`` on two ``(n, n)`` matrices of ``dtype`` on ``device``.
+
+    Runs one warm-up product, then products for about ``seconds``, and returns the
+    fastest run's rate (the least disturbed by other work on a shared machine).
+    ``n`` defaults to :data:`MATMUL_SIZES` for the device type.
+    """
+    device = torch.device(device)
+    n = n or MATMUL_SIZES.get(device.type, 4096)
+    if n < 1 or seconds <= 0:
+        raise ValueError(f"matmul_rate needs n >= 1 and seconds > 0, got n={n}, "
+                         f"seconds={seconds}")
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=generator).to(device, dtype)
+    b = torch.randn(n, n, generator=generator).to(device, dtype)
+
+    def once() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    once()  # warm-up: kernel selection, page faults
+    best, spent = float("inf"), 0.0
+    while spent < seconds or best == float("inf"):
+        elapsed = once()
+        best, spent = min(best, elapsed), spent + elapsed
+    return 2.0 * n**3 / best
