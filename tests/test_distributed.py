@@ -35,6 +35,7 @@ from qkv.training import (
     epoch_seed,
     init_distributed,
     load_trainer_state,
+    load_weights,
     make_loader,
     seed_everything,
 )
@@ -259,6 +260,159 @@ def test_two_cpu_processes_match_one_process_on_the_combined_batch(tmp_path):
         assert len(first) == len(second) == 6
         assert sorted(first + second) == list(range(12))
     assert shards[0][0] != shards[0][1]
+
+
+# ---------------------------------------------------------------------------- FSDP
+
+FSDP_WORKER = '''
+"""Run by torchrun for tests/test_distributed.py: a tiny GPT trained with FSDP."""
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import TensorDataset
+
+from qkv.models.gpt import GPTConfig, GPTModel
+from qkv.tasks.lm import lm_loss, param_groups
+from qkv.training import (
+    EarlyStopping,
+    TrainConfig,
+    Trainer,
+    init_distributed,
+    make_loader,
+    seed_everything,
+)
+
+BATCH, EPOCHS, SEED, ACCUMULATE = 2, 2, 5, 2
+CFG = GPTConfig(vocab_size=37, context_length=6, emb_dim=16, n_heads=2, n_layers=2,
+                drop_rate=0.0, tie_weights=True)
+
+
+def dataset():
+    ids = torch.randint(0, CFG.vocab_size, (24, 7), generator=torch.Generator().manual_seed(1))
+    return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+def model():
+    torch.manual_seed(0)
+    return GPTModel(CFG).init_weights()
+
+
+def optimizer(module):
+    return torch.optim.AdamW(param_groups(module, 0.1), lr=3e-3)
+
+
+def config(epochs, **kwargs):
+    return TrainConfig(epochs=epochs, lr=3e-3, clip_norm=0.5, device="cpu", seed=SEED,
+                       accumulate=ACCUMULATE, progress=False, log_every=0, **kwargs)
+
+
+def validate(module):
+    inputs, targets = dataset()[:4]
+    loss_sum, tokens = lm_loss(module, (inputs, targets))
+    return {"loss": (loss_sum / tokens).item()}
+
+
+def trainer(epochs, run_dir):
+    data = dataset()
+    return Trainer(model(), lm_loss, lambda g: make_loader(data, BATCH, g),
+                   config(epochs, strategy="fsdp", flops_per_token=1e3,
+                          early_stopping=EarlyStopping(patience=0)),
+                   run_dir=run_dir, checkpoint_config={"model": "tiny-gpt"},
+                   optimizer=optimizer, validate=validate)
+
+
+def main(out):
+    rank, world_size, device = init_distributed("cpu")
+    with open(out / f"rank{rank}.err", "w") as stderr, contextlib.redirect_stderr(stderr):
+        seed_everything(0)
+        straight = trainer(EPOCHS, out / "run")
+        shards = {name: [p.to_local().numel(), p.numel()]
+                  for name, p in straight.module.named_parameters()}
+        history = straight.fit()
+        seed_everything(0)
+        trainer(1, out / "half").fit()
+        seed_everything(7)
+        resumed = trainer(EPOCHS, out / "half")
+        resumed.resume()
+        resumed.fit()
+    if rank == 0:
+        save_file(straight.module.state_dict(), out / "straight.safetensors")
+        save_file(resumed.module.state_dict(), out / "resumed.safetensors")
+    (out / f"rank{rank}.json").write_text(json.dumps({
+        "history": history, "shards": shards,
+        "whole": type(straight.module).__name__,
+        "device": str(next(straight.module.parameters()).device)}))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
+'''
+
+
+@needs_gloo
+def test_fsdp_on_two_cpu_processes_shards_and_matches_one_process(tmp_path):
+    from qkv.models.gpt import GPTModel
+
+    script = tmp_path / "fsdp_worker.py"
+    script.write_text(FSDP_WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    _torchrun(script, out)
+    worker = runpy.run_path(str(script), run_name="fsdp_worker")
+    info = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+    # Each rank held half of every parameter (dim 0 split in two), not a copy.
+    for name, (local, whole) in info[0]["shards"].items():
+        assert local + info[1]["shards"][name][0] == whole, name
+        assert local < whole, name
+    # After fit, rank 0's module is the whole model again, on the CPU.
+    assert (info[0]["whole"], info[0]["device"]) == ("GPTModel", "cpu")
+    assert info[0]["history"] == info[1]["history"]
+    assert all(0 < m < 1 for m in info[0]["history"]["mfu"])
+
+    # One process (no FSDP) stepping on the union of both ranks' batches, with the same
+    # accumulation, clipping and AdamW groups: equal to float32 rounding.
+    data = worker["dataset"]()
+    step = 2 * worker["BATCH"]
+
+    def combined_batches(generator: torch.Generator) -> list:
+        perm = torch.randperm(len(data),
+                              generator=torch.Generator().manual_seed(generator.initial_seed()))
+        return [data[perm[i:i + step]] for i in range(0, len(data), step)]
+
+    single = Trainer(worker["model"](), worker["lm_loss"], combined_batches,
+                     worker["config"](worker["EPOCHS"]), optimizer=worker["optimizer"],
+                     log=lambda line: None)
+    single_history = single.fit()
+    straight = load_file(out / "straight.safetensors")
+    for name, value in single.module.state_dict().items():
+        torch.testing.assert_close(straight[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(torch.tensor(info[0]["history"]["loss"]),
+                               torch.tensor(single_history["loss"]), rtol=1e-5, atol=0)
+
+    # The checkpoint does not depend on the strategy: a plain model and a plain AdamW
+    # load it, and its optimizer state is the single process's.
+    plain = GPTModel(worker["CFG"])
+    load_weights(out / "run", plain)
+    for name, value in single.module.state_dict().items():
+        torch.testing.assert_close(plain.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    optimizer = worker["optimizer"](plain)
+    load_trainer_state(out / "run", optimizer)
+    want = single.optimizer.state_dict()["state"]
+    for index, state in optimizer.state_dict()["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[key], want[index][key], rtol=1e-4, atol=1e-7)
+    assert (out / "run" / "best" / "model.safetensors").is_file()
+
+    # Resumed from a checkpoint on both ranks, the run continues as if never stopped.
+    resumed = load_file(out / "resumed.safetensors")
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0, msg=name)
 
 
 # ---------------------------------------------------------------------------- make_loader

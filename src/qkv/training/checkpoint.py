@@ -56,7 +56,7 @@ import shutil
 import stat
 import struct
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -376,10 +376,10 @@ def _finish_pending(run_dir: Path) -> None:
 
 def save_checkpoint(
     run_dir: str | os.PathLike[str],
-    model: nn.Module,
+    model: nn.Module | Mapping[str, Tensor],
     config: Mapping[str, Any],
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None,
     trainer_state: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save ``model``'s weights and ``config`` (any JSON-able mapping) to ``run_dir``.
@@ -389,20 +389,25 @@ def save_checkpoint(
     ``trainer_state`` (JSON-able: epoch, step, history, ...). Without them, trainer files
     of an earlier save in the same directory are removed. Returns ``run_dir``.
 
+    ``model`` and ``optimizer`` may also be given as their ``state_dict()`` (a sharded
+    model's, gathered: see :class:`qkv.training.Trainer` under FSDP).
+
     Raises TypeError, before any file is touched, if ``config`` or ``trainer_state`` is
     not JSON-serialisable.
     """
     run_dir = Path(run_dir)
     # Serialise everything in memory first, so a bad config fails before any write.
     files = {
-        MODEL: _tensors_to_bytes(model.state_dict()),
+        MODEL: _tensors_to_bytes(model.state_dict() if isinstance(model, nn.Module)
+                                  else model),
         CONFIG: _json_bytes(dict(config), "config"),
     }
     if optimizer is not None or trainer_state is not None:
         tensors: dict[str, Tensor] = {}
         state = {
-            "optimizer": None if optimizer is None
-            else _encode(optimizer.state_dict(), "optimizer", tensors),
+            "optimizer": None if optimizer is None else _encode(
+                optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer)
+                else optimizer, "optimizer", tensors),
             "rng": _rng_to_json(capture_rng_state(), tensors),
             "trainer_state": None if trainer_state is None
             else _encode(trainer_state, "trainer_state", tensors),
@@ -795,8 +800,17 @@ def _describe(keys: list[str], limit: int = 3) -> str:
     return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-def load_weights(run_dir: str | os.PathLike[str], model: nn.Module, *, strict: bool = True) -> None:
+def load_weights(
+    run_dir: str | os.PathLike[str],
+    model: nn.Module,
+    *,
+    strict: bool = True,
+    load: Callable[[dict[str, Tensor]], object] | None = None,
+) -> None:
     """Load ``model.safetensors`` into ``model`` after checking names, shapes and dtypes.
+
+    ``load`` puts the checked tensors into the model; default ``model.load_state_dict``
+    (a sharded model needs its own: see :class:`qkv.training.Trainer` under FSDP).
 
     ``strict=True`` requires exactly the model's ``state_dict`` keys; ``strict=False``
     tolerates missing and unexpected keys. A shape or dtype mismatch is an error either
@@ -832,7 +846,11 @@ def load_weights(run_dir: str | os.PathLike[str], model: nn.Module, *, strict: b
     if nonfinite:
         raise _fail(path, f"{len(nonfinite)} tensor(s) hold NaN or infinite values "
                           f"({_describe(nonfinite)}); refusing weights no model can use")
-    model.load_state_dict({k: v for k, v in found.items() if k in expected}, strict=strict)
+    checked = {k: v for k, v in found.items() if k in expected}
+    if load is None:
+        model.load_state_dict(checked, strict=strict)
+    else:
+        load(checked)
 
 
 # Ranges of the optimizer hyper-parameters torch's optimizers share (all: finite).
@@ -1002,13 +1020,17 @@ def _read_trainer_json(ckpt: _Checkpoint) -> tuple[Path, dict[str, Any]]:
 
 
 def load_trainer_state(
-    run_dir: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
+    run_dir: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    load: Callable[[dict[str, Any]], object] | None = None,
 ) -> dict[str, Any] | None:
     """Restore ``optimizer`` and the global RNGs; return the saved ``trainer_state``.
 
     Returns None (restoring nothing) when the checkpoint has no trainer files. Everything
     is validated before anything is changed, so a bad checkpoint leaves the optimizer and
-    the RNGs as they were. ``optimizer=None`` restores only the RNGs.
+    the RNGs as they were. ``optimizer=None`` restores only the RNGs. ``load`` puts the
+    checked optimizer state into the optimizer; default ``optimizer.load_state_dict``.
     """
     ckpt = _Checkpoint(run_dir)
     if not ckpt.has(TRAINER_JSON):
@@ -1024,7 +1046,7 @@ def load_trainer_state(
             raise _fail(path, "checkpoint holds no optimizer state")
         state = _optimizer_state(saved["optimizer"], optimizer, tensors, path)
         try:
-            optimizer.load_state_dict(state)
+            (optimizer.load_state_dict if load is None else load)(state)
         except (ValueError, KeyError, TypeError, RuntimeError) as error:
             raise _fail(path, f"optimizer state does not fit this optimizer ({error})") from None
     restore_rng_state(rng)

@@ -22,11 +22,14 @@ See ``docs/distributed.md`` for launching on one or several machines.
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..data.loading import batch_loader
@@ -39,6 +42,14 @@ __all__ = [
     "get_rank_and_world_size",
     "is_main_process",
     "main_process_log",
+    "STRATEGIES",
+    "shard_units",
+    "meta_copy",
+    "fully_shard_model",
+    "gather_model_state",
+    "scatter_model_state",
+    "gather_optimizer_state",
+    "scatter_optimizer_state",
 ]
 
 
@@ -221,3 +232,111 @@ def make_loader(
     # that draw off torch's global RNG, which (as in a single process) is left to dropout.
     return batch_loader(dataset, batch_size, sampler=sampler, generator=generator,
                         drop_last=drop_last)
+
+
+# ---------------------------------------------------------------------------- FSDP
+
+# How the processes of a torchrun job share the model: "ddp", a full copy on every
+# process with gradients averaged; "fsdp", each process holds 1 / world_size of every
+# parameter, gradient and optimizer state, and gathers a block's weights only while it
+# computes with them (PyTorch's FSDP2, ``fully_shard``).
+STRATEGIES = ("ddp", "fsdp")
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP shards one by one: every module held in an ``nn.ModuleList``
+    (a transformer's blocks), outermost lists first; the rest of the model is sharded
+    as one unit with the model itself. Only one block's weights are whole at a time."""
+    units: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            units.extend(m for m in module if not any(m is u for u in units))
+    return units
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on the ``meta`` device: its
+    structure (and shared weights) without its memory. ``to_empty`` and a state dict
+    make it a model again; the trainer keeps one to rebuild a whole model from shards."""
+    memo: dict[int, object] = {}
+    for param in model.parameters():
+        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"),
+                                       requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def fully_shard_model(model: nn.Module) -> nn.Module:
+    """Shard ``model`` in place across the process group with ``fully_shard``: each
+    :func:`shard_units` module, then the model. Its parameters become ``DTensor``
+    shards, so an optimizer must be built after this."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in shard_units(model):
+        fully_shard(unit)
+    fully_shard(model)
+    return model
+
+
+def _full_options(**kwargs: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def gather_model_state(model: nn.Module) -> dict[str, Tensor]:
+    """The whole state dict of a sharded ``model``, on the CPU of rank 0 (empty on the
+    other ranks). A collective: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_full_options(cpu_offload=True))
+
+
+def scatter_model_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Load a whole state dict, read from rank 0's ``state`` (the other ranks' is
+    ignored: ``{}`` will do), into a sharded ``model``: each rank keeps its shards.
+    A collective."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    # Broadcast from rank 0 rather than letting every rank cut its shards from its own
+    # whole copy: with torch 2.13 on gloo, the latter's collectives fell out of step
+    # between the ranks on a GPT with tied weights (a gloo size-mismatch abort).
+    set_model_state_dict(model, state, options=_full_options(broadcast_from_rank0=True))
+
+
+def gather_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
+                           ) -> dict[str, Any]:
+    """The whole state of an optimizer of a sharded ``model``, on the CPU of rank 0
+    (empty elsewhere), in ``optimizer.state_dict()``'s own layout (parameters numbered
+    in group order), so that checkpoints do not depend on the strategy. A collective."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, optimizer, options=_full_options(cpu_offload=True))
+    if not full:
+        return {}
+    index: dict[str, int] = {}
+    groups = []
+    for group in full["param_groups"]:
+        numbers = [index.setdefault(name, len(index)) for name in group["params"]]
+        groups.append({**group, "params": numbers})
+    return {"state": {index[name]: value for name, value in full["state"].items()},
+            "param_groups": groups}
+
+
+def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                            state: dict[str, Any]) -> None:
+    """Load a whole optimizer state (``optimizer.state_dict()``'s layout, the same on
+    every rank) into the optimizer of a sharded ``model``. A collective."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    fqn: dict[int, str] = {}
+    groups = []
+    for live, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+        for number, param in zip(saved["params"], live["params"], strict=True):
+            fqn[number] = names[id(param)]
+        groups.append({**saved, "params": [fqn[n] for n in saved["params"]]})
+    full = {"state": {fqn[n]: value for n, value in state["state"].items()},
+            "param_groups": groups}
+    set_optimizer_state_dict(model, optimizer, full, options=_full_options())

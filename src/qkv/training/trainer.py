@@ -80,8 +80,18 @@ from .checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from .distributed import init_distributed
+from .distributed import (
+    STRATEGIES,
+    fully_shard_model,
+    gather_model_state,
+    gather_optimizer_state,
+    init_distributed,
+    meta_copy,
+    scatter_model_state,
+    scatter_optimizer_state,
+)
 from .schedule import LRSchedule
+from .speed import matmul_rate
 
 __all__ = [
     "BEST_DIR",
@@ -97,6 +107,7 @@ __all__ = [
 ]
 
 Batch = tuple[Tensor, ...]
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 LossFn = Callable[[nn.Module, Batch], tuple[Tensor, Tensor]]
 DataFactory = Callable[[torch.Generator], Iterable[Batch]]
 
@@ -167,6 +178,13 @@ class TrainConfig:
         dtype: ``"float32"``, or ``"bfloat16"`` to run the forward under
             ``torch.autocast`` (weights, gradients and optimizer stay float32).
         compile: train through ``torch.compile(model)``; checkpoints hold the plain model.
+        strategy: under ``torchrun``, ``"ddp"`` (a whole model per process) or ``"fsdp"``
+            (each process holds a shard of the weights, gradients and optimizer state;
+            see :class:`Trainer`). One process ignores it.
+        flops_per_token: the model's floating-point operations per training token (e.g.
+            :meth:`qkv.models.gpt.GPTConfig.training_flops_per_token`); given, the trainer
+            measures the device's matmul rate once and reports model FLOPs utilisation
+            (``mfu``, a fraction of that rate) in the progress bar and the history.
     """
 
     epochs: int = 1
@@ -182,11 +200,16 @@ class TrainConfig:
     accumulate: int = 1
     dtype: str = "float32"
     compile: bool = False
+    strategy: str = "ddp"
+    flops_per_token: float | None = None
 
     def __post_init__(self) -> None:
         check_int("accumulate", self.accumulate, 1, MAX_COUNT)
         check_str("dtype", self.dtype, choices=DTYPES)
         check_bool("compile", self.compile)
+        check_str("strategy", self.strategy, choices=STRATEGIES)
+        if self.flops_per_token is not None:
+            check_float("flops_per_token", self.flops_per_token, 0.0, lo_open=True)
         if self.epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {self.epochs}")
         check_float("lr", self.lr, 0.0, lo_open=True)
@@ -263,11 +286,20 @@ class Trainer:
         checkpoint_config: JSON-able dict saved as the checkpoint's ``config.json`` (model
             config, vocabularies, ... enough to rebuild the model).
         optimizer: default :func:`default_optimizer`, ``Adam(model.parameters(), lr)``
-            (fused where PyTorch has a fused kernel).
+            (fused where PyTorch has a fused kernel); or a function ``model -> optimizer``,
+            which FSDP needs (the optimizer must hold the sharded parameters).
         validate: ``model -> {name: value}``, run after every epoch in eval mode under
             ``torch.no_grad()``; the values go into the history as ``valid_<name>``.
         log: receives each log line; default prints through ``tqdm.write`` so that lines
             and the progress bar do not garble each other (a plain print without a bar).
+
+    Under ``torchrun`` with ``config.strategy="fsdp"`` the model is sharded in place
+    (``fully_shard`` on each block, then the whole model): every rank holds
+    ``1 / world_size`` of it. The step and the loss are those of DDP. Whatever needs the
+    whole weights gathers them on rank 0's CPU, as a collective that every rank joins:
+    saving (so a run saves after every epoch, and Ctrl-C keeps the last one saved),
+    keeping the best weights, and, after :meth:`fit`, :attr:`module`, which on rank 0 is
+    an unsharded copy of the trained model on the CPU.
     """
 
     def __init__(
@@ -279,7 +311,7 @@ class Trainer:
         *,
         run_dir: str | Path | None = None,
         checkpoint_config: dict[str, Any] | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
         validate: Callable[[nn.Module], dict[str, float]] | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
@@ -289,21 +321,36 @@ class Trainer:
         self.rank, self.world_size, self.device = init_distributed(config.device)
         model = model.to(self.device)
         self._plain = model  # what is saved and loaded, whatever wraps it for training
+        self._fsdp = self.world_size > 1 and config.strategy == "fsdp"
+        # Under FSDP: the model's shape without its memory (rebuilt into a whole model
+        # after fit), and, once gathered, that whole model.
+        self._skeleton: nn.Module | None = None
+        self._gathered: nn.Module | None = None
+        if self._fsdp:
+            if isinstance(optimizer, torch.optim.Optimizer):
+                raise ValueError("under FSDP the optimizer must hold the sharded "
+                                 "parameters: pass a function model -> optimizer")
+            self._skeleton = meta_copy(model)
+            fully_shard_model(model)
         self.loss_fn = loss_fn
         self.data = dataset_or_loader_factory
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.checkpoint_config = dict(checkpoint_config or {})
-        self.optimizer = optimizer or default_optimizer(model, config.lr, self.device)
+        if optimizer is None:
+            optimizer = default_optimizer(model, config.lr, self.device)
+        elif not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(model)
+        self.optimizer = optimizer
         # Each group's peak rate, which a schedule scales; taken before a resume loads
         # the saved (scheduled) rates into the groups.
         self._peak_lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
         self.schedule = config.schedule
-        if self.world_size > 1:
+        if self.world_size > 1 and not self._fsdp:
             # DDP broadcasts rank 0's weights now, so every rank starts from the same
             # model, and averages the gradients across ranks in backward().
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=device_ids)
-        self._ddp = model if self.world_size > 1 else None
+        self._ddp = model if self.world_size > 1 and not self._fsdp else None
         if config.compile:
             model = torch.compile(model)
         self.model = model
@@ -319,6 +366,7 @@ class Trainer:
         self.best: dict[str, Any] | None = None
         self._best_weights: dict[str, Any] | None = None
         self.stopped_early = False
+        self._ceiling: float | None = None  # FLOP/s of all ranks' matmuls, for MFU
 
     @property
     def is_main_process(self) -> bool:
@@ -331,8 +379,9 @@ class Trainer:
     @property
     def module(self) -> nn.Module:
         """The model being trained, unwrapped: ``self.model`` may be wrapped by DDP and
-        ``torch.compile``."""
-        return self._module
+        ``torch.compile``. Under FSDP, after :meth:`fit`, rank 0's is a whole copy on the
+        CPU (the other ranks' stays sharded)."""
+        return self._gathered if self._gathered is not None else self._module
 
     @property
     def _module(self) -> nn.Module:
@@ -346,8 +395,8 @@ class Trainer:
 
         The history maps ``"epoch"``, ``"loss"`` (per token), ``"tokens_per_sec"``,
         ``"seconds"`` (the epoch's wall time, its validation included; its running sum is
-        the time trained so far) and each ``"valid_<name>"`` to one value per completed
-        epoch (resumed epochs included).
+        the time trained so far), ``"mfu"`` (with ``config.flops_per_token``) and each
+        ``"valid_<name>"`` to one value per completed epoch (resumed epochs included).
         """
         cfg = self.config
         bar = tqdm(
@@ -357,7 +406,11 @@ class Trainer:
         # What Ctrl-C rolls back to: the state at the end of the last completed epoch.
         # Only the saving rank needs it. (The Ctrl-C path below runs no collective: the
         # other ranks may be gone already.)
-        rescue = self._capture() if self._can_save else None
+        # Under FSDP the weights are in shards on every rank: rather than gather them for
+        # a rescue copy, each epoch is saved as it ends.
+        rescue = self._capture() if self._can_save and not self._fsdp else None
+        if cfg.flops_per_token is not None and self._ceiling is None:
+            self._ceiling = self._measure_ceiling()
         try:
             pause_point("train-start")
             stop = self._patience_spent()
@@ -375,10 +428,11 @@ class Trainer:
                 last = self.epoch == cfg.epochs or stop
                 if cfg.log_every and (self.epoch % cfg.log_every == 0 or last):
                     self._log_epoch(record)
-                if self._can_save:
+                if rescue is not None:
                     rescue = self._capture()
                 pause_point("epoch-end")
-                periodic = cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0
+                periodic = self._fsdp or (
+                    cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0)
                 if periodic and not last:  # the last one is saved below
                     self._save_and_wait()
         except (KeyboardInterrupt, TrainingDivergedError) as stop:
@@ -397,6 +451,8 @@ class Trainer:
                          f"{self.epoch - self.best['epoch']} epochs")
         if self.best is not None:
             self._load_best()
+        if self._fsdp:
+            self._gather_module()
         if self.history["loss"] and self.is_main_process:
             # The reference's closing line (d2l train_seq2seq): the last epoch's numbers.
             where = self.device if self.world_size == 1 else (
@@ -404,6 +460,20 @@ class Trainer:
             self.log(f"loss {self.history['loss'][-1]:.3f}, "
                      f"{self.history['tokens_per_sec'][-1]:.1f} tokens/sec on {where}")
         return self.history
+
+    def _measure_ceiling(self) -> float:
+        """The matmul rate of the device in the training dtype, times the number of
+        ranks: what MFU is a fraction of. Rank 0 measures; every rank records its
+        figure, so that the histories agree."""
+        dtype = torch.bfloat16 if self.config.dtype == "bfloat16" else torch.float32
+        rate = [matmul_rate(self.device, dtype) if self.is_main_process else 0.0]
+        if self.world_size > 1:
+            dist.broadcast_object_list(rate, src=0)
+        return rate[0] * self.world_size
+
+    def _mfu(self, tokens_per_sec: float) -> float:
+        assert self.config.flops_per_token is not None and self._ceiling is not None
+        return tokens_per_sec * self.config.flops_per_token / self._ceiling
 
     def _keep_last_completed_epoch(self, rescue: dict[str, Any], stop: BaseException) -> None:
         """Roll back to ``rescue`` (the end of the last completed epoch) and save it,
@@ -488,8 +558,10 @@ class Trainer:
             if not bar.disable and now - last_refresh >= _PROGRESS_INTERVAL:
                 last_refresh = now
                 tokens = token_total.item()
+                rate = tokens * self.world_size / (now - start)  # the ranks run alike
+                extra = {"mfu": f"{self._mfu(rate):.1%}"} if self._ceiling else {}
                 bar.set_postfix(epoch=epoch + 1, loss=f"{loss_total.item() / max(tokens, 1):.3f}",
-                                tok_s=f"{tokens / (now - start):.0f}", refresh=False)
+                                tok_s=f"{rate:.0f}", **extra, refresh=False)
         tokens = int(token_total.item())  # .item() synchronises, so the timing is honest
         self._check_finite(epoch, bad_step, weights=True)
         seconds = time.perf_counter() - start
@@ -506,7 +578,10 @@ class Trainer:
         if tokens == 0:
             raise ValueError(f"epoch {epoch + 1}: the data yielded no tokens (no batches, "
                              "or num_tokens was always 0)")
-        return {"loss": loss_sum_total / tokens, "tokens_per_sec": tokens / seconds}
+        record = {"loss": loss_sum_total / tokens, "tokens_per_sec": tokens / seconds}
+        if self._ceiling:
+            record["mfu"] = self._mfu(record["tokens_per_sec"])
+        return record
 
     def _forward(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """``loss_fn`` on ``batch`` moved to the device, under autocast when configured."""
@@ -529,6 +604,8 @@ class Trainer:
             last = i == len(group) - 1
             sync = contextlib.nullcontext() if last or self._ddp is None else \
                 self._ddp.no_sync()
+            if self._fsdp:  # FSDP's no_sync: reduce-scatter only after the last one
+                self._plain.set_requires_gradient_sync(last)
             with sync:
                 loss_sum, num_tokens = self._forward(micro)
                 loss_sum.backward()
@@ -540,7 +617,8 @@ class Trainer:
         scale = self.world_size / global_tokens.clamp_min(1).double()
         for param in self._module.parameters():
             if param.grad is not None:
-                param.grad.mul_(scale.to(param.grad.dtype))
+                grad = _local(param.grad)  # a DTensor's own shard under FSDP
+                grad.mul_(scale.to(grad.dtype))
         return loss_total, tokens
 
     def _check_finite(self, epoch: int, bad_step: Tensor, weights: bool = False) -> None:
@@ -549,8 +627,12 @@ class Trainer:
         and a non-finite loss on any rank reaches every rank through the gradients."""
         step = int(bad_step.item())
         if step < 0 and weights:
-            finite = all(bool(p.detach().isfinite().all()) for p in self._module.parameters())
-            step = -1 if finite else self.step
+            finite = torch.tensor(all(bool(_local(p.detach()).isfinite().all())
+                                      for p in self._module.parameters()),
+                                  device=self.device)
+            if self._fsdp:  # each rank sees only its shards
+                dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            step = -1 if bool(finite) else self.step
         if step < 0:
             return
         raise TrainingDivergedError(
@@ -603,8 +685,9 @@ class Trainer:
         extra = "".join(
             f", {k} {v:.3f}" for k, v in record.items() if k.startswith("valid_")
         )
+        mfu = f" (MFU {record['mfu']:.1%})" if record.get("mfu") is not None else ""
         self.log(f"epoch {self.epoch}/{self.config.epochs}: loss {record['loss']:.3f}, "
-                 f"{record['tokens_per_sec']:.1f} tokens/sec{extra}")
+                 f"{record['tokens_per_sec']:.1f} tokens/sec{mfu}{extra}")
 
     # ------------------------------------------------------------------ state
 
@@ -642,12 +725,13 @@ class Trainer:
                 value, None if self.best is None else self.best["value"]):
             return
         self.best = {"metric": rule.metric, "epoch": self.epoch, "value": float(value)}
-        self._best_weights = _cpu_copy(self._module.state_dict())
+        weights = self._whole_weights()
+        self._best_weights = weights if self._fsdp else _cpu_copy(weights)
         if self.run_dir is not None:
             if self.is_main_process:
                 best_dir = self.run_dir / BEST_DIR
-                best_dir.mkdir(exist_ok=True)
-                save_checkpoint(best_dir, self._module, self.checkpoint_config)
+                best_dir.mkdir(parents=True, exist_ok=True)
+                save_checkpoint(best_dir, weights, self.checkpoint_config)
             if self.world_size > 1:
                 dist.barrier()
 
@@ -659,10 +743,44 @@ class Trainer:
 
     def _load_best(self) -> None:
         """Put the best weights into the model: from memory, or from ``run_dir/best``."""
-        if self._best_weights is not None:
+        if self._fsdp:
+            # Rank 0 alone holds them in memory; all ranks can read run_dir/best, which
+            # rank 0 wrote before a barrier.
+            if self.run_dir is not None and (self.run_dir / BEST_DIR).is_dir():
+                load_weights(self.run_dir / BEST_DIR, self._module, load=self._scatter_weights)
+            else:
+                scatter_model_state(self._plain, self._best_weights or {})
+        elif self._best_weights is not None:
             self._module.load_state_dict(self._best_weights)
         elif self.run_dir is not None and (self.run_dir / BEST_DIR).is_dir():
             load_weights(self.run_dir / BEST_DIR, self._module)
+
+    # Under FSDP these gather or scatter across the ranks (collectives: every rank
+    # calls them); otherwise they are the module's and optimizer's own state dicts.
+
+    def _whole_weights(self) -> dict[str, Tensor]:
+        """The model's whole state dict (under FSDP: on rank 0's CPU, empty elsewhere)."""
+        return gather_model_state(self._plain) if self._fsdp else self._module.state_dict()
+
+    def _whole_optimizer_state(self) -> dict[str, Any]:
+        if self._fsdp:
+            return gather_optimizer_state(self._plain, self.optimizer)
+        return self.optimizer.state_dict()
+
+    def _scatter_weights(self, state: dict[str, Tensor]) -> None:
+        scatter_model_state(self._plain, state)
+
+    def _scatter_optimizer_state(self, state: dict[str, Any]) -> None:
+        scatter_optimizer_state(self._plain, self.optimizer, state)
+
+    def _gather_module(self) -> None:
+        """Under FSDP, rebuild the trained model whole on rank 0's CPU (:attr:`module`)."""
+        assert self._skeleton is not None
+        weights = gather_model_state(self._plain)
+        if self.is_main_process:
+            whole = self._skeleton.to_empty(device="cpu")
+            whole.load_state_dict(weights)
+            self._gathered = whole.train(self._plain.training)
 
     def trainer_state(self) -> dict[str, Any]:
         """The JSON-able loop state saved with a checkpoint."""
@@ -677,16 +795,18 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint model, optimizer, RNGs and loop state to ``run_dir``; draw ``loss.png``.
 
-        Does nothing on ranks other than 0 (whose RNG state is the one saved). Under DDP,
+        Writes nothing on ranks other than 0 (whose RNG state is the one saved); under
+        FSDP every rank must call it, as it gathers the shards. Under DDP,
         a caller that saves outside :meth:`fit` and reads the checkpoint on another rank
         must ``torch.distributed.barrier()`` after this on every rank.
         """
         if self.run_dir is None:
             raise ValueError("Trainer.save() needs a run_dir")
+        weights, optimizer = self._whole_weights(), self._whole_optimizer_state()
         if not self.is_main_process:
             return
-        save_checkpoint(self.run_dir, self._module, self.checkpoint_config,
-                        optimizer=self.optimizer, trainer_state=self.trainer_state())
+        save_checkpoint(self.run_dir, weights, self.checkpoint_config,
+                        optimizer=optimizer, trainer_state=self.trainer_state())
         self.saved_epoch = self.epoch
         if self.history["loss"]:
             plot_history(self.history, self.run_dir / LOSS_PLOT)
@@ -701,8 +821,13 @@ class Trainer:
         """
         if self.run_dir is None:
             raise ValueError("Trainer.resume() needs a run_dir")
-        load_weights(self.run_dir, self._module)
-        state = load_trainer_state(self.run_dir, self.optimizer)
+        if self._fsdp:  # every rank reads the whole checkpoint and keeps its shards
+            load_weights(self.run_dir, self._module, load=self._scatter_weights)
+            state = load_trainer_state(self.run_dir, self.optimizer,
+                                       load=self._scatter_optimizer_state)
+        else:
+            load_weights(self.run_dir, self._module)
+            state = load_trainer_state(self.run_dir, self.optimizer)
         if state is None:
             raise CheckpointError(f"{self.run_dir}: checkpoint holds no trainer state; "
                                   "it can be loaded but not resumed")
@@ -732,6 +857,12 @@ class Trainer:
         if changed and self.is_main_process:
             self.log(f"note: resuming at epoch {self.epoch} with {', '.join(changed)}; the "
                      "run will not match an uninterrupted one")
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A ``DTensor``'s shard on this rank (a plain tensor is its own)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
 
 
 def _groups(batches: Iterable[Batch], size: int) -> Iterator[list[Batch]]:
