@@ -37,6 +37,7 @@ from qkv.training import (
     load_trainer_state,
     load_weights,
     make_loader,
+    read_history,
     seed_everything,
 )
 
@@ -166,15 +167,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(script: Path, out: Path) -> None:
-    """``torchrun --nproc_per_node=2 script out`` on 127.0.0.1, killed after a timeout."""
+def _torchrun(script: Path | str, out: Path, *args: str) -> str:
+    """``torchrun --nproc_per_node=2 script out *args`` on 127.0.0.1, killed after a
+    timeout (``script`` "-m" runs ``python -m`` the first of ``args``); returns its
+    output."""
     env = {k: v for k, v in os.environ.items()
            if k not in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"  # torchrun's default too; set here to skip its warning
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(script),
-               str(out)]
+               *([] if script == "-m" else [str(out)]), *args]
     # A session of its own, so that a hang can be ended with its workers.
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -188,6 +191,7 @@ def _torchrun(script: Path, out: Path) -> None:
         logs = "".join(f"\n--- {p.name}\n{p.read_text()[-2000:]}"
                        for p in sorted(out.glob("rank*.err")))
         pytest.fail(f"torchrun exited with {proc.returncode}:\n{output[-4000:]}{logs}")
+    return output
 
 
 @needs_gloo
@@ -413,6 +417,30 @@ def test_fsdp_on_two_cpu_processes_shards_and_matches_one_process(tmp_path):
     resumed = load_file(out / "resumed.safetensors")
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0, msg=name)
+
+
+@needs_gloo
+def test_lm_train_with_fsdp_saves_a_run_that_one_process_resumes(tmp_path):
+    from qkv.tasks.lm import LanguageModel
+
+    run = tmp_path / "run"
+    text = tmp_path / "story.txt"
+    text.write_text("the cat sat on the mat and the dog sat on the log. " * 60)
+    flags = ["--device", "cpu", "--run-dir", str(run), "--text", str(text),
+             "--context-length", "32", "--batch-size", "4", "--no-progress", "--sample", ""]
+    output = _torchrun("-m", tmp_path, "qkv", "lm", "train", *flags, "--epochs", "1",
+                       "--strategy", "fsdp")
+    assert "epoch 1/1: loss" in output and "MFU" in output
+    assert "on 2 x cpu" in output
+    # One process, no torchrun, continues the run: the checkpoint is a plain one.
+    from qkv.cli import main
+
+    assert main(["lm", "train", *flags, "--epochs", "2", "--resume"]) == 0
+    assert load_trainer_state(run, None)["epoch"] == 2
+    history = read_history(run)
+    assert len(history["loss"]) == 2 and history["loss"][1] < history["loss"][0]
+    assert all(0 < m < 1 for m in history["mfu"])
+    assert LanguageModel.load(run).generate("the cat", max_new_tokens=3).new_tokens == 3
 
 
 # ---------------------------------------------------------------------------- make_loader

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..training import DECAYS, DTYPES
+from ..training import DECAYS, DTYPES, STRATEGIES
 from .runs import check_resume_flags, given_settings, reporting_stops
 
 # LMSettings field -> the argparse destination of its flag.
@@ -24,7 +24,7 @@ SETTINGS_FLAGS = {
     "weight_decay": "weight_decay", "clip_norm": "clip_norm", "val_fraction": "val_fraction",
     "seed": "seed", "device": "device", "init": "init", "warmup_steps": "warmup_steps",
     "decay": "decay", "accumulate": "accumulate", "batch_tokens": "batch_tokens",
-    "patience": "patience", "dtype": "dtype", "compile": "compile",
+    "patience": "patience", "dtype": "dtype", "compile": "compile", "strategy": "strategy",
 }
 
 
@@ -84,6 +84,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="forward precision: float32 (default) or bfloat16 autocast")
     train.add_argument("--compile", action="store_const", const=True, default=None,
                        help="train through torch.compile")
+    train.add_argument("--strategy", choices=STRATEGIES, default=None,
+                       help="under torchrun: ddp (default; a whole model per process) or "
+                            "fsdp (each process holds 1/N of the weights, gradients and "
+                            "optimizer state); see docs/distributed.md")
     train.add_argument("--clip-norm", type=float, default=None, help="default: 1.0")
     train.add_argument("--val-fraction", type=float, default=None, help="default: 0.1")
     train.add_argument("--seed", type=int, default=None, help="default: 0")

@@ -52,6 +52,8 @@ from ..training import (
     DTYPES,
     LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
+    STRATEGIES,
+    TRAIN_BYTES_PER_PARAMETER,
     CheckpointError,
     EarlyStopping,
     LRSchedule,
@@ -122,6 +124,10 @@ class LMSettings:
     # float32, no compile; a resume may change them).
     dtype: str | None = None
     compile: bool | None = None
+    # Under torchrun: "ddp" (a whole model per process) or "fsdp" (each process holds a
+    # shard of it); None: ddp. The checkpoint is the same either way, so a resume may
+    # change it.
+    strategy: str | None = None
     val_fraction: float = 0.1
     corpus_chars: int = 60_000
     seed: int = 0
@@ -174,6 +180,8 @@ class LMSettings:
             check_str("dtype", self.dtype, choices=DTYPES)
         if self.compile is not None:
             check_bool("compile", self.compile)
+        if self.strategy is not None:
+            check_str("strategy", self.strategy, choices=STRATEGIES)
         if self.clip_norm is not None:
             check_float("clip_norm", self.clip_norm, 0.0, lo_open=True)
         check_float("val_fraction", self.val_fraction, 0.0, 1.0, hi_open=True)
@@ -428,6 +436,7 @@ def train_language_model(
         train_set = GPTDataset(train_ids, window, stride)
         val_set = GPTDataset(val_ids, window, window) if len(val_ids) > window else None
         _, world_size = get_rank_and_world_size()
+        strategy = settings.strategy or "ddp"
         if len(train_set) < settings.batch_size * world_size:
             raise ValueError(
                 f"{len(train_ids):,} training tokens give {len(train_set)} windows of "
@@ -436,9 +445,16 @@ def train_language_model(
             )
 
         num_params, batch = cfg.num_parameters(), settings.batch_size
+        counted = num_params
+        if strategy == "fsdp":
+            # A process keeps 1 / world_size of the weights, gradients and AdamW state,
+            # but first builds the whole model (weights only) and then shards it: the
+            # larger of the two, in parameters' worth of training state.
+            counted = max(-(-num_params // world_size), -(
+                -num_params * LOAD_BYTES_PER_PARAMETER // TRAIN_BYTES_PER_PARAMETER))
         pipeline.check_training_memory(  # before a byte of the model exists
             f"{_model_name(settings, num_params)} on batches of {batch} x {window} tokens",
-            num_params, optimizer="AdamW", device=settings.device,
+            counted, optimizer="AdamW", device=settings.device,
             activation_bytes=4 * cfg.num_saved_activations(batch, window),
             hint="choose a smaller --preset, --context-length or --batch-size",
         )
@@ -455,8 +471,10 @@ def train_language_model(
             f"({tokenizer.n_vocab:,} ids); {len(train_ids):,} training tokens in "
             f"{len(train_set):,} windows, {len(val_ids):,} validation tokens")
 
-        optimizer = torch.optim.AdamW(param_groups(model, settings.weight_decay),
-                                      lr=settings.lr)
+        def optimizer(module: nn.Module) -> torch.optim.Optimizer:
+            # Built by the trainer, after FSDP (if any) has sharded the parameters.
+            return torch.optim.AdamW(param_groups(module, settings.weight_decay),
+                                     lr=settings.lr)
 
         def validate(module: nn.Module) -> dict[str, float]:
             device = next(module.parameters()).device
@@ -480,6 +498,7 @@ def train_language_model(
             early_stopping=EarlyStopping("valid_loss", patience=settings.patience)
             if settings.patience and val_set is not None else None,
             dtype=settings.dtype or "float32", compile=bool(settings.compile),
+            strategy=strategy, flops_per_token=cfg.training_flops_per_token(window),
         )
         return LanguageModel(module, tokenizer, settings), history
 

@@ -233,13 +233,16 @@ def fit(
     log: Callable[[str], None],
     log_every: int,
     drop_last: bool = False,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Callable[[nn.Module], torch.optim.Optimizer]
+    | None = None,
     validate: Callable[[nn.Module], dict[str, float]] | None = None,
     schedule: LRSchedule | None = None,
     early_stopping: EarlyStopping | None = None,
     accumulate: int = 1,
     dtype: str = "float32",
     compile: bool = False,
+    strategy: str = "ddp",
+    flops_per_token: float | None = None,
 ) -> tuple[nn.Module, dict[str, list]]:
     """Train ``model`` to ``settings.epochs``, checkpointing to ``run_dir``.
 
@@ -249,7 +252,7 @@ def fit(
     settings as a dict, **sections}``, the sections the task's config reader expects.
     With ``resume`` the weights, optimizer, random state and history come from
     ``run_dir``'s checkpoint first. Returns the trained model, unwrapped from DDP, and
-    the history (see :meth:`qkv.training.Trainer.fit`). ``schedule`` to ``compile`` are
+    the history (see :meth:`qkv.training.Trainer.fit`). ``schedule`` to ``flops_per_token`` are
     :class:`qkv.training.TrainConfig`'s; with ``early_stopping`` the model returned holds
     the best weights.
     """
@@ -260,7 +263,8 @@ def fit(
         TrainConfig(epochs=settings.epochs, lr=settings.lr, clip_norm=settings.clip_norm,
                     device=settings.device, seed=settings.seed, log_every=log_every,
                     progress=progress, schedule=schedule, early_stopping=early_stopping,
-                    accumulate=accumulate, dtype=dtype, compile=compile),
+                    accumulate=accumulate, dtype=dtype, compile=compile,
+                    strategy=strategy, flops_per_token=flops_per_token),
         run_dir=run_dir,
         checkpoint_config={"task": task, "settings": dataclasses.asdict(settings), **sections},
         optimizer=optimizer,

@@ -20,6 +20,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .distributed import (
+    STRATEGIES,
     cleanup_distributed,
     get_rank_and_world_size,
     init_distributed,
@@ -61,6 +62,7 @@ from .trainer import (
 )
 
 __all__ = [
+    "STRATEGIES",
     "CheckpointError",
     "checkpoint_progress",
     "SafetensorsHeader",

@@ -47,10 +47,11 @@ __all__ = [
 ]
 
 # The settings a resume may change: the total epochs, the learning rate, the device, the
-# BPE folder (it may have moved since training) and the model's backend, forward dtype
-# and compilation (how the model computes, not what it is). Every other setting is the
-# run's.
-RESUMABLE = frozenset({"epochs", "lr", "device", "bpe_dir", "backend", "dtype", "compile"})
+# BPE folder (it may have moved since training), the model's backend, forward dtype
+# and compilation (how the model computes, not what it is) and the distributed strategy
+# (a checkpoint is the same under DDP and FSDP). Every other setting is the run's.
+RESUMABLE = frozenset({"epochs", "lr", "device", "bpe_dir", "backend", "dtype", "compile",
+                       "strategy"})
 
 Settings = TypeVar("Settings")
 
