@@ -489,6 +489,25 @@ def test_make_loader_reshuffles_per_epoch_and_repeats_per_seed(monkeypatch):
     assert ordered == list(range(1, 20, 2))
 
 
+def test_make_loader_samples_draws_a_fixed_size_epoch_without_early_repeats():
+    data = TensorDataset(torch.arange(10))
+
+    def epoch(samples: int, seed: int) -> list[int]:
+        return _indices(make_loader(data, 3, torch.Generator().manual_seed(seed),
+                                    samples=samples))
+
+    first = epoch(7, seed=1)
+    assert len(first) == 7 and len(set(first)) == 7  # no repeat within a pass
+    assert epoch(7, seed=1) == first and epoch(7, seed=2) != first
+    longer = epoch(25, seed=1)  # two whole passes, then 5 more
+    counts = torch.bincount(torch.tensor(longer), minlength=10)
+    assert len(longer) == 25 and counts.min() >= 2 and counts.max() <= 3
+    with pytest.raises(ValueError, match="samples must be"):
+        make_loader(data, 3, torch.Generator(), samples=0)
+    with pytest.raises(ValueError, match="needs the epoch's generator"):
+        make_loader(data, 3, None, samples=4)
+
+
 def test_make_loader_in_one_process_is_the_plain_loader():
     data = TensorDataset(torch.arange(30))
     loader = make_loader(data, 4, torch.Generator().manual_seed(7), drop_last=True)

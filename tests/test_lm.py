@@ -262,3 +262,25 @@ def test_lm_validation_leaves_the_training_random_stream_alone(text_file, tmp_pa
     losses = [json.loads((tmp_path / r / "trainer.json").read_text())["trainer_state"]
               ["history"]["loss"] for r in ("a", "b")]
     assert losses[0] == losses[1]
+
+
+def test_eval_every_makes_an_epoch_that_many_steps_on_random_windows(text_file, tmp_path,
+                                                                     capsys):
+    run = tmp_path / "r"
+    assert main(["lm", "train", "--text", str(text_file), "--run-dir", str(run),
+                 "--epochs", "3", "--eval-every", "2", "--accumulate", "2", "--patience",
+                 "5", *FAST]) == 0
+    out = capsys.readouterr().out
+    state = json.loads((run / "trainer.json").read_text())["trainer_state"]
+    history = state["history"]
+    assert state["step"] == 6  # 3 epochs of 2 steps, each of 2 micro-batches
+    assert len(history["valid_loss"]) == 3 and history["valid_loss"][2] < history[
+        "valid_loss"][0]
+    # 2 steps x 2 micro-batches x 8 windows x 32 tokens per epoch
+    tokens = 2 * 2 * 8 * 32
+    assert all(0 < m < 1 for m in history["mfu"])
+    assert all(tokens / s <= r * 1.0001 for s, r in
+               zip(history["seconds"], history["tokens_per_sec"], strict=True))
+    assert re.search(r"epoch 3/3: loss [\d.]+, [\d.]+ tokens/sec \(MFU [\d.]+%\)", out)
+    saved = json.loads((run / "config.json").read_text())["settings"]
+    assert saved["eval_every"] == 2

@@ -25,6 +25,7 @@ SETTINGS_FLAGS = {
     "seed": "seed", "device": "device", "init": "init", "warmup_steps": "warmup_steps",
     "decay": "decay", "accumulate": "accumulate", "batch_tokens": "batch_tokens",
     "patience": "patience", "dtype": "dtype", "compile": "compile", "strategy": "strategy",
+    "eval_every": "eval_every",
 }
 
 
@@ -80,6 +81,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--patience", type=int, default=None,
                        help="stop after this many epochs without a better validation loss, "
                             "keeping the best weights (default: 0, never)")
+    train.add_argument("--eval-every", type=int, default=None, metavar="STEPS",
+                       help="validate, save and keep the best every STEPS optimizer steps: "
+                            "an epoch becomes STEPS steps on windows drawn at random "
+                            "(default: an epoch is one pass over the windows)")
     train.add_argument("--dtype", choices=DTYPES, default=None,
                        help="forward precision: float32 (default) or bfloat16 autocast")
     train.add_argument("--compile", action="store_const", const=True, default=None,

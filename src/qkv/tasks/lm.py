@@ -120,6 +120,10 @@ class LMSettings:
     # Stop after this many epochs without a better validation loss, keeping the best
     # weights in run_dir/best; 0: never.
     patience: int = 0
+    # Validate (and save, and keep the best) every this many optimizer steps: an epoch
+    # is then that many steps on windows drawn at random, not one pass over them.
+    # None: one pass.
+    eval_every: int | None = None
     # Forward precision and torch.compile: how the model computes, not what it is (None:
     # float32, no compile; a resume may change them).
     dtype: str | None = None
@@ -176,6 +180,8 @@ class LMSettings:
             if self.accumulate != 1:
                 raise ValueError("give accumulate or batch_tokens, not both")
         check_int("patience", self.patience, 0, MAX_SIZE)
+        if self.eval_every is not None:
+            check_int("eval_every", self.eval_every, 1, MAX_SIZE)
         if self.dtype is not None:
             check_str("dtype", self.dtype, choices=DTYPES)
         if self.compile is not None:
@@ -499,6 +505,8 @@ def train_language_model(
             if settings.patience and val_set is not None else None,
             dtype=settings.dtype or "float32", compile=bool(settings.compile),
             strategy=strategy, flops_per_token=cfg.training_flops_per_token(window),
+            epoch_samples=None if settings.eval_every is None else
+            settings.eval_every * settings.accumulate * batch * world_size,
         )
         return LanguageModel(module, tokenizer, settings), history
 

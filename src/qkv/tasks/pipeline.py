@@ -243,6 +243,7 @@ def fit(
     compile: bool = False,
     strategy: str = "ddp",
     flops_per_token: float | None = None,
+    epoch_samples: int | None = None,
 ) -> tuple[nn.Module, dict[str, list]]:
     """Train ``model`` to ``settings.epochs``, checkpointing to ``run_dir``.
 
@@ -254,12 +255,15 @@ def fit(
     ``run_dir``'s checkpoint first. Returns the trained model, unwrapped from DDP, and
     the history (see :meth:`qkv.training.Trainer.fit`). ``schedule`` to ``flops_per_token`` are
     :class:`qkv.training.TrainConfig`'s; with ``early_stopping`` the model returned holds
-    the best weights.
+    the best weights. ``epoch_samples`` (all processes together) makes each epoch that
+    many samples drawn at random, rather than ``train_set`` once (see
+    :func:`qkv.training.make_loader`).
     """
     trainer = Trainer(
         model,
         loss_fn,
-        lambda g: make_loader(train_set, settings.batch_size, g, drop_last=drop_last),
+        lambda g: make_loader(train_set, settings.batch_size, g, drop_last=drop_last,
+                              samples=epoch_samples),
         TrainConfig(epochs=settings.epochs, lr=settings.lr, clip_norm=settings.clip_norm,
                     device=settings.device, seed=settings.seed, log_every=log_every,
                     progress=progress, schedule=schedule, early_stopping=early_stopping,

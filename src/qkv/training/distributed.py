@@ -30,8 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
+from ..checks import MAX_COUNT, check_int
 from ..data.loading import batch_loader
 
 __all__ = [
@@ -182,6 +183,7 @@ def make_loader(
     *,
     shuffle: bool = True,
     drop_last: bool = False,
+    samples: int | None = None,
 ) -> DataLoader:
     """One epoch's batches: this process's shard when distributed, all of them otherwise.
 
@@ -215,7 +217,21 @@ def make_loader(
         shuffle: shuffle every epoch (False: the dataset's order).
         drop_last: drop the last incomplete batch (and, when distributed, the tail of the
             dataset that does not divide evenly, instead of repeating samples).
+        samples: make the epoch this many samples (all processes together) drawn at
+            random with the generator: whole permutations of the dataset, then part of
+            one more, so that within the epoch none repeats before every one has been
+            drawn. None: the dataset once. (A fixed-size epoch is how a trainer
+            validates every so many steps.)
     """
+    if samples is not None:
+        check_int("samples", samples, 1, MAX_COUNT)
+        if generator is None:
+            raise ValueError("make_loader(samples=...) needs the epoch's generator")
+        # Drawn alike on every rank: each rank's generator has the same seed.
+        rounds = -(-samples // len(dataset))
+        order = torch.cat([torch.randperm(len(dataset), generator=generator)
+                           for _ in range(rounds)])
+        dataset = Subset(dataset, order[:samples].tolist())
     rank, world_size = get_rank_and_world_size()
     if world_size == 1:
         return batch_loader(dataset, batch_size, shuffle=shuffle, generator=generator,
