@@ -337,6 +337,7 @@ def main(out):
         straight = trainer(EPOCHS, out / "run")
         shards = {name: [p.to_local().numel(), p.numel()]
                   for name, p in straight.module.named_parameters()}
+        units = [type(block).__name__ for block in straight.module.trf_blocks]
         history = straight.fit()
         seed_everything(0)
         trainer(1, out / "half").fit()
@@ -345,11 +346,14 @@ def main(out):
         resumed.resume()
         resumed.fit()
     if rank == 0:
-        save_file(straight.module.state_dict(), out / "straight.safetensors")
-        save_file(resumed.module.state_dict(), out / "resumed.safetensors")
+        # (clones: the tied head and embedding share one tensor, which save_file refuses)
+        for name, run in (("straight", straight), ("resumed", resumed)):
+            save_file({k: v.clone() for k, v in run.module.state_dict().items()},
+                      out / f"{name}.safetensors")
     (out / f"rank{rank}.json").write_text(json.dumps({
-        "history": history, "shards": shards,
+        "history": history, "shards": shards, "units": units,
         "whole": type(straight.module).__name__,
+        "tied": straight.module.out_head.weight is straight.module.tok_emb.weight,
         "device": str(next(straight.module.parameters()).device)}))
 
 
@@ -370,12 +374,14 @@ def test_fsdp_on_two_cpu_processes_shards_and_matches_one_process(tmp_path):
     worker = runpy.run_path(str(script), run_name="fsdp_worker")
     info = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
-    # Each rank held half of every parameter (dim 0 split in two), not a copy.
+    # Each block was a unit of its own, and each rank held half of every parameter
+    # (dim 0 split in two), not a copy.
+    assert info[0]["units"] == ["FSDPTransformerBlock"] * 2
     for name, (local, whole) in info[0]["shards"].items():
         assert local + info[1]["shards"][name][0] == whole, name
         assert local < whole, name
     # After fit, rank 0's module is the whole model again, on the CPU.
-    assert (info[0]["whole"], info[0]["device"]) == ("GPTModel", "cpu")
+    assert (info[0]["whole"], info[0]["device"], info[0]["tied"]) == ("GPTModel", "cpu", True)
     assert info[0]["history"] == info[1]["history"]
     assert all(0 < m < 1 for m in info[0]["history"]["mfu"])
 
@@ -487,6 +493,24 @@ def test_make_loader_reshuffles_per_epoch_and_repeats_per_seed(monkeypatch):
     assert shard(0) == shard(0) and shard(0) != shard(1)
     ordered = _indices(make_loader(data, 4, torch.Generator(), shuffle=False))
     assert ordered == list(range(1, 20, 2))
+
+
+def test_fsdp_units_are_the_blocks_and_a_meta_copy_rebuilds_the_model_with_its_ties():
+    from qkv.models.gpt import GPTConfig, GPTModel
+
+    model = GPTModel(GPTConfig(vocab_size=20, context_length=4, emb_dim=8, n_heads=2,
+                               n_layers=3, tie_weights=True))
+    units = distributed.shard_units(model)
+    assert len(units) == 3 and all(a is b for a, b in zip(units, model.trf_blocks,
+                                                            strict=True))
+    skeleton = distributed.meta_copy(model)
+    assert {p.device.type for p in skeleton.parameters()} == {"meta"}
+    assert all(p.device.type == "cpu" for p in model.parameters())  # the model is untouched
+    whole = distributed.materialize(skeleton, "cpu")
+    assert whole.out_head.weight is whole.tok_emb.weight
+    whole.load_state_dict(model.state_dict())
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(whole.eval()(ids), model.eval()(ids))
 
 
 def test_make_loader_samples_draws_a_fixed_size_epoch_without_early_repeats():

@@ -46,6 +46,7 @@ __all__ = [
     "STRATEGIES",
     "shard_units",
     "meta_copy",
+    "materialize",
     "fully_shard_model",
     "gather_model_state",
     "scatter_model_state",
@@ -260,14 +261,16 @@ STRATEGIES = ("ddp", "fsdp")
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The modules FSDP shards one by one: every module held in an ``nn.ModuleList``
-    (a transformer's blocks), outermost lists first; the rest of the model is sharded
-    as one unit with the model itself. Only one block's weights are whole at a time."""
-    units: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            units.extend(m for m in module if not any(m is u for u in units))
-    return units
+    """The modules FSDP shards one by one: the repeated layers of a model, i.e. the
+    members of every ``nn.Sequential`` or ``nn.ModuleList`` whose members (two or more)
+    are all of one class (a transformer's blocks), outermost first and not looking
+    inside them. The rest of the model is sharded as one unit with the model itself.
+    Only one unit's weights are whole at a time."""
+    children = list(model.children())
+    if isinstance(model, (nn.Sequential, nn.ModuleList)) and len(children) >= 2 \
+            and len({type(child) for child in children}) == 1:
+        return children
+    return [unit for child in children for unit in shard_units(child)]
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -281,6 +284,21 @@ def meta_copy(model: nn.Module) -> nn.Module:
     for buffer in model.buffers():
         memo[id(buffer)] = torch.empty_like(buffer, device="meta")
     return copy.deepcopy(model, memo)
+
+
+def materialize(skeleton: nn.Module, device: torch.device | str) -> nn.Module:
+    """Give a :func:`meta_copy` real (uninitialised) memory on ``device``, in place;
+    parameters it shares (a tied output head) stay shared, which ``to_empty`` alone
+    would undo."""
+    shared: dict[int, list[str]] = {}
+    for name, param in skeleton.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    whole = skeleton.to_empty(device=device)
+    for first, *aliases in shared.values():
+        for alias in aliases:
+            owner, _, leaf = alias.rpartition(".")
+            setattr(whole.get_submodule(owner), leaf, whole.get_parameter(first))
+    return whole
 
 
 def fully_shard_model(model: nn.Module) -> nn.Module:

@@ -86,6 +86,7 @@ from .distributed import (
     gather_model_state,
     gather_optimizer_state,
     init_distributed,
+    materialize,
     meta_copy,
     scatter_model_state,
     scatter_optimizer_state,
@@ -778,7 +779,7 @@ class Trainer:
         assert self._skeleton is not None
         weights = gather_model_state(self._plain)
         if self.is_main_process:
-            whole = self._skeleton.to_empty(device="cpu")
+            whole = materialize(self._skeleton, "cpu")
             whole.load_state_dict(weights)
             self._gathered = whole.train(self._plain.training)
 
