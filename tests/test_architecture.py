@@ -24,7 +24,7 @@ LAYERS = {
     "data": 4,
     "training": 5,
     "tasks": 6,
-    "cli": 7, "bench": 7, "d2l": 7,
+    "cli": 7, "bench": 7, "d2l": 7, "viz": 7,
     "__main__": 8,
 }
 

@@ -59,7 +59,8 @@ class PositionWiseFFN(nn.Module):
 class TransformerEncoderBlock(nn.Module):
     """Pre-norm block: ``x + SelfAttn(LN(x))`` then ``x + FFN(LN(x))``.
 
-    ``X (b, S, d)``, ``valid_lens (b,)`` ``-> (b, S, d)``. Padded source positions are never
+    ``X (b, S, d)``, ``valid_lens (b,)`` ``-> (b, S, d)``; with ``need_weights`` also the
+    self-attention weights ``(b, heads, S, S)``. Padded source positions are never
     attended to; their own outputs are computed but ignored downstream. ``backend`` is
     the attention's (see :class:`qkv.MultiHeadAttention`).
     """
@@ -75,9 +76,14 @@ class TransformerEncoderBlock(nn.Module):
         self.ffn = PositionWiseFFN(num_hiddens, ffn_num_hiddens)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, X: Tensor, valid_lens: Tensor) -> Tensor:
-        X = X + self.dropout(self.attention(self.ln1(X), valid_lens=valid_lens))
-        return X + self.dropout(self.ffn(self.ln2(X)))
+    def forward(self, X: Tensor, valid_lens: Tensor, *, need_weights: bool = False
+                ) -> Tensor | tuple[Tensor, Tensor]:
+        attended = self.attention(self.ln1(X), valid_lens=valid_lens, need_weights=need_weights)
+        if need_weights:
+            attended, weights = attended
+        X = X + self.dropout(attended)
+        X = X + self.dropout(self.ffn(self.ln2(X)))
+        return (X, weights) if need_weights else X
 
 
 class TransformerDecoderBlock(nn.Module):
@@ -85,9 +91,10 @@ class TransformerDecoderBlock(nn.Module):
 
     ``X (b, T, d)``, ``enc_outputs (b, S, d)``, ``src_valid_len (b,)`` ``-> (b, T, d)``.
     With ``cache`` the ``T`` new tokens are appended to the self-attention's KV cache and
-    attend to everything stored before them. With ``need_weights`` the cross-attention
-    weights ``(b, heads, T, S)`` are returned as well (else None). ``backend`` is both
-    attentions' (see :class:`qkv.MultiHeadAttention`).
+    attend to everything stored before them. Returns ``(X, self_weights, cross_weights)``:
+    with ``need_weights`` the self-attention weights ``(b, heads, T, T_k)`` (``T_k``: the
+    tokens in the cache, or ``T``) and the cross-attention weights ``(b, heads, T, S)``;
+    else two Nones. ``backend`` is both attentions' (see :class:`qkv.MultiHeadAttention`).
     """
 
     def __init__(self, num_hiddens: int, ffn_num_hiddens: int, num_heads: int, dropout: float,
@@ -113,17 +120,18 @@ class TransformerDecoderBlock(nn.Module):
         *,
         cache: KVCache | None = None,
         need_weights: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        X = X + self.dropout(self.self_attention(self.ln1(X), cache=cache))
-        weights = None
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        self_weights = cross_weights = None
+        attended = self.self_attention(self.ln1(X), cache=cache, need_weights=need_weights)
         if need_weights:
-            attended, weights = self.cross_attention(
-                self.ln2(X), enc_outputs, valid_lens=src_valid_len, need_weights=True
-            )
-        else:
-            attended = self.cross_attention(self.ln2(X), enc_outputs, valid_lens=src_valid_len)
+            attended, self_weights = attended
         X = X + self.dropout(attended)
-        return X + self.dropout(self.ffn(self.ln3(X))), weights
+        attended = self.cross_attention(self.ln2(X), enc_outputs, valid_lens=src_valid_len,
+                                        need_weights=need_weights)
+        if need_weights:
+            attended, cross_weights = attended
+        X = X + self.dropout(attended)
+        return X + self.dropout(self.ffn(self.ln3(X))), self_weights, cross_weights
 
 
 @dataclass
@@ -200,7 +208,7 @@ class TransformerSeq2Seq(EncoderDecoder):
         enc_outputs = self._encode(src, src_valid_len)
         X = self._embed(self.tgt_embedding, dec_input)
         for block in self.decoder_blocks:
-            X, _ = block(X, enc_outputs, src_valid_len)
+            X, _, _ = block(X, enc_outputs, src_valid_len)
         logits = self.dense(self.decoder_ln(X))
         if self.trace is not None:
             self.trace(
@@ -209,6 +217,26 @@ class TransformerSeq2Seq(EncoderDecoder):
                 f"{tuple(logits.shape)}"
             )
         return logits
+
+    def attention_maps(self, src: Tensor, src_valid_len: Tensor, dec_input: Tensor
+                       ) -> dict[str, list[Tensor]]:
+        """Every attention weight of a teacher-forced :meth:`forward` on ``src (b, S)``
+        and ``dec_input (b, T)``, one tensor per layer: ``"encoder"`` self-attention
+        ``(b, heads, S, S)``, ``"decoder"`` causal self-attention ``(b, heads, T, T)`` and
+        ``"cross"``-attention ``(b, heads, T, S)`` (padded source columns get weight 0)."""
+        maps: dict[str, list[Tensor]] = {"encoder": [], "decoder": [], "cross": []}
+        X = self._embed(self.src_embedding, src)
+        for block in self.encoder_blocks:
+            X, weights = block(X, src_valid_len, need_weights=True)
+            maps["encoder"].append(weights)
+        enc_outputs = self.encoder_ln(X)
+        X = self._embed(self.tgt_embedding, dec_input)
+        for block in self.decoder_blocks:
+            X, self_weights, cross_weights = block(X, enc_outputs, src_valid_len,
+                                                   need_weights=True)
+            maps["decoder"].append(self_weights)
+            maps["cross"].append(cross_weights)
+        return maps
 
     def encode(
         self, src: Tensor, src_valid_len: Tensor, max_steps: int | None = None
@@ -247,7 +275,7 @@ class TransformerSeq2Seq(EncoderDecoder):
         last = len(self.decoder_blocks) - 1
         weights = None
         for i, (block, cache) in enumerate(zip(self.decoder_blocks, state.caches, strict=True)):
-            X, w = block(
+            X, _, w = block(
                 X, state.enc_outputs, state.src_valid_len, cache=cache, need_weights=(i == last)
             )
             weights = w if w is not None else weights
