@@ -183,9 +183,10 @@ def describe(target: Target, run_dir: str | Path | None = None) -> dict[str, Any
     if isinstance(target, Translator):
         kind = "transformer" if isinstance(target.model, TransformerSeq2Seq) else "bahdanau"
         c = target.model.config
+        heads = f" x {c.num_heads} heads" if kind == "transformer" else " (GRU)"
         return {"kind": kind, "run": None if run_dir is None else str(run_dir),
-                "name": f"{target.settings.model} translator, {c.num_layers} layers"
-                        + (f" x {c.num_heads} heads" if kind == "transformer" else "")}
+                "name": f"{c.num_layers} layers{heads}, {len(target.src_vocab):,} source "
+                        f"and {len(target.tgt_vocab):,} target tokens"}
     raise TypeError(f"expected a qkv LanguageModel or Translator, got {type(target).__name__}")
 
 
