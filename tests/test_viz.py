@@ -260,8 +260,11 @@ def test_server_answers_the_page_and_each_text_and_survives_bad_input(server):
     assert get(server + "/api/attention?text=ok")[0] == 200  # still serving
 
 
-def test_server_listens_on_the_loopback_only(server):
+def test_server_listens_on_the_loopback_only_and_says_when_its_port_is_taken(server, runs):
     assert server.startswith("http://127.0.0.1:")
+    port = int(server.rsplit(":", 1)[1])
+    with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} .*choose another"):
+        make_server(LanguageModel.load(runs / "lm"), port=port)
 
 
 # ---------------------------------------------------------------------------- browser

@@ -101,7 +101,11 @@ def make_server(target: Target, *, port: int = 0, texts: Sequence[str] = (),
             else:
                 self._json(HTTPStatus.OK, {"example": answer})
 
-    return HTTPServer((HOST, port), Handler)
+    try:
+        return HTTPServer((HOST, port), Handler)
+    except OSError as e:
+        raise OSError(f"cannot listen on {HOST}:{port} ({e.strerror or e}); choose another "
+                      "--port, or 0 for any free one") from None
 
 
 def serve(target: Target, *, port: int = 8000, texts: Sequence[str] = (),
