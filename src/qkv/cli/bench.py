@@ -6,6 +6,8 @@
     qkv bench translate                # Bahdanau training against d2l's algorithm
     qkv bench data                     # sliding-window dataset against a list of tensors
     qkv bench flops                    # attention TFLOP/s at 8,192 tokens vs the matmul rate
+    qkv bench train                    # GPT training tokens/s and MFU, with and without
+                                       # bfloat16, torch.compile, eager attention
     qkv bench all --quick              # every suite on small shapes, in under two minutes
 
 Each suite prints markdown tables (medians, min-max, ratios, targets) and writes
@@ -22,7 +24,7 @@ import torch
 
 from ..utils.fileio import check_writable
 
-SUITES = ("attention", "generate", "translate", "data", "flops")
+SUITES = ("attention", "generate", "translate", "data", "flops", "train")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     parser = sub.add_parser(
         "bench",
-        help="benchmark attention paths, KV-cache generation, translator training, datasets",
+        help="benchmark attention paths, KV-cache generation, translator and GPT training, "
+             "datasets",
         description="Time (median, min-max over interleaved repeats) and measure the peak "
                     "memory of qkv against its peers; write JSON and PNG files.",
     )
@@ -60,6 +63,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     compile_flag.add_argument("--no-compile", action="store_true",
                               help="run FlexAttention uncompiled (no C++ compiler or Triton "
                                    "needed; it then materialises the scores)")
+    train_flags = argparse.ArgumentParser(add_help=False)
+    train_flags.add_argument("--presets", nargs="+", metavar="NAME", default=None,
+                             help="GPT presets to train (default: tiny mini gpt2-small on "
+                                  "the CPU, gpt2-small on CUDA)")
+    train_flags.add_argument("--batch-size", type=int, default=None,
+                             help="windows per step (default: 2 on the CPU, 16 on CUDA)")
+    train_flags.add_argument("--context-length", type=int, default=None,
+                             help="tokens per window (default: the preset's, at most 128 "
+                                  "on the CPU)")
+    train_flags.add_argument("--steps", type=int, default=None,
+                             help="optimizer steps per timed epoch (default: about 1e11 "
+                                  "model FLOPs on the CPU, 4e14 on CUDA)")
+    train_flags.add_argument("--options", nargs="+", metavar="SET", default=None,
+                             help="option sets, the first the baseline: 'default' or "
+                                  "'+'-joined float32|bfloat16, compile, eager-attn, e.g. "
+                                  "bfloat16+compile (default on the CPU: default bfloat16 "
+                                  "compile eager-attn; on CUDA: default compile)")
+    train_flags.add_argument("--max-seconds", type=float, default=None,
+                             help="time budget of one case's timed epochs; at least one "
+                                  "runs (default: 60)")
+    train_flags.add_argument("--vocab-size", type=int, default=None,
+                             help="vocabulary of every preset (default: GPT-2's 50,257)")
 
     suites = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
     helps = {
@@ -69,10 +94,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "data": "sliding-window GPT dataset against a list of tensors: build time, memory",
         "flops": "attention TFLOP/s (SDPA backends, FlexAttention, qkv) at 8,192 tokens, "
                  "head dim 128, against the device's measured matmul rate",
+        "train": "GPT presets trained through qkv's Trainer: tokens/s and % of the measured "
+                 "matmul rate (MFU), with and without bfloat16, torch.compile and eager "
+                 "attention",
         "all": "every suite, one after the other",
     }
     extra_flags = {"attention": [sweep_flag, compile_flag], "all": [sweep_flag, compile_flag],
-                   "flops": [compile_flag]}
+                   "flops": [compile_flag], "train": [train_flags]}
     for name, text in helps.items():
         parents = [common, *extra_flags.get(name, [])]
         suite = suites.add_parser(name, parents=parents, help=text, description=text)
@@ -135,6 +163,19 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
             kwargs["compile_flex"] = False
         config = FlopsConfig.quick(**kwargs) if args.quick else FlopsConfig(**kwargs)
         return run_flops(config, args.out)
+    if name == "train":
+        from ..bench.train import TrainBenchConfig, run_train
+
+        # --memory does not apply (the memory check is a lower bound, not a measurement).
+        # Under "all", the train-only flags are absent: the suite's defaults.
+        kwargs = {**_overrides(args), "device": args.device, "dtype": args.dtype}
+        for flag in ("presets", "batch_size", "context_length", "steps", "options",
+                     "max_seconds", "vocab_size"):
+            value = getattr(args, flag, None)
+            if value is not None:
+                kwargs[flag] = tuple(value) if isinstance(value, list) else value
+        config = TrainBenchConfig.quick(**kwargs) if args.quick else TrainBenchConfig(**kwargs)
+        return run_train(config, args.out)
     from ..bench.data import DataBenchConfig, run_data
 
     # Building a dataset is CPU work whatever --device says; there is no warm-up either:

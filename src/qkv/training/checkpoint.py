@@ -858,6 +858,10 @@ _GROUP_RANGES = {"lr": (0.0, None), "eps": (0.0, None), "weight_decay": (0.0, No
                  "momentum": (0.0, None), "betas": (0.0, 1.0)}
 
 
+# Param-group entries that choose an implementation of the same update.
+_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
 def _check_group_value(name: str, key: str, value: Any, live: Any) -> None:
     """A saved param-group entry must have the live optimizer's type and a valid range."""
     lo, hi = _GROUP_RANGES.get(key, (None, None))
@@ -914,6 +918,11 @@ def _optimizer_state(
                 params[i] = param
             for key, live_value in live.items():
                 if key == "params":
+                    continue
+                if key in _IMPLEMENTATION_KEYS:
+                    # How this optimizer runs its update, not what it learned: a run
+                    # saved with the fused kernel resumes with the loop and back.
+                    group[key] = live_value
                     continue
                 if key not in group:
                     raise ValueError(f"{where} has no {key!r}")
