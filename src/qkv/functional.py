@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .checks import check_positive_int
+
 __all__ = [
     "attention_scores",
     "attention_scores_loop",
@@ -168,22 +170,28 @@ def simple_self_attention(inputs: Tensor) -> tuple[Tensor, Tensor]:
 # ---------------------------------------------------------------------------
 
 
-def causal_mask(num_queries: int, num_keys: int | None = None, device=None) -> Tensor:
+def causal_mask(num_queries: int, num_keys: int | None = None, device=None, *,
+                window: int | None = None) -> Tensor:
     """Boolean ``(num_queries, num_keys)`` mask, True where a query may look.
 
     Queries are aligned to the *end* of the keys: with a KV cache the
     ``num_queries`` new tokens are the last ones, so query ``i`` sits at
     position ``i + num_keys - num_queries`` and sees keys up to that position.
-    For ``num_queries == num_keys`` this is the usual lower triangle.
+    For ``num_queries == num_keys`` this is the usual lower triangle. With a
+    ``window``, each query sees only its last ``window`` keys, itself included (a
+    band below the diagonal).
     """
     num_keys = num_queries if num_keys is None else num_keys
     if num_queries > num_keys:
         raise ValueError(
             f"causal attention needs num_queries <= num_keys, got {num_queries} > {num_keys}"
         )
-    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(
-        diagonal=num_keys - num_queries
-    )
+    offset = num_keys - num_queries
+    keep = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(offset)
+    if window is not None:
+        check_positive_int("window", window)
+        keep = keep.triu(offset - window + 1)
+    return keep
 
 
 def check_valid_lens(valid_lens: Any, batch: int, num_queries: int) -> None:
@@ -309,8 +317,25 @@ def _checked_mask(mask: Tensor | None, scores_shape: tuple[int, ...]) -> Tensor 
     return mask
 
 
-def _scores_shape(query: Tensor, key: Tensor, value: Tensor) -> tuple[int, ...]:
-    """Shape ``(..., T_q, T_k)`` of ``query @ key^T``, or a one-line error on bad inputs."""
+# PyTorch 2.5 added grouped key/value heads to scaled_dot_product_attention.
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def _query_groups(query: Tensor, key: Tensor, value: Tensor) -> int:
+    """Query heads per key/value head: 1, or ``H / G`` when ``key`` and ``value`` have
+    ``G`` heads (dim -3) that divide the query's ``H`` (grouped-query attention)."""
+    if not all(isinstance(t, Tensor) and t.dim() >= 3 for t in (query, key, value)):
+        return 1
+    heads, kv_heads = query.shape[-3], key.shape[-3]
+    if kv_heads in (1, heads) or value.shape[-3] != kv_heads or heads % kv_heads:
+        return 1  # the usual rules (broadcasting) apply, and say what is wrong
+    return heads // kv_heads
+
+
+def _scores_shape(query: Tensor, key: Tensor, value: Tensor, groups: int = 1
+                  ) -> tuple[int, ...]:
+    """Shape ``(..., T_q, T_k)`` of ``query @ key^T``, or a one-line error on bad inputs;
+    with ``groups > 1`` key and value have ``1 / groups`` of the query's heads."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a tensor (..., tokens, width), got {type(t).__name__}")
@@ -327,9 +352,13 @@ def _scores_shape(query: Tensor, key: Tensor, value: Tensor) -> tuple[int, ...]:
             f"key and value must have the same number of tokens, got {key.shape[-2]} "
             f"and {value.shape[-2]}"
         )
-    batch = query.shape[:-2]
-    if not key.shape[:-2] == value.shape[:-2] == batch:  # e.g. one key head for all
-        batch = _broadcast(tuple(batch), tuple(key.shape[:-2]), tuple(value.shape[:-2]))
+    batch = tuple(query.shape[:-2])
+    key_lead, value_lead = tuple(key.shape[:-2]), tuple(value.shape[:-2])
+    if groups > 1:  # each key/value head stands for `groups` query heads
+        key_lead = (*key_lead[:-1], key_lead[-1] * groups)
+        value_lead = (*value_lead[:-1], value_lead[-1] * groups)
+    if not key_lead == value_lead == batch:  # e.g. one key head for all
+        batch = _broadcast(batch, key_lead, value_lead)
     if batch is None:
         raise ValueError(
             f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
@@ -394,6 +423,7 @@ def attention(
     dropout_p: float = 0.0,
     scale: float | None = None,
     need_weights: bool = False,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Scaled dot-product attention ``softmax(q k^T * scale) v``, masked.
 
@@ -401,12 +431,20 @@ def attention(
     ``-> (output (..., T_q, d_v), weights (..., T_q, T_k) or None)``. The leading
     dimensions are usually ``(batch, heads)``.
 
+    Grouped queries (GQA, MQA): ``key`` and ``value`` may have ``G`` heads (dim -3)
+    where ``query`` has ``H``, ``G`` dividing ``H``; query head ``i`` then attends with
+    key/value head ``i // (H / G)``. The fused path hands the groups to PyTorch's kernel
+    (``enable_gqa``) without copying them; the eager path repeats each key/value head
+    for its queries, the definition written out.
+
     Args:
         mask: boolean, broadcastable to ``(..., T_q, T_k)``, True = may attend; e.g.
             ``(T_k,)`` (per key), ``(T_q, T_k)`` or ``(batch, 1, T_q, T_k)``. Both
             backends accept the same masks and give the same result.
         causal: hide keys after each query. With ``T_q < T_k`` (new tokens
             against a KV cache) queries are aligned to the last keys.
+        window: with ``causal``, each query sees only its last ``window`` keys
+            (itself included): sliding-window attention.
         dropout_p: dropout on the attention weights; pass 0 in eval mode.
         scale: defaults to ``1 / sqrt(d)``.
         need_weights: run the eager path and also return the weights (before
@@ -416,7 +454,12 @@ def attention(
     Queries with no key to attend to get zero output and zero gradient.
     """
     # Checked before anything is allocated, once for both backends.
-    mask = _checked_mask(mask, _scores_shape(query, key, value))
+    groups = _query_groups(query, key, value)
+    if groups > 1 and (need_weights or not _SDPA_HAS_GQA):
+        key = key.repeat_interleave(groups, dim=-3)
+        value = value.repeat_interleave(groups, dim=-3)
+        groups = 1
+    mask = _checked_mask(mask, _scores_shape(query, key, value, groups))
     num_queries, num_keys = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
 
@@ -426,11 +469,16 @@ def attention(
     # A causal mask alone leaves every query at least its own key (causal_mask refuses
     # more queries than keys); only a caller's mask can hide a whole row.
     may_have_empty_rows = mask is not None
-    if causal and num_queries > 1:
-        if mask is None and num_queries == num_keys and not need_weights:
+    if window is not None and not causal:
+        raise ValueError("window needs causal=True: each query sees its last window keys")
+    # With at most `window` keys, every query sees all it would see anyway: no band.
+    banded = window is not None and num_keys > window
+    if causal and (num_queries > 1 or banded):
+        if mask is None and num_queries == num_keys and not need_weights and not banded:
             use_is_causal = True
         else:
-            tri = causal_mask(num_queries, num_keys, device=query.device)
+            tri = causal_mask(num_queries, num_keys, device=query.device,
+                              window=window if banded else None)
             mask = tri if mask is None else mask & tri
 
     if need_weights:
@@ -453,6 +501,7 @@ def attention(
         dropout_p=dropout_p,
         is_causal=use_is_causal,
         scale=scale,
+        **({"enable_gqa": True} if groups > 1 else {}),
     )
     if row_ok is not None:
         out = out * row_ok

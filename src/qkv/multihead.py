@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .checks import check_dropout, check_heads, check_positive_int
+from .checks import check_bool, check_dropout, check_float, check_heads, check_positive_int
 from .functional import (
     BACKENDS,
     attention,
@@ -22,6 +22,7 @@ from .functional import (
     lengths_to_mask,
 )
 from .kv_cache import KVCache
+from .positional import apply_rope, rope_angles
 
 __all__ = ["MultiHeadAttention"]
 
@@ -55,6 +56,21 @@ class MultiHeadAttention(nn.Module):
             :func:`torch.nn.functional.scaled_dot_product_attention`;
             ``"eager"`` computes the weights explicitly. Asking for weights
             always runs eager for that call.
+        num_kv_groups: key/value heads ``G`` (the book's name), dividing
+            ``num_heads``; each is shared by ``num_heads / G`` query heads
+            (grouped-query attention; ``G = 1`` is multi-query attention).
+            ``W_key`` and ``W_value`` project to ``G x head_dim`` and a KV cache
+            holds ``G`` heads. Default ``num_heads``: one key/value head per query head.
+        window_size: each query sees only its last ``window_size`` keys, itself
+            included (sliding-window attention; causal only). Its KV cache is a
+            ring of ``window_size`` positions, so decoding can go on past
+            ``context_length`` in constant memory.
+        rope: rotate queries and keys by their absolute positions (rotary
+            position embedding, "rotate half" as in Llama and GPT-NeoX); with a
+            KV cache, positions continue from the cache's. ``rope_base`` sets the
+            frequencies (default 10,000).
+
+    ``window_size`` and ``rope`` apply to self-attention only.
 
     Parameters are created in the order ``W_query, W_key, W_value, out_proj``.
 
@@ -83,6 +99,10 @@ class MultiHeadAttention(nn.Module):
         vdim: int | None = None,
         out_bias: bool = True,
         backend: str = "fused",
+        num_kv_groups: int | None = None,
+        window_size: int | None = None,
+        rope: bool = False,
+        rope_base: float = 10_000.0,
     ) -> None:
         super().__init__()
         check_positive_int("d_in", d_in)
@@ -95,6 +115,24 @@ class MultiHeadAttention(nn.Module):
             check_positive_int("context_length", context_length, "integer or None")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        num_kv_groups = num_heads if num_kv_groups is None else num_kv_groups
+        check_positive_int("num_kv_groups", num_kv_groups)
+        if num_heads % num_kv_groups:
+            raise ValueError(f"num_kv_groups ({num_kv_groups}) must divide num_heads "
+                             f"({num_heads}); e.g. 1 (MQA) or {num_heads} (one per head)")
+        if window_size is not None:
+            check_positive_int("window_size", window_size, "number of tokens or None")
+            if not causal:
+                raise ValueError("window_size needs causal=True: each query sees its last "
+                                 "window_size tokens")
+        check_bool("rope", rope)
+        check_float("rope_base", rope_base, 1.0, lo_open=True)
+        if rope and (d_out // num_heads) % 2:
+            raise ValueError(f"rope needs an even head_dim, got {d_out // num_heads} "
+                             f"(d_out={d_out} / num_heads={num_heads})")
+        self.num_kv_groups = num_kv_groups
+        self.window_size = window_size
+        self.rope, self.rope_base = rope, float(rope_base)
         self.d_in, self.d_out = d_in, d_out
         self.kdim = d_in if kdim is None else kdim
         self.vdim = d_in if vdim is None else vdim
@@ -104,16 +142,17 @@ class MultiHeadAttention(nn.Module):
         self.causal = causal
         self.backend = backend
 
+        kv_out = num_kv_groups * self.head_dim
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_key = nn.Linear(self.kdim, d_out, bias=qkv_bias)
-        self.W_value = nn.Linear(self.vdim, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(self.kdim, kv_out, bias=qkv_bias)
+        self.W_value = nn.Linear(self.vdim, kv_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
         self.dropout = nn.Dropout(dropout)
 
     def _split_heads(self, x: Tensor) -> Tensor:
-        # (b, T, d_out) -> (b, heads, T, head_dim): heads become a batch axis
-        b, t, _ = x.shape
-        return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        # (b, T, heads * head_dim) -> (b, heads, T, head_dim): heads become a batch axis
+        b, t, width = x.shape
+        return x.view(b, t, width // self.head_dim, self.head_dim).transpose(1, 2)
 
     def _key_mask(
         self,
@@ -166,15 +205,22 @@ class MultiHeadAttention(nn.Module):
             key: ``(batch, T_k, kdim)``; None means self-attention on ``x``.
             value: ``(batch, T_k, vdim)``; None means ``value = key``.
             valid_lens / key_padding_mask: padding, see the class docstring.
-            need_weights: also return the weights ``(batch, heads, T_q, T_k)``.
-            cache: a :class:`KVCache`; the new keys and values are appended
-                and the queries attend to everything stored (self-attention).
+            need_weights: also return the weights ``(batch, heads, T_q, T_k)``
+                (with a ring cache and one new token, ``T_k`` follows the ring's
+                slots, not time).
+            cache: a :class:`KVCache` (:meth:`new_cache`); the new keys and values
+                are appended and the queries attend to everything stored
+                (self-attention).
 
         Returns:
             ``(batch, T_q, d_out)``, or ``(output, weights)`` with ``need_weights``.
         """
         _check_input("x", x, self.d_in)
         batch, num_queries, _ = x.shape
+        if (self.rope or self.window_size is not None) and (key is not None or
+                                                             value is not None):
+            raise ValueError("rope and window_size apply to self-attention only; this "
+                             "layer was called with key/value (cross-attention)")
         if key is None:
             key = x if value is None else value
         value = key if value is None else value
@@ -187,11 +233,17 @@ class MultiHeadAttention(nn.Module):
             )
 
         past = cache.pos if cache is not None else 0
-        if self.context_length is not None and past + num_queries > self.context_length:
+        ring = cache is not None and cache.ring
+        # A ring cache forgets what left the window, so only the new tokens count.
+        span = num_queries if ring else past + num_queries
+        if self.context_length is not None and span > self.context_length:
             raise ValueError(
-                f"sequence of {past + num_queries} tokens is longer than "
+                f"sequence of {span} tokens is longer than "
                 f"context_length={self.context_length}"
             )
+        if ring and (valid_lens is not None or key_padding_mask is not None):
+            raise ValueError("padding masks index keys by position; a ring cache does not "
+                             "keep them in order: pad nothing, or use a plain cache")
 
         # The padding is checked before any projection runs; with a cache the keys are
         # the stored ones followed by the new.
@@ -200,8 +252,15 @@ class MultiHeadAttention(nn.Module):
         q = self._split_heads(self.W_query(x))
         k = self._split_heads(self.W_key(key))
         v = self._split_heads(self.W_value(value))
+        if self.rope:  # rotated at their absolute positions, before they are cached
+            positions = torch.arange(past, past + num_queries, device=x.device)
+            cos, sin = rope_angles(positions, self.head_dim, self.rope_base)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)
+        # One new token against a ring sees every slot: all are in its window, in slot
+        # order, where a band drawn by position would be wrong.
+        window = None if ring and num_queries == 1 else self.window_size
 
         want_weights = need_weights or self.backend == "eager"
         out, weights = attention(
@@ -212,24 +271,31 @@ class MultiHeadAttention(nn.Module):
             causal=self.causal,
             dropout_p=self.dropout.p if self.training else 0.0,
             need_weights=want_weights,
+            window=window,
         )
         # (b, heads, T, head_dim) -> (b, T, d_out)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, num_queries, self.d_out))
         return (out, weights) if need_weights else out
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """A :class:`KVCache` sized for this layer (default: ``context_length``)."""
+        """A :class:`KVCache` for this layer: its ``num_kv_groups`` heads, and
+        ``max_len`` positions (default: ``context_length``), or with ``window_size`` a
+        ring of ``window_size`` positions, whatever ``max_len`` says (a window holds
+        all a query can see)."""
         max_len = self.context_length if max_len is None else max_len
+        if self.window_size is not None:
+            max_len = self.window_size
         if max_len is None:
             raise ValueError("this layer has no context_length; pass max_len to new_cache()")
         weight = self.W_key.weight
         return KVCache(
             batch_size,
-            self.num_heads,
+            self.num_kv_groups,
             max_len,
             self.head_dim,
             dtype=weight.dtype,
             device=weight.device,
+            ring=self.window_size is not None,
         )
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args, **kwargs):
@@ -243,4 +309,8 @@ class MultiHeadAttention(nn.Module):
             f"d_in={self.d_in}, d_out={self.d_out}, num_heads={self.num_heads}, "
             f"context_length={self.context_length}, causal={self.causal}, "
             f"backend={self.backend!r}"
+            + (f", num_kv_groups={self.num_kv_groups}"
+               if self.num_kv_groups != self.num_heads else "")
+            + (f", window_size={self.window_size}" if self.window_size is not None else "")
+            + (f", rope=True, rope_base={self.rope_base:g}" if self.rope else "")
         )

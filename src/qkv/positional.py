@@ -1,4 +1,5 @@
-"""Sinusoidal positional encoding (Vaswani et al.; d2l's ``PositionalEncoding``)."""
+"""Position information: the sinusoidal encoding added to inputs (Vaswani et al.; d2l's
+``PositionalEncoding``) and rotary embeddings (RoPE) applied to queries and keys."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from torch import Tensor, nn
 
 from .checks import check_dropout, check_positive_int
 
-__all__ = ["PositionalEncoding", "sinusoidal_table"]
+__all__ = ["PositionalEncoding", "sinusoidal_table", "rope_angles", "apply_rope"]
 
 
 def sinusoidal_table(max_len: int, num_hiddens: int) -> Tensor:
@@ -58,3 +59,34 @@ class PositionalEncoding(nn.Module):
                 f"sequence of {X.shape[1]} tokens is longer than max_len={self.P.shape[1]}"
             )
         return self.dropout(X + self.P[:, : X.shape[1]].to(X.dtype))
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+def rope_angles(positions: Tensor, head_dim: int, base: float = 10_000.0) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)``, each ``(T, head_dim)``, of rotary position embedding (RoPE) at
+    ``positions (T,)``: pair ``i`` of a head's dimensions turns by ``position * base^(-2i
+    / head_dim)``. Computed in float64, whose angles stay exact to far beyond any
+    context length (float32's lose a milliradian by position 30,000), and returned in
+    float64 (:func:`apply_rope` casts); ``head_dim`` must be even.
+
+    The layout is "rotate half" (Llama, GPT-NeoX): dimension ``i`` pairs with ``i +
+    head_dim / 2``, so the angles of the first half repeat in the second.
+    """
+    if head_dim % 2:
+        raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64,
+                                      device=positions.device) / head_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # (T, head_dim / 2)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x (..., T, head_dim)`` by :func:`rope_angles`' ``cos, sin (T, head_dim)``:
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half([a, b]) = [-b, a]``. A query at
+    position ``m`` and a key at ``n`` then score ``q_m . k_n`` as a function of ``m - n``
+    alone: attention sees relative positions."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
