@@ -284,3 +284,19 @@ def test_eval_every_makes_an_epoch_that_many_steps_on_random_windows(text_file, 
     assert re.search(r"epoch 3/3: loss [\d.]+, [\d.]+ tokens/sec \(MFU [\d.]+%\)", out)
     saved = json.loads((run / "config.json").read_text())["settings"]
     assert saved["eval_every"] == 2
+
+
+def test_the_modern_preset_trains_and_generates_past_its_context(text_file, tmp_path,
+                                                                  capsys):
+    run = tmp_path / "m"
+    assert main(["lm", "train", "--text", str(text_file), "--run-dir", str(run),
+                 "--preset", "tiny-modern", "--epochs", "2", *FAST]) == 0
+    model = json.loads((run / "config.json").read_text())["model"]
+    assert (model["rope"], model["n_kv_groups"], model["window_size"]) == (True, 2, 64)
+    history = json.loads((run / "trainer.json").read_text())["trainer_state"]["history"]
+    assert history["loss"][1] < history["loss"][0]
+    capsys.readouterr()
+    # 32 tokens of context (FAST), 60 new ones: the ring caches carry on past it.
+    assert main(["lm", "generate", "--ckpt", str(run), "--prompt", "The cat",
+                 "--max-new-tokens", "60"]) == 0
+    assert "60 tokens in" in capsys.readouterr().out

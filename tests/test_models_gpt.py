@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -130,10 +131,14 @@ def test_parameter_counts_of_gpt2_small():
                                         n_layers=1),
                                    dict(vocab_size=257, context_length=16, emb_dim=12,
                                         n_heads=3, n_layers=3)])
-def test_sizes_from_the_config_match_the_built_model(sizes, qkv_bias, tie_weights):
+@pytest.mark.parametrize("modern", [{}, {"n_kv_groups": 1, "rope": True},
+                                    {"window_size": 2}])
+def test_sizes_from_the_config_match_the_built_model(sizes, qkv_bias, tie_weights, modern):
     """Parameter count and state_dict shapes, by arithmetic, against the real model (a tied
     head is one parameter listed under two names)."""
-    cfg = GPTConfig(**sizes, qkv_bias=qkv_bias, tie_weights=tie_weights)
+    if modern.get("rope") and sizes["emb_dim"] // sizes["n_heads"] % 2:
+        modern = {**modern, "rope": False}  # rotary embeddings need an even head size
+    cfg = GPTConfig(**sizes, qkv_bias=qkv_bias, tie_weights=tie_weights, **modern)
     model = GPTModel(cfg)
     assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
     assert list(model.buffers()) == []
@@ -419,3 +424,36 @@ def test_generate_argument_errors():
     raises_one_line(ValueError, r"context_size must be in \[1, context_length=16\], got 32",
                     generate, model, idx, 3, context_size=32)
     assert torch.equal(generate(model, idx, 0), idx)
+
+
+def test_the_modern_preset_decodes_past_its_context_the_same_with_and_without_cache():
+    from qkv.models.gpt import generate
+
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset("tiny-modern", vocab_size=50, context_length=16, window_size=8)
+    model = GPTModel(cfg).init_weights().eval()
+    assert model.pos_emb is None and model.trf_blocks[0].att.num_kv_groups == 2
+    prompt = torch.randint(0, 50, (2, 5))
+    cached = generate(model, prompt, 40, use_cache=True)  # 45 tokens, context 16
+    # The reference: the same weights (a RoPE model's shapes do not depend on its
+    # context) reading the whole sequence at once, each step, no cache, no crop.
+    whole = GPTModel(dataclasses.replace(cfg, context_length=64)).eval()
+    whole.load_state_dict(model.state_dict())
+    assert torch.equal(cached, generate(whole, prompt, 40, use_cache=False))
+    # Without the cache, the 16-token crop re-read from position 0 is the same here:
+    # RoPE sees differences of positions, and two layers of 8-token windows reach back
+    # 15 tokens, inside the crop.
+    assert torch.equal(cached, generate(model, prompt, 40, use_cache=False))
+    caches = model.new_caches(2)
+    assert [tuple(c.keys.shape) for c in caches] == [(2, 2, 8, 16)] * cfg.n_layers
+    held = sum(c.keys.numel() + c.values.numel() for c in caches) * 4
+    assert held == cfg.kv_cache_bytes(2, 45)
+
+
+def test_kv_cache_bytes_of_gpt2_small_for_mha_gqa_and_a_window():
+    cfg = GPTConfig.preset("gpt2-small")
+    assert cfg.kv_cache_bytes(1, 1024) == 12 * 2 * 12 * 64 * 1024 * 4  # 72 MiB
+    gqa = GPTConfig.preset("gpt2-small", n_kv_groups=4)
+    assert gqa.kv_cache_bytes(1, 1024) == cfg.kv_cache_bytes(1, 1024) // 3
+    windowed = GPTConfig.preset("gpt2-small", window_size=256)
+    assert windowed.kv_cache_bytes(1, 32_768) == cfg.kv_cache_bytes(1, 256)

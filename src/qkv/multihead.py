@@ -280,8 +280,8 @@ class MultiHeadAttention(nn.Module):
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """A :class:`KVCache` for this layer: its ``num_kv_groups`` heads, and
         ``max_len`` positions (default: ``context_length``), or with ``window_size`` a
-        ring of ``window_size`` positions, whatever ``max_len`` says (a window holds
-        all a query can see)."""
+        ring of ``window_size`` positions, whatever ``max_len`` says: all a query can
+        see."""
         max_len = self.context_length if max_len is None else max_len
         if self.window_size is not None:
             max_len = self.window_size

@@ -43,7 +43,7 @@ from ..checks import (
     show,
     small_divisors,
 )
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, kv_cache_bytes
 from ..multihead import MultiHeadAttention
 
 __all__ = [
@@ -75,6 +75,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Small enough to train on a laptop CPU in minutes (pass vocab_size=tokenizer.n_vocab).
     "tiny": {"context_length": 128, "emb_dim": 64, "n_heads": 4, "n_layers": 2, "drop_rate": 0.0},
     "mini": {"context_length": 256, "emb_dim": 128, "n_heads": 4, "n_layers": 4, "drop_rate": 0.1},
+    # "tiny" with what current models use: rotary positions instead of a learned table,
+    # 2 key/value heads for 4 query heads (GQA), each token seeing its last 64.
+    "tiny-modern": {"context_length": 128, "emb_dim": 64, "n_heads": 4, "n_layers": 2,
+                    "drop_rate": 0.0, "n_kv_groups": 2, "window_size": 64, "rope": True},
 }
 
 
@@ -135,6 +139,17 @@ class GPTConfig:
         drop_rate: dropout on embeddings, attention weights and residual branches.
         qkv_bias: bias on the query/key/value projections (GPT-2's checkpoints have one).
         tie_weights: share the token embedding matrix with the output head.
+        n_kv_groups: key/value heads per layer, dividing ``n_heads`` (grouped-query
+            attention); None: one per query head, as in GPT-2.
+        window_size: each token attends to its last ``window_size`` tokens (sliding
+            window); None: to all before it.
+        rope: rotary position embeddings in every attention layer instead of the learned
+            position table (the model then has no ``pos_emb``); ``rope_base`` sets their
+            frequencies. With ``rope`` and a ``window_size``, generation with the KV cache
+            runs past ``context_length``.
+
+    The last four default to GPT-2's choices, so the book's configurations and numbers
+    are unchanged; see :class:`qkv.MultiHeadAttention` for what each does.
     """
 
     vocab_size: int = 50257
@@ -145,13 +160,20 @@ class GPTConfig:
     drop_rate: float = 0.1
     qkv_bias: bool = False
     tie_weights: bool = False
+    n_kv_groups: int | None = None
+    window_size: int | None = None
+    rope: bool = False
+    rope_base: float = 10_000.0
 
     def __post_init__(self) -> None:
         # The cap keeps every dimension an int32; whether the model fits in memory is a
         # separate check (num_parameters, qkv.training.limits).
         for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
             check_int(f"GPTConfig.{name}", getattr(self, name), 1, MAX_SIZE)
-        for name in ("qkv_bias", "tie_weights"):
+        for name in ("n_kv_groups", "window_size"):
+            if getattr(self, name) is not None:
+                check_int(f"GPTConfig.{name}", getattr(self, name), 1, MAX_SIZE)
+        for name in ("qkv_bias", "tie_weights", "rope"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"GPTConfig.{name} must be True or False, got {show(getattr(self, name))}"
@@ -165,17 +187,45 @@ class GPTConfig:
                 f"e.g. num_heads in {small_divisors(self.emb_dim)}"
             )
         check_heads(self.emb_dim, self.n_heads, name="emb_dim")
+        if self.n_kv_groups is not None and self.n_heads % self.n_kv_groups:
+            raise ValueError(f"GPTConfig.n_kv_groups ({self.n_kv_groups}) must divide "
+                             f"n_heads ({self.n_heads})")
+        self.rope_base = check_float("GPTConfig.rope_base", self.rope_base, 1.0,
+                                     lo_open=True)
+        if self.rope and self.head_dim % 2:
+            raise ValueError(f"GPTConfig.rope needs an even head size, got emb_dim "
+                             f"{self.emb_dim} / n_heads {self.n_heads} = {self.head_dim}")
 
     # Sizes, from the config alone: nothing is allocated. Tested against built models.
+
+    @property
+    def head_dim(self) -> int:
+        return self.emb_dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads per layer: ``n_kv_groups``, or ``n_heads``."""
+        return self.n_heads if self.n_kv_groups is None else self.n_kv_groups
 
     def num_parameters(self) -> int:
         """Number of parameters of ``GPTModel(self)`` by arithmetic (a tied head counts once)."""
         V, C, d, L = self.vocab_size, self.context_length, self.emb_dim, self.n_layers
-        attention = 4 * d * d + d + (3 * d if self.qkv_bias else 0)  # W_q, W_k, W_v, out_proj
+        kv = self.kv_heads * self.head_dim  # width of the key and value projections
+        # W_q, W_k, W_v (with their biases), out_proj
+        attention = d * d + 2 * d * kv + (d + 2 * kv if self.qkv_bias else 0) + d * d + d
         feed_forward = 8 * d * d + 5 * d  # (4d, d) + 4d and (d, 4d) + d
         block = attention + feed_forward + 4 * d  # and two LayerNorms
         head = 0 if self.tie_weights else V * d
-        return (V + C) * d + L * block + 2 * d + head
+        positions = 0 if self.rope else C * d
+        return V * d + positions + L * block + 2 * d + head
+
+    def kv_cache_bytes(self, batch_size: int, tokens: int, *, bytes_per_value: int = 4) -> int:
+        """Bytes of the KV cache that decoding ``tokens`` positions for ``batch_size``
+        sequences holds: every layer's ``kv_heads`` keys and values per position, at most
+        ``window_size`` positions (see :func:`qkv.kv_cache.kv_cache_bytes`)."""
+        return kv_cache_bytes(layers=self.n_layers, kv_heads=self.kv_heads,
+                              head_dim=self.head_dim, batch=batch_size, tokens=tokens,
+                              window=self.window_size, bytes_per_value=bytes_per_value)
 
     def training_flops_per_token(self, tokens: int | None = None) -> float:
         """Floating-point operations of one training step per token of a ``tokens``-long
@@ -193,8 +243,11 @@ class GPTConfig:
         """
         T = self.context_length if tokens is None else tokens
         d, L = self.emb_dim, self.n_layers
-        matmul_weights = L * 12 * d * d + self.vocab_size * d
-        return 6.0 * matmul_weights + 12.0 * L * T * d
+        kv = self.kv_heads * self.head_dim
+        matmul_weights = L * (10 * d * d + 2 * d * kv) + self.vocab_size * d
+        # A window caps the keys each query scores; the count stays that of a full window.
+        seen = T if self.window_size is None else min(T, self.window_size)
+        return 6.0 * matmul_weights + 12.0 * L * seen * d
 
     def num_saved_activations(self, batch_size: int, tokens: int) -> int:
         """A lower bound on the float32 values a training step's forward pass keeps for
@@ -214,14 +267,16 @@ class GPTConfig:
         as the checkpoint holds, however many layers the config claims.
         """
         V, d = self.vocab_size, self.emb_dim
+        kv = self.kv_heads * self.head_dim
         yield "tok_emb.weight", (V, d)
-        yield "pos_emb.weight", (self.context_length, d)
+        if not self.rope:
+            yield "pos_emb.weight", (self.context_length, d)
         for i in range(self.n_layers):
             block = f"trf_blocks.{i}"
-            for w in ("W_query", "W_key", "W_value"):
-                yield f"{block}.att.{w}.weight", (d, d)
+            for w, width in (("W_query", d), ("W_key", kv), ("W_value", kv)):
+                yield f"{block}.att.{w}.weight", (width, d)
                 if self.qkv_bias:
-                    yield f"{block}.att.{w}.bias", (d,)
+                    yield f"{block}.att.{w}.bias", (width,)
             yield f"{block}.att.out_proj.weight", (d, d)
             yield f"{block}.att.out_proj.bias", (d,)
             yield f"{block}.ff.layers.0.weight", (4 * d, d)
@@ -347,6 +402,10 @@ class TransformerBlock(nn.Module):
             dropout=cfg.drop_rate,
             num_heads=cfg.n_heads,
             qkv_bias=cfg.qkv_bias,
+            num_kv_groups=cfg.n_kv_groups,
+            window_size=cfg.window_size,
+            rope=cfg.rope,
+            rope_base=cfg.rope_base,
         )
         self.ff = FeedForward(cfg)
         self.norm1 = LayerNorm(cfg.emb_dim)
@@ -392,7 +451,8 @@ class GPTModel(nn.Module):
         super().__init__()
         self.cfg = cfg = _as_config(cfg)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
-        self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim)
+        # With rotary embeddings the attention layers carry the positions: no table.
+        self.pos_emb = None if cfg.rope else nn.Embedding(cfg.context_length, cfg.emb_dim)
         self.drop_emb = nn.Dropout(cfg.drop_rate)
         self.trf_blocks = nn.Sequential(*[TransformerBlock(cfg) for _ in range(cfg.n_layers)])
         self.final_norm = LayerNorm(cfg.emb_dim)
@@ -442,7 +502,13 @@ class GPTModel(nn.Module):
                 f"need one KVCache per layer ({len(self.trf_blocks)}), got {len(caches)}"
             )
         start = caches[0].pos if caches is not None else 0
-        x = self.drop_emb(embed_tokens(self.tok_emb, self.pos_emb, idx, start))
+        if self.pos_emb is None:
+            if idx.dim() != 2:
+                raise ValueError(f"token ids must have shape (batch, tokens), got "
+                                 f"{tuple(idx.shape)}")
+            x = self.drop_emb(self.tok_emb(idx))
+        else:
+            x = self.drop_emb(embed_tokens(self.tok_emb, self.pos_emb, idx, start))
         all_weights = []
         for i, block in enumerate(self.trf_blocks):
             cache = caches[i] if caches is not None else None
@@ -487,7 +553,8 @@ class GPTModel(nn.Module):
         """One empty :class:`KVCache` per layer, on the model's device and dtype.
 
         ``max_len`` defaults to ``cfg.context_length`` and cannot exceed it (positions
-        beyond it have no embedding).
+        beyond it have no embedding). With ``cfg.window_size`` each is a ring of the
+        window's size instead.
         """
         max_len = self.cfg.context_length if max_len is None else max_len
         if not 1 <= max_len <= self.cfg.context_length:
@@ -562,7 +629,13 @@ def generate(
 
     Context: the model always sees the last ``context_size`` tokens (the book's crop). The
     cache grows while the sequence fits; once full, each step re-fills it from the last
-    ``context_size`` tokens, because their positions have all shifted by one.
+    ``context_size`` tokens, because their positions have all shifted by one. A model
+    with rotary positions and a sliding window (``cfg.rope`` and ``cfg.window_size``)
+    needs no re-fill: its caches are rings that keep the window, and positions only
+    matter relative to each other, so it feeds one token per step for as long as asked,
+    computing what the model computes on the whole sequence. Past ``context_size``
+    that is more than ``use_cache=False`` sees: each layer's window reaches one window
+    further back, which the re-read of the last ``context_size`` tokens cuts off.
 
     Runs in eval mode (dropout off) and restores the model's mode afterwards. With the
     cache on the CPU, a :class:`GPTModel` decodes with :meth:`GPTModel.decoding_weights`,
@@ -614,11 +687,13 @@ def generate(
     model.eval()
     try:
         caches = model.new_caches(idx.shape[0], context_size) if use_cache else None
+        endless = (caches is not None and all(c.ring for c in caches)
+                   and getattr(model, "pos_emb", True) is None)
         finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             if caches is None:
                 logits = forward(idx[:, -context_size:])
-            elif caches[0].pos == 0 or caches[0].pos == context_size:
+            elif caches[0].pos == 0 or (caches[0].pos == context_size and not endless):
                 # first step, or the cache is full: (re-)fill it from the last window
                 for cache in caches:
                     cache.reset()
