@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/book-map.md", "docs/distributed.md"]
+DOCS = ["README.md", "docs/book-map.md", "docs/distributed.md", "docs/modern-attention.md"]
 
 
 def python_blocks(path: Path) -> list[str]:
