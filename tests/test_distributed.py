@@ -194,14 +194,34 @@ def _torchrun(script: Path | str, out: Path, *args: str) -> str:
     return output
 
 
-@needs_gloo
-def test_two_cpu_processes_match_one_process_on_the_combined_batch(tmp_path):
-    script = tmp_path / "ddp_worker.py"
-    script.write_text(WORKER)
+def _run_worker(tmp_path: Path, source: str, name: str) -> tuple[Path, dict]:
+    """Write a worker script, run it on two processes; its output folder and globals."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(source)
     out = tmp_path / "out"
     out.mkdir()
     _torchrun(script, out)
-    worker = runpy.run_path(str(script), run_name="ddp_worker")
+    return out, runpy.run_path(str(script), run_name=name)
+
+
+def _combined_batches(data, step: int):
+    """The batches of one process stepping on the union of two ranks' batches.
+
+    DistributedSampler shuffles with randperm (seeded with seed + epoch, its epoch
+    staying 0) and gives rank r the positions r, r + 2, ...: step k of the pair covers
+    positions step*k .. step*(k+1) - 1 of the permutation.
+    """
+    def batches(generator: torch.Generator) -> list:
+        perm = torch.randperm(len(data),
+                              generator=torch.Generator().manual_seed(generator.initial_seed()))
+        return [data[perm[i:i + step]] for i in range(0, len(data), step)]
+
+    return batches
+
+
+@needs_gloo
+def test_two_cpu_processes_match_one_process_on_the_combined_batch(tmp_path):
+    out, worker = _run_worker(tmp_path, WORKER, "ddp_worker")
 
     # (a) Both ranks hold the same weights, and rank 0 checkpointed exactly those.
     rank0, rank1 = (load_file(out / f"rank{r}.safetensors") for r in (0, 1))
@@ -211,16 +231,8 @@ def test_two_cpu_processes_match_one_process_on_the_combined_batch(tmp_path):
         assert torch.equal(rank0[name], rank1[name]), name
         assert torch.equal(rank0[name], checkpoint[name]), name
 
-    # (b) One process stepping on the union of both ranks' batches. DistributedSampler
-    # shuffles with randperm(seeded with seed + epoch, its epoch staying 0) and gives rank
-    # r the positions r, r + 2, ...: step k of the pair covers positions 8k .. 8k + 7.
-    data = worker["dataset"]()
-    step = 2 * worker["BATCH"]
-
-    def combined_batches(generator: torch.Generator) -> list:
-        perm = torch.randperm(len(data),
-                              generator=torch.Generator().manual_seed(generator.initial_seed()))
-        return [data[perm[i:i + step]] for i in range(0, len(data), step)]
+    # (b) One process stepping on the union of both ranks' batches.
+    combined_batches = _combined_batches(worker["dataset"](), 2 * worker["BATCH"])
 
     # One process sums the gradient of 8 samples at once; the pair averages two 4-sample
     # gradients. The sums run in different orders, so after two epochs of Adam the weights
@@ -366,12 +378,7 @@ if __name__ == "__main__":
 def test_fsdp_on_two_cpu_processes_shards_and_matches_one_process(tmp_path):
     from qkv.models.gpt import GPTModel
 
-    script = tmp_path / "fsdp_worker.py"
-    script.write_text(FSDP_WORKER)
-    out = tmp_path / "out"
-    out.mkdir()
-    _torchrun(script, out)
-    worker = runpy.run_path(str(script), run_name="fsdp_worker")
+    out, worker = _run_worker(tmp_path, FSDP_WORKER, "fsdp_worker")
     info = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     # Each block was a unit of its own, and each rank held half of every parameter
@@ -387,14 +394,7 @@ def test_fsdp_on_two_cpu_processes_shards_and_matches_one_process(tmp_path):
 
     # One process (no FSDP) stepping on the union of both ranks' batches, with the same
     # accumulation, clipping and AdamW groups: equal to float32 rounding.
-    data = worker["dataset"]()
-    step = 2 * worker["BATCH"]
-
-    def combined_batches(generator: torch.Generator) -> list:
-        perm = torch.randperm(len(data),
-                              generator=torch.Generator().manual_seed(generator.initial_seed()))
-        return [data[perm[i:i + step]] for i in range(0, len(data), step)]
-
+    combined_batches = _combined_batches(worker["dataset"](), 2 * worker["BATCH"])
     single = Trainer(worker["model"](), worker["lm_loss"], combined_batches,
                      worker["config"](worker["EPOCHS"]), optimizer=worker["optimizer"],
                      log=lambda line: None)
