@@ -443,6 +443,9 @@ def train_language_model(
         val_set = GPTDataset(val_ids, window, window) if len(val_ids) > window else None
         _, world_size = get_rank_and_world_size()
         strategy = settings.strategy or "ddp"
+        if strategy == "fsdp" and world_size == 1:
+            log("note: --strategy fsdp shards the model across the processes of a torchrun "
+                "job; in one process it trains the whole model as usual")
         if len(train_set) < settings.batch_size * world_size:
             raise ValueError(
                 f"{len(train_ids):,} training tokens give {len(train_set)} windows of "
