@@ -543,6 +543,7 @@ def generate(
     generator: torch.Generator | None = None,
     eos_id: int | None = None,
     context_size: int | None = None,
+    native: bool | None = None,
 ) -> Tensor:
     """Extend ``idx (batch, T)`` by up to ``max_new_tokens`` tokens -> ``(batch, T + n)``.
 
@@ -559,15 +560,24 @@ def generate(
             padded with it. (Unlike the book's batch-of-one loop, the final ``eos_id`` is
             kept in the output.)
         context_size: tokens the model sees; default ``model.cfg.context_length``.
+        native: how the cache's one-token steps run. ``False``: the model's own forward
+            (the readable path). ``True``: qkv's C kernels
+            (:class:`qkv.models.native_decode.NativeDecoder`: the same maths, float32
+            activations, weights read where they are in float32 or bfloat16), an error
+            where they cannot run. ``None`` (default): the kernels where they can run
+            (:func:`qkv.models.native_decode.unsupported` says why not), else the
+            model's forward. The prompt, and the re-fill of a full cache, always run
+            through the model's forward.
 
     Context: the model always sees the last ``context_size`` tokens (the book's crop). The
     cache grows while the sequence fits; once full, each step re-fills it from the last
     ``context_size`` tokens, because their positions have all shifted by one.
 
     Runs in eval mode (dropout off) and restores the model's mode afterwards. With the
-    cache on the CPU, a :class:`GPTModel` decodes with :meth:`GPTModel.decoding_weights`,
-    a faster layout of some weights, made for this call and dropped after it; the model's
-    parameters are never changed.
+    cache on the CPU and the model's forward doing the steps (``native`` off or not
+    possible), a :class:`GPTModel` decodes with :meth:`GPTModel.decoding_weights`, a
+    faster layout of some weights, made for this call and dropped after it. Either way
+    the model's parameters are never changed.
     """
     if idx.dim() != 2 or idx.shape[1] == 0 or idx.is_floating_point():
         raise ValueError(
@@ -597,7 +607,16 @@ def generate(
     if use_cache and not hasattr(model, "new_caches"):
         raise ValueError("this model has no new_caches(); pass use_cache=False")
 
-    if use_cache and isinstance(model, GPTModel) and max_new_tokens > 0:
+    decoder_class = None
+    if use_cache and native is not False and max_new_tokens > 0:
+        from .native_decode import NativeDecoder, unsupported
+
+        reason = unsupported(model, idx.shape[0])
+        if reason is None:
+            decoder_class = NativeDecoder
+        elif native:
+            raise ValueError(f"native=True, but the kernels cannot decode here: {reason}")
+    if use_cache and isinstance(model, GPTModel) and max_new_tokens > 0 and not decoder_class:
         # one token per step: the matrix-vector products stream weights faster in this
         # layout (GPTModel.decoding_weights); the parameters themselves are not touched
         layout = model.decoding_weights()
@@ -614,6 +633,7 @@ def generate(
     model.eval()
     try:
         caches = model.new_caches(idx.shape[0], context_size) if use_cache else None
+        decoder = decoder_class(model, caches) if decoder_class is not None else None
         finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             if caches is None:
@@ -623,6 +643,8 @@ def generate(
                 for cache in caches:
                     cache.reset()
                 logits = forward(idx[:, -context_size:], caches)
+            elif decoder is not None:
+                logits = decoder.step(int(idx[0, -1]))
             else:
                 # the cache holds every token but the newest: feed just that one
                 logits = forward(idx[:, -1:], caches)
