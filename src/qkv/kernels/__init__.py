@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["decode_kernels", "unavailable_reason", "FLAGS"]
+__all__ = ["FLAGS", "Layer", "Model", "decode_kernels", "unavailable_reason"]
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 _SOURCE = Path(__file__).with_name("decode.c")
@@ -71,13 +71,40 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+_P, _I, _N, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+
+
+class Layer(ctypes.Structure):
+    """``qkv_layer`` of decode.c: one block's parameters and KV cache (addresses)."""
+
+    _fields_ = [("w", _P * 6), ("b", _P * 6),
+                ("norm1_scale", _P), ("norm1_shift", _P), ("norm2_scale", _P),
+                ("norm2_shift", _P), ("norm1_eps", _F), ("norm2_eps", _F),
+                ("keys", _P), ("values", _P)]
+
+
+class Model(ctypes.Structure):
+    """``qkv_model`` of decode.c: sizes, embeddings, head, layers and work buffers."""
+
+    _fields_ = [("dt", _I), ("n_layers", _I),
+                ("dim", _N), ("hidden", _N), ("heads", _N), ("head_dim", _N),
+                ("vocab", _N), ("max_len", _N), ("scale", _F),
+                ("tok_emb", _P), ("pos_emb", _P), ("head", _P),
+                ("final_scale", _P), ("final_shift", _P), ("final_eps", _F),
+                ("layers", ctypes.POINTER(Layer)),
+                *((name, _P) for name in ("x", "h", "q", "k", "v", "a", "f", "logits",
+                                          "scores"))]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    p, i, n, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    p, i, n, f = _P, _I, _N, _F
     lib.qkv_linear.argtypes = [p, i, p, p, p, n, n, i, i]
     lib.qkv_layer_norm.argtypes = [p, p, p, p, n, f]
     lib.qkv_embed.argtypes = [p, p, i, p, n]
     lib.qkv_attend.argtypes = [p, p, p, p, p, i, p, n, n, n, n, f, p, i]
-    for fn in (lib.qkv_linear, lib.qkv_layer_norm, lib.qkv_embed, lib.qkv_attend):
+    lib.qkv_step.argtypes = [ctypes.POINTER(Model), n, n, i]
+    for fn in (lib.qkv_linear, lib.qkv_layer_norm, lib.qkv_embed, lib.qkv_attend,
+               lib.qkv_step):
         fn.restype = None
 
 

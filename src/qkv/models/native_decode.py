@@ -2,14 +2,15 @@
 
 With a KV cache, each step of :func:`qkv.models.gpt.generate` feeds one token through
 the model, which multiplies it by every weight matrix once: the step's time is the time
-to stream the weights from memory. The module path (``model(ids, caches=...)``) loses
-about half of that to PyTorch's matrix-vector kernels on the CPU (MKL's reads 768-wide
-rows at 50-75 % of the rate a plain ``sum`` streams memory at, and its bfloat16 path is
-slower than float32 on a CPU without bfloat16 instructions) and a little to issuing
-some 20 operations per layer. :class:`NativeDecoder` runs the same maths as 10 calls
-per layer into :mod:`qkv.kernels` (``decode.c``): the weights are read where the model
+to stream the weights from memory. On the CPU the module path (``model(ids,
+caches=...)``) falls well short of that: PyTorch's matrix-vector kernels stream the
+weights slower than memory allows (and in bfloat16, on a CPU without bfloat16
+instructions, slower than in float32), and each layer issues some 20 operations from
+Python. :class:`NativeDecoder` runs the same maths as one call per token into
+:mod:`qkv.kernels` (``decode.c``'s ``qkv_step``): the weights are read where the model
 keeps them, float32 or bfloat16, and the activations stay float32. Nothing is copied
 but the few small vectors (biases, LayerNorm) of a bfloat16 model, widened to float32.
+``docs/benchmarks.md`` ("Generation") has the measurements.
 
 The step, per layer, with ``x`` the residual stream (float32, ``emb_dim``):
 
@@ -31,12 +32,13 @@ batch 1.
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
 from torch import Tensor, nn
 
-from ..kernels import decode_kernels, unavailable_reason
+from ..kernels import Layer, Model, decode_kernels, unavailable_reason
 from ..kv_cache import KVCache
 from ..multihead import MultiHeadAttention
 from .gpt import GELU, FeedForward, GPTModel, LayerNorm, TransformerBlock
@@ -44,7 +46,6 @@ from .gpt import GELU, FeedForward, GPTModel, LayerNorm, TransformerBlock
 __all__ = ["NativeDecoder", "unsupported"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_STORE, _ADD, _GELU = 0, 1, 2
 
 
 def unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
@@ -82,10 +83,6 @@ def _vector(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.detach().float().contiguous()
 
 
-def _ptr(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class NativeDecoder:
     """Decode one token at a time through ``caches`` with the C kernels.
 
@@ -94,8 +91,9 @@ class NativeDecoder:
         caches: the model's caches (:meth:`GPTModel.new_caches` at batch 1), filled by
             the module path with the tokens so far; :meth:`step` appends to them.
 
-    The decoder holds pointers into the model's parameters and the caches' buffers:
-    use it only while neither is replaced or resized (one :func:`generate` call).
+    The decoder holds the addresses of the model's parameters and the caches' buffers
+    (``decode.c``'s ``qkv_model``): use it only while neither is replaced or resized
+    (one :func:`generate` call).
     """
 
     def __init__(self, model: GPTModel, caches: list[KVCache]) -> None:
@@ -108,100 +106,86 @@ class NativeDecoder:
         self.lib = decode_kernels()
         self.model, self.caches = model, caches
         self.dtype = model.out_head.weight.dtype
-        self.dt = _DTYPES[self.dtype]
         self.threads = torch.get_num_threads()
         cfg = model.cfg
-        d = self.dim = cfg.emb_dim
-        self.vocab = cfg.vocab_size
         att0 = model.trf_blocks[0].att
-        self.heads, self.head_dim = att0.num_heads, att0.head_dim
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        heads, head_dim = att0.num_heads, att0.head_dim
+        max_len = caches[0].max_len
         for cache in caches:
             if (cache.keys.dtype != self.dtype or not cache.keys.is_contiguous()
                     or not cache.values.is_contiguous() or cache.ring
-                    or cache.keys.shape[1] != self.heads or cache.keys.shape[3] != self.head_dim
-                    or cache.values.shape[3] != self.head_dim):
+                    or cache.max_len != max_len or cache.keys.shape[1] != heads
+                    or cache.keys.shape[3] != head_dim or cache.values.shape[3] != head_dim):
                 raise ValueError(f"caches must be the model's own (new_caches), got {cache!r}")
-        f32 = {"dtype": torch.float32}
-        self.x, self.h = torch.zeros(d, **f32), torch.zeros(d, **f32)
-        self.q, self.k, self.v = (torch.zeros(d, **f32) for _ in range(3))
-        self.a = torch.zeros(d, **f32)
-        self.f = torch.zeros(model.trf_blocks[0].ff.layers[0].out_features, **f32)
-        self.logits = torch.zeros(1, 1, self.vocab, **f32)
-        self.scores = torch.zeros(self.heads * caches[0].max_len, **f32)
-        # Keep every tensor whose address the kernels get (float32 copies included).
+        self.limit = min(max_len, cfg.context_length)
+        hidden = model.trf_blocks[0].ff.layers[0].out_features
+        # Every tensor whose address the kernels get, kept alive with the decoder.
         self._keep: list[Tensor] = []
-        self.layers = [self._layer(block) for block in model.trf_blocks]
-        self.final = self._norm(model.final_norm)
-        self.head = self._weight(model.out_head.weight)
+        buffers = {name: self._zeros(size) for name, size in (
+            ("x", cfg.emb_dim), ("h", cfg.emb_dim), ("q", cfg.emb_dim), ("k", cfg.emb_dim),
+            ("v", cfg.emb_dim), ("a", cfg.emb_dim), ("f", hidden),
+            ("logits", cfg.vocab_size), ("scores", heads * max_len))}
+        self.logits = buffers["logits"].view(1, 1, cfg.vocab_size)
+        layers = (Layer * cfg.n_layers)(*(self._layer(b, c)
+                                          for b, c in zip(model.trf_blocks, caches,
+                                                          strict=True)))
+        self._layers = layers
+        final_scale, final_shift, final_eps = self._norm(model.final_norm)
+        self.struct = Model(
+            dt=_DTYPES[self.dtype], n_layers=cfg.n_layers, dim=cfg.emb_dim, hidden=hidden,
+            heads=heads, head_dim=head_dim, vocab=cfg.vocab_size, max_len=max_len,
+            scale=1.0 / math.sqrt(head_dim),
+            tok_emb=self._weight(model.tok_emb.weight),
+            pos_emb=self._weight(model.pos_emb.weight),
+            head=self._weight(model.out_head.weight),
+            final_scale=final_scale, final_shift=final_shift, final_eps=final_eps,
+            layers=layers, **{name: t.data_ptr() for name, t in buffers.items()})
 
-    # -- parameters as (pointer, ...) -------------------------------------------
+    # -- addresses of parameters and buffers ----------------------------------------
+
+    def _zeros(self, size: int) -> Tensor:
+        t = torch.zeros(size, dtype=torch.float32)
+        self._keep.append(t)
+        return t
 
     def _hold(self, t: Tensor | None) -> int | None:
-        if t is not None:
-            self._keep.append(t)
-        return _ptr(t)
+        if t is None:
+            return None
+        self._keep.append(t)
+        return t.data_ptr()
 
     def _weight(self, w: Tensor) -> int:
         if not w.is_contiguous():
             raise ValueError("weights must be contiguous (nn.Linear's (out, in) layout)")
         return self._hold(w.detach())  # type: ignore[return-value]
 
-    def _norm(self, norm: LayerNorm) -> tuple[int, int, float]:
+    def _norm(self, norm: LayerNorm) -> tuple[int | None, int | None, float]:
         return self._hold(_vector(norm.scale)), self._hold(_vector(norm.shift)), norm.eps
 
-    def _linear(self, m: nn.Linear) -> tuple[int, int | None, int, int]:
-        return (self._weight(m.weight), self._hold(_vector(m.bias)), m.out_features,
-                m.in_features)
+    def _layer(self, block: TransformerBlock, cache: KVCache) -> Layer:
+        att, ff = block.att, block.ff
+        linears = (att.W_query, att.W_key, att.W_value, att.out_proj, ff.layers[0],
+                   ff.layers[2])
+        s1, b1, e1 = self._norm(block.norm1)
+        s2, b2, e2 = self._norm(block.norm2)
+        return Layer(w=(ctypes.c_void_p * 6)(*(self._weight(m.weight) for m in linears)),
+                     b=(ctypes.c_void_p * 6)(*(self._hold(_vector(m.bias)) for m in linears)),
+                     norm1_scale=s1, norm1_shift=b1, norm1_eps=e1,
+                     norm2_scale=s2, norm2_shift=b2, norm2_eps=e2,
+                     keys=self._hold(cache.keys), values=self._hold(cache.values))
 
-    def _layer(self, block: TransformerBlock) -> dict[str, tuple]:
-        att = block.att
-        return {
-            "norm1": self._norm(block.norm1), "norm2": self._norm(block.norm2),
-            "q": self._linear(att.W_query), "k": self._linear(att.W_key),
-            "v": self._linear(att.W_value), "o": self._linear(att.out_proj),
-            "ff1": self._linear(block.ff.layers[0]), "ff2": self._linear(block.ff.layers[2]),
-        }
-
-    # -- one step ---------------------------------------------------------------
-
-    def _run_linear(self, linear: tuple, x: Tensor, y: Tensor, mode: int) -> None:
-        w, b, rows, n = linear
-        self.lib.qkv_linear(w, self.dt, x.data_ptr(), b, y.data_ptr(), rows, n, mode,
-                            self.threads)
-
-    def _run_norm(self, norm: tuple, x: Tensor, y: Tensor) -> None:
-        scale, shift, eps = norm
-        self.lib.qkv_layer_norm(x.data_ptr(), scale, shift, y.data_ptr(), self.dim, eps)
+    # -- one step -------------------------------------------------------------------
 
     def step(self, token: int) -> Tensor:
         """Append ``token`` at the caches' position; its next-token logits ``(1, 1, vocab)``
-        (float32, a buffer reused by the next step)."""
+        (float32, a buffer the next step overwrites)."""
         pos = self.caches[0].pos
-        limit = min(self.caches[0].max_len, self.model.cfg.context_length)
-        if pos >= limit:
-            raise ValueError(f"the caches are full ({pos} of {limit} positions)")
-        if not 0 <= token < self.vocab:
-            raise ValueError(f"token id {token} is outside the vocabulary of {self.vocab}")
-        lib, x, h = self.lib, self.x, self.h
-        tok, pos_emb = self.model.tok_emb.weight, self.model.pos_emb.weight
-        lib.qkv_embed(tok[token].data_ptr(), pos_emb[pos].data_ptr(), self.dt, x.data_ptr(),
-                      self.dim)
-        for layer, cache in zip(self.layers, self.caches, strict=True):
-            self._run_norm(layer["norm1"], x, h)
-            self._run_linear(layer["q"], h, self.q, _STORE)
-            self._run_linear(layer["k"], h, self.k, _STORE)
-            self._run_linear(layer["v"], h, self.v, _STORE)
-            lib.qkv_attend(self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(),
-                           cache.keys.data_ptr(), cache.values.data_ptr(), self.dt,
-                           self.a.data_ptr(), self.heads, self.head_dim,
-                           cache.max_len * self.head_dim, pos, self.scale,
-                           self.scores.data_ptr(), self.threads)
+        if pos >= self.limit:
+            raise ValueError(f"the caches are full ({pos} of {self.limit} positions)")
+        if not 0 <= token < self.struct.vocab:
+            raise ValueError(f"token id {token} is outside the vocabulary of "
+                             f"{self.struct.vocab}")
+        self.lib.qkv_step(ctypes.byref(self.struct), token, pos, self.threads)
+        for cache in self.caches:
             cache.pos = pos + 1
-            self._run_linear(layer["o"], self.a, x, _ADD)
-            self._run_norm(layer["norm2"], x, h)
-            self._run_linear(layer["ff1"], h, self.f, _GELU)
-            self._run_linear(layer["ff2"], self.f, x, _ADD)
-        self._run_norm(self.final, x, h)
-        self._run_linear((self.head, None, self.vocab, self.dim), h, self.logits, _STORE)
         return self.logits
