@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from qkv.kernels import decode_kernels, unavailable_reason
 from qkv.kv_cache import KVCache
 from qkv.models.gpt import GPTConfig, GPTModel, generate
-from qkv.models.native_decode import NativeDecoder, unsupported
+from qkv.models.gpt import native_unsupported as unsupported
+from qkv.models.native_decode import NativeDecoder
 
 LIB = decode_kernels()
 needs_kernels = pytest.mark.skipif(LIB is None, reason=f"no native kernels: "

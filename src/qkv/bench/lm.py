@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..models.gpt import PRESETS, GPTConfig, GPTModel, generate
+from ..models.gpt import PRESETS, GPTConfig, GPTModel, generate, native_unsupported
 from ..utils.figures import new_figure, save_figure
 from .timing import (
     hbars,
@@ -221,11 +221,9 @@ def uncached_choices(model: GPTModel, tokens: Tensor, prompt_len: int) -> Tensor
 
 
 def _describe_decoder(model: GPTModel, batch: int, native: bool | None) -> str:
-    from ..models.native_decode import unsupported
-
     if native is False:
         return "model forward (native=False)"
-    reason = unsupported(model, batch)
+    reason = native_unsupported(model, batch)
     return "qkv C kernels" if reason is None else f"model forward ({reason})"
 
 
@@ -424,11 +422,16 @@ def low_check_text(report: dict[str, Any]) -> str:
         return (f"{name} with and without the cache (one forward pass without it over the "
                 f"cached output): identical tokens")
     margin = check["first_difference_margin"]
-    gap = "0, an exact tie in" if margin == 0 else f"{margin:.3g};"
+    steps = ("the cached steps keep float32 activations"
+             if report["results"]["low-cached"]["decoder"] == "qkv C kernels"
+             else "the two paths sum in different orders")
+    why = ("the two largest logits without the cache are equal there: an exact tie"
+           if margin == 0 else
+           f"top-2 logit margin there without the cache: {margin:.3g}; {name} keeps 8 "
+           f"bits of mantissa, so its logits are rounded to about 0.4 % of their size")
     return (f"{name} with and without the cache: differ from generated position "
-            f"{check['first_difference']} (top-2 logit margin there without the cache: "
-            f"{gap} {name} keeps 8 bits of mantissa, so logits are rounded to about 0.4 % "
-            f"of their size: a margin that small is a near-tie either path may break)")
+            f"{check['first_difference']} ({why}; {steps}, so either token is a right "
+            f"answer at a near-tie)")
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:

@@ -43,8 +43,11 @@ from ..checks import (
     show,
     small_divisors,
 )
+from ..kernels import unavailable_reason
 from ..kv_cache import KVCache
 from ..multihead import MultiHeadAttention
+from .native_decode import DTYPES as NATIVE_DTYPES
+from .native_decode import NativeDecoder
 
 __all__ = [
     "GPTEmbedding",
@@ -58,6 +61,7 @@ __all__ = [
     "TransformerBlock",
     "generate",
     "generate_text_simple",
+    "native_unsupported",
 ]
 
 
@@ -517,6 +521,39 @@ class GPTModel(nn.Module):
 # Decoding
 
 
+def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
+    """Why :class:`~qkv.models.native_decode.NativeDecoder` (``generate``'s ``native``
+    steps) cannot decode ``model`` at ``batch_size`` (None when it can)."""
+    if type(model) is not GPTModel:
+        return f"a plain GPTModel is needed, got {type(model).__name__}"
+    weight = model.out_head.weight
+    if weight.device.type != "cpu":
+        return f"the kernels run on the CPU, the model is on {weight.device}"
+    dtypes = {p.dtype for p in model.parameters()}
+    if len(dtypes) != 1 or weight.dtype not in NATIVE_DTYPES:
+        return f"float32 or bfloat16 parameters are needed, got {sorted(map(str, dtypes))}"
+    if batch_size != 1:
+        return f"one sequence at a time, got a batch of {batch_size}"
+    for block in model.trf_blocks:
+        if type(block) is not TransformerBlock:
+            return f"a block of type {type(block).__name__}"
+        att, ff = block.att, block.ff
+        if type(att) is not MultiHeadAttention or type(ff) is not FeedForward:
+            return "attention and feed-forward must be qkv's MultiHeadAttention and FeedForward"
+        if (att.num_kv_groups != att.num_heads or att.window_size is not None or att.rope
+                or not att.causal or att.d_in != att.d_out):
+            return "plain causal multi-head attention is needed (no GQA, window or RoPE)"
+        if [type(m) for m in ff.layers] != [nn.Linear, GELU, nn.Linear]:
+            return "the feed-forward must be Linear, GELU, Linear"
+        if type(block.norm1) is not LayerNorm or type(block.norm2) is not LayerNorm:
+            return "the norms must be qkv's LayerNorm"
+    if type(model.final_norm) is not LayerNorm:
+        return "the final norm must be qkv's LayerNorm"
+    return unavailable_reason()
+
+
+
+
 def _next_token(
     logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
 ) -> Tensor:
@@ -565,7 +602,7 @@ def generate(
             (:class:`qkv.models.native_decode.NativeDecoder`: the same maths, float32
             activations, weights read where they are in float32 or bfloat16), an error
             where they cannot run. ``None`` (default): the kernels where they can run
-            (:func:`qkv.models.native_decode.unsupported` says why not), else the
+            (:func:`native_unsupported` says why not), else the
             model's forward. The prompt, and the re-fill of a full cache, always run
             through the model's forward.
 
@@ -609,9 +646,7 @@ def generate(
 
     decoder_class = None
     if use_cache and native is not False and max_new_tokens > 0:
-        from .native_decode import NativeDecoder, unsupported
-
-        reason = unsupported(model, idx.shape[0])
+        reason = native_unsupported(model, idx.shape[0])
         if reason is None:
             decoder_class = NativeDecoder
         elif native:

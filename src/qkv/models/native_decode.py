@@ -23,11 +23,12 @@ summation order, so logits agree to rounding (``tests/test_native_decode.py`` ch
 both against the float64 model). Only the one-token steps run here: the prompt, and
 the re-fill of a full cache, go through the module path and the same caches.
 
-:func:`unsupported` says why a model cannot be decoded here (None when it can): the
-kernels must load (:func:`qkv.kernels.unavailable_reason`), and the model must be a
-plain ``GPTModel`` (its own block, attention, feed-forward and norm classes, full
-multi-head attention without RoPE or a window) on the CPU in float32 or bfloat16, at
-batch 1.
+:func:`qkv.models.gpt.native_unsupported` says why a model cannot be decoded here (None
+when it can): the kernels must load (:func:`qkv.kernels.unavailable_reason`), and the
+model must be a plain ``GPTModel`` (its own block, attention, feed-forward and norm
+classes, full multi-head attention without RoPE or a window) on the CPU in float32 or
+bfloat16, at batch 1. This module reads the model by its attribute names and knows
+nothing else of it (``gpt.py`` imports it, not the other way round).
 """
 
 from __future__ import annotations
@@ -40,42 +41,11 @@ from torch import Tensor, nn
 
 from ..kernels import Layer, Model, decode_kernels, unavailable_reason
 from ..kv_cache import KVCache
-from ..multihead import MultiHeadAttention
-from .gpt import GELU, FeedForward, GPTModel, LayerNorm, TransformerBlock
 
-__all__ = ["NativeDecoder", "unsupported"]
+__all__ = ["DTYPES", "NativeDecoder"]
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
-    """Why :class:`NativeDecoder` cannot run ``model`` (None when it can)."""
-    if type(model) is not GPTModel:
-        return f"a plain GPTModel is needed, got {type(model).__name__}"
-    weight = model.out_head.weight
-    if weight.device.type != "cpu":
-        return f"the kernels run on the CPU, the model is on {weight.device}"
-    dtypes = {p.dtype for p in model.parameters()}
-    if len(dtypes) != 1 or weight.dtype not in _DTYPES:
-        return f"float32 or bfloat16 parameters are needed, got {sorted(map(str, dtypes))}"
-    if batch_size != 1:
-        return f"one sequence at a time, got a batch of {batch_size}"
-    for block in model.trf_blocks:
-        if type(block) is not TransformerBlock:
-            return f"a block of type {type(block).__name__}"
-        att, ff = block.att, block.ff
-        if type(att) is not MultiHeadAttention or type(ff) is not FeedForward:
-            return "attention and feed-forward must be qkv's MultiHeadAttention and FeedForward"
-        if (att.num_kv_groups != att.num_heads or att.window_size is not None or att.rope
-                or not att.causal or att.d_in != att.d_out):
-            return "plain causal multi-head attention is needed (no GQA, window or RoPE)"
-        if [type(m) for m in ff.layers] != [nn.Linear, GELU, nn.Linear]:
-            return "the feed-forward must be Linear, GELU, Linear"
-        if type(block.norm1) is not LayerNorm or type(block.norm2) is not LayerNorm:
-            return "the norms must be qkv's LayerNorm"
-    if type(model.final_norm) is not LayerNorm:
-        return "the final norm must be qkv's LayerNorm"
-    return unavailable_reason()
+# the weight dtypes the kernels read, and their codes in decode.c
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _vector(t: Tensor | None) -> Tensor | None:
@@ -87,7 +57,9 @@ class NativeDecoder:
     """Decode one token at a time through ``caches`` with the C kernels.
 
     Args:
-        model: a model :func:`unsupported` accepts (in eval mode: no dropout here).
+        model: a :class:`~qkv.models.gpt.GPTModel` that
+            :func:`~qkv.models.gpt.native_unsupported` accepts (in eval mode: no dropout
+            here).
         caches: the model's caches (:meth:`GPTModel.new_caches` at batch 1), filled by
             the module path with the tokens so far; :meth:`step` appends to them.
 
@@ -96,14 +68,16 @@ class NativeDecoder:
     (one :func:`generate` call).
     """
 
-    def __init__(self, model: GPTModel, caches: list[KVCache]) -> None:
-        reason = unsupported(model, caches[0].keys.shape[0] if caches else 1)
-        if reason is not None:
-            raise ValueError(f"cannot decode natively: {reason}")
+    def __init__(self, model: nn.Module, caches: list[KVCache]) -> None:
+        lib = decode_kernels()
+        if lib is None:
+            raise ValueError(f"cannot decode natively: {unavailable_reason()}")
+        if caches and caches[0].keys.shape[0] != 1:
+            raise ValueError(f"one sequence at a time, got a batch of {caches[0].keys.shape[0]}")
         if len(caches) != len(model.trf_blocks):
             raise ValueError(f"need one KVCache per layer ({len(model.trf_blocks)}), "
                              f"got {len(caches)}")
-        self.lib = decode_kernels()
+        self.lib = lib
         self.model, self.caches = model, caches
         self.dtype = model.out_head.weight.dtype
         self.threads = torch.get_num_threads()
@@ -132,7 +106,7 @@ class NativeDecoder:
         self._layers = layers
         final_scale, final_shift, final_eps = self._norm(model.final_norm)
         self.struct = Model(
-            dt=_DTYPES[self.dtype], n_layers=cfg.n_layers, dim=cfg.emb_dim, hidden=hidden,
+            dt=DTYPES[self.dtype], n_layers=cfg.n_layers, dim=cfg.emb_dim, hidden=hidden,
             heads=heads, head_dim=head_dim, vocab=cfg.vocab_size, max_len=max_len,
             scale=1.0 / math.sqrt(head_dim),
             tok_emb=self._weight(model.tok_emb.weight),
@@ -159,10 +133,10 @@ class NativeDecoder:
             raise ValueError("weights must be contiguous (nn.Linear's (out, in) layout)")
         return self._hold(w.detach())  # type: ignore[return-value]
 
-    def _norm(self, norm: LayerNorm) -> tuple[int | None, int | None, float]:
+    def _norm(self, norm: nn.Module) -> tuple[int | None, int | None, float]:
         return self._hold(_vector(norm.scale)), self._hold(_vector(norm.shift)), norm.eps
 
-    def _layer(self, block: TransformerBlock, cache: KVCache) -> Layer:
+    def _layer(self, block: nn.Module, cache: KVCache) -> Layer:
         att, ff = block.att, block.ff
         linears = (att.W_query, att.W_key, att.W_value, att.out_proj, ff.layers[0],
                    ff.layers[2])
