@@ -53,6 +53,17 @@ def test_round_robin_interleaves_and_summarises():
     assert len(s.samples) == 3 and s.min <= s.median <= s.max
 
 
+def test_round_robin_with_a_count_per_case():
+    order = []
+    cases = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    stats = timing.round_robin(cases, repeats={"a": 3, "b": 1, "c": 2}, warmup=0,
+                               device=torch.device("cpu"))
+    assert order == list("abc") + list("ca") + list("a")  # b sits out rounds 2 and 3
+    assert [len(stats[n].samples) for n in "abc"] == [3, 1, 2]
+    with pytest.raises(ValueError, match="name every case"):
+        timing.round_robin(cases, repeats={"a": 1}, warmup=0, device=torch.device("cpu"))
+
+
 def test_cpu_peak_bytes_sees_a_large_allocation():
     nbytes, method = timing.cpu_peak_bytes(lambda: torch.ones(32 * 2**20 // 4).sum())
     assert method in ("vmhwm", "ru_maxrss")
