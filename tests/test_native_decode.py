@@ -214,6 +214,13 @@ def test_unsupported_models_fall_back_to_the_module_path():
     rope = tiny()
     rope.trf_blocks[0].att.rope = True
     assert "RoPE" in unsupported(rope)
+    hooked, calls = tiny(), []
+    handle = hooked.trf_blocks[1].ff.register_forward_hook(lambda *_: calls.append(1))
+    assert "hooks" in unsupported(hooked)
+    generate(hooked, idx[:1], 4)
+    assert len(calls) == 4  # the prompt and three one-token steps, all through forward
+    handle.remove()
+    assert unsupported(hooked) == unsupported(model)
     # a batch of two decodes through the module path, as each row alone does
     out = generate(model, idx, 6)
     for row in range(2):

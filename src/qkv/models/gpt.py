@@ -549,6 +549,8 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
             return "the norms must be qkv's LayerNorm"
     if type(model.final_norm) is not LayerNorm:
         return "the final norm must be qkv's LayerNorm"
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return "forward hooks are registered, and only the model's forward runs them"
     return unavailable_reason()
 
 

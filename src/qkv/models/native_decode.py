@@ -26,8 +26,8 @@ the re-fill of a full cache, go through the module path and the same caches.
 :func:`qkv.models.gpt.native_unsupported` says why a model cannot be decoded here (None
 when it can): the kernels must load (:func:`qkv.kernels.unavailable_reason`), and the
 model must be a plain ``GPTModel`` (its own block, attention, feed-forward and norm
-classes, full multi-head attention without RoPE or a window) on the CPU in float32 or
-bfloat16, at batch 1. This module reads the model by its attribute names and knows
+classes, full multi-head attention without RoPE or a window, no forward hooks) on the
+CPU in float32 or bfloat16, at batch 1. This module reads the model by its attribute names and knows
 nothing else of it (``gpt.py`` imports it, not the other way round).
 """
 
