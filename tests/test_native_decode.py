@@ -228,6 +228,8 @@ def test_unsupported_models_fall_back_to_the_module_path():
                                                         native=False))
     with pytest.raises(ValueError, match="native=True, but .*batch of 2"):
         generate(model, idx, 2, native=True)
+    with pytest.raises(ValueError, match="needs use_cache=True"):
+        generate(model, idx[:1], 2, native=True, use_cache=False)
 
 
 def test_switched_off_kernels_say_so(monkeypatch):

@@ -554,8 +554,6 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
     return unavailable_reason()
 
 
-
-
 def _next_token(
     logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
 ) -> Tensor:
@@ -603,9 +601,9 @@ def generate(
             (the readable path). ``True``: qkv's C kernels
             (:class:`qkv.models.native_decode.NativeDecoder`: the same maths, float32
             activations, weights read where they are in float32 or bfloat16), an error
-            where they cannot run. ``None`` (default): the kernels where they can run
-            (:func:`native_unsupported` says why not), else the
-            model's forward. The prompt, and the re-fill of a full cache, always run
+            where they cannot run (or without the cache). ``None`` (default): the
+            kernels where they can run (:func:`native_unsupported` says why not), else
+            the model's forward. The prompt, and the re-fill of a full cache, always run
             through the model's forward.
 
     Context: the model always sees the last ``context_size`` tokens (the book's crop). The
@@ -646,14 +644,15 @@ def generate(
     if use_cache and not hasattr(model, "new_caches"):
         raise ValueError("this model has no new_caches(); pass use_cache=False")
 
-    decoder_class = None
+    if native and not use_cache:
+        raise ValueError("native=True runs the cached steps: it needs use_cache=True")
+    use_native = False
     if use_cache and native is not False and max_new_tokens > 0:
         reason = native_unsupported(model, idx.shape[0])
-        if reason is None:
-            decoder_class = NativeDecoder
-        elif native:
+        use_native = reason is None
+        if native and not use_native:
             raise ValueError(f"native=True, but the kernels cannot decode here: {reason}")
-    if use_cache and isinstance(model, GPTModel) and max_new_tokens > 0 and not decoder_class:
+    if use_cache and isinstance(model, GPTModel) and max_new_tokens > 0 and not use_native:
         # one token per step: the matrix-vector products stream weights faster in this
         # layout (GPTModel.decoding_weights); the parameters themselves are not touched
         layout = model.decoding_weights()
@@ -670,7 +669,7 @@ def generate(
     model.eval()
     try:
         caches = model.new_caches(idx.shape[0], context_size) if use_cache else None
-        decoder = decoder_class(model, caches) if decoder_class is not None else None
+        decoder = NativeDecoder(model, caches) if use_native else None
         finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             if caches is None:
