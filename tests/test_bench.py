@@ -53,6 +53,17 @@ def test_round_robin_interleaves_and_summarises():
     assert len(s.samples) == 3 and s.min <= s.median <= s.max
 
 
+def test_round_robin_with_a_count_per_case():
+    order = []
+    cases = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    stats = timing.round_robin(cases, repeats={"a": 3, "b": 1, "c": 2}, warmup=0,
+                               device=torch.device("cpu"))
+    assert order == list("abc") + list("ca") + list("a")  # b sits out rounds 2 and 3
+    assert [len(stats[n].samples) for n in "abc"] == [3, 1, 2]
+    with pytest.raises(ValueError, match="name every case"):
+        timing.round_robin(cases, repeats={"a": 1}, warmup=0, device=torch.device("cpu"))
+
+
 def test_cpu_peak_bytes_sees_a_large_allocation():
     nbytes, method = timing.cpu_peak_bytes(lambda: torch.ones(32 * 2**20 // 4).sum())
     assert method in ("vmhwm", "ru_maxrss")
@@ -122,7 +133,7 @@ def test_isolated_failure_is_one_readable_error():
 def test_generate_suite_cached_and_uncached_tokens_identical(tmp_path):
     from qkv.models.gpt import GPTConfig, GPTModel
 
-    config = lm.GenerateConfig.quick(new_tokens=12, repeats=1, device="cpu")
+    config = lm.GenerateConfig.quick(new_tokens=12, repeats=1, device="cpu", bandwidth_mib=16)
     report = lm.run_generate(config, tmp_path, log=lambda s: None)
     # The two paths' float32 logits differ by ~1e-6 here. Identical tokens are a real
     # promise only where no greedy choice is that close to a tie: check that first, so
@@ -137,9 +148,52 @@ def test_generate_suite_cached_and_uncached_tokens_identical(tmp_path):
     assert report["identical_tokens"] and report["first_difference"] is None
     assert report["first_difference_margin"] is None
     saved = read_report(tmp_path / "generate.json")
-    assert len(saved["tokens"][0]) == 12
+    assert len(saved["tokens"][0]) == 12 and len(saved["low_tokens"][0]) == 12
+    assert set(saved["results"]) == {"cached", "uncached", "low-cached"}
     assert saved["results"]["cached"]["tokens_per_sec"]["median"] > 0
+    # the ceiling: bandwidth over the bytes of each dtype, and the percentage of it
+    bw = saved["bandwidth_bytes_per_sec"]["median"]
+    for name in ("float32", "bfloat16"):
+        ceiling = saved["ceiling_tokens_per_sec"][name]
+        assert ceiling == pytest.approx(bw / saved["bytes_per_token"][name]["total"])
+    cached = saved["results"]["cached"]
+    assert cached["percent_of_ceiling"] == pytest.approx(
+        100 * cached["tokens_per_sec"]["median"] / saved["ceiling_tokens_per_sec"]["float32"])
+    assert saved["low_uncached_check"]["checked"]
+    assert [t["threshold"] for t in saved["targets"]] == [6.0, 1.0, 0.8, 1.6]
     assert_png(tmp_path / "generate.png")
+
+
+@pytest.mark.parametrize("tie_weights", [False, True])
+def test_decode_bytes_per_token_counts_each_parameter_once(tie_weights):
+    from qkv.models.gpt import GPTConfig, GPTModel
+
+    cfg = GPTConfig.preset("tiny", vocab_size=300, tie_weights=tie_weights)
+    model = GPTModel(cfg)
+    d, L, C, V = cfg.emb_dim, cfg.n_layers, cfg.context_length, cfg.vocab_size
+    # from the config alone: all parameters but the rows no lookup reads
+    unread = (C - 1) * d + (0 if tie_weights else (V - 1) * d)
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        counted = lm.decode_bytes_per_token(model.to(dtype), prompt_len=4, new_tokens=10)
+        assert counted["weights"] == (cfg.num_parameters() - unread) * size
+        # steps attend to 4, 5, ..., 13 positions: 8.5 on average, keys and values
+        assert counted["kv_positions"] == 8.5
+        assert counted["kv_cache"] == L * 2 * d * 8.5 * size
+        assert counted["total"] == counted["weights"] + counted["kv_cache"]
+    # past the context the cache holds context_length positions
+    assert lm.decode_bytes_per_token(model, 1, C + 50)["kv_positions"] < C
+    batch = lm.decode_bytes_per_token(model, 4, 10, batch=4)
+    assert batch["total"] == batch["weights"] / 4 + batch["kv_cache"]
+
+
+def test_uncached_choices_are_the_greedy_tokens_without_a_cache():
+    from qkv.models.gpt import GPTConfig, GPTModel, generate
+
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig.preset("tiny", vocab_size=97)).eval()
+    idx = torch.tensor([[5, 6, 7]])
+    out = generate(model, idx, 9, use_cache=False)
+    assert torch.equal(lm.uncached_choices(model, out, 3), out[:, 3:])
 
 
 def test_first_difference():
@@ -278,6 +332,15 @@ def test_cli_flags_reach_the_configs(tmp_path):
     assert (args.suite, args.repeats, args.warmup, args.sweep, args.no_compile) == (
         "attention", 2, 0, True, True)
     assert args.out == tmp_path and args.run is bench_cli.run
+
+
+def test_no_native_reaches_the_generate_config(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(lm, "run_generate", lambda config, out: seen.append(config) or {})
+    for argv, native in ((["--no-native"], False), ([], None)):
+        args = parse(["bench", "generate", "--quick", *argv, "--out", str(tmp_path)])
+        bench_cli.run_suite("generate", args)
+        assert seen[-1].native is native and seen[-1].preset == "tiny"
 
 
 @pytest.mark.parametrize("suite", ["data", "generate", "translate"])

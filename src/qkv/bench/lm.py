@@ -1,23 +1,43 @@
-"""``qkv bench generate``: greedy decoding with and without the KV cache.
+"""``qkv bench generate``: greedy decoding against the machine's memory-bandwidth ceiling.
 
 The model is the book's untrained GPT-2 small (``GPTConfig.preset("gpt2-small")`` under
 ``torch.manual_seed(123)``, as in LLMs-from-scratch §4.7) and the prompt the book's
 ``"Hello, I am"`` as GPT-2 token ids, so no tokenizer or download is needed. Untrained
 weights decode the same amount of work as trained ones.
 
-Both paths call :func:`qkv.models.gpt.generate`: ``use_cache=False`` runs the whole
+Every path calls :func:`qkv.models.gpt.generate`: ``use_cache=False`` runs the whole
 context through the model for every new token (the book's ``generate_text_simple``),
-``use_cache=True`` feeds only the newest token and reuses every earlier key and value.
-Greedy decoding is deterministic, so both must return the same tokens; the suite checks
-that on the tokens of the timed runs. The two paths sum in different orders, so their
-logits agree only to rounding: where two logits are that close (likely in bfloat16), a
-differing token is a near-tie, not a bug. The report gives the top-2 logit margin at the
-first difference so the two can be told apart.
+``use_cache=True`` feeds only the newest token and reuses every earlier key and value
+(on the CPU through qkv's C kernels where they build, see ``generate``'s ``native``).
+One run times, interleaved round by round: float32 with the cache, float32 without it,
+and the same weights loaded in bfloat16 (``model.to(torch.bfloat16)``) with the cache.
+
+The ceiling. With the cache, a step at batch 1 reads every weight once for one
+multiply-add, so it cannot be faster than streaming those bytes from memory. Each
+round also times a ``sum`` over a buffer far larger than the caches (1 GiB; 256 MiB with
+``--quick``), in this process with the same threads: its bytes per second are the
+bandwidth. :func:`decode_bytes_per_token` counts what one step reads: every parameter the
+forward touches, once (an embedding lookup reads one row of its table, not the table),
+plus the keys and values the new token attends to, at their average length over the
+run, all in the dtype of the weights. Ceiling tokens/s = bandwidth / bytes per token;
+the report gives each cached path's median tokens/s as a percentage of its ceiling
+(medians over the rounds for both).
+
+Token identity. Greedy decoding is deterministic, so with and without the cache must
+return the same tokens; the suite checks that on the tokens of the timed float32 runs.
+The paths sum in different orders, so their logits agree only to rounding: where two
+logits are that close (likely in bfloat16), a differing token is a near-tie, not a bug,
+and the report gives the top-2 logit margin at the first difference so the two can be
+told apart. bfloat16 without the cache is not timed (minutes per run on a CPU); its
+tokens are checked by one forward pass without a cache over the bfloat16 cached output:
+the greedy choice behind every position, which is what decoding without the cache
+picks up to the first position where the two differ.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..models.gpt import PRESETS, GPTConfig, GPTModel, generate
+from ..models.gpt import PRESETS, GPTConfig, GPTModel, generate, native_unsupported
 from ..utils.figures import new_figure, save_figure
 from .timing import (
     hbars,
@@ -38,11 +58,26 @@ from .timing import (
     write_json,
 )
 
-__all__ = ["BOOK_PROMPT", "GenerateConfig", "run_generate", "first_difference", "top2_margin"]
+__all__ = [
+    "BOOK_PROMPT",
+    "GenerateConfig",
+    "decode_bytes_per_token",
+    "first_difference",
+    "read_bandwidth",
+    "run_generate",
+    "top2_margin",
+]
 
 # "Hello, I am" in GPT-2's BPE: the prompt of the book's §4.7.
 BOOK_PROMPT = (15496, 11, 314, 716)
-PATHS = {"cached": "KV cache", "uncached": "no cache (full context every step)"}
+# path -> (row label, weights' dtype: "base" or "low", with the cache)
+PATHS = {
+    "cached": ("{base}, KV cache", "base", True),
+    "uncached": ("{base}, no cache (full context every step)", "base", False),
+    "low-cached": ("{low} weights, KV cache", "low", True),
+}
+CEILING_TARGET = 0.80  # of the bandwidth ceiling, float32 with the cache
+LOW_SPEEDUP_TARGET = 1.6  # bfloat16 weights' tokens/s over float32's, both cached
 
 
 @dataclass
@@ -53,36 +88,53 @@ class GenerateConfig:
         preset: a :data:`qkv.models.gpt.PRESETS` name.
         new_tokens: tokens generated per call.
         prompt: token ids to continue; every row of the batch gets the same prompt.
-        repeats: timed calls per path (interleaved); warmup: short untimed calls per path.
+        repeats: timed calls of each path with the cache, and of the bandwidth
+            (interleaved); uncached_repeats: of the path without it, interleaved with the
+            first rounds (at most ``repeats``; it takes a minute a call on a CPU).
+        warmup: short untimed calls per path.
         warmup_tokens: tokens generated by each warm-up call.
+        dtype: ``"auto"``: float32, and the same weights in bfloat16 with the cache;
+            a dtype name: that dtype alone (with and without the cache).
+        native: ``generate``'s switch for the cached steps (None: qkv's C kernels where
+            they run; False: the model's forward).
+        bandwidth_mib: size of the buffer whose ``sum`` measures the read bandwidth.
     """
 
     preset: str = "gpt2-small"
     new_tokens: int = 200
     prompt: tuple[int, ...] = BOOK_PROMPT
     batch: int = 1
-    repeats: int = 3
+    repeats: int = 7
+    uncached_repeats: int = 3
     warmup: int = 1
     warmup_tokens: int = 8
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 123
+    native: bool | None = None
+    bandwidth_mib: int = 1024
 
     @classmethod
     def quick(cls, **overrides: Any) -> GenerateConfig:
-        """The ``tiny`` preset and 40 tokens: seconds anywhere."""
-        return cls(**{"preset": "tiny", "new_tokens": 40, **overrides})
+        """The ``tiny`` preset, 40 tokens, a 256 MiB bandwidth buffer: seconds anywhere."""
+        return cls(**{"preset": "tiny", "new_tokens": 40, "bandwidth_mib": 256, **overrides})
 
     def validate(self) -> None:
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose from {', '.join(PRESETS)}")
-        for name in ("new_tokens", "batch", "repeats"):
+        for name in ("new_tokens", "batch", "repeats", "uncached_repeats", "bandwidth_mib"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0 or self.warmup_tokens < 1:
             raise ValueError("warmup must be >= 0 and warmup_tokens >= 1")
         if not self.prompt:
             raise ValueError("prompt must hold at least one token id")
+
+    def dtypes(self, device: torch.device) -> dict[str, torch.dtype]:
+        """``{"base": dtype, "low": dtype}`` (``"low"`` only under ``dtype="auto"``)."""
+        if self.dtype == "auto":
+            return {"base": torch.float32, "low": torch.bfloat16}
+        return {"base": resolve_dtype(self.dtype, device)}
 
 
 def build_model(config: GenerateConfig, device: torch.device, dtype: torch.dtype) -> GPTModel:
@@ -92,6 +144,48 @@ def build_model(config: GenerateConfig, device: torch.device, dtype: torch.dtype
     if max(config.prompt) >= model.cfg.vocab_size:
         raise ValueError(f"prompt ids must be < vocab_size={model.cfg.vocab_size}")
     return model.to(device=device, dtype=dtype).eval()
+
+
+def decode_bytes_per_token(model: GPTModel, prompt_len: int, new_tokens: int,
+                           batch: int = 1) -> dict[str, float]:
+    """Bytes one cached decoding step reads from memory, per token generated.
+
+    ``weights``: every parameter the forward touches, once, in its dtype: the blocks,
+    the final norm and the output head in full; one row of the token and of the
+    position embedding (a lookup; a head tied to the token table reads the table once,
+    as the head). ``kv_cache``: the keys and values each new token attends to (itself
+    included), at their average number over the ``new_tokens`` steps after a
+    ``prompt_len``-token prompt (capped at the context length). With ``batch`` rows a
+    step reads the weights once for all rows and a cache per row.
+
+    Returns ``{"weights", "kv_cache", "total", "kv_positions"}``; ``total`` is per token:
+    ``(weights + batch * kv_cache) / batch``.
+    """
+    cfg = model.cfg
+    # A tied head is the token table: the head reads all of it, the lookup one row of it.
+    lookups = [model.pos_emb.weight]
+    if model.tok_emb.weight is not model.out_head.weight:
+        lookups.append(model.tok_emb.weight)
+    weights = 0
+    for p in model.parameters():  # each tensor once, tied or not
+        values = p[0].numel() if any(p is t for t in lookups) else p.numel()  # a row
+        weights += values * p.element_size()
+    positions = [min(prompt_len + i, cfg.context_length) for i in range(new_tokens)]
+    kv_positions = sum(positions) / len(positions)
+    per_position = sum(2 * b.att.num_kv_groups * b.att.head_dim for b in model.trf_blocks)
+    kv = per_position * kv_positions * model.out_head.weight.element_size()
+    return {"weights": float(weights), "kv_cache": kv, "kv_positions": kv_positions,
+            "total": (weights + batch * kv) / batch}
+
+
+def read_bandwidth(buffer: Tensor, sums: int = 3) -> Callable[[], None]:
+    """A call that sums ``buffer`` ``sums`` times: ``sums * buffer.nbytes`` bytes read."""
+
+    def call() -> None:
+        for _ in range(sums):
+            buffer.sum()
+
+    return call
 
 
 def first_difference(a: Tensor, b: Tensor) -> int | None:
@@ -120,68 +214,123 @@ def top2_margin(model: GPTModel, tokens: Tensor, position: int, context: int) ->
     return float((top2[:, 0] - top2[:, 1]).min())
 
 
+def uncached_choices(model: GPTModel, tokens: Tensor, prompt_len: int) -> Tensor:
+    """The greedy token behind every generated position of ``tokens (batch, T)`` from one
+    forward pass without a cache -> ``(batch, T - prompt_len)``. Up to the first
+    position where they differ from ``tokens``, these are the tokens decoding without
+    the cache produces (the model is causal); needs ``T - 1 <= context_length``."""
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])[:, prompt_len - 1 :]
+    return logits.argmax(dim=-1)
+
+
+def _describe_decoder(model: GPTModel, batch: int, native: bool | None) -> str:
+    if native is False:
+        return "model forward (native=False)"
+    reason = native_unsupported(model, batch)
+    return "qkv C kernels" if reason is None else f"model forward ({reason})"
+
+
 def run_generate(
     config: GenerateConfig, out_dir: str | Path, log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Time both decoders, check their tokens, print the table, write ``generate.json``
-    and ``generate.png`` in ``out_dir``. Returns the JSON."""
+    """Time the decoders and the read bandwidth, check the tokens, print the tables, write
+    ``generate.json`` and ``generate.png`` in ``out_dir``. Returns the JSON."""
     config.validate()
     out_dir = Path(out_dir)
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    dtypes = config.dtypes(device)
+    names = {k: (label.format(**{r: str(d).removeprefix("torch.") for r, d in dtypes.items()}),
+                 role, cached)
+             for k, (label, role, cached) in PATHS.items() if role in dtypes}
     machine = machine_info(device)  # recorded when the run starts
-    model = build_model(config, device, dtype)
+    models = {role: build_model(config, device, dtype) for role, dtype in dtypes.items()}
+    base = models["base"]
     idx = torch.tensor([list(config.prompt)] * config.batch, device=device)
-    if len(config.prompt) + config.new_tokens > model.cfg.context_length:
-        log(f"note: {len(config.prompt)} + {config.new_tokens} tokens exceed the context of "
-            f"{model.cfg.context_length}; the cache is re-filled once it is full")
-    log(f"generate: {config.preset} ({sum(p.numel() for p in model.parameters()):,} "
-        f"parameters), batch {config.batch}, {len(config.prompt)}-token prompt, "
-        f"{config.new_tokens} new tokens, {str(dtype).removeprefix('torch.')} on {device}, "
-        f"{torch.get_num_threads()} threads")
+    prompt_len = len(config.prompt)
+    if prompt_len + config.new_tokens > base.cfg.context_length:
+        log(f"note: {prompt_len} + {config.new_tokens} tokens exceed the context of "
+            f"{base.cfg.context_length}; the cache is re-filled once it is full")
+    log(f"generate: {config.preset} ({sum(p.numel() for p in base.parameters()):,} "
+        f"parameters), batch {config.batch}, {prompt_len}-token prompt, "
+        f"{config.new_tokens} new tokens, "
+        f"{' and '.join(str(d).removeprefix('torch.') for d in dtypes.values())} on "
+        f"{device}, {torch.get_num_threads()} threads")
+    decoders = {role: _describe_decoder(m, config.batch, config.native)
+                for role, m in models.items()}
+    for role, text in decoders.items():
+        log(f"cached steps, {str(dtypes[role]).removeprefix('torch.')}: {text}")
 
     outputs: dict[str, Tensor] = {}
 
     def decoder(name: str, n: int) -> Callable[[], None]:
+        _, role, cached = names[name]
+
         def call() -> None:
-            outputs[name] = generate(model, idx, n, use_cache=name == "cached")
+            outputs[name] = generate(models[role], idx, n, use_cache=cached,
+                                     native=config.native if cached else None)
 
         return call
 
+    buffer = torch.ones(config.bandwidth_mib * 2**20 // 4, device=device)
+    sums = 3
+    cases = {"bandwidth": read_bandwidth(buffer, sums)}
+    cases.update({name: decoder(name, config.new_tokens) for name in names})
     for _ in range(config.warmup):  # short: a full uncached warm-up would take minutes
-        for name in PATHS:
+        cases["bandwidth"]()
+        for name in names:
             decoder(name, config.warmup_tokens)()
-    log(f"timing: {len(PATHS)} paths x {config.repeats} rounds")
-    stats = round_robin({name: decoder(name, config.new_tokens) for name in PATHS},
-                        repeats=config.repeats, warmup=0, device=device, progress=log)
+    counts = {name: config.repeats for name in cases}
+    counts["uncached"] = min(config.uncached_repeats, config.repeats)
+    log(f"timing: {len(names)} paths and the read bandwidth x {config.repeats} rounds "
+        f"(without the cache: the first {counts['uncached']})")
+    stats = round_robin(cases, repeats=counts, warmup=0, device=device, progress=log)
+    del buffer
+
+    bandwidth = [sums * config.bandwidth_mib * 2**20 / t for t in stats["bandwidth"].samples]
+    bw = {"median": statistics.median(bandwidth), "min": min(bandwidth),
+          "max": max(bandwidth), "samples": bandwidth,
+          "buffer_mib": config.bandwidth_mib}
+    bytes_per_token = {role: decode_bytes_per_token(m, prompt_len, config.new_tokens,
+                                                    config.batch)
+                       for role, m in models.items()}
+    ceiling = {role: bw["median"] / b["total"] for role, b in bytes_per_token.items()}
 
     new = config.new_tokens * config.batch
     results: dict[str, Any] = {}
-    for name in PATHS:
+    for name, (label, role, cached) in names.items():
         s = stats[name]
+        tps = {"median": new / s.median, "min": new / s.max, "max": new / s.min}
         results[name] = {
-            "seconds": s.to_dict(),
-            "tokens_per_sec": {"median": new / s.median, "min": new / s.max,
-                               "max": new / s.min},
+            "label": label, "dtype": str(dtypes[role]).removeprefix("torch."),
+            "cached": cached, "decoder": decoders[role] if cached else "model forward",
+            "seconds": s.to_dict(), "tokens_per_sec": tps,
+            "percent_of_ceiling": 100 * tps["median"] / ceiling[role] if cached else None,
         }
     speedup = stats["uncached"].median / stats["cached"].median
     diff = first_difference(outputs["cached"], outputs["uncached"])
     margin = None
     if diff is not None and diff < outputs["uncached"].shape[1]:
-        margin = top2_margin(model, outputs["uncached"], diff, model.cfg.context_length)
+        margin = top2_margin(base, outputs["uncached"], diff, base.cfg.context_length)
     report: dict[str, Any] = {
         "suite": "generate",
         "config": dataclasses.asdict(config),
         "machine": machine,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(dtypes["base"]).removeprefix("torch."),
         "results": results,
+        "bandwidth_bytes_per_sec": bw,
+        "bytes_per_token": {str(dtypes[r]).removeprefix("torch."): b
+                            for r, b in bytes_per_token.items()},
+        "ceiling_tokens_per_sec": {str(dtypes[r]).removeprefix("torch."): c
+                                   for r, c in ceiling.items()},
         "speedup": speedup,
         "identical_tokens": diff is None,
         "first_difference": diff,
         "first_difference_margin": margin,
-        "tokens": outputs["cached"][:, len(config.prompt):].tolist(),
+        "tokens": outputs["cached"][:, prompt_len:].tolist(),
     }
-    report["targets"] = [
+    percent = results["cached"]["percent_of_ceiling"]
+    targets = [
         {"name": "KV-cache generation >= 6x the uncached tokens/s", "value": speedup,
          "threshold": 6.0, "met": speedup >= 6.0, "value_text": f"{speedup:.1f}x"},
         {"name": "both paths produce identical tokens", "value": float(diff is None),
@@ -189,10 +338,33 @@ def run_generate(
          "value_text": "identical" if diff is None else (
              f"differ from position {diff}"
              + ("" if margin is None else f" (top-2 logit margin there: {margin:.3g})"))},
+        {"name": f"{report['dtype']} KV-cache decoding >= {CEILING_TARGET:.0%} of the "
+                 f"memory-bandwidth ceiling", "value": percent / 100,
+         "threshold": CEILING_TARGET, "met": percent / 100 >= CEILING_TARGET,
+         "value_text": f"{percent:.0f} % ({results['cached']['tokens_per_sec']['median']:.1f}"
+                       f" of {ceiling['base']:.1f} tokens/s)"},
     ]
+    if "low" in models:
+        low_name = str(dtypes["low"]).removeprefix("torch.")
+        ratio = stats["cached"].median / stats["low-cached"].median
+        report["low_dtype"] = low_name
+        report["low_speedup"] = ratio
+        report["low_tokens"] = outputs["low-cached"][:, prompt_len:].tolist()
+        report["low_uncached_check"] = _low_check(models["low"], outputs["low-cached"],
+                                                  prompt_len)
+        targets.append(
+            {"name": f"{low_name} weights >= {LOW_SPEEDUP_TARGET}x the "
+                     f"{report['dtype']} tokens/s (both with the KV cache)",
+             "value": ratio, "threshold": LOW_SPEEDUP_TARGET,
+             "met": ratio >= LOW_SPEEDUP_TARGET, "value_text": f"{ratio:.2f}x"})
+    report["targets"] = targets
 
     log(f"\ngreedy generation of {config.new_tokens} tokens, batch {config.batch}:\n")
     log(table(report))
+    log("")
+    log(ceiling_text(report))
+    if "low_uncached_check" in report:
+        log(low_check_text(report))
     log("")
     for target in report["targets"]:
         log(f"target {'MET   ' if target['met'] else 'MISSED'} {target['name']}: "
@@ -203,28 +375,90 @@ def run_generate(
     return report
 
 
+def _low_check(model: GPTModel, tokens: Tensor, prompt_len: int) -> dict[str, Any]:
+    """The low-precision cached tokens against the same model's choices without a cache
+    (:func:`uncached_choices`), with the top-2 margin where they first differ."""
+    if tokens.shape[1] - 1 > model.cfg.context_length:
+        return {"checked": False, "why": "longer than the context: not checked"}
+    choices = uncached_choices(model, tokens, prompt_len)
+    diff = first_difference(tokens[:, prompt_len:], choices)
+    margin = None
+    if diff is not None:
+        margin = top2_margin(model, tokens, prompt_len + diff, model.cfg.context_length)
+    return {"checked": True, "identical_tokens": diff is None, "first_difference": diff,
+            "first_difference_margin": margin}
+
+
 def table(report: dict[str, Any]) -> str:
     rows = []
-    for name, label in PATHS.items():
-        r = report["results"][name]
+    uncached = report["results"]["uncached"]["tokens_per_sec"]["median"]
+    for r in report["results"].values():
         s, tps = r["seconds"], r["tokens_per_sec"]
-        speed = tps["median"] / report["results"]["uncached"]["tokens_per_sec"]["median"]
-        rows.append([label, f"{s['median']:.3g}", f"{s['min']:.3g}-{s['max']:.3g}",
+        pct = r["percent_of_ceiling"]
+        rows.append([r["label"], f"{s['median']:.3g}", f"{s['min']:.3g}-{s['max']:.3g}",
                      f"{tps['median']:.2f}", f"{tps['min']:.2f}-{tps['max']:.2f}",
-                     f"{speed:.1f}x"])
-    header = ["path", "median s", "min-max s", "tokens/s", "min-max tokens/s", "x no cache"]
+                     f"{tps['median'] / uncached:.1f}x",
+                     "" if pct is None else f"{pct:.0f} %"])
+    header = ["path", "median s", "min-max s", "tokens/s", "min-max tokens/s", "x no cache",
+              "of ceiling"]
     return markdown_table(header, rows)
 
 
+def ceiling_text(report: dict[str, Any]) -> str:
+    bw = report["bandwidth_bytes_per_sec"]
+    lines = [f"read bandwidth (sum over {bw['buffer_mib']:,} MiB, median of "
+             f"{len(bw['samples'])} rounds): {bw['median'] / 1e9:.1f} GB/s "
+             f"(min-max {bw['min'] / 1e9:.1f}-{bw['max'] / 1e9:.1f})"]
+    for name, b in report["bytes_per_token"].items():
+        lines.append(
+            f"{name}: {b['total'] / 1e6:.1f} MB read per token (weights "
+            f"{b['weights'] / 1e6:.1f} MB + KV cache {b['kv_cache'] / 1e6:.2f} MB at "
+            f"{b['kv_positions']:.1f} positions on average) -> ceiling "
+            f"{report['ceiling_tokens_per_sec'][name]:.1f} tokens/s")
+    if "low_speedup" in report:
+        lines.append(f"{report['low_dtype']} / {report['dtype']} tokens/s with the cache: "
+                     f"{report['low_speedup']:.2f}x")
+    return "\n".join(lines)
+
+
+def low_check_text(report: dict[str, Any]) -> str:
+    check, name = report["low_uncached_check"], report["low_dtype"]
+    if not check["checked"]:
+        return f"{name} with and without the cache: {check['why']}"
+    if check["identical_tokens"]:
+        return (f"{name} with and without the cache (one forward pass without it over the "
+                f"cached output): identical tokens")
+    margin = check["first_difference_margin"]
+    steps = ("the cached steps keep float32 activations"
+             if report["results"]["low-cached"]["decoder"] == "qkv C kernels"
+             else "the two paths sum in different orders")
+    why = ("the two largest logits without the cache are equal there: an exact tie"
+           if margin == 0 else
+           f"top-2 logit margin there without the cache: {margin:.3g}; {name} keeps 8 "
+           f"bits of mantissa, so its logits are rounded to about 0.4 % of their size")
+    return (f"{name} with and without the cache: differ from generated position "
+            f"{check['first_difference']} ({why}; {steps}, so either token is a right "
+            f"answer at a near-tie)")
+
+
 def plot(report: dict[str, Any], path: Path) -> Path:
-    """Tokens per second of both paths, whiskers min-max."""
-    fig = new_figure(8, 3.0)
+    """Tokens per second of every path, whiskers min-max, and each dtype's ceiling."""
+    results = report["results"]
+    labels = [r["label"] for r in results.values()]
+    summaries = [r["tokens_per_sec"] for r in results.values()]
+    colors = ["tab:orange", "tab:blue", "tab:green"][: len(labels)]
+    for name, c in report["ceiling_tokens_per_sec"].items():
+        labels.append(f"{name} ceiling (bandwidth / bytes per token)")
+        summaries.append({"median": c, "min": c, "max": c})
+        colors.append("lightgray")
+    fig = new_figure(8, 1.0 + 0.5 * len(labels))
     ax = fig.add_subplot()
-    hbars(ax, list(PATHS.values()), [report["results"][n]["tokens_per_sec"] for n in PATHS],
-          colors=["tab:orange", "tab:blue"],
+    hbars(ax, labels, summaries, colors=colors,
           xlabel="tokens per second (median, whiskers min-max)")
     cfg = report["config"]
     same = "identical tokens" if report["identical_tokens"] else "TOKENS DIFFER"
+    pct = results["cached"]["percent_of_ceiling"]
     ax.set_title(f"greedy decoding, {cfg['preset']}, {cfg['new_tokens']} new tokens\n"
-                 f"KV cache {report['speedup']:.1f}x faster, {same}", fontsize=10)
+                 f"KV cache {report['speedup']:.1f}x faster ({same}), {pct:.0f} % of the "
+                 f"{report['dtype']} ceiling", fontsize=10)
     return save_figure(fig, path)

@@ -183,7 +183,7 @@ def time_call(fn: Callable[[], object], device: torch.device) -> float:
 def round_robin(
     cases: Mapping[str, Callable[[], object]],
     *,
-    repeats: int,
+    repeats: int | Mapping[str, int],
     warmup: int,
     device: torch.device,
     progress: Callable[[str], None] | None = None,
@@ -192,26 +192,35 @@ def round_robin(
 
     Round ``r`` runs the cases starting from the ``r``-th (mod the number of cases), so
     no case is always first after a pause or always right behind the same neighbour.
+    ``repeats`` may give each case its own count (``{name: n}``, every case named): a
+    case then sits out the rounds after its last, so slow cases can be timed less often
+    than quick ones while both are interleaved.
 
     Returns ``{name: Stats of seconds}`` in the order of ``cases``.
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    names = list(cases)
+    counts = dict.fromkeys(names, repeats) if isinstance(repeats, int) else dict(repeats)
+    if set(counts) != set(names):
+        raise ValueError(f"repeats must name every case: {sorted(names)}, got {sorted(counts)}")
+    for name, n in counts.items():
+        if n < 1:
+            raise ValueError(f"repeats must be >= 1, got {n} for {name!r}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
-    names = list(cases)
     for name in names:
         for _ in range(warmup):
             cases[name]()
         # The first timed call must not inherit a warm-up's queued work or garbage.
         synchronize(device)
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
+    rounds = max(counts.values())
+    for r in range(rounds):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            samples[name].append(time_call(cases[name], device))
+            if r < counts[name]:
+                samples[name].append(time_call(cases[name], device))
         if progress is not None:
-            progress(f"round {r + 1}/{repeats} done")
+            progress(f"round {r + 1}/{rounds} done")
     return {name: Stats(tuple(samples[name])) for name in names}
 
 

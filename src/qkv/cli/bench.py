@@ -2,7 +2,8 @@
 
     qkv bench attention                # batch 8 x 1,024 tokens x 768 dims, 12 heads
     qkv bench attention --sweep        # plus 128 ... 8,192 tokens at batch 1, eager vs fused
-    qkv bench generate                 # GPT-2 small, 200 tokens, with and without KV cache
+    qkv bench generate                 # GPT-2 small, 200 tokens, with and without KV cache,
+                                       # float32 and bfloat16, % of the bandwidth ceiling
     qkv bench translate                # Bahdanau training against d2l's algorithm
     qkv bench data                     # sliding-window dataset against a list of tensors
     qkv bench flops                    # attention TFLOP/s at 8,192 tokens vs the matmul rate
@@ -63,6 +64,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     compile_flag.add_argument("--no-compile", action="store_true",
                               help="run FlexAttention uncompiled (no C++ compiler or Triton "
                                    "needed; it then materialises the scores)")
+    generate_flags = argparse.ArgumentParser(add_help=False)
+    generate_flags.add_argument("--no-native", action="store_true",
+                                help="run the cached steps through the model's forward "
+                                     "(the readable path) instead of qkv's C kernels")
     train_flags = argparse.ArgumentParser(add_help=False)
     train_flags.add_argument("--presets", nargs="+", metavar="NAME", default=None,
                              help="GPT presets to train (default: tiny mini gpt2-small on "
@@ -89,7 +94,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     suites = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
     helps = {
         "attention": "ten attention paths: forward and forward+backward time, peak memory",
-        "generate": "greedy GPT-2 small generation with and without the KV cache",
+        "generate": "greedy GPT-2 small generation with and without the KV cache, "
+                    "float32 and bfloat16, against the memory-bandwidth ceiling",
         "translate": "Bahdanau translator training tokens/s against d2l's algorithm",
         "data": "sliding-window GPT dataset against a list of tensors: build time, memory",
         "flops": "attention TFLOP/s (SDPA backends, FlexAttention, qkv) at 8,192 tokens, "
@@ -100,7 +106,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "all": "every suite, one after the other",
     }
     extra_flags = {"attention": [sweep_flag, compile_flag], "all": [sweep_flag, compile_flag],
-                   "flops": [compile_flag], "train": [train_flags]}
+                   "flops": [compile_flag], "train": [train_flags],
+                   "generate": [generate_flags]}
     for name, text in helps.items():
         parents = [common, *extra_flags.get(name, [])]
         suite = suites.add_parser(name, parents=parents, help=text, description=text)
@@ -141,6 +148,8 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
         from ..bench.lm import GenerateConfig, run_generate
 
         kwargs = {**_overrides(args), "device": args.device, "dtype": args.dtype}
+        if getattr(args, "no_native", False):  # (absent under "all")
+            kwargs["native"] = False
         config = GenerateConfig.quick(**kwargs) if args.quick else GenerateConfig(**kwargs)
         return run_generate(config, args.out)
     if name == "translate":

@@ -43,8 +43,11 @@ from ..checks import (
     show,
     small_divisors,
 )
+from ..kernels import unavailable_reason
 from ..kv_cache import KVCache, kv_cache_bytes
 from ..multihead import MultiHeadAttention
+from .native_decode import DTYPES as NATIVE_DTYPES
+from .native_decode import NativeDecoder
 
 __all__ = [
     "GPTEmbedding",
@@ -58,6 +61,7 @@ __all__ = [
     "TransformerBlock",
     "generate",
     "generate_text_simple",
+    "native_unsupported",
 ]
 
 
@@ -584,6 +588,39 @@ class GPTModel(nn.Module):
 # Decoding
 
 
+def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
+    """Why :class:`~qkv.models.native_decode.NativeDecoder` (``generate``'s ``native``
+    steps) cannot decode ``model`` at ``batch_size`` (None when it can)."""
+    if type(model) is not GPTModel:
+        return f"a plain GPTModel is needed, got {type(model).__name__}"
+    weight = model.out_head.weight
+    if weight.device.type != "cpu":
+        return f"the kernels run on the CPU, the model is on {weight.device}"
+    dtypes = {p.dtype for p in model.parameters()}
+    if len(dtypes) != 1 or weight.dtype not in NATIVE_DTYPES:
+        return f"float32 or bfloat16 parameters are needed, got {sorted(map(str, dtypes))}"
+    if batch_size != 1:
+        return f"one sequence at a time, got a batch of {batch_size}"
+    for block in model.trf_blocks:
+        if type(block) is not TransformerBlock:
+            return f"a block of type {type(block).__name__}"
+        att, ff = block.att, block.ff
+        if type(att) is not MultiHeadAttention or type(ff) is not FeedForward:
+            return "attention and feed-forward must be qkv's MultiHeadAttention and FeedForward"
+        if (att.num_kv_groups != att.num_heads or att.window_size is not None or att.rope
+                or not att.causal or att.d_in != att.d_out):
+            return "plain causal multi-head attention is needed (no GQA, window or RoPE)"
+        if [type(m) for m in ff.layers] != [nn.Linear, GELU, nn.Linear]:
+            return "the feed-forward must be Linear, GELU, Linear"
+        if type(block.norm1) is not LayerNorm or type(block.norm2) is not LayerNorm:
+            return "the norms must be qkv's LayerNorm"
+    if type(model.final_norm) is not LayerNorm:
+        return "the final norm must be qkv's LayerNorm"
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return "forward hooks are registered, and only the model's forward runs them"
+    return unavailable_reason()
+
+
 def _next_token(
     logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
 ) -> Tensor:
@@ -610,6 +647,7 @@ def generate(
     generator: torch.Generator | None = None,
     eos_id: int | None = None,
     context_size: int | None = None,
+    native: bool | None = None,
 ) -> Tensor:
     """Extend ``idx (batch, T)`` by up to ``max_new_tokens`` tokens -> ``(batch, T + n)``.
 
@@ -626,6 +664,14 @@ def generate(
             padded with it. (Unlike the book's batch-of-one loop, the final ``eos_id`` is
             kept in the output.)
         context_size: tokens the model sees; default ``model.cfg.context_length``.
+        native: how the cache's one-token steps run. ``False``: the model's own forward
+            (the readable path). ``True``: qkv's C kernels
+            (:class:`qkv.models.native_decode.NativeDecoder`: the same maths, float32
+            activations, weights read where they are in float32 or bfloat16), an error
+            where they cannot run (or without the cache). ``None`` (default): the
+            kernels where they can run (:func:`native_unsupported` says why not), else
+            the model's forward. The prompt, and the re-fill of a full cache, always run
+            through the model's forward.
 
     Context: the model always sees the last ``context_size`` tokens (the book's crop). The
     cache grows while the sequence fits; once full, each step re-fills it from the last
@@ -638,9 +684,10 @@ def generate(
     further back, which the re-read of the last ``context_size`` tokens cuts off.
 
     Runs in eval mode (dropout off) and restores the model's mode afterwards. With the
-    cache on the CPU, a :class:`GPTModel` decodes with :meth:`GPTModel.decoding_weights`,
-    a faster layout of some weights, made for this call and dropped after it; the model's
-    parameters are never changed.
+    cache on the CPU and the model's forward doing the steps (``native`` off or not
+    possible), a :class:`GPTModel` decodes with :meth:`GPTModel.decoding_weights`, a
+    faster layout of some weights, made for this call and dropped after it. Either way
+    the model's parameters are never changed.
     """
     if idx.dim() != 2 or idx.shape[1] == 0 or idx.is_floating_point():
         raise ValueError(
@@ -670,7 +717,15 @@ def generate(
     if use_cache and not hasattr(model, "new_caches"):
         raise ValueError("this model has no new_caches(); pass use_cache=False")
 
-    if use_cache and isinstance(model, GPTModel) and max_new_tokens > 0:
+    if native and not use_cache:
+        raise ValueError("native=True runs the cached steps: it needs use_cache=True")
+    use_native = False
+    if use_cache and native is not False and max_new_tokens > 0:
+        reason = native_unsupported(model, idx.shape[0])
+        use_native = reason is None
+        if native and not use_native:
+            raise ValueError(f"native=True, but the kernels cannot decode here: {reason}")
+    if use_cache and isinstance(model, GPTModel) and max_new_tokens > 0 and not use_native:
         # one token per step: the matrix-vector products stream weights faster in this
         # layout (GPTModel.decoding_weights); the parameters themselves are not touched
         layout = model.decoding_weights()
@@ -689,6 +744,7 @@ def generate(
         caches = model.new_caches(idx.shape[0], context_size) if use_cache else None
         endless = (caches is not None and all(c.ring for c in caches)
                    and getattr(model, "pos_emb", True) is None)
+        decoder = NativeDecoder(model, caches) if use_native else None
         finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             if caches is None:
@@ -698,6 +754,8 @@ def generate(
                 for cache in caches:
                     cache.reset()
                 logits = forward(idx[:, -context_size:], caches)
+            elif decoder is not None:
+                logits = decoder.step(int(idx[0, -1]))
             else:
                 # the cache holds every token but the newest: feed just that one
                 logits = forward(idx[:, -1:], caches)

@@ -1,0 +1,137 @@
+"""Native CPU kernels: C source shipped with qkv, compiled on first use, loaded with ctypes.
+
+:func:`decode_kernels` returns the library built from ``decode.c`` (one-token decoding:
+linear layers that read float32 or bfloat16 weights in place, LayerNorm, attention over
+a KV cache; see the file), or None when it cannot be had here; :func:`unavailable_reason`
+then says why. It needs an x86-64 CPU with AVX2 and FMA (the same check as PyTorch's
+own kernel dispatch), a C compiler with OpenMP (``$CC``, else ``cc``), and is switched
+off by ``QKV_NATIVE=0``. Nothing else in qkv needs it: every caller has a PyTorch path
+that does the same maths (:func:`qkv.models.gpt.generate`'s ``native`` switch).
+
+The library is built once per source version into ``$QKV_KERNEL_DIR`` (default
+``~/.cache/qkv/kernels``), in about a second, and reused by later processes. Its
+OpenMP runtime is ``libgomp.so.1``, the name PyTorch's own is loaded under, so the
+kernels and PyTorch share one pool of threads rather than two pools competing for the
+cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["FLAGS", "Layer", "Model", "decode_kernels", "unavailable_reason"]
+
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
+_SOURCE = Path(__file__).with_name("decode.c")
+_state: dict[str, object] = {}
+
+
+def _kernel_dir() -> Path:
+    env = os.environ.get("QKV_KERNEL_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "qkv" / "kernels"
+
+
+def _why_not_here() -> str | None:
+    if os.environ.get("QKV_NATIVE", "1") == "0":
+        return "switched off by QKV_NATIVE=0"
+    if platform.machine().lower() not in ("x86_64", "amd64") or os.name != "posix":
+        return f"the kernels are written for x86-64 Linux, not {platform.machine()} {os.name}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the CPU lacks AVX2 (PyTorch reports {capability})"
+    return None
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: processes building at the same
+    # time each write their own file, and a reader never sees half of one.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(_SOURCE), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode:
+            raise RuntimeError(f"{compiler} failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_P, _I, _N, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+
+
+class Layer(ctypes.Structure):
+    """``qkv_layer`` of decode.c: one block's parameters and KV cache (addresses)."""
+
+    _fields_ = [("w", _P * 6), ("b", _P * 6),
+                ("norm1_scale", _P), ("norm1_shift", _P), ("norm2_scale", _P),
+                ("norm2_shift", _P), ("norm1_eps", _F), ("norm2_eps", _F),
+                ("keys", _P), ("values", _P)]
+
+
+class Model(ctypes.Structure):
+    """``qkv_model`` of decode.c: sizes, embeddings, head, layers and work buffers."""
+
+    _fields_ = [("dt", _I), ("n_layers", _I),
+                ("dim", _N), ("hidden", _N), ("heads", _N), ("head_dim", _N),
+                ("vocab", _N), ("max_len", _N), ("scale", _F),
+                ("tok_emb", _P), ("pos_emb", _P), ("head", _P),
+                ("final_scale", _P), ("final_shift", _P), ("final_eps", _F),
+                ("layers", ctypes.POINTER(Layer)),
+                *((name, _P) for name in ("x", "h", "q", "k", "v", "a", "f", "logits",
+                                          "scores"))]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i, n, f = _P, _I, _N, _F
+    lib.qkv_linear.argtypes = [p, i, p, p, p, n, n, i, i]
+    lib.qkv_layer_norm.argtypes = [p, p, p, p, n, f]
+    lib.qkv_embed.argtypes = [p, p, i, p, n]
+    lib.qkv_attend.argtypes = [p, p, p, p, p, i, p, n, n, n, n, f, p, i]
+    lib.qkv_step.argtypes = [ctypes.POINTER(Model), n, n, i]
+    for fn in (lib.qkv_linear, lib.qkv_layer_norm, lib.qkv_embed, lib.qkv_attend,
+               lib.qkv_step):
+        fn.restype = None
+
+
+def decode_kernels() -> ctypes.CDLL | None:
+    """The compiled ``decode.c`` (built on the first call of a new version), or None."""
+    if "lib" in _state:
+        return _state["lib"]  # type: ignore[return-value]
+    lib, reason = None, _why_not_here()
+    if reason is None:
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            reason = "no C compiler (set CC, or install gcc)"
+        else:
+            key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()
+            target = _kernel_dir() / f"decode-{key[:16]}.so"
+            try:
+                if not target.is_file():
+                    _build(compiler, target)
+                lib = ctypes.CDLL(str(target))
+                _declare(lib)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                lib, reason = None, f"could not build or load {target.name}: {e}"
+    _state["lib"], _state["reason"] = lib, reason
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`decode_kernels` returns None (None when it does not)."""
+    decode_kernels()
+    return _state["reason"]  # type: ignore[return-value]

@@ -1,0 +1,254 @@
+"""qkv.kernels (decode.c) and qkv.models.native_decode against float64 references.
+
+Each kernel is compared with the definition computed in float64 by PyTorch; the decoder's
+logits with the float64 model's; generate()'s native steps with its module path. Where
+the kernels cannot be built here, the tests that need them skip and the fallback is
+checked instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qkv.kernels import decode_kernels, unavailable_reason
+from qkv.kv_cache import KVCache
+from qkv.models.gpt import GPTConfig, GPTModel, generate
+from qkv.models.gpt import native_unsupported as unsupported
+from qkv.models.native_decode import NativeDecoder
+
+LIB = decode_kernels()
+needs_kernels = pytest.mark.skipif(LIB is None, reason=f"no native kernels: "
+                                   f"{unavailable_reason()}")
+DT = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def tiny(dtype=torch.float32, **overrides) -> GPTModel:
+    cfg = dict(vocab_size=61, context_length=24, emb_dim=32, n_heads=4, n_layers=2,
+               drop_rate=0.0)
+    torch.manual_seed(0)
+    return GPTModel(GPTConfig(**{**cfg, **overrides})).eval().to(dtype)
+
+
+def as_float64(model: GPTModel) -> GPTModel:
+    copy = GPTModel(model.cfg).eval()
+    copy.load_state_dict(model.state_dict())
+    return copy.double()
+
+
+# ----------------------------------------------------------------------------
+# the kernels, one by one
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n", [(7, 40), (64, 48), (33, 19), (1, 8), (5, 3072)])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_kernel(dtype, rows, n, mode, bias):
+    g = torch.Generator().manual_seed(rows * n + mode)
+    w = torch.randn(rows, n, generator=g).to(dtype)  # rows and n with tails of every kind
+    x = torch.randn(n, generator=g)
+    b = torch.randn(rows, generator=g) if bias else None
+    y = torch.randn(rows, generator=g)
+    before = y.clone()
+    LIB.qkv_linear(ptr(w), DT[dtype], ptr(x), ptr(b), ptr(y), rows, n, mode, 2)
+    ref = w.double() @ x.double() + (b.double() if bias else 0)
+    if mode == 1:
+        ref = before.double() + ref
+    elif mode == 2:
+        ref = F.gelu(ref, approximate="tanh")
+    # float32 sums of n products of the (exactly widened) weights
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * math.sqrt(n))
+
+
+@needs_kernels
+def test_layer_norm_and_embed_kernels():
+    g = torch.Generator().manual_seed(0)
+    x, scale, shift = (torch.randn(37, generator=g) for _ in range(3))
+    y = torch.empty(37)
+    LIB.qkv_layer_norm(ptr(x), ptr(scale), ptr(shift), ptr(y), 37, 1e-5)
+    ref = F.layer_norm(x.double(), (37,), scale.double(), shift.double(), 1e-5)
+    assert torch.allclose(y.double(), ref, atol=1e-6)
+    for dtype in DT:
+        tok, pos = torch.randn(37, generator=g).to(dtype), torch.randn(37, generator=g).to(dtype)
+        LIB.qkv_embed(ptr(tok), ptr(pos), DT[dtype], ptr(y), 37)
+        assert torch.equal(y, tok.float() + pos.float())
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 12])
+def test_attend_kernel_writes_the_cache_and_attends_to_every_position(dtype, head_dim):
+    heads, max_len, pos = 3, 10, 6
+    g = torch.Generator().manual_seed(head_dim)
+    cache = KVCache(1, heads, max_len, head_dim, dtype=dtype)
+    cache.keys.copy_(torch.randn(cache.keys.shape, generator=g))
+    cache.values.copy_(torch.randn(cache.values.shape, generator=g))
+    q, k, v = (torch.randn(heads * head_dim, generator=g) for _ in range(3))
+    out, scores = torch.empty(heads * head_dim), torch.empty(heads * max_len)
+    scale = 1 / math.sqrt(head_dim)
+    LIB.qkv_attend(ptr(q), ptr(k), ptr(v), ptr(cache.keys), ptr(cache.values), DT[dtype],
+                   ptr(out), heads, head_dim, max_len * head_dim, pos, scale, ptr(scores), 2)
+    # the new key and value, rounded to the cache's dtype as a tensor copy rounds them
+    assert torch.equal(cache.keys[0, :, pos], k.view(heads, head_dim).to(dtype))
+    assert torch.equal(cache.values[0, :, pos], v.view(heads, head_dim).to(dtype))
+    keys, values = cache.keys[0, :, : pos + 1].double(), cache.values[0, :, : pos + 1].double()
+    weights = torch.softmax(keys @ q.view(heads, head_dim, 1).double() * scale, dim=1)
+    ref = (weights.transpose(1, 2) @ values).reshape(-1)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# the decoder
+
+
+def greedy_logits(model, ids, prompt_len, context):
+    """The model's last logits behind each token of ``ids (1, T)`` after the prompt,
+    without a cache, over the last ``context`` tokens -> ``(T - prompt_len, vocab)``."""
+    with torch.no_grad():
+        return torch.stack([model(ids[:, max(0, t - context) : t])[0, -1]
+                            for t in range(prompt_len, ids.shape[1])])
+
+
+def step_logits(model, ids, prefix, native):
+    """Logits behind each token of ``ids`` after ``prefix``, one cached step at a time."""
+    caches = model.new_caches(1)
+    out = []
+    with torch.no_grad():
+        model(ids[:, :prefix], caches=caches)
+        decoder = NativeDecoder(model, caches) if native else None
+        for t in range(prefix, ids.shape[1]):
+            if native:
+                out.append(decoder.step(int(ids[0, t]))[0, 0].clone())
+            else:
+                out.append(model(ids[:, t : t + 1], caches=caches)[0, 0])
+    return torch.stack(out).double()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("overrides", [{}, {"qkv_bias": True}, {"tie_weights": True}])
+def test_native_steps_match_the_float64_model(dtype, overrides):
+    model = tiny(dtype, **overrides)
+    ids = torch.randint(0, 61, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = as_float64(model)(ids)[0, 4:]
+    native = step_logits(model, ids, 4, native=True)
+    module = step_logits(model, ids, 4, native=False)
+    native_err = (native - ref).abs().max().item()
+    module_err = (module - ref).abs().max().item()
+    if dtype == torch.float32:
+        assert native_err < 1e-5 and module_err < 1e-5
+    else:
+        # Both read the same bfloat16 weights; the native steps keep float32
+        # activations where the module rounds each to bfloat16, so they are closer.
+        assert native_err < 0.02 and native_err <= module_err + 1e-3
+
+
+@needs_kernels
+def test_generate_native_and_module_paths_give_the_same_tokens():
+    model = tiny()
+    idx = torch.randint(0, 61, (1, 5), generator=torch.Generator().manual_seed(1))
+    # 40 tokens through a 24-token context: steps, then a re-fill at every step
+    native = generate(model, idx, 40, native=True)
+    module = generate(model, idx, 40, native=False)
+    top2 = greedy_logits(as_float64(model), native, 5, 24).topk(2).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-4  # no near-tie for rounding to flip
+    assert torch.equal(native, module)
+    assert torch.equal(generate(model, idx, 40), native)  # native=None picks the kernels
+
+
+@needs_kernels
+def test_bfloat16_native_tokens_are_the_float64_models_greedy_choices():
+    # In bfloat16 the two paths round differently (the native steps keep float32
+    # activations), so near-ties may go either way; every clear choice must agree.
+    model = tiny(torch.bfloat16)
+    idx = torch.randint(0, 61, (1, 5), generator=torch.Generator().manual_seed(1))
+    native = generate(model, idx, 40, native=True)
+    logits = greedy_logits(as_float64(model), native, 5, 24)
+    top2 = logits.topk(2).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.02
+    assert clear.sum() > 30
+    assert torch.equal(native[0, 5:][clear], logits.argmax(-1)[clear])
+
+
+@needs_kernels
+def test_decoder_leaves_the_model_alone_and_checks_its_caches():
+    model = tiny()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    generate(model, torch.tensor([[1, 2, 3]]), 10, native=True)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    caches = model.new_caches(1)
+    with pytest.raises(ValueError, match="one KVCache per layer"):
+        NativeDecoder(model, caches[:1])
+    caches[0] = KVCache(1, 4, 24, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="caches must be the model's own"):
+        NativeDecoder(model, caches)
+    caches = model.new_caches(1, 3)
+    decoder = NativeDecoder(model, caches)
+    for t in range(3):
+        decoder.step(t)
+    with pytest.raises(ValueError, match="full"):
+        decoder.step(0)
+
+
+def test_unsupported_models_fall_back_to_the_module_path():
+    model = tiny()
+    idx = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    assert "batch of 2" in unsupported(model, 2)
+    assert "float32 or bfloat16" in unsupported(tiny().double())
+
+    class Sub(GPTModel):
+        pass
+
+    assert "plain GPTModel" in unsupported(Sub(model.cfg))
+    rope = tiny()
+    rope.trf_blocks[0].att.rope = True
+    assert "RoPE" in unsupported(rope)
+    hooked, calls = tiny(), []
+    handle = hooked.trf_blocks[1].ff.register_forward_hook(lambda *_: calls.append(1))
+    assert "hooks" in unsupported(hooked)
+    generate(hooked, idx[:1], 4)
+    assert len(calls) == 4  # the prompt and three one-token steps, all through forward
+    handle.remove()
+    assert unsupported(hooked) == unsupported(model)
+    # a batch of two decodes through the module path, as each row alone does
+    out = generate(model, idx, 6)
+    for row in range(2):
+        assert torch.equal(out[row : row + 1], generate(model, idx[row : row + 1], 6,
+                                                        native=False))
+    with pytest.raises(ValueError, match="native=True, but .*batch of 2"):
+        generate(model, idx, 2, native=True)
+    with pytest.raises(ValueError, match="needs use_cache=True"):
+        generate(model, idx[:1], 2, native=True, use_cache=False)
+
+
+def test_switched_off_kernels_say_so(monkeypatch):
+    import qkv.kernels as kernels
+
+    monkeypatch.setenv("QKV_NATIVE", "0")
+    monkeypatch.setattr(kernels, "_state", {})
+    assert kernels.decode_kernels() is None
+    assert "QKV_NATIVE=0" in kernels.unavailable_reason()
+    model = tiny()
+    assert "QKV_NATIVE=0" in unsupported(model)
+    idx = torch.tensor([[1, 2, 3]])
+    assert torch.equal(generate(model, idx, 5), generate(model, idx, 5, native=False))
+
+
+@needs_kernels
+def test_kernels_share_pytorchs_openmp_runtime():
+    # one libgomp in the process: the kernels and PyTorch use the same threads
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomp) == 1, gomp
+    assert isinstance(LIB, ctypes.CDLL)
