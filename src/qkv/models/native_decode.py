@@ -27,8 +27,8 @@ the re-fill of a full cache, go through the module path and the same caches.
 when it can): the kernels must load (:func:`qkv.kernels.unavailable_reason`), and the
 model must be a plain ``GPTModel`` (its own block, attention, feed-forward and norm
 classes, full multi-head attention without RoPE or a window, no forward hooks) on the
-CPU in float32 or bfloat16, at batch 1. This module reads the model by its attribute names and knows
-nothing else of it (``gpt.py`` imports it, not the other way round).
+CPU in float32 or bfloat16, at batch 1. This module reads the model by its attribute
+names and knows nothing else of it (``gpt.py`` imports it, not the other way round).
 """
 
 from __future__ import annotations
