@@ -19,11 +19,13 @@ from torch import Tensor
 
 from .seq2seq import EncoderDecoder, teacher_forcing_input
 
-__all__ = ["greedy_decode", "beam_search", "score_sequence", "length_penalty_factor"]
+__all__ = ["greedy_decode", "beam_search", "score_sequence", "length_penalty_factor",
+           "eval_mode"]
 
 
 @contextmanager
-def _eval_mode(model: EncoderDecoder) -> Iterator[None]:
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the ``with`` block; its previous mode after it."""
     was_training = model.training
     model.eval()
     try:
@@ -85,7 +87,7 @@ def greedy_decode(
     batch = src.shape[0]
     tokens: list[list[int]] = [[] for _ in range(batch)]
     attention: list[list[Tensor]] = [[] for _ in range(batch)]
-    with _eval_mode(model):
+    with eval_mode(model):
         state = model.encode(src, valid, max_steps=max_steps)
         rows = list(range(batch))  # original row of each live (not yet finished) row
         inputs = torch.full((batch,), bos_id, dtype=torch.long, device=src.device)
@@ -171,7 +173,7 @@ def beam_search(
         raise ValueError(f"beam_search decodes one sentence, got a batch of {src.shape[0]}")
     device = src.device
     finished: list[tuple[float, list[int], Tensor]] = []
-    with _eval_mode(model):
+    with eval_mode(model):
         state = model.encode(src, valid, max_steps=max_steps)
         hyps: list[list[int]] = [[]]  # tokens of each live hypothesis
         logp = torch.zeros(1, device=device)  # (live,) summed log-probs
@@ -234,7 +236,7 @@ def score_sequence(
         raise ValueError("tokens must contain at least one generated id")
     src, valid = _prepare(src, src_valid_len)
     target = torch.tensor([tokens], dtype=torch.long, device=src.device)
-    with _eval_mode(model):
+    with eval_mode(model):
         logits = model(src, valid, teacher_forcing_input(target, bos_id))
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, target[..., None]).sum()
     return logp.item() / length_penalty_factor(len(tokens), length_penalty)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..data.translate import BOS, EOS
+from ..models.decoding import eval_mode
 from ..models.transformer import TransformerSeq2Seq
 from ..tasks.lm import LanguageModel
 from ..tasks.translate import Translator
@@ -142,12 +143,8 @@ def _translation_example(translator: Translator, text: str, beam: int) -> dict[s
     # it produced, exactly the inputs of its decoding steps.
     inputs = [BOS, *result.tokens][: len(produced)]
     dec = torch.tensor([translator.tgt_vocab[inputs]], device=device)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         maps = model.attention_maps(src, valid, dec)
-    finally:
-        model.train(was_training)
 
     def stacked(name: str) -> Tensor:
         return torch.stack([w[0] for w in maps[name]])  # (layers, heads, rows, cols)

@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from ..tasks.translate import Translator
 from .data import Target, example, page_data
 from .page import render_page
 
@@ -29,11 +30,8 @@ HOST = "127.0.0.1"
 
 def default_text(target: Target) -> str:
     """A first text for the page when the user gives none."""
-    settings = target.settings
-    if getattr(settings, "data", None) == "dates":
-        return "10 June 1993"
-    if hasattr(settings, "data"):  # a translator, English to French by default
-        return "i am cold ."
+    if isinstance(target, Translator):  # English to French, unless the dates corpus
+        return "10 June 1993" if target.settings.data == "dates" else "i am cold ."
     return "The cat sat on the mat."
 
 
