@@ -60,6 +60,7 @@ from ..utils.figures import new_figure, save_figure
 from .attention import causal_mask_mod
 from .timing import (
     Stats,
+    error_line,
     format_ms,
     format_number,
     hbars,
@@ -346,11 +347,6 @@ def _relative_error(got: Tensor, want: Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
-def _first_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [""])[0][:200]
-    return f"{type(e).__name__}: {text}"
-
-
 def _available_bytes(device: torch.device) -> int | None:
     """Free memory on ``device``: the CUDA driver's count, or MemAvailable on Linux."""
     if device.type == "cuda":
@@ -413,7 +409,7 @@ def check_path(
                 got = ((inputs.forward(fn, causal),) if mode == "forward"
                        else inputs.train(fn, causal))
         except Exception as e:  # whatever a backend, the compiler or the allocator raises
-            skipped[mode] = f"does not run here: {_first_line(e)}"
+            skipped[mode] = f"does not run here: {error_line(e)}"
             _free(device)
             continue
         error = max(_relative_error(g[0, 0], r) for g, r in zip(got, reference, strict=False))

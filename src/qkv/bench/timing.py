@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DTYPE_NAMES",
+    "error_line",
     "MEMORY_MODES",
     "Stats",
     "cpu_peak_bytes",
@@ -471,3 +472,10 @@ def hbars(
 
 if __name__ == "__main__":
     raise SystemExit(_child_main(sys.argv[1:]))
+
+
+def error_line(e: BaseException) -> str:
+    """``"Type: first line of the message"`` (at most 200 characters of it), for a case
+    a suite reports as failed or skipped rather than raising."""
+    text = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

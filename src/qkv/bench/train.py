@@ -35,13 +35,13 @@ built) as skipped.
 
 MFU. ``model FLOP/s = GPTConfig.training_flops_per_token(T) x tokens/s`` (6 N + 12 L T d
 per token: the model's matrix products, forward and backward), divided by the matmul
-rate of the case's dtype (:func:`qkv.training.speed.matmul_rate`: one square ``torch.mm``
-on this device), measured before and after the cases; the faster of the two is used, as
-the least disturbed. The same ceiling serves every case of a dtype, so that MFU and
-tokens/s rank the cases of one dtype alike. It is a measured rate, not a peak: on a CPU
-without bfloat16 matrix instructions ``torch.mm`` of two row-major bfloat16 matrices is
-slower than some of the products a training step runs (``x @ W.T``), and bfloat16 MFU
-can read above 100 %; compare the model FLOP/s across dtypes instead.
+rate of the case's dtype (:func:`qkv.training.speed.matmul_rate`: the faster of a
+square ``a @ b`` and ``a @ b.T`` on this device), measured before and after the cases;
+the faster of the two is used, as the least disturbed. The same ceiling serves every
+case of a dtype, so that MFU and tokens/s rank the cases of one dtype alike. It is a
+measured rate, not a peak: on a CPU without bfloat16 matrix instructions the two layouts
+run at very different speeds (1.3 and 19 GFLOP/s here) and a training step uses both,
+so compare the model FLOP/s across dtypes too.
 """
 
 from __future__ import annotations
@@ -64,10 +64,11 @@ from ..multihead import MultiHeadAttention
 from ..tasks.lm import lm_loss, param_groups
 from ..tasks.pipeline import check_training_memory
 from ..training import InsufficientMemoryError, TrainConfig, Trainer, seed_everything
-from ..training.speed import matmul_rate
+from ..training.speed import matmul_rate, model_flops_utilisation
 from ..utils.figures import new_figure, save_figure
 from .timing import (
     Stats,
+    error_line,
     format_number,
     hbars,
     machine_info,
@@ -355,23 +356,6 @@ class TrainBenchConfig:
 # Arithmetic
 
 
-def model_flops_utilisation(flops_per_token: float, tokens_per_sec: float,
-                            ceiling_flops_per_sec: float) -> float:
-    """MFU as a fraction: ``flops_per_token x tokens_per_sec / ceiling``.
-
-    E.g. 0.76 GFLOP per token (GPT-2 small at 128 tokens) at 80 tokens/s is 61 GFLOP/s
-    of model work: 0.34 of a 180 GFLOP/s matmul rate.
-    """
-    if not ceiling_flops_per_sec > 0:
-        raise ValueError(f"the matmul rate must be > 0 FLOP/s, got {ceiling_flops_per_sec}")
-    return flops_per_token * tokens_per_sec / ceiling_flops_per_sec
-
-
-def _first_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [""])[0][:200]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
 def _summary(samples: Sequence[float]) -> dict[str, Any]:
     return Stats(tuple(samples)).to_dict()
 
@@ -497,7 +481,7 @@ def run_case(plan: PresetPlan, option: OptionSet, config: TrainBenchConfig,
     try:
         history, stopped = _train(plan, option, config, device, batches)
     except Exception as e:  # the compiler, a backend, the allocator: the sweep goes on
-        return {**entry, "status": "failed", "reason": _first_line(e)}
+        return {**entry, "status": "failed", "reason": error_line(e)}
     finally:
         _release(device)
     w = config.warmup

@@ -92,7 +92,7 @@ from .distributed import (
     scatter_optimizer_state,
 )
 from .schedule import LRSchedule
-from .speed import matmul_rate
+from .speed import matmul_rate, model_flops_utilisation
 
 __all__ = [
     "BEST_DIR",
@@ -103,6 +103,7 @@ __all__ = [
     "Trainer",
     "TrainingDivergedError",
     "default_optimizer",
+    "can_fuse_optimizer",
     "seed_everything",
     "epoch_seed",
 ]
@@ -253,16 +254,23 @@ def _cpu_copy(obj: Any) -> Any:
     return obj
 
 
+def can_fuse_optimizer(params: Iterable[Tensor]) -> bool:
+    """Whether PyTorch's fused Adam/AdamW step (one kernel for every tensor) takes these
+    parameters: floating point, plain tensors (not FSDP's sharded ``DTensor``), on the
+    CPU or CUDA. Pass the result as ``fused=... or None``."""
+    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda")
+               and not hasattr(p, "to_local") for p in params)
+
+
 def default_optimizer(model: nn.Module, lr: float, device: torch.device) -> torch.optim.Adam:
-    """``Adam(model.parameters(), lr)``, fused into one kernel where PyTorch has one.
+    """``Adam(model.parameters(), lr)``, fused into one kernel where PyTorch has one
+    (:func:`can_fuse_optimizer`; ``device`` is where the model was moved to).
 
     Same algorithm, same state dict; the fused update replaces about ten operations per
     parameter tensor, which at the translator's size (the Bahdanau model's 23 small
     tensors) makes the optimizer step about 4x faster on the CPU.
     """
-    fused = device.type in ("cpu", "cuda") and all(
-        p.is_floating_point() for p in model.parameters()
-    )
+    fused = device.type in ("cpu", "cuda") and can_fuse_optimizer(model.parameters())
     return torch.optim.Adam(model.parameters(), lr=lr, fused=fused or None)
 
 
@@ -474,7 +482,8 @@ class Trainer:
 
     def _mfu(self, tokens_per_sec: float) -> float:
         assert self.config.flops_per_token is not None and self._ceiling is not None
-        return tokens_per_sec * self.config.flops_per_token / self._ceiling
+        return model_flops_utilisation(self.config.flops_per_token, tokens_per_sec,
+                                       self._ceiling)
 
     def _keep_last_completed_epoch(self, rescue: dict[str, Any], stop: BaseException) -> None:
         """Roll back to ``rescue`` (the end of the last completed epoch) and save it,
