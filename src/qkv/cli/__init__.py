@@ -6,11 +6,12 @@ by calling the library. This file wires them together and makes every failure
 one line on stderr (a traceback only with ``--debug``):
 
 - bad input (``ValueError``, ``OSError``): exit status 2;
-- a training run that stopped early (Ctrl-C, SIGTERM, a diverging loss) has
-  already reported what is on disk: 130, 143 or 1;
+- a training run that stopped early (Ctrl-C, SIGTERM, SIGHUP, a diverging loss) has
+  already reported what is on disk: 130, 143, 129 or 1;
 - anything else, a bug or the machine running out of memory: 1.
 
-SIGTERM, which schedulers and ``kill`` send, is handled like Ctrl-C. A closed
+SIGTERM, which schedulers and ``kill`` send, and SIGHUP, which a closed terminal
+sends, are handled like Ctrl-C (exit status 143 and 129). A closed
 stdout or stderr (``qkv ... | head -1``) stops the output, never the work.
 """
 
@@ -28,6 +29,11 @@ from typing import Any, TextIO
 from .. import __version__
 from . import bench, lm, translate, view, walkthrough
 from .runs import RunStoppedError, Terminated
+
+# The signals that stop a command as Ctrl-C does (a checkpoint of the last completed
+# epoch is kept): what schedulers and ``kill`` send, and a closed terminal.
+TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP")
+                    if hasattr(signal, name))
 
 # Sub-command modules, in the order ``qkv --help`` lists them.
 COMMANDS = [translate, lm, view, bench, walkthrough]
@@ -104,17 +110,19 @@ def _terminate(signum: int, _frame: object) -> None:
 
 @contextlib.contextmanager
 def _guarded_process() -> Iterator[_OutputGuard]:
-    """SIGTERM raises :class:`Terminated`; stdout and stderr survive a closed pipe."""
+    """SIGTERM and SIGHUP raise :class:`Terminated`; stdout and stderr survive a closed
+    pipe."""
     out, err = _OutputGuard(sys.stdout), _OutputGuard(sys.stderr)
     previous_streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = out, err  # type: ignore[assignment]
     main_thread = threading.current_thread() is threading.main_thread()
-    previous_term = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    previous = {signum: signal.signal(signum, _terminate)
+                for signum in TERMINATING if main_thread}
     try:
         yield out
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous_term)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         with contextlib.suppress(Exception):
             out.flush()
             err.flush()
@@ -143,7 +151,7 @@ def _run(args: argparse.Namespace) -> int:
         return stopped.code
     except KeyboardInterrupt as stop:
         print(f"{where}: interrupted", file=sys.stderr)
-        return 143 if isinstance(stop, Terminated) else 130
+        return stop.exit_code if isinstance(stop, Terminated) else 130
     except (UsageError, ValueError, OSError) as e:
         if args.debug:
             raise

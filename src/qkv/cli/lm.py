@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..training import DECAYS, DTYPES, STRATEGIES
-from .runs import check_resume_flags, given_settings, reporting_stops
+from .runs import add_save_every, check_resume_flags, given_settings, reporting_stops
 
 # LMSettings field -> the argparse destination of its flag.
 SETTINGS_FLAGS = {
@@ -104,6 +104,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="start a new run in a --run-dir that holds a checkpoint (kept "
                             "until the new run saves)")
     train.add_argument("--no-progress", action="store_true")
+    add_save_every(train)
     train.add_argument("--sample", default="The ",
                        help="prompt for a sample printed after training ('' to skip)")
     train.set_defaults(run=run_train)
@@ -165,7 +166,8 @@ def run_train(args: argparse.Namespace) -> int:
     # Also around the report: a Ctrl-C while it runs still says what is on disk.
     with reporting_stops("lm", args.run_dir, args):
         lm, _ = train_language_model(settings, args.run_dir, resume=args.resume,
-                                     overwrite=args.overwrite, progress=not args.no_progress)
+                                     overwrite=args.overwrite, progress=not args.no_progress,
+                                     save_every=args.save_every)
         # Under torchrun, rank 0 reports; the other ranks' work ended with training.
         if is_main_process():
             print(f"checkpoint: {args.run_dir}  (loss curve: {args.run_dir / 'loss.png'})")

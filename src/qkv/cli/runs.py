@@ -6,7 +6,7 @@ an honest report when a run stops early.
   takes the run's saved settings and refuses a flag that would change one of them
   (except the total ``--epochs``, ``--lr``, ``--device``, ``--bpe-dir``,
   ``--backend``, ``--dtype`` and ``--compile``, which a resume may set).
-- When a run stops (Ctrl-C, SIGTERM, a diverging loss) the message says what the run
+- When a run stops (Ctrl-C, SIGTERM, SIGHUP, a diverging loss) the message says what the run
   directory holds, read back from disk, and the exact command that continues it.
 """
 
@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -23,7 +24,9 @@ from typing import Any
 
 from ..training import (
     RESUMABLE,
+    SAVE_EVERY_MINUTES,
     TrainingDivergedError,
+    check_save_every,
     checkpoint_progress,
     describe_run_dir,
     is_main_process,
@@ -34,7 +37,17 @@ from ..training.lock import busy_error, running_holder
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (what schedulers and ``kill`` send), handled like Ctrl-C."""
+    """SIGTERM (what schedulers and ``kill`` send) or SIGHUP (a closed terminal, a lost
+    SSH session), handled like Ctrl-C; ``Terminated("SIGHUP")`` names the signal."""
+
+    @property
+    def signal_name(self) -> str:
+        return str(self.args[0]) if self.args else "SIGTERM"
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number, as a shell reports a process it killed."""
+        return 128 + signal.Signals[self.signal_name].value
 
 
 class RunStoppedError(Exception):
@@ -43,6 +56,22 @@ class RunStoppedError(Exception):
     def __init__(self, code: int) -> None:
         super().__init__(code)
         self.code = code
+
+
+def add_save_every(parser: argparse.ArgumentParser) -> None:
+    """The ``--save-every MINUTES`` flag of both training commands."""
+    def minutes(text: str) -> float:
+        try:
+            return check_save_every(float(text), "--save-every")
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parser.add_argument(
+        "--save-every", type=minutes, default=SAVE_EVERY_MINUTES, metavar="MINUTES",
+        help="save a checkpoint at the end of the first epoch that finishes this many "
+             f"minutes after the last save (default: {SAVE_EVERY_MINUTES:g}; 0: after every "
+             "epoch), so that a kill loses at most that much; a run expected to last more "
+             "than a few minutes also saves its first epoch, and the end is always saved")
 
 
 def given_settings(args: argparse.Namespace, flags: Mapping[str, str]) -> dict[str, Any]:
@@ -126,11 +155,11 @@ def reporting_stops(task: str, run_dir: Path, args: argparse.Namespace) -> Itera
         yield
     except (KeyboardInterrupt, TrainingDivergedError) as stop:
         interrupted = isinstance(stop, KeyboardInterrupt)
-        code = (143 if isinstance(stop, Terminated) else 130) if interrupted else 1
+        code = (stop.exit_code if isinstance(stop, Terminated) else 130) if interrupted else 1
         if not is_main_process():  # rank 0 reports for everyone
             raise RunStoppedError(code) from None
         if interrupted:
-            head = f"interrupted ({'SIGTERM' if isinstance(stop, Terminated) else 'Ctrl-C'})"
+            head = f"interrupted ({stop.signal_name if isinstance(stop, Terminated) else 'Ctrl-C'})"
             extra: dict[str, Any] = {}
         else:
             head = f"error: {stop}"

@@ -20,7 +20,7 @@ from ..data.translate import SPLIT_BY
 from ..functional import BACKENDS
 from ..tasks.translate import PRESET_NAMES, TranslateSettings, group_references
 from ..training import DECAYS, DTYPES
-from .runs import check_resume_flags, given_settings, reporting_stops
+from .runs import add_save_every, check_resume_flags, given_settings, reporting_stops
 
 # TranslateSettings field -> the argparse destination of its flag.
 SETTINGS_FLAGS = {name: name for name in (
@@ -134,6 +134,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                             "recipes, whose models are too small to gain from a second "
                             "thread; every core, up to 8, for the corpus recipe)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_save_every(train)
     train.add_argument("--trace", action="store_true",
                        help="log decoder tensor shapes per step and first-batch norms")
     train.set_defaults(run=run_train)
@@ -241,6 +242,7 @@ def run_train(args: argparse.Namespace) -> int:
         translator, _ = train_translator(
             settings, run_dir, resume=args.resume, overwrite=args.overwrite,
             progress=not args.no_progress, trace=print if args.trace else None,
+            save_every=args.save_every,
         )
         # Under torchrun, rank 0 reports; the other ranks' work ended with training.
         if is_main_process():

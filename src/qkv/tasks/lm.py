@@ -52,6 +52,7 @@ from ..training import (
     DTYPES,
     LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
+    SAVE_EVERY_MINUTES,
     STRATEGIES,
     TRAIN_BYTES_PER_PARAMETER,
     CheckpointError,
@@ -59,6 +60,7 @@ from ..training import (
     LRSchedule,
     can_fuse_optimizer,
     check_memory,
+    check_save_every,
     check_weights,
     checkpoint_progress,
     get_rank_and_world_size,
@@ -395,6 +397,7 @@ def train_language_model(
     overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    save_every: float = SAVE_EVERY_MINUTES,
 ) -> tuple[LanguageModel, dict[str, list]]:
     """Train (or, with ``resume``, continue) a GPT in ``run_dir``.
 
@@ -406,8 +409,11 @@ def train_language_model(
 
     Under ``torchrun --nproc_per_node=N`` every process runs this on its shard of the
     windows (``settings.batch_size`` per process); only rank 0 logs and saves.
+    ``save_every``: :attr:`qkv.training.TrainConfig.save_every`, the minutes between
+    periodic checkpoints.
     """
     run_dir = Path(run_dir)
+    check_save_every(save_every)
     with pipeline.training_run(run_dir, settings.device, resume=resume, overwrite=overwrite,
                                outputs=(LOSS_PLOT,), log=log) as log:
         saved, saved_tokenizer = None, None
@@ -515,6 +521,9 @@ def train_language_model(
             strategy=strategy, flops_per_token=cfg.training_flops_per_token(window),
             epoch_samples=None if settings.eval_every is None else
             settings.eval_every * settings.accumulate * batch * world_size,
+            # --eval-every promises a save at each evaluation, early stopping or not.
+            checkpoint_every=0 if settings.eval_every is None else 1,
+            save_every=save_every,
         )
         return LanguageModel(module, tokenizer, settings), history
 

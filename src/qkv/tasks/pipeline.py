@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 
 from ..checks import show
 from ..training import (
+    SAVE_EVERY_MINUTES,
     TRAIN_BYTES_PER_PARAMETER,
     CheckpointError,
     EarlyStopping,
@@ -244,6 +245,8 @@ def fit(
     strategy: str = "ddp",
     flops_per_token: float | None = None,
     epoch_samples: int | None = None,
+    checkpoint_every: int = 0,
+    save_every: float = SAVE_EVERY_MINUTES,
 ) -> tuple[nn.Module, dict[str, list]]:
     """Train ``model`` to ``settings.epochs``, checkpointing to ``run_dir``.
 
@@ -254,8 +257,9 @@ def fit(
     With ``resume`` the weights, optimizer, random state and history come from
     ``run_dir``'s checkpoint first. Returns the trained model, unwrapped from DDP, and
     the history (see :meth:`qkv.training.Trainer.fit`). ``schedule`` to ``flops_per_token`` are
-    :class:`qkv.training.TrainConfig`'s; with ``early_stopping`` the model returned holds
-    the best weights. ``epoch_samples`` (all processes together) makes each epoch that
+    :class:`qkv.training.TrainConfig`'s, and so are ``checkpoint_every`` and
+    ``save_every``; with ``early_stopping`` the model returned
+    holds the best weights. ``epoch_samples`` (all processes together) makes each epoch that
     many samples drawn at random, rather than ``train_set`` once (see
     :func:`qkv.training.make_loader`).
     """
@@ -268,7 +272,9 @@ def fit(
                     device=settings.device, seed=settings.seed, log_every=log_every,
                     progress=progress, schedule=schedule, early_stopping=early_stopping,
                     accumulate=accumulate, dtype=dtype, compile=compile,
-                    strategy=strategy, flops_per_token=flops_per_token),
+                    strategy=strategy, flops_per_token=flops_per_token,
+                    checkpoint_every=checkpoint_every,
+                    save_every=save_every),
         run_dir=run_dir,
         checkpoint_config={"task": task, "settings": dataclasses.asdict(settings), **sections},
         optimizer=optimizer,

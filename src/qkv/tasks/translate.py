@@ -88,10 +88,12 @@ from ..training import (
     DTYPES,
     LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
+    SAVE_EVERY_MINUTES,
     CheckpointError,
     EarlyStopping,
     LRSchedule,
     check_memory,
+    check_save_every,
     check_weights,
     is_checkpoint,
     is_main_process,
@@ -830,6 +832,7 @@ def train_translator(
     overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    save_every: float = SAVE_EVERY_MINUTES,
     trace: Callable[[str], None] | None = None,
 ) -> tuple[Translator, dict[str, list]]:
     """Train (or, with ``resume``, continue) a translator in ``run_dir``.
@@ -840,13 +843,16 @@ def train_translator(
     own) and ``settings.device`` are taken from the arguments. Without it, a
     ``run_dir`` that holds a checkpoint is refused unless ``overwrite`` (see
     :func:`qkv.training.open_run_dir`: one writer at a time, outputs checked writable
-    first). Returns the trained :class:`Translator` and the training history.
+    first). ``save_every``: :attr:`qkv.training.TrainConfig.save_every`, the minutes
+    between periodic checkpoints. Returns the trained :class:`Translator` and the
+    training history.
 
     Under ``torchrun --nproc_per_node=N`` every process runs this: each trains on its
     shard of the data (``settings.batch_size`` per process), only rank 0 logs, traces
     and saves, and every rank returns the same trained translator.
     """
     run_dir = Path(run_dir)
+    check_save_every(save_every)
     with pipeline.training_run(run_dir, settings.device, resume=resume, overwrite=overwrite,
                                outputs=(LOSS_PLOT, ATTENTION_PLOT), log=log) as log:
         saved, src_vocab, tgt_vocab = None, None, None
@@ -918,6 +924,7 @@ def train_translator(
             early_stopping=EarlyStopping("valid_loss", patience=settings.patience)
             if settings.patience and held_src else None,
             accumulate=settings.accumulate, dtype=settings.dtype, compile=settings.compile,
+            save_every=save_every,
         )
         model.trace = None
         translator.model = module.eval()

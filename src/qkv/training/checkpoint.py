@@ -46,6 +46,7 @@ recorded as aliases in the file's metadata (key ``qkv.aliases``), much like
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
@@ -73,6 +74,7 @@ from ..utils.fileio import (
     write_durable,
 )
 from ..utils.testing import pause_point
+from .limits import InsufficientDiskError, format_bytes, free_disk_space
 from .lock import run_dir_lock
 
 __all__ = [
@@ -86,6 +88,9 @@ __all__ = [
     "read_history",
     "is_checkpoint",
     "checkpoint_progress",
+    "checkpoint_files",
+    "describe_run_dir",
+    "check_room_to_save",
     "SafetensorsHeader",
     "read_weights_header",
     "check_weights",
@@ -417,22 +422,58 @@ def save_checkpoint(
         files[TRAINER_TENSORS] = _tensors_to_bytes(tensors)
         files[TRAINER_JSON] = _json_bytes(state, "trainer_state")
     manifest = _json_bytes(_manifest(files), "manifest")
+    needed = sum(len(data) for data in files.values()) + len(manifest)
+    epoch = trainer_state.get("epoch") if trainer_state is not None else None
+    what = "the checkpoint" + (f" after epoch {epoch}" if isinstance(epoch, int) else "")
 
     with run_dir_lock(run_dir), deferred_signals(_say_saving):
-        pause_point("save-begin")
         remove_stale_temp_files(run_dir)
         _finish_pending(run_dir)  # an earlier save that died after its commit
+        free = free_disk_space(run_dir)
+        if needed > free:
+            raise InsufficientDiskError(
+                f"cannot save {what} to {run_dir}: it needs {format_bytes(needed)} and "
+                f"{format_bytes(free)} is free there; {run_dir} still holds "
+                f"{describe_run_dir(run_dir)}; free some space and resume")
+        pause_point("save-begin")
         staging = run_dir / STAGING
         staging.mkdir()
-        for name, data in files.items():
-            write_durable(staging / name, data)
-        fsync_dir(staging)
-        pause_point("save-staged")
-        write_atomic(staging / MANIFEST, manifest)  # the commit point
+        try:
+            for name, data in files.items():
+                write_durable(staging / name, data)
+            fsync_dir(staging)
+            pause_point("save-staged")
+            write_atomic(staging / MANIFEST, manifest)  # the commit point
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # Uncommitted: the checkpoint in run_dir is the previous one, intact.
+            shutil.rmtree(staging, ignore_errors=True)
+            raise InsufficientDiskError(
+                f"the disk filled up while saving {what} to {run_dir} ({error.strerror}): "
+                f"it needs {format_bytes(needed)}, {format_bytes(free)} was free when the "
+                f"save began; the partial copy was removed and {run_dir} still holds "
+                f"{describe_run_dir(run_dir)}; free some space and resume") from None
         pause_point("save-committed")
         _finish_pending(run_dir)
         pause_point("save-done")
     return run_dir
+
+
+def check_room_to_save(run_dir: str | os.PathLike[str], checkpoint_bytes: int) -> None:
+    """Refuse, before training, a ``run_dir`` whose disk cannot take a checkpoint of
+    ``checkpoint_bytes`` and its staging copy (a save writes the new checkpoint beside
+    the old one and replaces it only when complete): :class:`InsufficientDiskError`,
+    one line with the numbers."""
+    run_dir = Path(run_dir)
+    copies = 1 if checkpoint_files(run_dir) else 2  # a checkpoint there is counted in use
+    needed, free = copies * checkpoint_bytes, free_disk_space(run_dir)
+    if needed > free:
+        room = "a checkpoint takes" if copies == 1 else "a checkpoint and its staging copy take"
+        raise InsufficientDiskError(
+            f"not enough disk space to train into {run_dir}: {room} about "
+            f"{format_bytes(needed)} and {format_bytes(free)} is free there; free some "
+            "space or choose another --run-dir")
 
 
 def _say_saving(signum: int) -> None:
@@ -710,6 +751,35 @@ def checkpoint_progress(run_dir: str | os.PathLike[str]) -> tuple[int, int | Non
     target = train_config.get("epochs") if isinstance(train_config, dict) else None
     valid_target = isinstance(target, int) and not isinstance(target, bool) and target >= 0
     return epoch, target if valid_target else None
+
+
+# Every name a save writes or replaces in a run directory.
+_SAVED_NAMES = (MANIFEST, MODEL, CONFIG, TRAINER_TENSORS, TRAINER_JSON, STAGING)
+
+
+def checkpoint_files(run_dir: str | os.PathLike[str]) -> list[str]:
+    """The names in ``run_dir`` that a checkpoint save would replace."""
+    run_dir = Path(run_dir)
+    return [name for name in _SAVED_NAMES
+            if os.path.lexists(run_dir / name)]
+
+
+def describe_run_dir(run_dir: str | os.PathLike[str]) -> str:
+    """What ``run_dir`` holds, read from disk, as a phrase for a message.
+
+    "no checkpoint", "the checkpoint after epoch 3 of 10", "a checkpoint without
+    trainer state" or "a checkpoint that does not load (why)".
+    """
+    if not checkpoint_files(run_dir):
+        return "no checkpoint"
+    try:
+        progress = checkpoint_progress(run_dir)
+    except CheckpointError as error:
+        return f"a checkpoint that does not load ({error})"
+    if progress is None:
+        return "a checkpoint without trainer state (it loads, but cannot be resumed)"
+    epoch, target = progress
+    return f"the checkpoint after epoch {epoch}" + ("" if target is None else f" of {target}")
 
 
 def is_checkpoint(run_dir: str | os.PathLike[str]) -> bool:

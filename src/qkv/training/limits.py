@@ -17,6 +17,7 @@ so a refusal is certain to be right, and a pass is no promise.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ __all__ = [
     "TRAIN_BYTES_PER_PARAMETER",
     "LOAD_BYTES_PER_PARAMETER",
     "InsufficientMemoryError",
+    "InsufficientDiskError",
+    "free_disk_space",
     "available_memory",
     "check_memory",
     "format_bytes",
@@ -48,6 +51,19 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 class InsufficientMemoryError(ValueError):
     """A model would not fit in the memory available: one line, with the numbers."""
+
+
+class InsufficientDiskError(OSError):
+    """A write would not fit on its disk: one line, with the path and the numbers."""
+
+
+def free_disk_space(path: str | os.PathLike[str]) -> int:
+    """Bytes an unprivileged writer can still put on the file system holding ``path``
+    (or, if it does not exist yet, its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def _meminfo_available() -> int | None:

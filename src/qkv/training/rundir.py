@@ -10,8 +10,9 @@
 - **Writable before, not after, an hour of training.** The directory and every output
   file the run will write (plots) are checked up front.
 
-:func:`describe_run_dir` says what a directory holds, read back from disk, so that a
-message after an interruption or a failure states what is really there.
+:func:`qkv.training.checkpoint.describe_run_dir` says what a directory holds, read back
+from disk, so that a message after an interruption or a failure states what is really
+there.
 """
 
 from __future__ import annotations
@@ -24,23 +25,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..utils.fileio import check_writable
-from .checkpoint import (
-    CONFIG,
-    MANIFEST,
-    MODEL,
-    STAGING,
-    TRAINER_JSON,
-    TRAINER_TENSORS,
-    CheckpointError,
-    checkpoint_progress,
-)
+from .checkpoint import checkpoint_files, checkpoint_progress, describe_run_dir
 from .distributed import is_main_process
 from .lock import run_dir_lock
 
 __all__ = [
     "open_run_dir",
-    "describe_run_dir",
-    "checkpoint_files",
     "check_resume_target",
     "RESUMABLE",
     "resumed_settings",
@@ -54,35 +44,6 @@ RESUMABLE = frozenset({"epochs", "lr", "device", "bpe_dir", "backend", "dtype", 
                        "strategy"})
 
 Settings = TypeVar("Settings")
-
-# Every name a save writes or replaces in a run directory.
-_SAVED_NAMES = (MANIFEST, MODEL, CONFIG, TRAINER_TENSORS, TRAINER_JSON, STAGING)
-
-
-def checkpoint_files(run_dir: str | os.PathLike[str]) -> list[str]:
-    """The names in ``run_dir`` that a checkpoint save would replace."""
-    run_dir = Path(run_dir)
-    return [name for name in _SAVED_NAMES
-            if os.path.lexists(run_dir / name)]
-
-
-def describe_run_dir(run_dir: str | os.PathLike[str]) -> str:
-    """What ``run_dir`` holds, read from disk, as a phrase for a message.
-
-    "no checkpoint", "the checkpoint after epoch 3 of 10", "a checkpoint without
-    trainer state" or "a checkpoint that does not load (why)".
-    """
-    if not checkpoint_files(run_dir):
-        return "no checkpoint"
-    try:
-        progress = checkpoint_progress(run_dir)
-    except CheckpointError as error:
-        return f"a checkpoint that does not load ({error})"
-    if progress is None:
-        return "a checkpoint without trainer state (it loads, but cannot be resumed)"
-    epoch, target = progress
-    return f"the checkpoint after epoch {epoch}" + ("" if target is None else f" of {target}")
-
 
 @contextlib.contextmanager
 def open_run_dir(

@@ -75,6 +75,7 @@ from ..utils.testing import pause_point
 from .checkpoint import (
     CheckpointError,
     capture_rng_state,
+    check_room_to_save,
     load_trainer_state,
     load_weights,
     restore_rng_state,
@@ -97,6 +98,8 @@ from .speed import matmul_rate, model_flops_utilisation
 __all__ = [
     "BEST_DIR",
     "LOSS_PLOT",
+    "SAVE_EVERY_MINUTES",
+    "check_save_every",
     "plot_progress",
     "EarlyStopping",
     "TrainConfig",
@@ -120,6 +123,13 @@ BEST_DIR = "best"
 DTYPES = ("float32", "bfloat16")
 # Seconds between progress-bar refreshes; each refresh reads the loss from the device.
 _PROGRESS_INTERVAL = 0.5
+# The clock behind periodic checkpoints. A SIGKILL, the OOM killer or a power cut
+# loses at most SAVE_EVERY_MINUTES of training by default; and a run expected to last
+# longer than FIRST_SAVE_SECONDS saves its first epoch whatever the interval, so that
+# a kill early in a long run does not lose it all.
+SAVE_EVERY_MINUTES = 10.0
+MAX_SAVE_EVERY_MINUTES = 10.0**6
+FIRST_SAVE_SECONDS = 180.0
 
 
 @dataclass(frozen=True)
@@ -168,7 +178,12 @@ class TrainConfig:
             ``"cuda:N"``. Under ``torchrun`` each process takes ``cuda:LOCAL_RANK``.
         seed: seeds each epoch's shuffle generator (see :func:`epoch_seed`).
         log_every: log a line every this many epochs (and after the last); 0: never.
-        checkpoint_every: save every this many epochs; 0: only at the end (and on Ctrl-C).
+        checkpoint_every: save every this many epochs; 0: by the clock only (see
+            ``save_every``), at the end and on Ctrl-C.
+        save_every: minutes; save at the end of the first epoch that finishes at least
+            this long after the last save (or the start of :meth:`fit`); 0: after every
+            epoch. A run expected to last more than :data:`FIRST_SAVE_SECONDS` also
+            saves after the first epoch it trains. The end of the run is always saved.
         progress: show a tqdm progress bar on stderr.
         schedule: the learning rate of step ``s`` is ``lr * schedule.factor(s)``; None:
             ``lr`` throughout. A ``total_steps`` of None becomes epochs x batches.
@@ -196,6 +211,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     checkpoint_every: int = 0
+    save_every: float = SAVE_EVERY_MINUTES
     progress: bool = True
     schedule: LRSchedule | None = None
     early_stopping: EarlyStopping | None = None
@@ -219,6 +235,14 @@ class TrainConfig:
             check_float("clip_norm", self.clip_norm, 0.0, lo_open=True)
         if self.log_every < 0 or self.checkpoint_every < 0:
             raise ValueError("log_every and checkpoint_every must be >= 0")
+        check_save_every(self.save_every)
+
+
+def check_save_every(minutes: float, name: str = "save_every") -> float:
+    """``minutes`` if it is a valid :attr:`TrainConfig.save_every`, else a one-line
+    ``ValueError`` naming ``name`` and the range."""
+    check_float(name, minutes, 0.0, MAX_SAVE_EVERY_MINUTES)
+    return minutes
 
 
 def seed_everything(seed: int) -> None:
@@ -376,6 +400,7 @@ class Trainer:
         self._best_weights: dict[str, Any] | None = None
         self.stopped_early = False
         self._ceiling: float | None = None  # FLOP/s of all ranks' matmuls, for MFU
+        self._last_save = time.monotonic()  # the clock of periodic saves
 
     @property
     def is_main_process(self) -> bool:
@@ -420,6 +445,10 @@ class Trainer:
         rescue = self._capture() if self._can_save and not self._fsdp else None
         if cfg.flops_per_token is not None and self._ceiling is None:
             self._ceiling = self._measure_ceiling()
+        first = self.epoch + 1  # the first epoch this call trains
+        self._last_save = time.monotonic()
+        if self._can_save:
+            check_room_to_save(self.run_dir, self._checkpoint_bytes())
         try:
             pause_point("train-start")
             stop = self._patience_spent()
@@ -440,10 +469,8 @@ class Trainer:
                 if rescue is not None:
                     rescue = self._capture()
                 pause_point("epoch-end")
-                periodic = self._fsdp or (
-                    cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0)
-                if periodic and not last:  # the last one is saved below
-                    self._save_and_wait()
+                if not last and self._save_due(first=self.epoch == first):
+                    self._save_and_wait()  # the last one is saved below
         except (KeyboardInterrupt, TrainingDivergedError) as stop:
             bar.close()
             if rescue is not None:
@@ -494,6 +521,44 @@ class Trainer:
         why = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped"
         self.log(f"{why}: saving the state after epoch {self.epoch} to {self.run_dir}")
         self.save()
+
+    def _save_due(self, first: bool) -> bool:
+        """Whether the epoch that just ended is saved before training goes on: every
+        epoch under FSDP (Ctrl-C keeps the last save there), every
+        ``checkpoint_every`` epochs, and by the clock (``save_every``; a long run's first
+        epoch). Under DDP rank 0's clock decides for every rank, which then all wait
+        for its save."""
+        cfg = self.config
+        if self._fsdp or (cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0):
+            return True
+        if self.run_dir is None:
+            return False
+        elapsed = time.monotonic() - self._last_save
+        # After the first epoch, elapsed is its time, and this call's whole run is about
+        # that many times the epochs it trains.
+        expected = elapsed * (cfg.epochs - self.epoch + 1)
+        due = [elapsed >= 60 * cfg.save_every or (first and expected > FIRST_SAVE_SECONDS)]
+        if self.world_size > 1:
+            dist.broadcast_object_list(due, src=0)
+        return bool(due[0])
+
+    def _checkpoint_bytes(self) -> int:
+        """About how many bytes a checkpoint of this run takes: the weights, the
+        optimizer state (two moments per parameter for Adam-like optimizers when none
+        exists yet) and the trainer's state, plus a best copy of the weights under early
+        stopping. For the disk-space checks, made before anything is written."""
+        weights = sum(t.numel() * t.element_size() for t in self._module.state_dict().values())
+        held = [t for s in self.optimizer.state.values() for t in s.values()
+                if isinstance(t, Tensor)]
+        if held:
+            optimizer = sum(t.numel() * t.element_size() for t in held)
+        else:
+            moments = 2 if "betas" in self.optimizer.defaults else int(
+                bool(self.optimizer.defaults.get("momentum")))
+            optimizer = moments * sum(p.numel() * p.element_size()
+                                      for p in self._module.parameters() if p.requires_grad)
+        best = weights if self.config.early_stopping is not None else 0
+        return weights + optimizer + best + (1 << 18)  # JSON, RNG states, the loss plot
 
     def _save_and_wait(self) -> None:
         """Save on rank 0 (with a ``run_dir``); every rank then waits for the save."""
@@ -817,9 +882,14 @@ class Trainer:
             return
         save_checkpoint(self.run_dir, weights, self.checkpoint_config,
                         optimizer=optimizer, trainer_state=self.trainer_state())
+        self._last_save = time.monotonic()
         self.saved_epoch = self.epoch
         if self.history["loss"]:
-            plot_history(self.history, self.run_dir / LOSS_PLOT)
+            try:
+                plot_history(self.history, self.run_dir / LOSS_PLOT)
+            except OSError as error:  # a picture of the run; the checkpoint is what counts
+                self.log(f"note: could not draw {self.run_dir / LOSS_PLOT} "
+                         f"({error.strerror or error}); the checkpoint is saved")
 
     def resume(self) -> None:
         """Restore model, optimizer, RNGs, epoch and history from ``run_dir``.

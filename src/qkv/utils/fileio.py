@@ -110,14 +110,16 @@ def remove_stale_temp_files(directory: str | os.PathLike[str]) -> list[Path]:
 
 
 # Signals whose default effect would cut a multi-file write short.
-_DEFERRED = tuple(s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None)) if s is not None)
+_DEFERRED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                  if hasattr(signal, name))
 
 
 @contextlib.contextmanager
 def deferred_signals(
     on_deferred: Callable[[int], None] | None = None,
 ) -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back until the ``with`` block ends, then deliver them.
+    """Hold SIGINT, SIGTERM and SIGHUP back until the ``with`` block ends, then deliver
+    them.
 
     For a write that must not stop halfway (a checkpoint of several files): a Ctrl-C
     during the block waits for it; each signal that arrived is then re-raised once, in
