@@ -343,7 +343,7 @@ def test_no_native_reaches_the_generate_config(tmp_path, monkeypatch):
         assert seen[-1].native is native and seen[-1].preset == "tiny"
 
 
-@pytest.mark.parametrize("suite", ["data", "generate", "translate"])
+@pytest.mark.parametrize("suite", ["data", "generate", "translate", "save"])
 def test_cli_runs_each_quick_suite(suite, tmp_path, capsys):
     args = parse(["bench", suite, "--quick", "--repeats", "1", "--warmup", "0",
                   "--memory", "in-process", "--device", "cpu", "--out", str(tmp_path)])
@@ -375,3 +375,17 @@ def test_cli_rejects_bad_numbers(tmp_path):
     args = parse(["bench", "translate", "--dtype", "bfloat16", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="float32"):
         args.run(args)
+
+
+def test_save_suite_measures_the_whole_checkpoint(tmp_path):
+    from qkv.bench.save import SaveBenchConfig, run_save
+    from qkv.models.gpt import GPTConfig
+
+    report = run_save(SaveBenchConfig.quick(repeats=1), tmp_path, log=lambda line: None)
+    tiny = report["results"]["tiny"]
+    # float32 weights and AdamW's two moments: 12 bytes a parameter, and a little more.
+    params = GPTConfig.preset("tiny", context_length=8).num_parameters()
+    assert tiny["parameters"] == params
+    assert 12 * params <= tiny["bytes"] < 12 * params + (1 << 20)
+    assert tiny["cost_fraction"] == pytest.approx(tiny["seconds"]["median"] / 600)
+    assert not (tmp_path / "save-bench-runs").exists()  # the checkpoints are removed

@@ -753,3 +753,35 @@ def test_diverged_history_and_scheduler_keys_still_load(tmp_path):
     state = load_trainer_state(tmp_path, fresh)
     assert state["history"]["loss"][0] != state["history"]["loss"][0]
     assert fresh.param_groups[0]["initial_lr"] == 0.01
+
+
+def test_weights_written_from_tensor_memory_are_what_safetensors_reads(tmp_path):
+    """The model file is laid out by qkv (no in-memory copy of the weights); the
+    safetensors library itself must read back every dtype and shape exactly."""
+    import safetensors.torch
+
+    from qkv.training import save_checkpoint
+
+    torch.manual_seed(0)
+    base = torch.randn(6, 4)
+    tensors = {
+        "f32": base, "f64": torch.randn(3, dtype=torch.float64),
+        "bf16": torch.randn(5, 3).to(torch.bfloat16), "f16": torch.randn(7).half(),
+        "i64": torch.arange(-4, 5), "i32": torch.arange(9, dtype=torch.int32).view(3, 3),
+        "u8": torch.arange(250, 256, dtype=torch.uint8), "bool": torch.tensor([True, False]),
+        "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4),
+        "transposed": base.t(),  # shares base's storage: stored as a copy
+        "tied": base,  # the same tensor: stored once, an alias
+    }
+    save_checkpoint(tmp_path, tensors, {"task": "test"})
+    read = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    assert set(read) == set(tensors) - {"tied"}
+    for name, value in read.items():
+        assert value.dtype == tensors[name].dtype and torch.equal(value, tensors[name]), name
+    # qkv's own loader resolves the alias and checks the manifest's digest.
+    model = nn.Module()
+    for name, value in tensors.items():
+        model.register_buffer(name, torch.zeros_like(value))
+    load_weights(tmp_path, model)
+    for name, value in tensors.items():
+        assert torch.equal(getattr(model, name), value), name

@@ -9,6 +9,7 @@
     qkv bench flops                    # attention TFLOP/s at 8,192 tokens vs the matmul rate
     qkv bench train                    # GPT training tokens/s and MFU, with and without
                                        # bfloat16, torch.compile, eager attention
+    qkv bench save                     # what a periodic checkpoint costs a training run
     qkv bench all --quick              # every suite on small shapes, in under two minutes
 
 Each suite prints markdown tables (medians, min-max, ratios, targets) and writes
@@ -25,7 +26,7 @@ import torch
 
 from ..utils.fileio import check_writable
 
-SUITES = ("attention", "generate", "translate", "data", "flops", "train")
+SUITES = ("attention", "generate", "translate", "data", "flops", "train", "save")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -103,6 +104,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "train": "GPT presets trained through qkv's Trainer: tokens/s and % of the measured "
                  "matmul rate (MFU), with and without bfloat16, torch.compile and eager "
                  "attention",
+        "save": "Trainer.save of GPT presets with AdamW state: seconds, MiB/s and the share "
+                "of training a periodic checkpoint costs",
         "all": "every suite, one after the other",
     }
     extra_flags = {"attention": [sweep_flag, compile_flag], "all": [sweep_flag, compile_flag],
@@ -185,6 +188,13 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 kwargs[flag] = tuple(value) if isinstance(value, list) else value
         config = TrainBenchConfig.quick(**kwargs) if args.quick else TrainBenchConfig(**kwargs)
         return run_train(config, args.out)
+    if name == "save":
+        from ..bench.save import SaveBenchConfig, run_save
+
+        # The CPU's copy of the state is what is written, whatever --device says.
+        kwargs = _overrides(args, warmup=False)
+        config = SaveBenchConfig.quick(**kwargs) if args.quick else SaveBenchConfig(**kwargs)
+        return run_save(config, args.out)
     from ..bench.data import DataBenchConfig, run_data
 
     # Building a dataset is CPU work whatever --device says; there is no warm-up either:

@@ -150,31 +150,72 @@ def _fail(path: Path | str, problem: str) -> CheckpointError:
 # Tensors <-> bytes
 
 
-def _tensors_to_bytes(tensors: Mapping[str, Tensor]) -> bytes:
-    """safetensors bytes; exact duplicates become aliases, overlapping views copies."""
-    stored: dict[str, Tensor] = {}
-    aliases: dict[str, str] = {}
-    first_name: dict[tuple, str] = {}
-    storages: set[tuple] = set()
-    for name, tensor in tensors.items():
-        tensor = tensor.detach()
-        storage = (tensor.device, tensor.untyped_storage().data_ptr())
-        identity = (*storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
-                    tensor.dtype)
-        if tensor.numel() > 0 and identity in first_name:
-            aliases[name] = first_name[identity]
-            continue
-        first_name[identity] = name
-        shared = tensor.numel() > 0 and storage in storages
-        storages.add(storage)
-        # Dedupe on the original tensors: moving to the CPU first would copy each tied
-        # name separately and hide the sharing.
-        tensor = tensor.to("cpu").contiguous()
-        stored[name] = tensor.clone() if shared else tensor
-    metadata = {"format": "pt"}
-    if aliases:
-        metadata[_ALIAS_KEY] = json.dumps(aliases, sort_keys=True)
-    return safetensors.torch.save(stored, metadata=metadata)
+# torch dtype -> the safetensors name of its element type.
+_DTYPE_NAMES = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
+    torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32",
+    torch.int64: "I64", torch.float64: "F64", torch.uint16: "U16", torch.uint32: "U32",
+    torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class _TensorFile:
+    """A safetensors file, laid out but not yet written: its header and its tensors'
+    bytes as views of the tensors themselves (CPU copies of others), so that writing
+    it copies nothing in memory. Exact duplicates (tied weights) become aliases in
+    qkv's metadata; other tensors that share storage are copied apart.
+
+    The format: an 8-byte little-endian header length, a JSON header (padded with spaces
+    to a multiple of 8 bytes) of ``{name: {dtype, shape, data_offsets}}`` and
+    ``__metadata__``, then the tensors' bytes back to back, widest elements first.
+    """
+
+    def __init__(self, tensors: Mapping[str, Tensor]) -> None:
+        stored: dict[str, Tensor] = {}
+        aliases: dict[str, str] = {}
+        first_name: dict[tuple, str] = {}
+        storages: set[tuple] = set()
+        for name, tensor in tensors.items():
+            tensor = tensor.detach()
+            if tensor.dtype not in _DTYPE_NAMES:
+                raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors "
+                                f"cannot store")
+            storage = (tensor.device, tensor.untyped_storage().data_ptr())
+            identity = (*storage, tensor.storage_offset(), tuple(tensor.shape),
+                        tensor.stride(), tensor.dtype)
+            if tensor.numel() > 0 and identity in first_name:
+                aliases[name] = first_name[identity]
+                continue
+            first_name[identity] = name
+            shared = tensor.numel() > 0 and storage in storages
+            storages.add(storage)
+            # Dedupe on the original tensors: moving to the CPU first would copy each tied
+            # name separately and hide the sharing.
+            tensor = tensor.to("cpu").contiguous()
+            stored[name] = tensor.clone() if shared else tensor
+        metadata = {"format": "pt"}
+        if aliases:
+            metadata[_ALIAS_KEY] = json.dumps(aliases, sort_keys=True)
+        header: dict[str, Any] = {"__metadata__": metadata}
+        self.chunks: list[memoryview] = []
+        offset = 0
+        for name in sorted(stored, key=lambda n: (-stored[n].element_size(), n)):
+            tensor = stored[name]
+            data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if \
+                tensor.numel() else memoryview(b"")
+            header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                            "data_offsets": [offset, offset + data.nbytes]}
+            self.chunks.append(data)
+            offset += data.nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        self.chunks.insert(0, memoryview(struct.pack("<Q", len(text)) + text))
+
+    def __len__(self) -> int:
+        return sum(chunk.nbytes for chunk in self.chunks)
+
+    def to_bytes(self) -> bytes:
+        return b"".join(self.chunks)
 
 
 def _looks_like_pickle(data: bytes) -> bool:
@@ -323,15 +364,14 @@ def _rng_from_json(obj: Any, tensors: Mapping[str, Tensor], path: Path) -> dict[
 # Saving
 
 
-def _manifest(files: Mapping[str, bytes]) -> dict[str, Any]:
-    return {
+def _manifest(files: Mapping[str, tuple[int, str]]) -> bytes:
+    """The manifest's bytes for ``{name: (size, sha256)}``."""
+    return _json_bytes({
         "format": FORMAT,
         "version": VERSION,
-        "files": {
-            name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-            for name, data in files.items()
-        },
-    }
+        "files": {name: {"bytes": size, "sha256": digest}
+                  for name, (size, digest) in files.items()},
+    }, "manifest")
 
 
 def _staging_dir(run_dir: Path) -> Path | None:
@@ -401,10 +441,11 @@ def save_checkpoint(
     not JSON-serialisable.
     """
     run_dir = Path(run_dir)
-    # Serialise everything in memory first, so a bad config fails before any write.
-    files = {
-        MODEL: _tensors_to_bytes(model.state_dict() if isinstance(model, nn.Module)
-                                  else model),
+    # Lay everything out first, so a bad config fails before any write. The JSON files
+    # are serialised; the tensors are written from their own memory (no copy of the
+    # weights is built) and hashed on the way.
+    files: dict[str, bytes | _TensorFile] = {
+        MODEL: _TensorFile(model.state_dict() if isinstance(model, nn.Module) else model),
         CONFIG: _json_bytes(dict(config), "config"),
     }
     if optimizer is not None or trainer_state is not None:
@@ -419,10 +460,9 @@ def save_checkpoint(
         }
         if trainer_state is not None and any(k.startswith("trainer_state") for k in tensors):
             raise TypeError("trainer_state must be JSON-serialisable (it holds a tensor)")
-        files[TRAINER_TENSORS] = _tensors_to_bytes(tensors)
+        files[TRAINER_TENSORS] = _TensorFile(tensors)
         files[TRAINER_JSON] = _json_bytes(state, "trainer_state")
-    manifest = _json_bytes(_manifest(files), "manifest")
-    needed = sum(len(data) for data in files.values()) + len(manifest)
+    needed = sum(len(data) for data in files.values()) + 4096  # and the manifest
     epoch = trainer_state.get("epoch") if trainer_state is not None else None
     what = "the checkpoint" + (f" after epoch {epoch}" if isinstance(epoch, int) else "")
 
@@ -439,10 +479,13 @@ def save_checkpoint(
         staging = run_dir / STAGING
         staging.mkdir()
         try:
-            for name, data in files.items():
-                write_durable(staging / name, data)
+            digests = {name: write_durable(staging / name, data if isinstance(data, bytes)
+                                           else data.chunks)
+                       for name, data in files.items()}
             fsync_dir(staging)
             pause_point("save-staged")
+            manifest = _manifest({name: (len(data), digests[name])
+                                  for name, data in files.items()})
             write_atomic(staging / MANIFEST, manifest)  # the commit point
         except OSError as error:
             if error.errno not in (errno.ENOSPC, errno.EDQUOT):

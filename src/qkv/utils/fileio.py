@@ -13,14 +13,18 @@ written at all.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import secrets
 import signal
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+
+# What a file write takes: bytes, or a view of them (a tensor's, a NumPy array's).
+Buffer = bytes | bytearray | memoryview
 
 __all__ = [
     "write_atomic",
@@ -47,12 +51,18 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_durable(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it (not atomic by itself)."""
+def write_durable(path: str | os.PathLike[str], data: bytes | Iterable[Buffer]) -> str:
+    """Write ``data`` (bytes, or buffers written one after the other: views of large
+    tensors need no copy) to ``path`` and fsync it (not atomic by itself). Returns the
+    SHA-256 of what was written, hashed on the way rather than read back."""
+    digest = hashlib.sha256()
     with open(path, "wb") as f:
-        f.write(data)
+        for chunk in (data,) if isinstance(data, bytes) else data:
+            digest.update(chunk)
+            f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
+    return digest.hexdigest()
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
