@@ -12,6 +12,7 @@ written at all.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import os
@@ -54,14 +55,23 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 def write_durable(path: str | os.PathLike[str], data: bytes | Iterable[Buffer]) -> str:
     """Write ``data`` (bytes, or buffers written one after the other: views of large
     tensors need no copy) to ``path`` and fsync it (not atomic by itself). Returns the
-    SHA-256 of what was written, hashed on the way rather than read back."""
+    SHA-256 of what was written, hashed beside the write (another thread: hashlib and
+    file writes both release the GIL) rather than read back."""
+    chunks = [data] if isinstance(data, bytes) else list(data)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        digest = pool.submit(_sha256, chunks)
+        with open(path, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        return digest.result()
+
+
+def _sha256(chunks: Iterable[Buffer]) -> str:
     digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        for chunk in (data,) if isinstance(data, bytes) else data:
-            digest.update(chunk)
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
+    for chunk in chunks:
+        digest.update(chunk)
     return digest.hexdigest()
 
 
