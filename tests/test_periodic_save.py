@@ -64,12 +64,17 @@ def _trainer(run_dir: Path, clock: FakeClock, **config) -> Trainer:
     model = nn.Linear(3, 2)
     data = TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,)))
 
+    calls = 0
+
     def loss_fn(m, batch):
+        nonlocal calls
+        calls += 1
+        if calls % 2 == 0:  # the epoch's time passes during its last (second) batch
+            clock.tick()
         x, y = batch
         return nn.functional.cross_entropy(m(x), y, reduction="sum"), torch.tensor(len(y))
 
     def batches(generator):
-        clock.tick()  # the epoch's time passes while its batches are drawn
         return DataLoader(data, batch_size=4, shuffle=True, generator=generator)
 
     return Trainer(model, loss_fn, batches,
@@ -179,7 +184,7 @@ def _wait_paused(proc: subprocess.Popen, folder: Path, point: str) -> None:
 def test_sigkill_after_a_periodic_save_resumes_exactly(corpus, tmp_path, capsys):
     run_dir, folder = tmp_path / "run", tmp_path / "pause"
     args = [*TRAIN, "--data", str(corpus), "--epochs", "5", "--save-every", "0"]
-    # Killed while epoch 3 trains: the periodic save after epoch 2 is complete.
+    # KilledError while epoch 3 trains: the periodic save after epoch 2 is complete.
     proc = _start([*args, "--run-dir", str(run_dir)], pause="epoch-end@3", folder=folder)
     _wait_paused(proc, folder, "epoch-end")
     proc.kill()
@@ -324,3 +329,84 @@ def test_a_disk_that_fills_up_mid_save_leaves_no_staging_copy(small_disk, monkey
     resumed.resume()
     resumed.fit()
     assert checkpoint_progress(run_dir) == (2, 2)
+
+
+# ------------------------------------------------------------ saves inside a long epoch
+
+
+class KilledError(Exception):
+    """Stands in for SIGKILL: the process is gone, only the disk remains."""
+
+
+def _long_epoch_trainer(run_dir: Path, clock: FakeClock | None, kill_at: int | None = None
+                        ) -> Trainer:
+    """Dropout (so the RNG state matters) and 12 batches an epoch; each batch takes one
+    minute on ``clock``; a batch numbered ``kill_at`` (counting from 1) never returns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.Linear(16, 3))
+    data = TensorDataset(torch.randn(48, 6), torch.randint(0, 3, (48,)))
+    calls = 0
+
+    def loss_fn(m, batch):
+        nonlocal calls
+        calls += 1
+        if kill_at is not None and calls == kill_at:
+            raise KilledError
+        if clock is not None:
+            clock.tick()
+        x, y = batch
+        return nn.functional.cross_entropy(m(x), y, reduction="sum"), torch.tensor(len(y))
+
+    return Trainer(model, loss_fn,
+                   lambda g: DataLoader(data, batch_size=4, shuffle=True, generator=g),
+                   TrainConfig(epochs=3, device="cpu", progress=False, log_every=0,
+                               save_every=5.0),
+                   run_dir=run_dir)
+
+
+def test_a_long_epoch_is_saved_inside_and_resumed_exactly(tmp_path, monkeypatch):
+    straight = _long_epoch_trainer(tmp_path / "straight", None, None)
+    straight.fit()
+    clock = FakeClock(1.0)  # a minute a batch: a save every five batches
+    monkeypatch.setattr(trainer_module.time, "monotonic", clock)
+    saved = _saved_epochs(monkeypatch)
+    killed = _long_epoch_trainer(tmp_path / "run", clock, kill_at=19)  # 7th batch of epoch 2
+    with pytest.raises(KilledError):
+        killed.fit()
+    # Saves after batches 5 and 10 (epoch 0 completed), then the first epoch's end
+    # (its 12 minutes make the run's 36 > three), then batch 5 of epoch 2.
+    assert saved == [0, 0, 1, 1]
+    assert checkpoint_progress(tmp_path / "run") == (1, 3)
+    from qkv.training import describe_run_dir
+    assert describe_run_dir(tmp_path / "run") == \
+        "the checkpoint after epoch 1 of 3 and 5 steps into epoch 2"
+    monkeypatch.undo()
+    resumed = _long_epoch_trainer(tmp_path / "run", None)
+    resumed.resume()
+    resumed.fit()
+    for (name, a), b in zip(straight.module.state_dict().items(),
+                            resumed.module.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert resumed.history["loss"] == straight.history["loss"]
+    assert resumed.step == straight.step == 36
+
+
+def test_lm_killed_inside_an_epoch_resumes_to_the_bit(tmp_path, capsys):
+    text = tmp_path / "story.txt"
+    text.write_text("the cat sat on the mat and the dog sat on the log. " * 60)
+    args = ["lm", "train", "--text", str(text), "--preset", "tiny", "--context-length", "16",
+            "--batch-size", "4", "--epochs", "2", "--no-progress", "--dropout", "0.1"]
+    folder, run_dir = tmp_path / "pause", tmp_path / "run"
+    # A save after every step (the clock is always due); killed after the third.
+    proc = _start([*args, "--run-dir", str(run_dir), "--save-every", "1e-9"],
+                  pause="mid-epoch-save@3", folder=folder)
+    _wait_paused(proc, folder, "mid-epoch-save")
+    proc.kill()
+    proc.wait()
+    assert checkpoint_progress(run_dir) == (0, 2)
+    assert main(["lm", "train", "--run-dir", str(run_dir), "--resume", "--no-progress"]) == 0
+    assert main([*args, "--run-dir", str(tmp_path / "straight")]) == 0
+    a = load_file(run_dir / "model.safetensors")
+    b = load_file(tmp_path / "straight" / "model.safetensors")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

@@ -822,7 +822,12 @@ def describe_run_dir(run_dir: str | os.PathLike[str]) -> str:
     if progress is None:
         return "a checkpoint without trainer state (it loads, but cannot be resumed)"
     epoch, target = progress
-    return f"the checkpoint after epoch {epoch}" + ("" if target is None else f" of {target}")
+    text = f"the checkpoint after epoch {epoch}" + ("" if target is None else f" of {target}")
+    state = _Checkpoint(run_dir).read_json(TRAINER_JSON).get("trainer_state") or {}
+    partial = state.get("partial") if isinstance(state, dict) else None
+    if isinstance(partial, dict) and isinstance(partial.get("groups"), int):
+        text += f" and {partial['groups']} steps into epoch {epoch + 1}"
+    return text
 
 
 def is_checkpoint(run_dir: str | os.PathLike[str]) -> bool:

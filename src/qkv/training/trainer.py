@@ -181,9 +181,12 @@ class TrainConfig:
         checkpoint_every: save every this many epochs; 0: by the clock only (see
             ``save_every``), at the end and on Ctrl-C.
         save_every: minutes; save at the end of the first epoch that finishes at least
-            this long after the last save (or the start of :meth:`fit`); 0: after every
-            epoch. A run expected to last more than :data:`FIRST_SAVE_SECONDS` also
-            saves after the first epoch it trains. The end of the run is always saved.
+            this long after the last save (or the start of :meth:`fit`), and, in one
+            process, before the first step of an epoch that starts that long after it
+            (the checkpoint records the steps done, and :meth:`resume` goes on from
+            there exactly); 0: after every epoch. A run expected to last more than
+            :data:`FIRST_SAVE_SECONDS` also saves after the first epoch it trains. The
+            end of the run is always saved.
         progress: show a tqdm progress bar on stderr.
         schedule: the learning rate of step ``s`` is ``lr * schedule.factor(s)``; None:
             ``lr`` throughout. A ``total_steps`` of None becomes epochs x batches.
@@ -400,7 +403,9 @@ class Trainer:
         self._best_weights: dict[str, Any] | None = None
         self.stopped_early = False
         self._ceiling: float | None = None  # FLOP/s of all ranks' matmuls, for MFU
-        self._last_save = time.monotonic()  # the clock of periodic saves
+        self._last_save = self._fit_started = time.monotonic()  # the clock of periodic saves
+        # How far into the next epoch a checkpoint resumed from was saved (or None).
+        self._partial: dict[str, Any] | None = None
 
     @property
     def is_main_process(self) -> bool:
@@ -446,14 +451,15 @@ class Trainer:
         if cfg.flops_per_token is not None and self._ceiling is None:
             self._ceiling = self._measure_ceiling()
         first = self.epoch + 1  # the first epoch this call trains
-        self._last_save = time.monotonic()
+        self._last_save = self._fit_started = time.monotonic()
         if self._can_save:
             check_room_to_save(self.run_dir, self._checkpoint_bytes())
         try:
             pause_point("train-start")
             stop = self._patience_spent()
             while self.epoch < cfg.epochs and not stop:
-                started = time.perf_counter()
+                # An epoch resumed from a save inside it counts the time before the save.
+                started = time.perf_counter() - (self._partial or {}).get("seconds", 0.0)
                 record = self._train_epoch(self.epoch, bar)
                 if self.validate is not None:
                     record.update(self._run_validation())
@@ -533,11 +539,11 @@ class Trainer:
             return True
         if self.run_dir is None:
             return False
-        elapsed = time.monotonic() - self._last_save
-        # After the first epoch, elapsed is its time, and this call's whole run is about
-        # that many times the epochs it trains.
-        expected = elapsed * (cfg.epochs - self.epoch + 1)
-        due = [elapsed >= 60 * cfg.save_every or (first and expected > FIRST_SAVE_SECONDS)]
+        now = time.monotonic()
+        # After the first epoch, this call's whole run is about its time times the epochs.
+        expected = (now - self._fit_started) * (cfg.epochs - self.epoch + 1)
+        due = [now - self._last_save >= 60 * cfg.save_every
+               or (first and expected > FIRST_SAVE_SECONDS)]
         if self.world_size > 1:
             dist.broadcast_object_list(due, src=0)
         return bool(due[0])
@@ -593,8 +599,29 @@ class Trainer:
         # The first step whose loss was not finite, or -1; kept on the device and read
         # only every _PROGRESS_INTERVAL, so that checking costs no synchronisation.
         bad_step = torch.full((), -1, dtype=torch.int64, device=self.device)
-        last_refresh = last_check = start
-        for group in _groups(batches, cfg.accumulate):
+        # A checkpoint saved inside this epoch: its groups are skipped (the shuffle is a
+        # function of the epoch, so the rest comes in the same order) and its sums kept.
+        done, self._partial = (self._partial or {}), None
+        skip = done.get("groups", 0)
+        if done:
+            loss_total += done["loss_sum"]
+            token_total += done["tokens"]
+            start -= done["seconds"]
+        # Saves inside an epoch, on the clock, in one process (under torchrun every rank
+        # would have to agree at every step).
+        mid_epoch = self._can_save and self.world_size == 1 and cfg.save_every > 0
+        last_refresh = last_check = time.perf_counter()
+        for index, group in enumerate(_groups(batches, cfg.accumulate)):
+            if index < skip:
+                continue
+            # Before a step, not after: the epoch's end has a save rule of its own.
+            if mid_epoch and index > skip and \
+                    time.monotonic() - self._last_save >= 60 * cfg.save_every:
+                self._check_finite(epoch, bad_step, weights=True)  # never save a diverged state
+                self.save(partial={"epoch": epoch, "groups": index,
+                                   "loss_sum": loss_total.item(), "tokens": int(token_total.item()),
+                                   "seconds": time.perf_counter() - start})
+                pause_point("mid-epoch-save")
             self.optimizer.zero_grad(set_to_none=True)
             if len(group) == 1:
                 loss_sum, num_tokens = self._forward(group[0])
@@ -857,18 +884,24 @@ class Trainer:
             whole.load_state_dict(weights)
             self._gathered = whole.train(self._plain.training)
 
-    def trainer_state(self) -> dict[str, Any]:
-        """The JSON-able loop state saved with a checkpoint."""
-        return {
+    def trainer_state(self, partial: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The JSON-able loop state saved with a checkpoint; ``partial``: how far into
+        the next epoch it is (groups of micro-batches done, their loss sum, tokens and
+        seconds), for a save inside an epoch."""
+        state = {
             "epoch": self.epoch,
             "step": self.step,
             "history": self.history,
             "train_config": asdict(self.config),
             "best": self.best,
         }
+        if partial is not None:
+            state["partial"] = partial
+        return state
 
-    def save(self) -> None:
+    def save(self, partial: dict[str, Any] | None = None) -> None:
         """Checkpoint model, optimizer, RNGs and loop state to ``run_dir``; draw ``loss.png``.
+        ``partial``: the save is inside an epoch (see :meth:`trainer_state`).
 
         Writes nothing on ranks other than 0 (whose RNG state is the one saved); under
         FSDP every rank must call it, as it gathers the shards. Under DDP,
@@ -881,7 +914,7 @@ class Trainer:
         if not self.is_main_process:
             return
         save_checkpoint(self.run_dir, weights, self.checkpoint_config,
-                        optimizer=optimizer, trainer_state=self.trainer_state())
+                        optimizer=optimizer, trainer_state=self.trainer_state(partial))
         self._last_save = time.monotonic()
         self.saved_epoch = self.epoch
         if self.history["loss"]:
@@ -923,6 +956,7 @@ class Trainer:
             raise CheckpointError(f"{self.run_dir}: trainer state needs epoch, step and "
                                   "history") from None
         self.saved_epoch = self.epoch
+        self._partial = _saved_partial(state.get("partial"), self.epoch, self.run_dir)
         self.best = _saved_best(state.get("best"), self.run_dir)
         saved = state.get("train_config") or {}
         saved_lr = saved.get("lr")  # finite and > 0: load_trainer_state checked it
@@ -955,6 +989,21 @@ def _groups(batches: Iterable[Batch], size: int) -> Iterator[list[Batch]]:
             group = []
     if group:
         yield group
+
+
+def _saved_partial(partial: Any, epoch: int, run_dir: Path | None) -> dict[str, Any] | None:
+    """The ``partial`` record of a save inside epoch ``epoch + 1``, checked; None when the
+    save was at the end of an epoch."""
+    if partial is None:
+        return None
+    kinds = {"epoch": int, "groups": int, "loss_sum": float, "tokens": int, "seconds": float}
+    ok = isinstance(partial, dict) and set(partial) == set(kinds) and all(
+        isinstance(partial[k], t) and not isinstance(partial[k], bool) for k, t in kinds.items())
+    if not ok or partial["epoch"] != epoch or partial["groups"] < 1 or partial["tokens"] < 0 \
+            or partial["seconds"] < 0 or not math.isfinite(partial["loss_sum"]):
+        raise CheckpointError(f"{run_dir}: trainer state's 'partial' must describe the "
+                              f"steps done in epoch {epoch + 1}, got {partial!r:.120}")
+    return dict(partial)
 
 
 def _saved_best(best: Any, run_dir: Path | None) -> dict[str, Any] | None:
