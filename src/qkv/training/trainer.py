@@ -182,8 +182,8 @@ class TrainConfig:
             ``save_every``), at the end and on Ctrl-C.
         save_every: minutes; save at the end of the first epoch that finishes at least
             this long after the last save (or the start of :meth:`fit`), and, in one
-            process, before the first step of an epoch that starts that long after it
-            (the checkpoint records the steps done, and :meth:`resume` goes on from
+            process, inside an epoch, before its first step that comes that long after
+            it (the checkpoint records the steps done, and :meth:`resume` goes on from
             there exactly); 0: after every epoch. A run expected to last more than
             :data:`FIRST_SAVE_SECONDS` also saves after the first epoch it trains. The
             end of the run is always saved.
