@@ -119,7 +119,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="recompute the whole context for every token (slower, same tokens)")
     gen.add_argument("--bpe-dir", default=None)
     gen.add_argument("--device", default="cpu")
-    gen.set_defaults(run=run_generate)
+    gen.set_defaults(run=run_generate, prints_result=True)
 
     att = actions.add_parser("attention", help="per-layer, per-head attention heatmaps")
     att.add_argument("--ckpt", type=Path, required=True)

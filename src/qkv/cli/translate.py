@@ -151,7 +151,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--backend", choices=BACKENDS, default=None,
                      help=f"{BACKEND_HELP} (default: the checkpoint's)")
     run.add_argument("--device", default="cpu")
-    run.set_defaults(run=run_translate)
+    run.set_defaults(run=run_translate, prints_result=True)
 
     evaluate = actions.add_parser("eval", help="BLEU and exact match of a checkpoint")
     evaluate.add_argument("--ckpt", type=Path, required=True)
@@ -163,7 +163,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--backend", choices=BACKENDS, default=None,
                           help=f"{BACKEND_HELP} (default: the checkpoint's)")
     evaluate.add_argument("--device", default="cpu")
-    evaluate.set_defaults(run=run_eval)
+    evaluate.set_defaults(run=run_eval, prints_result=True)
 
     curves = actions.add_parser(
         "curves", help="plot held-out scores of trained runs against minutes of training")

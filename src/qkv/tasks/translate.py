@@ -635,11 +635,11 @@ class Translator:
     def _encode_source(self, text: str, num_steps: int) -> tuple[list[str], list[int]]:
         tokens = self.tokenize(text)
         if not tokens:
-            raise ValueError(f"cannot translate {text!r}: it has no tokens")
+            raise ValueError(f"cannot translate {show(text, 60)}: it has no tokens")
         if len(tokens) + 1 > num_steps:
             warnings.warn(
-                f"{text!r} has {len(tokens)} tokens; truncated to num_steps={num_steps} "
-                "(including <eos>)",
+                f"{show(text, 60)} has {len(tokens)} tokens; truncated to "
+                f"num_steps={num_steps} (including <eos>)",
                 stacklevel=3,
             )
             tokens = tokens[: num_steps - 1]
