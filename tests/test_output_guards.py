@@ -68,3 +68,107 @@ def test_a_length_changed_in_place_is_checked_again():
     with pytest.raises(ValueError, match="got 3"):  # the same tensor, fewer keys
         qkv.masked_softmax(X[..., :2], torch.tensor([3, 1]))
     assert F.check_valid_lens(torch.tensor([4, 0]), 2, 2, 4) is None
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face folders: non-floating or non-finite weights, deeply nested config.json
+
+
+def _hf_folder(tmp_path, *, with_tokenizer=False):
+    transformers = pytest.importorskip("transformers")
+    import shutil
+    from pathlib import Path
+
+    vocab = 101
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2"
+    if with_tokenizer:
+        if not (shared / "encoder.json").is_file():
+            pytest.skip("GPT-2's BPE files are not beside the repository")
+        vocab = 50257
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=32, n_embd=24, n_layer=2,
+                                     n_head=4)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    if with_tokenizer:
+        shutil.copy(shared / "encoder.json", folder / "vocab.json")
+        shutil.copy(shared / "vocab.bpe", folder / "merges.txt")
+    return model, folder
+
+
+def _rewrite_weights(folder, name, change, *, as_bin=False):
+    """Save the folder's weights again with ``change`` applied to tensor ``name``."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    weights[f"transformer.{name}"] = change(weights[f"transformer.{name}"])
+    if as_bin:
+        (folder / "model.safetensors").unlink()
+        torch.save(weights, folder / "pytorch_model.bin")
+    else:
+        save_file(weights, folder / "model.safetensors")
+
+
+def _nan_at_one(t):
+    t = t.clone()
+    t.view(-1)[7] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("as_bin", [False, True], ids=["safetensors", "pytorch_model.bin"])
+@pytest.mark.parametrize(("name", "change", "message"), [
+    ("h.1.mlp.c_fc.weight", _nan_at_one,
+     r"h\.1\.mlp\.c_fc\.weight holds 1 NaN or infinite value\(s\) of 2,304"),
+    ("ln_f.bias", lambda t: t.clone().fill_(float("inf")),
+     r"ln_f\.bias holds 24 NaN or infinite value\(s\) of 24"),
+    ("wte.weight", lambda t: t.round().to(torch.int32),
+     r"wte\.weight holds (I32|int32) values; GPT-2's weights are floating point"),
+    ("h.0.ln_1.weight", lambda t: t > 0,
+     r"h\.0\.ln_1\.weight holds (BOOL|bool) values"),
+], ids=["nan", "inf", "int32", "bool"])
+def test_weights_that_are_not_finite_floats_are_refused_naming_the_tensor(
+        tmp_path, name, change, message, as_bin):
+    from qkv.models.gpt import GPTModel
+
+    _, folder = _hf_folder(tmp_path)
+    _rewrite_weights(folder, name, change, as_bin=as_bin)
+    with pytest.raises(ValueError, match=message):
+        GPTModel.from_hf(folder)
+
+
+def test_lm_import_of_nan_or_integer_weights_is_one_line_exit_2_and_no_run(tmp_path, capsys):
+    from qkv.cli import main
+    from qkv.training import is_checkpoint
+
+    _, folder = _hf_folder(tmp_path, with_tokenizer=True)
+    for i, (name, change, says) in enumerate([
+            ("h.0.attn.c_attn.weight", _nan_at_one, "h.0.attn.c_attn.weight holds 1 NaN"),
+            ("wpe.weight", lambda t: (t * 100).to(torch.int64), "wpe.weight holds I64")]):
+        _rewrite_weights(folder, name, change)
+        capsys.readouterr()
+        run = tmp_path / f"run{i}"
+        assert main(["lm", "import", str(folder), "--run-dir", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+        assert not is_checkpoint(run)
+        _hf_folder(tmp_path, with_tokenizer=True)  # a sound folder again
+
+
+@pytest.mark.parametrize("depth", [40, 100_000])
+def test_a_deeply_nested_config_json_is_bad_input(tmp_path, capsys, depth):
+    import json
+
+    from qkv.cli import main
+    from qkv.models.hf_gpt2 import read_config
+
+    _, folder = _hf_folder(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    text = json.dumps(config)[:-1] + ', "nested": ' + "[" * depth + "]" * depth + "}"
+    (folder / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=r"config\.json: JSON nested more than 32 levels"):
+        read_config(folder)
+    capsys.readouterr()
+    assert main(["lm", "import", str(folder), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "JSON nested more than 32 levels deep" in err
