@@ -172,3 +172,44 @@ def test_a_deeply_nested_config_json_is_bad_input(tmp_path, capsys, depth):
     assert main(["lm", "import", str(folder), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "JSON nested more than 32 levels deep" in err
+
+
+# ---------------------------------------------------------------------------
+# Decoding never outputs <pad> or <bos>
+
+
+@pytest.mark.parametrize("model_name", ["bahdanau", "transformer"])
+def test_a_translator_never_outputs_reserved_tokens_however_much_the_model_wants_them(
+        model_name):
+    from torch import nn
+
+    from qkv.data.translate import BOS, EOS, PAD, RESERVED_TOKENS, Vocab
+    from qkv.models import Seq2SeqConfig, build_model, greedy_decode
+    from qkv.tasks.translate import TranslateSettings, Translator
+
+    src_vocab = Vocab(["go", "home", "now"], reserved_tokens=RESERVED_TOKENS)
+    tgt_vocab = Vocab(["va", "maison", "vite"], reserved_tokens=RESERVED_TOKENS)
+    config = Seq2SeqConfig(model=model_name, src_vocab_size=len(src_vocab),
+                           tgt_vocab_size=len(tgt_vocab), embed_size=8, num_hiddens=8,
+                           num_layers=1, dropout=0.0, num_heads=2, ffn_num_hiddens=16,
+                           max_len=16)
+    torch.manual_seed(0)
+    model = build_model(config)
+    head = [m for m in model.modules()
+            if isinstance(m, nn.Linear) and m.out_features == len(tgt_vocab)][-1]
+    pad, bos, eos = tgt_vocab[PAD], tgt_vocab[BOS], tgt_vocab[EOS]
+    with torch.no_grad():  # what a model trained on a handful of pairs may end up like
+        head.bias[pad], head.bias[bos], head.bias[eos] = 60.0, 50.0, -60.0
+    translator = Translator(model, src_vocab, tgt_vocab,
+                            TranslateSettings(data="pairs.tsv", num_steps=6))
+    # Unbanned, the model's first choices are the reserved tokens: the test can fail.
+    src = torch.tensor([[src_vocab["go"], eos, 1, 1, 1, 1]])
+    raw, _ = greedy_decode(model, src, torch.tensor([2]), bos_id=bos, eos_id=eos,
+                           max_steps=6)
+    assert set(raw[0]) == {pad}
+    for beam in (1, 3):
+        (t,) = translator.translate(["go home"], beam=beam)
+        assert len(t.tokens) == 6  # <eos> is never chosen either: the next best words are
+        assert not set(t.tokens) & {PAD, BOS, EOS}, t.tokens
+        outputs = translator.predict([["go", "home"], ["now"]], beam=beam)
+        assert all(out and not set(out) & {PAD, BOS, EOS} for out in outputs), outputs

@@ -59,6 +59,7 @@ from ..data.translate import (
     BOS,
     EOS,
     PAD,
+    RESERVED_TOKENS,
     SPLIT_BY,
     TranslationData,
     Vocab,
@@ -612,8 +613,13 @@ class Translator:
 
     @property
     def banned_ids(self) -> tuple[int, ...]:
-        """Target ids decoding never outputs: ``<unk>`` when the run's ``ban_unk``."""
-        return (self.tgt_vocab.unk,) if self.settings.ban_unk else ()
+        """Target ids decoding never outputs: the reserved ``<pad>`` and ``<bos>`` (never
+        a word: a model trained on a few pairs may still rank them first, and would print
+        ``<pad> <bos> <pad>``), and ``<unk>`` when the run's ``ban_unk``. ``<eos>`` ends
+        the output rather than appearing in it."""
+        reserved = tuple(self.tgt_vocab[t] for t in RESERVED_TOKENS
+                         if t != EOS and t in self.tgt_vocab)
+        return reserved + ((self.tgt_vocab.unk,) if self.settings.ban_unk else ())
 
     def tokenize(self, text: str) -> list[str]:
         """Raw text -> the source tokens the model was trained on."""
