@@ -33,6 +33,8 @@ __all__ = [
     "small_divisors",
     "MAX_JSON_DEPTH",
     "parse_json",
+    "MAX_THREADS",
+    "check_threads",
 ]
 
 # Largest width, vocabulary, depth or length a model config may name: it keeps every
@@ -41,6 +43,9 @@ __all__ = [
 MAX_SIZE = 2**31 - 1
 # Largest count that allocates nothing (epochs, steps, frequencies): an int64.
 MAX_COUNT = 2**63 - 1
+# Most CPU threads torch may be asked for: each is an OS thread with its own stack, and
+# past the machine's cores more only slow torch down.
+MAX_THREADS = 1024
 # Deepest nesting of objects and lists qkv reads from a JSON file: its own files nest at
 # most 6 levels, a Hugging Face config.json 3. Python's parser recurses once per level,
 # so a file of 100,000 '[' would otherwise end in a RecursionError (or, walked later,
@@ -248,3 +253,13 @@ def parse_json(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     if _nesting_exceeds(obj, max_depth):
         raise ValueError(too_deep)
     return obj
+
+
+def check_threads(value: Any, name: str = "threads") -> int:
+    """``value`` if it is a thread count in ``[1, MAX_THREADS]``; else one ``ValueError``
+    line with the limit and its reason."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+        raise ValueError(f"{name} must be an integer in [1, {MAX_THREADS:,}], got "
+                         f"{show(value)} (each is an OS thread; past the machine's cores more "
+                         "only slow torch down)")
+    return value
