@@ -517,8 +517,8 @@ def run_train(
     plans = config.plan(device)
     for plan in plans:  # the token ids of every step are made up front, on the CPU
         check_memory(plan.steps * plan.batch_size * (plan.context_length + 1) * 8,
-                     f"making the random token ids of {plan.steps:,} steps of {plan.batch_size:,} x "
-                     f"{plan.context_length} tokens ('{plan.preset}')",
+                     f"making the random token ids of {plan.steps:,} steps of "
+                     f"{plan.batch_size:,} x {plan.context_length} tokens ('{plan.preset}')",
                      hint="choose a smaller --batch-size or --steps")
     machine = machine_info(device)  # recorded when the run starts
     dtypes = list(dict.fromkeys(o.dtype for o in options))

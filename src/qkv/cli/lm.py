@@ -179,14 +179,14 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-class _OutputGone(Exception):
+class _OutputGoneError(Exception):
     """Nobody reads stdout any more: generating further would be for nothing."""
 
 
 def _print_piece(piece: str) -> None:
     print(piece, end="", flush=True)
     if getattr(sys.stdout, "lost", None):  # qkv's output guard: a closed pipe, a full disk
-        raise _OutputGone
+        raise _OutputGoneError
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -199,7 +199,7 @@ def run_generate(args: argparse.Namespace) -> int:
         out = lm.generate(args.prompt, args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, use_cache=not args.no_kv_cache, seed=args.seed,
                           on_text=_print_piece)
-    except _OutputGone:
+    except _OutputGoneError:
         return 0  # the command line says what became of stdout
     print()
     cache = "without" if args.no_kv_cache else "with"
