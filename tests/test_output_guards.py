@@ -474,3 +474,13 @@ def test_training_with_a_closed_or_full_stdout_runs_on_and_says_so(tmp_path):
                                     "training ran on to the end\n"), done.stderr
         assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
         assert checkpoint_progress(run_dir) == (1, 1)
+
+
+def test_a_deeply_nested_vocab_json_is_bad_input(tmp_path):
+    from qkv.data.tokenizers import get_tokenizer
+
+    (tmp_path / "vocab.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(ValueError, match=r"vocab\.json and .*merges\.txt are not a matching "
+                                         r"GPT-2 BPE pair \(RecursionError"):
+        get_tokenizer("gpt2", bpe_dir=tmp_path)
