@@ -208,7 +208,9 @@ def check_valid_lens(
     With ``num_keys``, the lengths themselves are checked too: whole numbers (d2l passes
     integer tensors and float tensors of whole numbers alike) in ``[0, num_keys]``. A
     mask built from 3.5 would silently keep 4 keys, from -1 none, from more than
-    ``num_keys`` all; each is a caller's bug, so each is a ``ValueError`` instead.
+    ``num_keys`` all; each is a caller's bug, so each is a ``ValueError`` instead. The
+    values are read on the CPU only, once per tensor however many layers pass it: on an
+    accelerator, reading them would stall every step until the device caught up.
     """
     if not isinstance(valid_lens, Tensor):
         raise TypeError(
@@ -231,17 +233,19 @@ def check_valid_lens(
 
 # The last lengths found valid: (a weak reference to the tensor, its version counter, the
 # number of keys). Every layer of an encoder, and every decoding step's cross-attention,
-# passes the same tensor; reading its values is a device-to-host copy (a GPU sync), so it
-# is read once, not once per layer. The version counter sees any in-place change.
+# passes the same tensor, so it is read once, not once per layer and step. The version
+# counter sees any in-place change.
 _last_valid_lens: tuple[weakref.ref, int, int] | None = None
 
 
 def _check_length_values(valid_lens: Tensor, num_keys: int) -> None:
     """One-line ``ValueError`` unless every length is a whole number in ``[0, num_keys]``."""
     global _last_valid_lens
-    if torch.compiler.is_compiling():
-        # Values are data a traced graph does not know; reading them would break the
-        # graph in every layer. The eager model (and the first call's data) is checked.
+    if valid_lens.device.type != "cpu" or torch.compiler.is_compiling():
+        # Reading the values of a tensor on an accelerator waits for it (a sync in every
+        # training step), and a traced graph does not know them at all; lengths are
+        # checked where reading them is free, on the CPU, where d2l's calls and qkv's
+        # batches make them.
         return
     seen = _last_valid_lens
     version = valid_lens._version
