@@ -11,7 +11,11 @@ one line on stderr (a traceback only with ``--debug``):
 - anything else, a bug or the machine running out of memory: 1.
 
 SIGTERM, which schedulers and ``kill`` send, is handled like Ctrl-C. A closed
-stdout or stderr (``qkv ... | head -1``) stops the output, never the work.
+stdout or stderr (``qkv ... | head -1``) stops the output, never the work; a
+stdout closed before qkv started (``>&-``) or full (``> /dev/full``) is named in
+one line, and a command whose result is its output (``prints_result``) then
+fails with status 2, refused before any work where it can tell. Warnings, from
+qkv or any library, are one line each, cut to a bounded length.
 """
 
 from __future__ import annotations
@@ -82,10 +86,9 @@ class _OutputGuard:
     def __init__(self, stream: TextIO | None, fd: int) -> None:
         self.lost: str | None = None
         if stream is None:
-            with contextlib.suppress(OSError):
-                os.fstat(fd)  # open after all: something else took the number; leave it
-                fd = -1
-            if fd >= 0:
+            try:
+                os.fstat(fd)  # open after all: something else took the number; leave it be
+            except OSError:
                 _point_at_devnull(fd)
             stream = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (for the process)
             self.lost = "was closed before qkv started"
@@ -192,8 +195,7 @@ def _warnings_in_one_line(where: str) -> Iterator[None]:
 
     def say(message: Warning | str, category: type[Warning], filename: str, lineno: int,
             file: TextIO | None = None, line: str | None = None) -> None:
-        text = _one_line(message) if isinstance(message, Warning) else " ".join(
-            str(message).splitlines())
+        text = " ".join(str(message).splitlines())
         if len(text) > MAX_WARNING_CHARS:
             text = f"{text[:MAX_WARNING_CHARS]}... ({len(text):,} characters in all)"
         if text not in seen:
