@@ -418,7 +418,8 @@ def test_generate_argument_errors():
                     model, idx, 3, temperature=math.nan)
     raises_one_line(ValueError, "top_k must be a positive integer or None, got 0", generate,
                     model, idx, 3, top_k=0)
-    raises_one_line(ValueError, "max_new_tokens must be >= 0", generate, model, idx, -1)
+    raises_one_line(ValueError, r"max_new_tokens must be an integer in \[0, 100,000\], got -1",
+                    generate, model, idx, -1)
     raises_one_line(ValueError, r"idx must be integer ids of shape \(batch, T >= 1\)",
                     generate, model, idx[0], 3)
     raises_one_line(ValueError, r"context_size must be in \[1, context_length=16\], got 32",

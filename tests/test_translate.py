@@ -171,7 +171,7 @@ def test_input_errors(trained, capsys):
     one_line_error(capsys, ["translate", "run", "--ckpt", str(trained), "--text", "  "],
                    "cannot translate '  ': it has no tokens")
     one_line_error(capsys, ["translate", "run", "--ckpt", str(trained), "--beam", "0"],
-                   "beam must be >= 1, got 0")
+                   r"--beam must be an integer in \[1, 1,000\] \(1: greedy\), got 0")
     one_line_error(capsys, ["translate", "run", "--ckpt", str(trained), "--heatmap", "x.bmp"],
                    r"cannot write an image to 'x\.bmp'")
     one_line_error(capsys, ["translate", "train", "--data", "/no/such/file.txt"],
@@ -655,7 +655,7 @@ def test_curves_plot_held_out_scores_against_minutes_and_eval_reports_like_train
                    r"flat \(bahdanau\): its history has no per-epoch 'seconds' and "
                    r"'valid_sacrebleu'")
     one_line_error(capsys, ["translate", "eval", "--ckpt", str(runs[0]), "--beam", "0"],
-                   r"--beam must be >= 1, got 0")
+                   r"--beam must be an integer in \[1, 1,000\] \(1: greedy\), got 0")
 
 
 def test_a_resume_may_change_the_forward_dtype_and_compilation_and_keeps_them(tmp_path):

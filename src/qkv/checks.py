@@ -14,6 +14,7 @@ sane; ``bool`` never passes for a number, although Python makes it an ``int``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 from collections.abc import Sequence
@@ -30,6 +31,10 @@ __all__ = [
     "check_sha256",
     "fields_from_dict",
     "small_divisors",
+    "MAX_JSON_DEPTH",
+    "parse_json",
+    "MAX_THREADS",
+    "check_threads",
 ]
 
 # Largest width, vocabulary, depth or length a model config may name: it keeps every
@@ -38,6 +43,14 @@ __all__ = [
 MAX_SIZE = 2**31 - 1
 # Largest count that allocates nothing (epochs, steps, frequencies): an int64.
 MAX_COUNT = 2**63 - 1
+# Most CPU threads torch may be asked for: each is an OS thread with its own stack, and
+# past the machine's cores more only slow torch down.
+MAX_THREADS = 1024
+# Deepest nesting of objects and lists qkv reads from a JSON file: its own files nest at
+# most 6 levels, a Hugging Face config.json 3. Python's parser recurses once per level,
+# so a file of 100,000 '[' would otherwise end in a RecursionError (or, walked later,
+# in one far from where it was read).
+MAX_JSON_DEPTH = 32
 
 
 def show(value: Any, limit: int = 40) -> str:
@@ -204,3 +217,49 @@ def check_dropout(p: float) -> None:
         )
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout must be a probability in [0, 1), got {p}")
+
+
+def _nesting_exceeds(obj: Any, limit: int) -> bool:
+    """Whether JSON-like ``obj`` nests containers more than ``limit`` levels (no recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(
+            node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def parse_json(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads(data)``, with every way hostile JSON fails as a one-line ValueError.
+
+    Python's parser turns ``1e400`` into ``inf`` and accepts ``NaN`` (each field's
+    validator refuses those), refuses integers of more than 4,300 digits with a
+    ValueError and deep nesting with a RecursionError. Nesting deeper than
+    ``max_depth`` is refused whether or not the parser got that far, so that no later
+    walk over the result can recurse too deeply either.
+    """
+    too_deep = f"JSON nested more than {max_depth} levels deep (the most qkv reads)"
+    try:
+        obj = json.loads(data)
+    except RecursionError:
+        raise ValueError(too_deep) from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, 4,300-digit ints
+        raise ValueError(f"invalid JSON ({' '.join(str(error).splitlines())})") from None
+    if _nesting_exceeds(obj, max_depth):
+        raise ValueError(too_deep)
+    return obj
+
+
+def check_threads(value: Any, name: str = "threads") -> int:
+    """``value`` if it is a thread count in ``[1, MAX_THREADS]``; else one ``ValueError``
+    line with the limit and its reason."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+        raise ValueError(f"{name} must be an integer in [1, {MAX_THREADS:,}], got "
+                         f"{show(value)} (each is an OS thread; past the machine's cores more "
+                         "only slow torch down)")
+    return value

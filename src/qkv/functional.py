@@ -29,6 +29,7 @@ such a row *uniform* weights; it is kept here as written for reference.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -194,13 +195,22 @@ def causal_mask(num_queries: int, num_keys: int | None = None, device=None, *,
     return keep
 
 
-def check_valid_lens(valid_lens: Any, batch: int, num_queries: int) -> None:
+def check_valid_lens(
+    valid_lens: Any, batch: int, num_queries: int, num_keys: int | None = None
+) -> None:
     """Raise a one-line error unless ``valid_lens`` is d2l's ``(batch,)`` or
     ``(batch, num_queries)`` tensor of lengths.
 
     A 0-dim tensor is refused rather than broadcast: d2l's own ``masked_softmax`` only
     copes with one when the batch holds a single query, and every other API here takes
     the one length per sequence explicitly.
+
+    With ``num_keys``, the lengths themselves are checked too: whole numbers (d2l passes
+    integer tensors and float tensors of whole numbers alike) in ``[0, num_keys]``. A
+    mask built from 3.5 would silently keep 4 keys, from -1 none, from more than
+    ``num_keys`` all; each is a caller's bug, so each is a ``ValueError`` instead. The
+    values are read on the CPU only, once per tensor however many layers pass it: on an
+    accelerator, reading them would stall every step until the device caught up.
     """
     if not isinstance(valid_lens, Tensor):
         raise TypeError(
@@ -217,6 +227,47 @@ def check_valid_lens(valid_lens: Any, batch: int, num_queries: int) -> None:
             f"valid_lens must have shape ({batch},) (one length per sequence) or "
             f"({batch}, {num_queries}) (one per query), got {tuple(valid_lens.shape)}{hint}"
         )
+    if num_keys is not None:
+        _check_length_values(valid_lens, num_keys)
+
+
+# The last lengths found valid: (a weak reference to the tensor, its version counter, the
+# number of keys). Every layer of an encoder, and every decoding step's cross-attention,
+# passes the same tensor, so it is read once, not once per layer and step. The version
+# counter sees any in-place change.
+_last_valid_lens: tuple[weakref.ref, int, int] | None = None
+
+
+def _check_length_values(valid_lens: Tensor, num_keys: int) -> None:
+    """One-line ``ValueError`` unless every length is a whole number in ``[0, num_keys]``."""
+    global _last_valid_lens
+    if valid_lens.device.type != "cpu" or torch.compiler.is_compiling():
+        # Reading the values of a tensor on an accelerator waits for it (a sync in every
+        # training step), and a traced graph does not know them at all; lengths are
+        # checked where reading them is free, on the CPU, where d2l's calls and qkv's
+        # batches make them.
+        return
+    seen = _last_valid_lens
+    version = valid_lens._version
+    if seen is not None and seen[0]() is valid_lens and seen[1:] == (version, num_keys):
+        return
+    lens = valid_lens.detach()
+    bad = (lens < 0) | (lens > num_keys)
+    if lens.is_floating_point():
+        bad |= lens != lens.round()  # true for NaN as well
+    if bool(bad.any()):  # the one read of the values
+        first = lens[bad][0].item()
+        if isinstance(first, float) and not (math.isfinite(first) and first.is_integer()):
+            why = "not a whole number"
+        elif first < 0:
+            why = "negative"
+        else:
+            why = f"more than the {num_keys} keys there are"
+        raise ValueError(
+            f"valid_lens must be whole numbers in [0, {num_keys}] (the number of keys), "
+            f"got {first!r}: {why}"
+        )
+    _last_valid_lens = (weakref.ref(valid_lens), version, num_keys)
 
 
 def lengths_to_mask(valid_lens: Tensor, num_keys: int) -> Tensor:
@@ -260,7 +311,7 @@ def masked_softmax(X: Tensor, valid_lens: Tensor | None = None) -> Tensor:
             f"X must have shape (batch, queries, keys) to be masked by valid_lens, "
             f"got {tuple(X.shape)}"
         )
-    check_valid_lens(valid_lens, X.shape[0], X.shape[1])
+    check_valid_lens(valid_lens, X.shape[0], X.shape[1], X.shape[-1])
     keep = lengths_to_mask(valid_lens.to(X.device), X.shape[-1])
     return torch.softmax(X.masked_fill(~keep, -1e6), dim=-1)
 

@@ -166,7 +166,7 @@ class MultiHeadAttention(nn.Module):
         if valid_lens is not None and key_padding_mask is not None:
             raise ValueError("pass valid_lens or key_padding_mask, not both")
         if valid_lens is not None:
-            check_valid_lens(valid_lens, batch, num_queries)
+            check_valid_lens(valid_lens, batch, num_queries, num_keys)
             valid_lens = valid_lens.to(self.W_query.weight.device)
             return lengths_to_mask(valid_lens, num_keys).unsqueeze(1)
         if key_padding_mask is not None:

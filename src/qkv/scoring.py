@@ -37,7 +37,7 @@ def _keep_mask(valid_lens: Tensor | None, queries: Tensor, num_keys: int) -> Ten
     """``(batch, 1 or n_q, n_k)`` keep mask from d2l's ``valid_lens``, checked first."""
     if valid_lens is None:
         return None
-    check_valid_lens(valid_lens, queries.shape[0], queries.shape[-2])
+    check_valid_lens(valid_lens, queries.shape[0], queries.shape[-2], num_keys)
     return lengths_to_mask(valid_lens.to(queries.device), num_keys)
 
 

@@ -63,7 +63,13 @@ from ..models.gpt import PRESETS, GPTConfig, GPTModel
 from ..multihead import MultiHeadAttention
 from ..tasks.lm import lm_loss, param_groups
 from ..tasks.pipeline import check_training_memory
-from ..training import InsufficientMemoryError, TrainConfig, Trainer, seed_everything
+from ..training import (
+    InsufficientMemoryError,
+    TrainConfig,
+    Trainer,
+    check_memory,
+    seed_everything,
+)
 from ..training.speed import matmul_rate, model_flops_utilisation
 from ..utils.figures import new_figure, save_figure
 from .timing import (
@@ -509,6 +515,11 @@ def run_train(
     base = config.base_dtype(device)
     options = config.option_sets(base, device.type)
     plans = config.plan(device)
+    for plan in plans:  # the token ids of every step are made up front, on the CPU
+        check_memory(plan.steps * plan.batch_size * (plan.context_length + 1) * 8,
+                     f"making the random token ids of {plan.steps:,} steps of "
+                     f"{plan.batch_size:,} x {plan.context_length} tokens ('{plan.preset}')",
+                     hint="choose a smaller --batch-size or --steps")
     machine = machine_info(device)  # recorded when the run starts
     dtypes = list(dict.fromkeys(o.dtype for o in options))
     where = f"{device}" + (f" ({machine['gpu']})" if "gpu" in machine else "")

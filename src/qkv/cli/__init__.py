@@ -12,7 +12,11 @@ one line on stderr (a traceback only with ``--debug``):
 
 SIGTERM, which schedulers and ``kill`` send, and SIGHUP, which a closed terminal
 sends, are handled like Ctrl-C (exit status 143 and 129). A closed
-stdout or stderr (``qkv ... | head -1``) stops the output, never the work.
+stdout or stderr (``qkv ... | head -1``) stops the output, never the work; a
+stdout closed before qkv started (``>&-``) or full (``> /dev/full``) is named in
+one line, and a command whose result is its output (``prints_result``) then
+fails with status 2, refused before any work where it can tell. Warnings, from
+qkv or any library, are one line each, cut to a bounded length.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
@@ -65,43 +70,67 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What _OutputGuard.lost says when the reader of a pipe went away (`| head -1`).
+READER_LEFT = "was closed"
+
+
 class _OutputGuard:
-    """A text stream whose reader may go away: then output is dropped, work goes on.
+    """A text stream whose reader may go away, or that cannot be written: then output is
+    dropped, work goes on, and ``lost`` says why.
 
     ``qkv translate train | head -1`` closes the pipe after one line; the next write
-    would raise ``BrokenPipeError`` in the middle of training. Instead the stream's
-    file descriptor is pointed at ``/dev/null`` (so that the final flush at exit is
-    quiet too) and ``lost`` is set.
+    would raise ``BrokenPipeError`` in the middle of training. A stdout that is full
+    (``> /dev/full``, a full disk) raises another ``OSError``; one closed before qkv
+    started (``>&-``) is ``None`` in Python. In each case the stream's file descriptor
+    is pointed at ``/dev/null`` (so that the final flush at exit, and anything a library
+    writes to the descriptor, goes nowhere and never into a file that took its number)
+    and ``lost`` says what happened, in words that follow "stdout": ``"was closed"``
+    (by its reader: :data:`READER_LEFT`), ``"was closed before qkv started"`` or
+    ``"could not be written (No space left on device)"``.
     """
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO | None, fd: int) -> None:
+        self.lost: str | None = None
+        if stream is None:
+            try:
+                os.fstat(fd)  # open after all: something else took the number; leave it be
+            except OSError:
+                _point_at_devnull(fd)
+            stream = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (for the process)
+            self.lost = "was closed before qkv started"
         self.stream = stream
-        self.lost = False
 
     def write(self, text: str) -> int:
         if not self.lost:
             try:
                 self.stream.write(text)
-            except BrokenPipeError:
-                self._lose()
+            except OSError as e:
+                self._lose(e)
         return len(text)
 
     def flush(self) -> None:
         if not self.lost:
             try:
                 self.stream.flush()
-            except BrokenPipeError:
-                self._lose()
+            except OSError as e:
+                self._lose(e)
 
-    def _lose(self) -> None:
-        self.lost = True
+    def _lose(self, error: OSError) -> None:
+        self.lost = (READER_LEFT if isinstance(error, BrokenPipeError)
+                     else f"could not be written ({error.strerror or error})")
         with contextlib.suppress(OSError, ValueError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self.stream.fileno())
-            os.close(devnull)
+            _point_at_devnull(self.stream.fileno())
 
     def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...
         return getattr(self.stream, name)
+
+
+def _point_at_devnull(fd: int) -> None:
+    """Make ``fd`` write to ``/dev/null``, whether it is open or closed."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    if devnull != fd:
+        os.dup2(devnull, fd)
+        os.close(devnull)
 
 
 def _terminate(signum: int, _frame: object) -> None:
@@ -111,8 +140,8 @@ def _terminate(signum: int, _frame: object) -> None:
 @contextlib.contextmanager
 def _guarded_process() -> Iterator[_OutputGuard]:
     """SIGTERM and SIGHUP raise :class:`Terminated`; stdout and stderr survive a closed
-    pipe."""
-    out, err = _OutputGuard(sys.stdout), _OutputGuard(sys.stderr)
+    pipe, a full disk or being closed from the start."""
+    out, err = _OutputGuard(sys.stdout, 1), _OutputGuard(sys.stderr, 2)
     previous_streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = out, err  # type: ignore[assignment]
     main_thread = threading.current_thread() is threading.main_thread()
@@ -136,17 +165,60 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     with _guarded_process() as out:
+        where = f"qkv {args.command}"
+        # Commands whose product is what they print (a translation, generated text).
+        printing = getattr(args, "prints_result", False)
+        if out.lost and printing:  # refused before any work
+            print(f"{where}: error: stdout {out.lost}, so the output would be lost; "
+                  "redirect it to a file (or to /dev/null)", file=sys.stderr)
+            return 2
         code = _run(args)
-        if out.lost and getattr(args, "action", None) == "train":
-            print(f"qkv {args.command} train: stdout was closed, so output stopped; "
-                  "training ran on to the end", file=sys.stderr)
+        out.flush()  # a full stdout shows itself here at the latest
+        if out.lost is None:
+            return code
+        if getattr(args, "action", None) == "train":
+            print(f"{where} train: stdout {out.lost}, so output stopped; training ran "
+                  "on to the end", file=sys.stderr)
+        elif out.lost == READER_LEFT:  # `| head`: the reader wanted no more
+            pass
+        elif printing:
+            print(f"{where}: error: stdout {out.lost}; the output is lost", file=sys.stderr)
+            code = code or 2
+        else:  # the product is a file; what was printed only described it
+            print(f"{where}: stdout {out.lost}; its messages are lost", file=sys.stderr)
         return code
+
+
+# The longest warning qkv repeats: a library may quote a whole input in one (a 10,000-
+# character sentence); the start says what the warning is about.
+MAX_WARNING_CHARS = 200
+
+
+@contextlib.contextmanager
+def _warnings_in_one_line(where: str) -> Iterator[None]:
+    """Every warning raised in the block (qkv's, torch's, any library's) as one line of
+    qkv's own on stderr: at most :data:`MAX_WARNING_CHARS` of its text, each text once."""
+    seen: set[str] = set()
+
+    def say(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+            file: TextIO | None = None, line: str | None = None) -> None:
+        text = " ".join(str(message).splitlines())
+        if len(text) > MAX_WARNING_CHARS:
+            text = f"{text[:MAX_WARNING_CHARS]}... ({len(text):,} characters in all)"
+        if text not in seen:
+            seen.add(text)
+            print(f"{where}: warning: {text}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = say
+        yield
 
 
 def _run(args: argparse.Namespace) -> int:
     where = f"qkv {args.command}"
     try:
-        return args.run(args) or 0
+        with _warnings_in_one_line(where):
+            return args.run(args) or 0
     except RunStoppedError as stopped:  # already reported, in one line
         return stopped.code
     except KeyboardInterrupt as stop:

@@ -24,9 +24,13 @@ from typing import Any
 
 import torch
 
+from ..checks import check_threads, show
 from ..utils.fileio import check_writable
 
 SUITES = ("attention", "generate", "translate", "data", "flops", "train", "save")
+# Most timed (or warm-up) runs per case: a median over more moves by less than the
+# machine's own noise, while each run costs the case's whole time again.
+MAX_REPEATS = 10_000
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,7 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     common.add_argument("--quick", action="store_true",
                         help="small shapes that run in seconds (smoke test, CI)")
     common.add_argument("--repeats", type=int, default=None,
-                        help="timed runs per case (default: the suite's)")
+                        help=f"timed runs per case (default: the suite's; at most "
+                             f"{MAX_REPEATS:,})")
     common.add_argument("--warmup", type=int, default=None,
                         help="untimed runs per case first (default: the suite's)")
     common.add_argument("--device", default="auto",
@@ -118,12 +123,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.repeats is not None and args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    if args.warmup is not None and args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    for flag, lo in (("repeats", 1), ("warmup", 0)):
+        value = getattr(args, flag)
+        if value is not None and not lo <= value <= MAX_REPEATS:
+            raise ValueError(f"--{flag} must be an integer in [{lo}, {MAX_REPEATS:,}], got "
+                             f"{show(value)} (a median over more runs moves by less than "
+                             "the machine's noise; each run costs the case's time again)")
+    if args.threads is not None:
+        check_threads(args.threads, "--threads")
     # Minutes of measuring must not end in a folder that cannot be written.
     check_writable(args.out, directory=True)
 

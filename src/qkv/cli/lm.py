@@ -9,10 +9,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
+from ..models.gpt import MAX_NEW_TOKENS, check_max_new_tokens
 from ..training import DECAYS, DTYPES, STRATEGIES
 from .runs import add_save_every, check_resume_flags, given_settings, reporting_stops
 
@@ -112,7 +114,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen = actions.add_parser("generate", help="continue a prompt with a trained model")
     gen.add_argument("--ckpt", type=Path, required=True)
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=50)
+    gen.add_argument("--max-new-tokens", type=int, default=50,
+                     help="tokens to add, printed as they come (default: 50; at most "
+                          f"{MAX_NEW_TOKENS:,})")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
@@ -120,7 +124,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="recompute the whole context for every token (slower, same tokens)")
     gen.add_argument("--bpe-dir", default=None)
     gen.add_argument("--device", default="cpu")
-    gen.set_defaults(run=run_generate)
+    gen.set_defaults(run=run_generate, prints_result=True)
 
     att = actions.add_parser("attention", help="per-layer, per-head attention heatmaps")
     att.add_argument("--ckpt", type=Path, required=True)
@@ -177,15 +181,29 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+class _OutputGoneError(Exception):
+    """Nobody reads stdout any more: generating further would be for nothing."""
+
+
+def _print_piece(piece: str) -> None:
+    print(piece, end="", flush=True)
+    if getattr(sys.stdout, "lost", None):  # qkv's output guard: a closed pipe, a full disk
+        raise _OutputGoneError
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from ..tasks.lm import LanguageModel
 
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    check_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
     lm = LanguageModel.load(args.ckpt, device=args.device, bpe_dir=args.bpe_dir)
-    out = lm.generate(args.prompt, args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, use_cache=not args.no_kv_cache, seed=args.seed)
-    print(f"{args.prompt}{out.text}")
+    try:
+        _print_piece(args.prompt)
+        out = lm.generate(args.prompt, args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, use_cache=not args.no_kv_cache, seed=args.seed,
+                          on_text=_print_piece)
+    except _OutputGoneError:
+        return 0  # the command line says what became of stdout
+    print()
     cache = "without" if args.no_kv_cache else "with"
     print(f"\n{out.new_tokens} tokens in {out.seconds:.2f} s: {out.tokens_per_sec:.1f} tokens/s "
           f"({cache} KV cache, {torch.get_num_threads()} threads)")

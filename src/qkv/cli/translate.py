@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
+from ..checks import check_threads
 from ..data.translate import SPLIT_BY
 from ..functional import BACKENDS
+from ..models.decoding import MAX_BEAM, check_beam
 from ..tasks.translate import PRESET_NAMES, TranslateSettings, group_references
 from ..training import DECAYS, DTYPES
 from .runs import add_save_every, check_resume_flags, given_settings, reporting_stops
@@ -146,13 +148,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="default: the checkpoint's")
     run.add_argument("--ref", nargs="+", default=None,
                      help="reference translations, one per --text: adds BLEU (d2l, k=2)")
-    run.add_argument("--beam", type=int, default=1, help="beam size (1 = greedy)")
+    run.add_argument("--beam", type=int, default=1,
+                     help=f"beam size (1 = greedy; at most {MAX_BEAM:,})")
     run.add_argument("--heatmap", type=Path, default=None,
                      help="save target-vs-source attention to this PNG/PDF/SVG")
     run.add_argument("--backend", choices=BACKENDS, default=None,
                      help=f"{BACKEND_HELP} (default: the checkpoint's)")
     run.add_argument("--device", default="cpu")
-    run.set_defaults(run=run_translate)
+    run.set_defaults(run=run_translate, prints_result=True)
 
     evaluate = actions.add_parser("eval", help="BLEU and exact match of a checkpoint")
     evaluate.add_argument("--ckpt", type=Path, required=True)
@@ -164,7 +167,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--backend", choices=BACKENDS, default=None,
                           help=f"{BACKEND_HELP} (default: the checkpoint's)")
     evaluate.add_argument("--device", default="cpu")
-    evaluate.set_defaults(run=run_eval)
+    evaluate.set_defaults(run=run_eval, prints_result=True)
 
     curves = actions.add_parser(
         "curves", help="plot held-out scores of trained runs against minutes of training")
@@ -228,8 +231,7 @@ def run_train(args: argparse.Namespace) -> int:
     if threads is None:
         recipe = _recipe(given, run_dir, args.resume)
         threads = 1 if recipe in ("d2l", "dates") else min(os.cpu_count() or 1, 8)
-    if threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
+    check_threads(threads, "--threads")
     torch.set_num_threads(threads)
     if args.resume:
         check_resume_flags(run_dir, "translate", given, SETTINGS_FLAGS)
@@ -301,6 +303,7 @@ def run_translate(args: argparse.Namespace) -> int:
 
     if args.heatmap is not None:
         check_image_path(args.heatmap)
+    check_beam(args.beam, "--beam")  # before the checkpoint is read
     translator = _load(args)
     texts = args.text
     if texts is None:
@@ -327,6 +330,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from ..tasks.translate import load_pairs, prepare_data
 
+    if args.beam is not None:
+        check_beam(args.beam, "--beam")  # before the checkpoint is read
     translator = _load(args)
     settings = translator.settings
     if args.data is None:
@@ -342,8 +347,6 @@ def run_eval(args: argparse.Namespace) -> int:
         src, tgt = load_pairs(other)
         label = args.data
     beam = (translator.settings.beam or 1) if args.beam is None else args.beam
-    if beam < 1:
-        raise ValueError(f"--beam must be >= 1, got {beam}")
     _report_scores(translator, list(zip(src, tgt, strict=True)), label, beam)
     return 0
 

@@ -57,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         metavar="SECTION",
         help="show one section, e.g. 3.5.1, or all steps under a prefix, e.g. 3.5",
     )
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, prints_result=True)
     return parser
 
 

@@ -209,7 +209,7 @@ def _encoding_from_files(bpe_dir: str, stamp: tuple[int, ...],
             vocab_bpe_hash=_sha256(vocab_bpe),
             encoder_json_hash=_sha256(encoder_json),
         )
-    except (AssertionError, KeyError, ValueError, UnicodeDecodeError) as err:
+    except (AssertionError, KeyError, ValueError, UnicodeDecodeError, RecursionError) as err:
         # tiktoken asserts that the merges reproduce encoder.json exactly.
         raise ValueError(
             f"{encoder_json} and {vocab_bpe} are not a matching GPT-2 BPE pair "

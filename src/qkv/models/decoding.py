@@ -13,14 +13,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..checks import show
 from .seq2seq import EncoderDecoder, teacher_forcing_input
 
 __all__ = ["greedy_decode", "beam_search", "score_sequence", "length_penalty_factor",
-           "eval_mode"]
+           "eval_mode", "MAX_BEAM", "check_beam"]
+
+# Most hypotheses beam search keeps. Every step scores beam x vocabulary candidates and
+# carries the decoder state of each kept one; translations stop improving at a beam of a
+# few dozen (4 to 10 is usual), while time and memory keep growing with it.
+MAX_BEAM = 1000
+
+
+def check_beam(value: Any, name: str = "beam") -> int:
+    """``value`` if it is an integer in ``[1, MAX_BEAM]``; else a one-line ``ValueError``
+    with the limit and its reason."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BEAM:
+        raise ValueError(
+            f"{name} must be an integer in [1, {MAX_BEAM:,}] (1: greedy), got {show(value)} "
+            "(each step scores beam x vocabulary candidates; translations stop improving "
+            "long before)"
+        )
+    return value
 
 
 @contextmanager
@@ -157,7 +176,8 @@ def beam_search(
     (its log-prob can only fall, and the normaliser is at most that of ``max_steps``).
 
     ``banned_ids`` are never generated: their probability is spread over the other
-    tokens (the softmax is taken without them).
+    tokens (the softmax is taken without them). ``beam_size`` is at most
+    :data:`MAX_BEAM`.
 
     Returns:
         tokens: the best hypothesis without ``<bos>`` / ``<eos>``.
@@ -165,8 +185,7 @@ def beam_search(
         score: its normalised score (log-prob over generated tokens, ``<eos>`` included).
     """
     _check_steps(max_steps)
-    if beam_size < 1:
-        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    check_beam(beam_size, "beam_size")
     src, valid = _prepare(src, src_valid_len)
     banned = _banned(banned_ids, eos_id)
     if src.shape[0] != 1:

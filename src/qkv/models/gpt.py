@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -59,6 +59,8 @@ __all__ = [
     "GPTModel",
     "LayerNorm",
     "TransformerBlock",
+    "MAX_NEW_TOKENS",
+    "check_max_new_tokens",
     "generate",
     "generate_text_simple",
     "native_unsupported",
@@ -621,6 +623,25 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
     return unavailable_reason()
 
 
+# Most tokens one generate() call adds. Each costs a forward step (a whole window's once
+# the context is full and positions are learned), and the output is kept whole; 100,000
+# tokens is a long book. Longer texts: continue from the end of this one.
+MAX_NEW_TOKENS = 100_000
+
+
+def check_max_new_tokens(value: Any, name: str = "max_new_tokens") -> int:
+    """``value`` if it is an integer in ``[0, MAX_NEW_TOKENS]``; else a one-line
+    ``ValueError`` with the limit and its reason."""
+    if isinstance(value, bool) or not isinstance(value, int) or not \
+            0 <= value <= MAX_NEW_TOKENS:
+        raise ValueError(
+            f"{name} must be an integer in [0, {MAX_NEW_TOKENS:,}], got {show(value)} (one "
+            "call generates at most that many: each token is a forward step and the "
+            "whole output is kept; continue from the end of the text for more)"
+        )
+    return value
+
+
 def _next_token(
     logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
 ) -> Tensor:
@@ -648,6 +669,7 @@ def generate(
     eos_id: int | None = None,
     context_size: int | None = None,
     native: bool | None = None,
+    on_token: Callable[[Tensor], None] | None = None,
 ) -> Tensor:
     """Extend ``idx (batch, T)`` by up to ``max_new_tokens`` tokens -> ``(batch, T + n)``.
 
@@ -672,6 +694,11 @@ def generate(
             kernels where they can run (:func:`native_unsupported` says why not), else
             the model's forward. The prompt, and the re-fill of a full cache, always run
             through the model's forward.
+        on_token: called with each step's new ids ``(batch, 1)`` as soon as they are
+            chosen (to stream the text); an exception it raises ends the generation.
+
+    ``max_new_tokens`` is at most :data:`MAX_NEW_TOKENS`; the output is allocated once,
+    so each step costs the same however long the text has grown.
 
     Context: the model always sees the last ``context_size`` tokens (the book's crop). The
     cache grows while the sequence fits; once full, each step re-fills it from the last
@@ -693,8 +720,7 @@ def generate(
         raise ValueError(
             f"idx must be integer ids of shape (batch, T >= 1), got {tuple(idx.shape)}"
         )
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_max_new_tokens(max_new_tokens)
     if (
         not (isinstance(temperature, (int, float)) and math.isfinite(temperature))
         or temperature < 0
@@ -746,29 +772,37 @@ def generate(
                    and getattr(model, "pos_emb", True) is None)
         decoder = NativeDecoder(model, caches) if use_native else None
         finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        # The whole output, allocated once: appending to a growing tensor would copy it
+        # every step. `end` is the length so far; ids[:, :end] is the sequence.
+        ids = idx.new_empty(idx.shape[0], idx.shape[1] + max_new_tokens)
+        ids[:, : idx.shape[1]] = idx
+        end = idx.shape[1]
         for _ in range(max_new_tokens):
             if caches is None:
-                logits = forward(idx[:, -context_size:])
+                logits = forward(ids[:, max(end - context_size, 0) : end])
             elif caches[0].pos == 0 or (caches[0].pos == context_size and not endless):
                 # first step, or the cache is full: (re-)fill it from the last window
                 for cache in caches:
                     cache.reset()
-                logits = forward(idx[:, -context_size:], caches)
+                logits = forward(ids[:, max(end - context_size, 0) : end], caches)
             elif decoder is not None:
-                logits = decoder.step(int(idx[0, -1]))
+                logits = decoder.step(int(ids[0, end - 1]))
             else:
                 # the cache holds every token but the newest: feed just that one
-                logits = forward(idx[:, -1:], caches)
+                logits = forward(ids[:, end - 1 : end], caches)
             next_id = _next_token(logits[:, -1, :], float(temperature), top_k, generator)
             if eos_id is not None:
                 next_id = next_id.masked_fill(finished[:, None], eos_id)
                 finished |= next_id[:, 0] == eos_id
-            idx = torch.cat((idx, next_id.to(idx.dtype)), dim=1)
+            ids[:, end : end + 1] = next_id
+            end += 1
+            if on_token is not None:
+                on_token(ids[:, end - 1 : end])
             if eos_id is not None and bool(finished.all()):
                 break
     finally:
         model.train(was_training)
-    return idx
+    return ids[:, :end]
 
 
 def generate_text_simple(

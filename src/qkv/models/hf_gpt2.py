@@ -20,7 +20,6 @@ from :func:`read_config` and :func:`read_weights`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..checks import MAX_SIZE, check_int, show
+from ..checks import MAX_SIZE, check_int, parse_json, show
 
 __all__ = ["HF_CONFIG", "HF_SAFETENSORS", "HF_PYTORCH_BIN", "read_config", "read_weights",
            "weights_file"]
@@ -51,9 +50,9 @@ def read_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
     if path.stat().st_size > _MAX_CONFIG_BYTES:
         raise ValueError(f"{path}: {path.stat().st_size:,} bytes is too large for a config")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not a JSON file ({error})") from None
+        config = parse_json(path.read_bytes())
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: expected a JSON object, got {show(config)}")
 
@@ -144,7 +143,8 @@ def read_weights(
 
     Every name and shape is checked against ``fields`` first (from the safetensors
     header, or from the memory-mapped ``pytorch_model.bin``); a missing, unexpected or
-    misshapen tensor is a one-line ``ValueError``. The attention's causal-mask buffers
+    misshapen tensor is a one-line ``ValueError``, and so is one that is not floating
+    point or holds NaN or an infinity. The attention's causal-mask buffers
     some checkpoints carry are skipped.
     """
     path = weights_file(folder)
@@ -162,6 +162,8 @@ def read_weights(
             names = list(f.keys())  # a safe_open handle is no dict: it has no __iter__
             shapes = {_strip(k): tuple(f.get_slice(k).get_shape()) for k in names}
             _check_names(path, shapes, expected)
+            _check_dtypes(path, {_strip(k): f.get_slice(k).get_dtype() for k in names
+                                 if _strip(k) in expected})
             raw = {_strip(k): f.get_tensor(k) for k in names if _strip(k) in expected}
     else:
         try:
@@ -175,7 +177,39 @@ def read_weights(
         shapes = {_strip(k): tuple(v.shape) for k, v in loaded.items()}
         _check_names(path, shapes, expected)
         raw = {_strip(k): v for k, v in loaded.items() if _strip(k) in expected}
+        _check_dtypes(path, {k: v.dtype for k, v in raw.items()})
+    _check_finite(path, raw)
     return _to_qkv(raw, fields)
+
+
+# safetensors' names of the floating-point dtypes (its header's "dtype" field).
+_FLOAT_NAMES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+
+
+def _check_dtypes(path: Path, dtypes: Mapping[str, str | torch.dtype]) -> None:
+    """One-line ``ValueError`` naming the first tensor that is not floating point.
+
+    Weights are numbers a model computes with in floating point; integer or boolean
+    ones (a quantised or mislabelled file) would be converted without complaint and
+    give a model that computes nonsense.
+    """
+    for name, dtype in dtypes.items():
+        floating = (dtype.is_floating_point if isinstance(dtype, torch.dtype)
+                    else dtype in _FLOAT_NAMES)
+        if not floating:
+            shown = str(dtype).removeprefix("torch.")
+            raise ValueError(f"{path}: {name} holds {shown} values; GPT-2's weights are "
+                             "floating point (float32, float16 or bfloat16)")
+
+
+def _check_finite(path: Path, raw: Mapping[str, Tensor]) -> None:
+    """One-line ``ValueError`` naming the first tensor holding NaN or an infinity: a
+    model built from it outputs NaN, and every later command would refuse the run."""
+    for name, tensor in raw.items():
+        if not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"{path}: {name} holds {bad:,} NaN or infinite value(s) of "
+                             f"{tensor.numel():,}; the weights are damaged")
 
 
 def _check_names(path: Path, shapes: Mapping[str, tuple[int, ...]],

@@ -46,7 +46,7 @@ from ..checks import (
 from ..data.lm import GPTDataset, create_dataloader, generated_corpus
 from ..data.tokenizers import TOKENIZER_NAMES, Tokenizer, get_tokenizer, tokenizer_from_dict
 from ..data.translate import read_corpus
-from ..models.gpt import PRESETS, GPTConfig, GPTModel, generate
+from ..models.gpt import PRESETS, GPTConfig, GPTModel, check_max_new_tokens, generate
 from ..training import (
     DECAYS,
     DTYPES,
@@ -71,8 +71,8 @@ from ..training import (
 )
 from . import pipeline
 
-__all__ = ["LMSettings", "LanguageModel", "Generation", "train_language_model", "lm_loss",
-           "import_gpt2", "param_groups", "FROM_INIT"]
+__all__ = ["LMSettings", "LanguageModel", "Generation", "TextStream", "train_language_model",
+           "lm_loss", "import_gpt2", "param_groups", "FROM_INIT"]
 
 TASK = "lm"
 # Most characters of the generated corpus a run may ask for (it is built in memory).
@@ -244,6 +244,46 @@ class Generation:
         return self.new_tokens / max(self.seconds, 1e-9)
 
 
+class TextStream:
+    """The text of ids that arrive one at a time, in pieces that never end inside a
+    character.
+
+    A byte-level BPE token (GPT-2's, or one byte of the ``bytes`` tokenizer) can hold
+    part of a multi-byte UTF-8 character; decoded alone, the part reads as U+FFFD.
+    :meth:`push` returns only text that further ids cannot change: whenever the ids so
+    far decode to text that ends in U+FFFD, that last character is held back until the
+    next id tells whether it completes a character. Held ids are decoded together, from
+    the last point where their text ended on a whole character, so the pieces joined are
+    ``tokenizer.decode(all ids)``. After :data:`MAX_HELD` ids without such a point
+    (output that is not text at all), what is held is given out as it decodes.
+    """
+
+    MAX_HELD = 32
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._held: list[int] = []
+        self._sent = 0  # characters of decode(_held) already given out
+
+    def push(self, token_id: int) -> str:
+        """The new text that ``token_id`` completes (possibly ``""``)."""
+        self._held.append(token_id)
+        text = self.tokenizer.decode(self._held)
+        if text.endswith("\ufffd") and len(self._held) < self.MAX_HELD:
+            piece = text[self._sent : -1]
+            self._sent = max(self._sent, len(text) - 1)
+            return piece
+        piece = text[self._sent :]
+        self._held, self._sent = [], 0
+        return piece
+
+    def flush(self) -> str:
+        """Whatever is still held, as it decodes now (the end of the output)."""
+        piece = self.tokenizer.decode(self._held)[self._sent :]
+        self._held, self._sent = [], 0
+        return piece
+
+
 class LanguageModel:
     """A trained GPT and its tokenizer: ``generate`` and ``attention``."""
 
@@ -305,16 +345,37 @@ class LanguageModel:
         top_k: int | None = None,
         use_cache: bool = True,
         seed: int | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> Generation:
-        """Continue ``prompt``; greedy at temperature 0, seedable sampling otherwise."""
+        """Continue ``prompt``; greedy at temperature 0, seedable sampling otherwise.
+
+        ``on_text`` receives the text as it is generated, piece by piece (see
+        :class:`TextStream`); the pieces joined are the returned ``text``. An exception
+        it raises ends the generation. ``max_new_tokens`` is at most
+        :data:`qkv.models.gpt.MAX_NEW_TOKENS`, checked before anything runs.
+        """
+        check_max_new_tokens(max_new_tokens)
         idx = self.encode_prompt(prompt)
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
+        on_token = None
+        if on_text is not None:
+            stream = TextStream(self.tokenizer)
+
+            def on_token(new: Tensor) -> None:
+                piece = stream.push(int(new[0, 0]))
+                if piece:
+                    on_text(piece)
+
         start = time.perf_counter()
         out = generate(self.model, idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                       use_cache=use_cache, generator=generator)
+                       use_cache=use_cache, generator=generator, on_token=on_token)
         seconds = time.perf_counter() - start
+        if on_text is not None:
+            rest = stream.flush()
+            if rest:
+                on_text(rest)
         new = out[0, idx.shape[1] :].tolist()
         return Generation(prompt, self.tokenizer.decode(new), len(new), seconds)
 

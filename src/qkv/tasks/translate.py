@@ -59,6 +59,7 @@ from ..data.translate import (
     BOS,
     EOS,
     PAD,
+    RESERVED_TOKENS,
     SPLIT_BY,
     TranslationData,
     Vocab,
@@ -82,6 +83,7 @@ from ..models import (
     num_parameters,
     teacher_forcing_input,
 )
+from ..models.decoding import check_beam
 from ..training import (
     BEST_DIR,
     DECAYS,
@@ -321,8 +323,10 @@ class TranslateSettings:
         if self.split_by is not None or resolved:
             check_str("split_by", self.split_by, choices=SPLIT_BY)
         check_int("min_freq", self.min_freq, 1, MAX_COUNT)
+        if self.beam is not None or resolved:
+            check_beam(self.beam)
         for name in ("embed_size", "num_hiddens", "num_layers", "num_heads",
-                     "ffn_num_hiddens", "batch_size", "warmup_steps", "patience", "beam"):
+                     "ffn_num_hiddens", "batch_size", "warmup_steps", "patience"):
             if getattr(self, name) is not None or resolved:
                 lo = 0 if name in ("warmup_steps", "patience") else 1
                 check_int(name, getattr(self, name), lo, MAX_SIZE)
@@ -614,8 +618,34 @@ class Translator:
 
     @property
     def banned_ids(self) -> tuple[int, ...]:
-        """Target ids decoding never outputs: ``<unk>`` when the run's ``ban_unk``."""
-        return (self.tgt_vocab.unk,) if self.settings.ban_unk else ()
+        """Target ids decoding never outputs: the reserved ``<pad>`` and ``<bos>`` (never
+        a word: a model trained on a few pairs may still rank them first, and would print
+        ``<pad> <bos> <pad>``), and ``<unk>`` when the run's ``ban_unk``. ``<eos>`` ends
+        the output rather than appearing in it."""
+        reserved = tuple(self.tgt_vocab[t] for t in RESERVED_TOKENS
+                         if t != EOS and t in self.tgt_vocab)
+        return reserved + ((self.tgt_vocab.unk,) if self.settings.ban_unk else ())
+
+    def check_decoding(self, beam: int, num_steps: int) -> None:
+        """One-line ``ValueError`` unless ``beam`` is in ``[1, MAX_BEAM]``, ``num_steps``
+        in ``[2, MAX_NUM_STEPS]``, and decoding a sentence with them fits in memory.
+
+        Per hypothesis (one for greedy decoding), each step holds the candidates' logits,
+        log-probabilities and scores (3 x the target vocabulary), the attention rows so
+        far (``num_steps`` x ``num_steps`` by the end), and the decoder state: the
+        encoder's outputs and, for the Transformer, each layer's cached keys and values.
+        All float32; a lower bound.
+        """
+        check_beam(beam)
+        check_int("num_steps", num_steps, 2, MAX_NUM_STEPS)
+        c = self.model.config
+        state = num_steps + (2 * c.num_layers * num_steps if c.model == "transformer"
+                             else c.num_layers)
+        per_hypothesis = 3 * c.tgt_vocab_size + num_steps * num_steps + state * c.num_hiddens
+        how = "greedy decoding" if beam == 1 else f"beam search with a beam of {beam:,}"
+        check_memory(4 * beam * per_hypothesis,
+                     f"{how} of {num_steps:,} steps over {c.tgt_vocab_size:,} target words",
+                     hint="use a smaller beam or num_steps", device=self.device)
 
     def tokenize(self, text: str) -> list[str]:
         """Raw text -> the source tokens the model was trained on."""
@@ -637,11 +667,11 @@ class Translator:
     def _encode_source(self, text: str, num_steps: int) -> tuple[list[str], list[int]]:
         tokens = self.tokenize(text)
         if not tokens:
-            raise ValueError(f"cannot translate {text!r}: it has no tokens")
+            raise ValueError(f"cannot translate {show(text, 60)}: it has no tokens")
         if len(tokens) + 1 > num_steps:
             warnings.warn(
-                f"{text!r} has {len(tokens)} tokens; truncated to num_steps={num_steps} "
-                "(including <eos>)",
+                f"{show(text, 60)} has {len(tokens)} tokens; truncated to "
+                f"num_steps={num_steps} (including <eos>)",
                 stacklevel=3,
             )
             tokens = tokens[: num_steps - 1]
@@ -657,10 +687,7 @@ class Translator:
         checkpoint's). Unknown words become ``<unk>``.
         """
         num_steps = self.settings.num_steps if num_steps is None else num_steps
-        if num_steps < 2:
-            raise ValueError(f"num_steps must be at least 2, got {num_steps}")
-        if beam < 1:
-            raise ValueError(f"beam must be >= 1, got {beam}")
+        self.check_decoding(beam, num_steps)
         bos, eos = self.tgt_vocab[BOS], self.tgt_vocab[EOS]
         results = []
         for text in texts:
@@ -692,9 +719,8 @@ class Translator:
     ) -> list[list[str]]:
         """Output token lists for source token lists: batched greedy decoding for
         ``beam == 1``, beam search one sentence at a time otherwise."""
-        if beam < 1:
-            raise ValueError(f"beam must be >= 1, got {beam}")
         num_steps = self.settings.num_steps
+        self.check_decoding(beam, num_steps)
         bos, eos = self.tgt_vocab[BOS], self.tgt_vocab[EOS]
         out_tokens: list[list[str]] = []
         for start in range(0, len(src), batch_size):

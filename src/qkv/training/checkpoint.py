@@ -65,7 +65,16 @@ import safetensors.torch
 import torch
 from torch import Tensor, nn
 
-from ..checks import MAX_COUNT, check_bool, check_float, check_int, check_str, show
+from ..checks import (
+    MAX_COUNT,
+    MAX_JSON_DEPTH,
+    check_bool,
+    check_float,
+    check_int,
+    check_str,
+    parse_json,
+    show,
+)
 from ..utils.fileio import (
     deferred_signals,
     fsync_dir,
@@ -125,7 +134,6 @@ _PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_
 # vocabulary is about 3 MB), and parsing it would cost many times its size in memory.
 MAX_MANIFEST_BYTES = 2**20
 MAX_JSON_BYTES = 128 * 2**20
-MAX_JSON_DEPTH = 32  # qkv's own files nest at most 6 levels
 MAX_HEADER_BYTES = 16 * 2**20  # a safetensors header: GPT-2 XL's is 60 kB
 _DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
@@ -538,38 +546,13 @@ def _read_bounded(path: Path, limit: int, what: str) -> bytes:
     return data
 
 
-def _too_deep(obj: Any, limit: int) -> bool:
-    """Whether JSON-like ``obj`` nests containers more than ``limit`` levels (no recursion)."""
-    stack = [(obj, 1)]
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node if isinstance(
-            node, list) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
-
-
 def _parse_json(path: Path, data: bytes) -> Any:
-    """``json.loads`` with every way hostile JSON fails as one :class:`CheckpointError` line.
-
-    Python's parser turns ``1e400`` into ``inf``, accepts ``NaN``, refuses integers of
-    more than 4,300 digits with a ValueError and deep nesting with a RecursionError; the
-    values are left to each field's validator, the rest is caught here, and nesting is
-    bounded so that no later walk over the result can recurse too deeply either.
-    """
+    """:func:`qkv.checks.parse_json` (bounded nesting; every failure one line), its error
+    a :class:`CheckpointError` naming ``path``."""
     try:
-        obj = json.loads(data)
-    except RecursionError:
-        raise _fail(path, f"JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, 4,300-digit ints
-        raise _fail(path, f"invalid JSON ({error})") from None
-    if _too_deep(obj, MAX_JSON_DEPTH):
-        raise _fail(path, f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
-    return obj
+        return parse_json(data, MAX_JSON_DEPTH)
+    except ValueError as error:
+        raise _fail(path, str(error)) from None
 
 
 def _parse_manifest(path: Path) -> dict[str, Any]:
