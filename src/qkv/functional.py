@@ -29,7 +29,6 @@ such a row *uniform* weights; it is kept here as written for reference.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -209,8 +208,8 @@ def check_valid_lens(
     integer tensors and float tensors of whole numbers alike) in ``[0, num_keys]``. A
     mask built from 3.5 would silently keep 4 keys, from -1 none, from more than
     ``num_keys`` all; each is a caller's bug, so each is a ``ValueError`` instead. The
-    values are read on the CPU only, once per tensor however many layers pass it: on an
-    accelerator, reading them would stall every step until the device caught up.
+    values are read on the CPU only (a comparison of a few lengths): on an accelerator,
+    reading them would stall every step until the device caught up.
     """
     if not isinstance(valid_lens, Tensor):
         raise TypeError(
@@ -231,25 +230,13 @@ def check_valid_lens(
         _check_length_values(valid_lens, num_keys)
 
 
-# The last lengths found valid: (a weak reference to the tensor, its version counter, the
-# number of keys). Every layer of an encoder, and every decoding step's cross-attention,
-# passes the same tensor, so it is read once, not once per layer and step. The version
-# counter sees any in-place change.
-_last_valid_lens: tuple[weakref.ref, int, int] | None = None
-
-
 def _check_length_values(valid_lens: Tensor, num_keys: int) -> None:
     """One-line ``ValueError`` unless every length is a whole number in ``[0, num_keys]``."""
-    global _last_valid_lens
     if valid_lens.device.type != "cpu" or torch.compiler.is_compiling():
         # Reading the values of a tensor on an accelerator waits for it (a sync in every
         # training step), and a traced graph does not know them at all; lengths are
         # checked where reading them is free, on the CPU, where d2l's calls and qkv's
         # batches make them.
-        return
-    seen = _last_valid_lens
-    version = valid_lens._version
-    if seen is not None and seen[0]() is valid_lens and seen[1:] == (version, num_keys):
         return
     lens = valid_lens.detach()
     bad = (lens < 0) | (lens > num_keys)
@@ -267,7 +254,6 @@ def _check_length_values(valid_lens: Tensor, num_keys: int) -> None:
             f"valid_lens must be whole numbers in [0, {num_keys}] (the number of keys), "
             f"got {first!r}: {why}"
         )
-    _last_valid_lens = (weakref.ref(valid_lens), version, num_keys)
 
 
 def lengths_to_mask(valid_lens: Tensor, num_keys: int) -> Tensor:
