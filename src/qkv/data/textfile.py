@@ -29,6 +29,7 @@ from ..utils.fileio import open_regular, regular_file_stat
 
 __all__ = [
     "CHUNK_BYTES",
+    "MAX_UNCUT_CHARS",
     "TextFile",
     "file_sha256",
     "lines",
@@ -173,25 +174,46 @@ def split_point(text: str, start: int = 0) -> int:
     return cut if cut > start else 0
 
 
-def tokenizer_pieces(pieces: Iterable[str], min_chars: int = CHUNK_BYTES) -> Iterator[str]:
+# The longest stretch of text with no place to cut it (see split_point) that
+# tokenizer_pieces holds: natural text has one every few characters; a file of
+# megabytes without a space or newline between words is not text to learn from.
+MAX_UNCUT_CHARS = 16 * 2**20
+
+
+def tokenizer_pieces(
+    pieces: Iterable[str],
+    min_chars: int = CHUNK_BYTES,
+    *,
+    max_uncut: int = MAX_UNCUT_CHARS,
+    what: str = "text",
+) -> Iterator[str]:
     """Regroup text ``pieces`` into pieces of at least ``min_chars`` characters (but the
     last) that end where :func:`split_point` allows, so that encoding each and joining
     the ids gives the ids of the whole text.
 
-    A stretch with no such place (a run of whitespace, text without spaces or
-    newlines) stays in one piece, however long.
+    A stretch of more than ``max_uncut`` characters with no such place (a run of
+    whitespace, a file of zero bytes, text without spaces or newlines) is a one-line
+    ``ValueError`` naming ``what``, raised before more of it is held.
     """
     buffer = ""
     scanned = 0  # no cut lies before this index of buffer
+    done = 0  # characters handed out so far
     for piece in pieces:
         buffer += piece
         if len(buffer) < min_chars:
             continue
         cut = split_point(buffer, max(0, scanned - 2))
         if cut == 0:
+            if len(buffer) > max_uncut:
+                raise ValueError(
+                    f"{what} has {len(buffer):,} characters from character {done:,} on "
+                    "with no space or newline between two non-space characters, where it "
+                    f"could be cut for tokenizing (at most {max_uncut:,} are accepted); "
+                    "is it text?")
             scanned = len(buffer)
             continue
         yield buffer[:cut]
+        done += cut
         buffer, scanned = buffer[cut:], 0
     if buffer:
         yield buffer

@@ -25,6 +25,7 @@ that the next run does not trust.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -194,7 +195,7 @@ def _tokenize(source: TextFile, tokenizer: Tokenizer, ids_path: Path, dtype: np.
                disable=not progress, file=sys.stderr, leave=False)
     try:
         with bar, open(tmp, "wb") as out:
-            for piece in tokenizer_pieces(source.pieces()):
+            for piece in tokenizer_pieces(source.pieces(), what=f"text file {source.path}"):
                 has_text = has_text or not piece.isspace()
                 data = np.asarray(tokenizer.encode(piece), dtype=dtype).tobytes()
                 out.write(data)
@@ -206,9 +207,15 @@ def _tokenize(source: TextFile, tokenizer: Tokenizer, ids_path: Path, dtype: np.
         if not has_text:
             raise ValueError(f"text file {source.path} is empty")
         os.replace(tmp, ids_path)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            most = source.size * dtype.itemsize  # at most one id per byte of text
+            raise OSError(
+                f"no space left on the disk of {ids_path.parent} for the ids of "
+                f"{source.path} (they take up to {most:,} bytes; the partial file was "
+                "removed); free some space or choose another --run-dir") from None
         raise
     fsync_dir(ids_path.parent)
     seconds = time.perf_counter() - start

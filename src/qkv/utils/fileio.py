@@ -204,7 +204,9 @@ def check_writable(path: str | os.PathLike[str], *, directory: bool = False) -> 
 class NotRegularFileError(OSError, ValueError):
     """An input path that exists but is not a regular file (a directory, a FIFO, a
     device, ...): bad input, whether the caller catches it as an ``OSError`` or as a
-    ``ValueError``."""
+    ``ValueError``. ``kind`` says what it is (:func:`file_kind`)."""
+
+    kind: str = "not a file"
 
 
 # What each kind of non-regular file is called in a message.
@@ -225,8 +227,10 @@ def file_kind(mode: int) -> str:
 
 
 def _refuse(path: Path, what: str, mode: int) -> OSError:
-    return NotRegularFileError(f"{what} {str(path)!r} is {file_kind(mode)}, not a regular "
-                               "file; name a regular file")
+    error = NotRegularFileError(f"{what} {str(path)!r} is {file_kind(mode)}, not a regular "
+                                "file; name a regular file")
+    error.kind = file_kind(mode)
+    return error
 
 
 def regular_file_stat(path: str | os.PathLike[str], what: str = "file") -> os.stat_result:
