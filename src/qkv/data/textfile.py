@@ -73,14 +73,16 @@ class TextFile:
         self.bytes_read = 0
         self.sha256: str | None = None
 
-    def pieces(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[str]:
+    def pieces(self, chunk_bytes: int | None = None) -> Iterator[str]:
         """The text, in pieces of about ``chunk_bytes`` characters, whose concatenation
         is exactly what ``path.read_text(encoding="utf-8")`` (in text mode: ``\\r\\n`` and
         ``\\r`` become ``\\n``) with a leading byte-order mark dropped would give.
 
         At most :attr:`size` bytes are read (a file that grows meanwhile is read as it
         was). Invalid UTF-8 is a one-line ``ValueError`` giving the byte offset.
+        ``chunk_bytes`` defaults to :data:`CHUNK_BYTES`.
         """
+        chunk_bytes = chunk_bytes or CHUNK_BYTES
         digest = hashlib.sha256()
         decoder = codecs.getincrementaldecoder("utf-8")()
         left, offset, started, held_cr = self.size, 0, False, False
@@ -182,7 +184,7 @@ MAX_UNCUT_CHARS = 16 * 2**20
 
 def tokenizer_pieces(
     pieces: Iterable[str],
-    min_chars: int = CHUNK_BYTES,
+    min_chars: int | None = None,
     *,
     max_uncut: int = MAX_UNCUT_CHARS,
     what: str = "text",
@@ -193,8 +195,10 @@ def tokenizer_pieces(
 
     A stretch of more than ``max_uncut`` characters with no such place (a run of
     whitespace, a file of zero bytes, text without spaces or newlines) is a one-line
-    ``ValueError`` naming ``what``, raised before more of it is held.
+    ``ValueError`` naming ``what``, raised before more of it is held. ``min_chars``
+    defaults to :data:`CHUNK_BYTES`.
     """
+    min_chars = min_chars or CHUNK_BYTES
     buffer = ""
     scanned = 0  # no cut lies before this index of buffer
     done = 0  # characters handed out so far
