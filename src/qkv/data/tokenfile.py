@@ -151,18 +151,21 @@ def prepare_token_file(
     log = log or (lambda _: None)
     directory = Path(directory)
     source = TextFile(text_path, "text file")
-    digest = file_sha256(source.path, "text file")
-    if sha256 is not None and digest != sha256:
-        raise CorpusChangedError(
-            f"text file {source.path} has changed since the run was trained on it: its "
-            f"SHA-256 is {digest[:16]}..., the checkpoint recorded {sha256[:16]}...; "
-            "restore that file")
     info_path, ids_path = directory / TOKENS_INFO, directory / TOKENS_FILE
     dtype = _dtype(tokenizer)
     info = _read_info(info_path)
-    why = _reusable(directory, info, digest, tokenizer)
+    # Hashed first only when there is something to check it against: a recorded
+    # digest, or ids that may be reused. Otherwise tokenizing hashes it on the way.
+    digest = file_sha256(source.path, "text file") if sha256 or info else None
+    if sha256 is not None and digest != sha256:
+        raise CorpusChangedError(
+            f"text file {source.path} has changed since the run was trained on it: its "
+            f"SHA-256 is {str(digest)[:16]}..., the checkpoint recorded {sha256[:16]}...; "
+            "restore that file")
+    why = "no readable record" if digest is None else _reusable(directory, info, digest,
+                                                                tokenizer)
     if why is None:
-        assert info is not None
+        assert info is not None and digest is not None
         ids = np.memmap(ids_path, dtype=dtype, mode="r", shape=(info["count"],))
         log(f"reusing the {info['count']:,} ids of {source.path} in {ids_path} "
             "(tokenized once already)")
@@ -170,10 +173,11 @@ def prepare_token_file(
     if info is not None:
         log(f"tokenizing {source.path} again: the ids in {ids_path} cannot be reused ({why})")
     info = _tokenize(source, tokenizer, ids_path, dtype, progress)
-    if info["source"]["sha256"] != digest:
+    if digest is not None and info["source"]["sha256"] != digest:
         ids_path.unlink(missing_ok=True)
         raise ValueError(f"text file {source.path} changed while it was being read; "
                          "train on a file that nothing is writing to")
+    digest = info["source"]["sha256"]
     write_atomic(info_path, (json.dumps(info, indent=1) + "\n").encode())
     log(f"tokenized {source.path} ({source.size:,} bytes) into {info['count']:,} ids in "
         f"{info['seconds']:.1f} s ({info['tokens_per_second']:,.0f} tokens/s), kept in "
