@@ -88,7 +88,7 @@ def test_fifos_devices_and_directories_are_refused_by_what_they_are(tmp_path):
     if not os.path.exists("/dev/zero"):
         cases = [c for c in cases if "/dev/zero" not in c[0]]
     out = probe([argv for argv, _ in cases])
-    for (argv, phrase), (code, err) in zip(cases, out["results"], strict=True):
+    for (_argv, phrase), (code, err) in zip(cases, out["results"], strict=True):
         assert_one_line(code, err, phrase, "not a regular file")
         assert "not found" not in err
     assert not (tmp_path / "run").exists()
