@@ -70,12 +70,20 @@ def test_fifos_devices_and_directories_are_refused_by_what_they_are(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     os.mkfifo(ckpt / "checkpoint.json")  # the manifest, read first when loading a run
+    bpe = tmp_path / "bpe"
+    bpe.mkdir()
+    os.mkfifo(bpe / "encoder.json")
+    (bpe / "vocab.bpe").write_text("#version: 0.2\n")
+    text = tmp_path / "story.txt"
+    text.write_text(TEXT, encoding="utf-8")
     run = str(tmp_path / "run")
     cases = [
         (["lm", "train", "--text", str(fifo), "--run-dir", run, *LM_FAST], "FIFO (named pipe)"),
         (["translate", "train", "--data", str(fifo), "--run-dir", run, *TR_FAST],
          "FIFO (named pipe)"),
         (["lm", "generate", "--ckpt", str(ckpt), "--prompt", "x"], "FIFO (named pipe)"),
+        (["lm", "train", "--text", str(text), "--tokenizer", "gpt2", "--bpe-dir", str(bpe),
+          "--run-dir", run, *LM_FAST], "FIFO (named pipe)"),
         (["translate", "run", "--ckpt", str(ckpt), "--text", "go ."], "FIFO (named pipe)"),
         (["lm", "train", "--text", "/dev/zero", "--run-dir", run, *LM_FAST],
          "is a character device"),
@@ -199,6 +207,14 @@ def test_damaged_ids_are_tokenized_again_and_a_changed_text_is_refused(tmp_path)
     again = prepare_token_file(text, tokenizer, tmp_path, log=lines.append)
     assert not again.reused and again.ids.tolist() == tokenizer.encode(TEXT)
     assert "does not match its record" in lines[0]
+    # A record of another tokenizer of the same name and size (other BPE merges) is
+    # told apart by the ids of its probe sentence.
+    record = json.loads((tmp_path / TOKENS_INFO).read_text())
+    record["probe"][0] += 1
+    (tmp_path / TOKENS_INFO).write_text(json.dumps(record))
+    lines = []
+    assert not prepare_token_file(text, tokenizer, tmp_path, log=lines.append).reused
+    assert "another tokenizer made them" in lines[0]
     text.write_text(TEXT + "More.", encoding="utf-8")
     with pytest.raises(ValueError, match="has changed since the run was trained on it"):
         prepare_token_file(text, tokenizer, tmp_path, sha256=first.sha256)

@@ -9,12 +9,13 @@ for a vocabulary past 65,536 ids), the way nanoGPT prepares its data. Beside it,
 
     {"format": "qkv-token-ids", "version": 1,
      "tokenizer": {"name": "gpt2", "n_vocab": 50257, "eot_token": 50256},
-     "dtype": "uint16", "count": 5145, "sha256": "<of tokens.bin>",
+     "probe": [...], "dtype": "uint16", "count": 5145, "sha256": "<of tokens.bin>",
      "source": {"path": "the-verdict.txt", "bytes": 20479, "mtime_ns": ...,
                 "sha256": "<of the text file>"},
      "seconds": 0.01, "tokens_per_second": 514500.0}
 
-Training reads windows from ``np.memmap(tokens.bin)``. The next run over the same text
+(``probe``: the ids of a fixed sentence, which tell two BPE vocabularies of one size
+apart.) Training reads windows from ``np.memmap(tokens.bin)``. The next run over the same text
 with the same tokenizer (a ``--resume`` above all) reuses the file once the text's
 SHA-256 and the ids' SHA-256 match the record: the text is hashed, never tokenized
 again. Anything else (another text, another tokenizer, a damaged or missing record) is
@@ -50,6 +51,10 @@ TOKENS_FILE = "tokens.bin"
 TOKENS_INFO = "tokens.json"
 _FORMAT, _VERSION = "qkv-token-ids", 1
 _MAX_INFO_BYTES = 2**16
+# Encoded into the record: two tokenizers of the same name and size but other merges
+# (another BPE folder) give other ids for it, and the ids are then not reused.
+_PROBE = ("The quick brown fox's 12,345 jumps -- über naïve café!\n\t  Ünïcödé 字 \U0001f600"
+          " <|endoftext|>")
 
 
 @dataclass
@@ -107,7 +112,8 @@ def _reusable(directory: Path, info: dict[str, Any] | None, digest: str,
     if (info.get("format") != _FORMAT or info.get("version") != _VERSION
             or not isinstance(source, dict) or source.get("sha256") != digest):
         return "they are of another text"
-    if info.get("tokenizer") != tokenizer.to_dict() or info.get("dtype") != dtype.name:
+    if (info.get("tokenizer") != tokenizer.to_dict() or info.get("dtype") != dtype.name
+            or info.get("probe") != tokenizer.encode(_PROBE)):
         return "another tokenizer made them"
     path = directory / TOKENS_FILE
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
@@ -226,7 +232,8 @@ def _tokenize(source: TextFile, tokenizer: Tokenizer, ids_path: Path, dtype: np.
     assert source.sha256 is not None
     return {
         "format": _FORMAT, "version": _VERSION, "tokenizer": tokenizer.to_dict(),
-        "dtype": dtype.name, "count": count, "sha256": digest.hexdigest(),
+        "probe": tokenizer.encode(_PROBE), "dtype": dtype.name, "count": count,
+        "sha256": digest.hexdigest(),
         "source": {"path": str(source.path), "bytes": source.size,
                    "mtime_ns": source.mtime_ns, "sha256": source.sha256},
         "seconds": round(seconds, 3),
