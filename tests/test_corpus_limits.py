@@ -139,6 +139,12 @@ def test_a_corpus_larger_than_memory_is_refused_before_it_is_read(tmp_path, monk
     assert_one_line(code, err, "big.txt (1.0 MiB)", "12.0 MiB", "4.0 MiB is available",
                     "a corpus of at most 341.3 KiB would fit", "--num-examples")
     assert not run.exists()
+    # Asking for more pairs than fit is refused as soon as the lines read would not fit.
+    code = main(["translate", "train", "--data", str(corpus), "--run-dir", str(run),
+                 "--num-examples", "1000000", *TR_FAST])
+    err = capsys.readouterr().err
+    assert_one_line(code, err, "big.txt: its first", "more than the 349,525 whose pairs fit")
+    assert not run.exists()
     # Its first pairs are read as a stream, and fit.
     assert main(["translate", "train", "--data", str(corpus), "--run-dir", str(run),
                  "--num-examples", "8", *TR_FAST]) == 0

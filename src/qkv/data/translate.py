@@ -27,7 +27,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, overload
@@ -148,6 +148,7 @@ def read_pair_file(
     num_examples: int | None = None,
     *,
     sha256: str | None = None,
+    max_chars: int | None = None,
 ) -> tuple[TokenLines, TokenLines, str]:
     """``read_pairs(preprocess(load_corpus(path)), num_examples)`` and the file's SHA-256,
     streamed: the file is read a megabyte at a time and only the pairs are kept.
@@ -156,18 +157,32 @@ def read_pair_file(
     alone as it would inside the text (a line's first character differs only by a space
     the split drops). The whole file is hashed even when ``num_examples`` pairs come
     first; ``sha256`` is checked as in :func:`read_corpus`. A line longer than
-    :data:`MAX_LINE_CHARS` is a one-line ``ValueError``.
+    :data:`MAX_LINE_CHARS`, or lines holding more than ``max_chars`` characters before
+    ``num_examples`` pairs are read (the most whose pairs fit in memory), are a one-line
+    ``ValueError``, raised before more is kept.
     """
     source = TextFile(path, "corpus file")
     pieces = source.pieces()
-    src, tgt = _pairs_of_lines(
-        lines(pieces, max_chars=MAX_LINE_CHARS, what=f"corpus file {source.path}"),
-        num_examples, preprocessed=False)
+    read = lines(pieces, max_chars=MAX_LINE_CHARS, what=f"corpus file {source.path}")
+    if max_chars is not None:
+        read = _at_most(read, max_chars, source.path)
+    src, tgt = _pairs_of_lines(read, num_examples, preprocessed=False)
     for _ in pieces:  # the rest of the file, for its digest
         pass
     assert source.sha256 is not None
     _check_digest(source.path, source.sha256, sha256)
     return src, tgt, source.sha256
+
+
+def _at_most(lines: Iterable[str], max_chars: int, path: Path) -> Iterator[str]:
+    total = 0
+    for number, line in enumerate(lines, 1):
+        total += len(line) + 1
+        if total > max_chars:
+            raise ValueError(
+                f"corpus file {path}: its first {number:,} lines hold {total:,} characters, "
+                f"more than the {max_chars:,} whose pairs fit in memory; keep fewer pairs")
+        yield line
 
 
 def load_corpus(path: str | os.PathLike[str]) -> str:
