@@ -109,7 +109,7 @@ def read_pairs(text: str, num_examples: int | None = None) -> tuple[TokenLines, 
 
 
 def _pairs_of_lines(
-    lines: Iterable[str], num_examples: int | None, *, preprocessed: bool = True
+    rows: Iterable[str], num_examples: int | None, *, preprocessed: bool = True
 ) -> tuple[TokenLines, TokenLines]:
     """:func:`read_pairs` on lines (each preprocessed first unless ``preprocessed``)."""
     if num_examples is not None and num_examples < 0:
@@ -120,7 +120,7 @@ def _pairs_of_lines(
     # pairs repeats its few thousand words millions of times, and each copy costs ~50
     # bytes where a shared one costs a pointer.
     shared: dict[str, str] = {}
-    for line in lines:
+    for line in rows:
         # Stop *before* reading pair num_examples + 1 (the reference's loop read one extra).
         if num_examples is not None and len(source) >= num_examples:
             break
@@ -174,9 +174,10 @@ def read_pair_file(
     return src, tgt, source.sha256
 
 
-def _at_most(lines: Iterable[str], max_chars: int, path: Path) -> Iterator[str]:
+def _at_most(rows: Iterable[str], max_chars: int, path: Path) -> Iterator[str]:
+    """``rows``, until more than ``max_chars`` characters have come: then a ValueError."""
     total = 0
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(rows, 1):
         total += len(line) + 1
         if total > max_chars:
             raise ValueError(

@@ -238,8 +238,8 @@ def regular_file_stat(path: str | os.PathLike[str], what: str = "file") -> os.st
 
     Nothing is opened: a FIFO, a device (``/dev/zero``), a socket or a directory is
     refused by what it is (:class:`NotRegularFileError`), a missing path as
-    ``FileNotFoundError`` "``what`` not found". ``what``
-    names the input in the message ("text file", "corpus file").
+    ``FileNotFoundError`` "``what`` not found". ``what`` names the input in the message
+    ("text file", "corpus file").
     """
     path = Path(path)
     try:
