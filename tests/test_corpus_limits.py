@@ -229,3 +229,37 @@ def test_damaged_ids_are_tokenized_again_and_a_changed_text_is_refused(tmp_path)
     with pytest.raises(ValueError, match="is empty"):
         prepare_token_file(empty, tokenizer, tmp_path / "e")
     assert list((tmp_path / "e").iterdir()) == []  # the partial ids file was removed
+
+
+def test_regular_file_stat_names_what_a_path_is(tmp_path):
+    import socket
+
+    from qkv.utils.fileio import NotRegularFileError, open_regular, regular_file_stat
+
+    regular = tmp_path / "a.txt"
+    regular.write_bytes(b"abc")
+    assert regular_file_stat(regular).st_size == 3
+    with open_regular(regular, "text file") as f:
+        assert f.read() == b"abc"
+    kinds = {tmp_path: "a directory"}
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        kinds[tmp_path / "fifo"] = "a FIFO (named pipe)"
+    if hasattr(socket, "AF_UNIX"):
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(tmp_path / "sock"))  # the socket file outlives the socket
+        kinds[tmp_path / "sock"] = "a socket"
+    if os.path.exists("/dev/zero"):
+        kinds["/dev/zero"] = "a character device"
+    for path, kind in kinds.items():
+        for check in (regular_file_stat, open_regular):  # neither blocks on the FIFO
+            with pytest.raises(NotRegularFileError) as error:
+                check(path, "text file")
+            assert str(error.value) == (f"text file {str(path)!r} is {kind}, not a regular "
+                                        "file; name a regular file")
+            assert error.value.kind == kind
+            assert isinstance(error.value, OSError) and isinstance(error.value, ValueError)
+    with pytest.raises(FileNotFoundError, match=r"^text file not found: .*nope$"):
+        open_regular(tmp_path / "nope", "text file")
+    with pytest.raises(FileNotFoundError, match="a parent is not a directory"):
+        regular_file_stat(regular / "below", "text file")
