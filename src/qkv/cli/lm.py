@@ -45,7 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # help), and --resume can tell a flag the user gave from one left alone.
     train = actions.add_parser("train", help="train a GPT on a text file (or a built-in one)")
     train.add_argument("--text", default=None,
-                       help="UTF-8 text file (default: a corpus qkv generates itself)")
+                       help="UTF-8 text file of any size, tokenized once, streaming, into "
+                            "RUN_DIR/tokens.bin, which --resume reuses (default: a corpus "
+                            "qkv generates itself)")
     train.add_argument("--init", default=None, metavar="RUN",
                        help="start from the weights of this run (trained here, or made by "
                             "qkv lm import); its tokenizer, context length and "

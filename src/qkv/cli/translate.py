@@ -64,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train = actions.add_parser("train", help="train a translator (default: dates -> ISO)")
     train.add_argument("--data", default=None,
                        help="'dates' (embedded, default), 'fra-eng' (downloaded) or a "
-                            "source<TAB>target file")
+                            "source<TAB>target file (read as a stream; one whose pairs "
+                            "cannot fit in memory is refused before it is read)")
     train.add_argument("--model", choices=["bahdanau", "transformer"], default=None,
                        help="default: bahdanau")
     train.add_argument("--run-dir", type=Path, default=None,

@@ -24,6 +24,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -47,7 +48,11 @@ class GPTDataset(Dataset):
     """Input/target windows over one sequence of token ids.
 
     Args:
-        token_ids: the ids, a list or a 1-D integer tensor.
+        token_ids: the ids, a list or a 1-D integer tensor; or a 1-D integer NumPy array,
+            such as the ``np.memmap`` of a text tokenized once into a file
+            (:func:`qkv.data.tokenfile.prepare_token_file`), which is kept as it is and
+            read a window at a time, so a corpus larger than memory trains in bounded
+            memory.
         max_length: tokens per window (the model's input length).
         stride: step between the starts of consecutive windows; ``stride == max_length``
             gives disjoint inputs, ``stride < max_length`` overlapping ones.
@@ -55,28 +60,39 @@ class GPTDataset(Dataset):
     Window ``n`` starts at ``i = n * stride`` for ``i in range(0, len(ids) - max_length,
     stride)`` (the book's loop, so the last target token always exists): the input is
     ``ids[i : i + max_length]``, the target ``ids[i + 1 : i + max_length + 1]``; both are
-    ``(max_length,)`` int64 views of :attr:`token_ids`, so memory does not grow with the
-    number of windows.
+    ``(max_length,)`` int64 views of :attr:`token_ids` (of one int64 copy of the window,
+    for a NumPy array), so memory does not grow with the number of windows.
 
     Raises:
         ValueError: a sequence too short for one window, or a non-positive size.
     """
 
-    def __init__(self, token_ids: Tensor | Sequence[int], max_length: int, stride: int) -> None:
+    def __init__(
+        self, token_ids: Tensor | Sequence[int] | np.ndarray, max_length: int, stride: int
+    ) -> None:
         if max_length < 1 or stride < 1:
             raise ValueError(
                 f"max_length and stride must be positive, got max_length={max_length}, "
                 f"stride={stride}"
             )
-        ids = torch.as_tensor(token_ids)
-        if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
-            raise ValueError(
-                f"token_ids must be a 1-D sequence of integers, got {ids.dtype} of shape "
-                f"{tuple(ids.shape)}"
-            )
-        # int64 is what nn.Embedding and cross_entropy take; contiguous so that every
-        # window is a plain slice of one storage.
-        self.token_ids = ids.to(torch.long).contiguous()
+        self.token_ids: Tensor | np.ndarray
+        if isinstance(token_ids, np.ndarray):
+            if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+                raise ValueError(
+                    f"token_ids must be a 1-D array of integers, got {token_ids.dtype} of "
+                    f"shape {token_ids.shape}"
+                )
+            self.token_ids = token_ids  # not copied: it may be a file larger than memory
+        else:
+            ids = torch.as_tensor(token_ids)
+            if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+                raise ValueError(
+                    f"token_ids must be a 1-D sequence of integers, got {ids.dtype} of "
+                    f"shape {tuple(ids.shape)}"
+                )
+            # int64 is what nn.Embedding and cross_entropy take; contiguous so that every
+            # window is a plain slice of one storage.
+            self.token_ids = ids.to(torch.long).contiguous()
         self.max_length = max_length
         self.stride = stride
         self.starts = range(0, len(self.token_ids) - max_length, stride)
@@ -92,6 +108,10 @@ class GPTDataset(Dataset):
 
     def __getitem__(self, idx: int) -> tuple[Tensor, Tensor]:
         i = self.starts[idx]  # range indexing: negative indices work, out of range raises
+        if isinstance(self.token_ids, np.ndarray):
+            window = torch.from_numpy(self.token_ids[i : i + self.max_length + 1]
+                                      .astype(np.int64))
+            return window[:-1], window[1:]
         return (
             self.token_ids[i : i + self.max_length],
             self.token_ids[i + 1 : i + self.max_length + 1],

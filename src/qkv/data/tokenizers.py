@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import MAX_SIZE, check_int, check_str, show
+from ..utils.fileio import open_regular, regular_file_stat
 
 __all__ = [
     "BPE_DIR_ENV",
@@ -186,7 +187,8 @@ def _import_tiktoken() -> Any:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    with open_regular(path, "GPT-2 BPE file") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 @lru_cache(maxsize=4)
@@ -230,6 +232,9 @@ def _gpt2_from_dir(bpe_dir: str | Path) -> GPT2Tokenizer:
     if not any((folder / name).is_file() for name in BPE_FILES) and all(
             (folder / name).is_file() for name in HF_BPE_FILES):
         names = HF_BPE_FILES  # a Hugging Face folder: vocab.json + merges.txt
+    for name in names:  # a FIFO, a device or a directory there: said as what it is
+        if os.path.lexists(folder / name):
+            regular_file_stat(folder / name, "GPT-2 BPE file")
     missing = [name for name in names if not (folder / name).is_file()]
     if missing:
         raise FileNotFoundError(

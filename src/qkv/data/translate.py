@@ -27,7 +27,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, overload
@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..checks import MAX_COUNT, show
 from .loading import batch_loader
+from .textfile import TextFile, lines
 
 FRA_ENG_URL = "http://d2l-data.s3-accelerate.amazonaws.com/fra-eng.zip"
 FRA_ENG_SHA1 = "94646ad1522d915e7b0f9296181140edcf86a4f5"
@@ -104,6 +105,13 @@ def read_pairs(text: str, num_examples: int | None = None) -> tuple[TokenLines, 
     Returns:
         (source, target): two lists of the same length n, each item a list of tokens.
     """
+    return _pairs_of_lines(text.split("\n"), num_examples)
+
+
+def _pairs_of_lines(
+    rows: Iterable[str], num_examples: int | None, *, preprocessed: bool = True
+) -> tuple[TokenLines, TokenLines]:
+    """:func:`read_pairs` on lines (each preprocessed first unless ``preprocessed``)."""
     if num_examples is not None and num_examples < 0:
         raise ValueError(f"num_examples must be >= 0 or None, got {num_examples}")
     source: TokenLines = []
@@ -112,10 +120,12 @@ def read_pairs(text: str, num_examples: int | None = None) -> tuple[TokenLines, 
     # pairs repeats its few thousand words millions of times, and each copy costs ~50
     # bytes where a shared one costs a pointer.
     shared: dict[str, str] = {}
-    for line in text.split("\n"):
+    for line in rows:
         # Stop *before* reading pair num_examples + 1 (the reference's loop read one extra).
         if num_examples is not None and len(source) >= num_examples:
             break
+        if not preprocessed:
+            line = preprocess(line)
         parts = line.rstrip("\r").split("\t")
         if len(parts) < 2:
             continue
@@ -127,18 +137,76 @@ def read_pairs(text: str, num_examples: int | None = None) -> tuple[TokenLines, 
     return source, target
 
 
+# The longest line a pair file may have: a sentence pair is a few hundred characters; a
+# file without newlines (a binary file, a sparse file of zeros) is refused at this length
+# instead of being held whole.
+MAX_LINE_CHARS = 2**20
+
+
+def read_pair_file(
+    path: str | os.PathLike[str],
+    num_examples: int | None = None,
+    *,
+    sha256: str | None = None,
+    max_chars: int | None = None,
+) -> tuple[TokenLines, TokenLines, str]:
+    """``read_pairs(preprocess(load_corpus(path)), num_examples)`` and the file's SHA-256,
+    streamed: the file is read a megabyte at a time and only the pairs are kept.
+
+    The pairs are those of the whole-text pipeline: :func:`preprocess` treats each line
+    alone as it would inside the text (a line's first character differs only by a space
+    the split drops). The whole file is hashed even when ``num_examples`` pairs come
+    first; ``sha256`` is checked as in :func:`read_corpus`. A line longer than
+    :data:`MAX_LINE_CHARS`, or lines holding more than ``max_chars`` characters before
+    ``num_examples`` pairs are read (the most whose pairs fit in memory), are a one-line
+    ``ValueError``, raised before more is kept.
+    """
+    source = TextFile(path, "corpus file")
+    pieces = source.pieces()
+    read = lines(pieces, max_chars=MAX_LINE_CHARS, what=f"corpus file {source.path}")
+    if max_chars is not None:
+        read = _at_most(read, max_chars, source.path)
+    src, tgt = _pairs_of_lines(read, num_examples, preprocessed=False)
+    for _ in pieces:  # the rest of the file, for its digest
+        pass
+    assert source.sha256 is not None
+    _check_digest(source.path, source.sha256, sha256)
+    return src, tgt, source.sha256
+
+
+def _at_most(rows: Iterable[str], max_chars: int, path: Path) -> Iterator[str]:
+    """``rows``, until more than ``max_chars`` characters have come: then a ValueError."""
+    total = 0
+    for number, line in enumerate(rows, 1):
+        total += len(line) + 1
+        if total > max_chars:
+            raise ValueError(
+                f"corpus file {path}: its first {number:,} lines hold {total:,} characters, "
+                f"more than the {max_chars:,} whose pairs fit in memory; keep fewer pairs")
+        yield line
+
+
 def load_corpus(path: str | os.PathLike[str]) -> str:
     """Read a UTF-8 corpus file and return its text (a leading byte-order mark is dropped).
 
     Raises:
         FileNotFoundError: nothing exists at `path`.
-        ValueError: `path` is a directory, or the file is not valid UTF-8.
+        ValueError: `path` is a directory or another non-regular file (a FIFO, a
+            device), or the file is not valid UTF-8.
     """
     return read_corpus(path)[0]
 
 
 class CorpusChangedError(ValueError):
     """A corpus file no longer has the SHA-256 a checkpoint recorded for it."""
+
+
+def _check_digest(path: Path, digest: str, expected: str | None) -> None:
+    if expected is not None and digest != expected:
+        raise CorpusChangedError(
+            f"corpus file {path} has changed since the run was trained on it: its SHA-256 is "
+            f"{digest[:16]}..., the checkpoint recorded {expected[:16]}...; restore that file"
+        )
 
 
 def read_corpus(
@@ -148,28 +216,14 @@ def read_corpus(
 
     A run records the digest of the corpus it was trained on; passing it back as `sha256`
     when the run is evaluated or resumed makes a changed file a one-line
-    `CorpusChangedError` instead of silently different data.
+    `CorpusChangedError` instead of silently different data. The path is checked to be a
+    regular file before it is opened (:class:`qkv.data.textfile.TextFile`).
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"corpus file not found: {path}")
-    if path.is_dir():
-        raise ValueError(f"corpus path is a directory, expected a UTF-8 text file: {path}")
-    data = path.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if sha256 is not None and digest != sha256:
-        raise CorpusChangedError(
-            f"corpus file {path} has changed since the run was trained on it: its SHA-256 is "
-            f"{digest[:16]}..., the checkpoint recorded {sha256[:16]}...; restore that file"
-        )
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        where = f"{e.reason} at byte {e.start}"
-        raise ValueError(f"corpus file is not valid UTF-8 ({where}): {path}") from None
-    # What reading in text mode did before: universal newlines.
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text.removeprefix("\ufeff"), digest
+    source = TextFile(path, "corpus file")
+    text = "".join(source.pieces())
+    assert source.sha256 is not None
+    _check_digest(source.path, source.sha256, sha256)
+    return text, source.sha256
 
 
 # ----------------------------------------------------------------------------

@@ -14,7 +14,10 @@ tiktoken, offline from ``bpe_dir`` (or ``$QKV_BPE_DIR``) holding ``encoder.json`
 ``vocab.bpe``.
 
 A run records the SHA-256 of its text file (``settings.text_sha256``); resuming it reads
-that file again and refuses in one line if it has changed. Loading a run
+that file again and refuses in one line if it has changed. The text is tokenized once,
+streaming, into ``tokens.bin`` in the run directory (memory-mapped for training, reused
+by a resume: see :mod:`qkv.data.tokenfile`), so a text of any size trains in bounded
+memory. Loading a run
 (:meth:`LanguageModel.load`) reads the checkpoint and the BPE files only, never the
 network: every field of ``config.json`` is validated and the weights file's header is
 checked against the model the config describes before anything is built.
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -44,8 +48,8 @@ from ..checks import (
     show,
 )
 from ..data.lm import GPTDataset, create_dataloader, generated_corpus
+from ..data.tokenfile import TokenFile, prepare_token_file
 from ..data.tokenizers import TOKENIZER_NAMES, Tokenizer, get_tokenizer, tokenizer_from_dict
-from ..data.translate import read_corpus
 from ..models.gpt import PRESETS, GPTConfig, GPTModel, check_max_new_tokens, generate
 from ..training import (
     DECAYS,
@@ -65,6 +69,7 @@ from ..training import (
     checkpoint_progress,
     get_rank_and_world_size,
     is_checkpoint,
+    is_main_process,
     load_weights,
     resolve_device,
     save_checkpoint,
@@ -414,20 +419,31 @@ class LanguageModel:
         )
 
 
-def _load_text(settings: LMSettings) -> tuple[str, str | None]:
-    """The training text and the SHA-256 of its file (None for the generated corpus).
+def _token_ids(settings: LMSettings, tokenizer: Tokenizer, run_dir: Path, progress: bool,
+               log: Callable[[str], None]) -> tuple[torch.Tensor | np.ndarray, str | None]:
+    """The training text's ids and the SHA-256 of its file (None for the generated corpus).
 
-    A file whose digest the settings recorded (a run being resumed) must still have it.
+    A text file is tokenized once, streaming, into ``run_dir``'s memory-mapped id file
+    (:func:`qkv.data.tokenfile.prepare_token_file`), which later runs over the same text
+    (a resume) reuse; a file whose digest the settings recorded (a run being resumed)
+    must still have it. Under torchrun, rank 0 writes the id file and the other ranks
+    then read it.
     """
     if settings.text is None:
-        return generated_corpus(settings.corpus_chars, seed=settings.seed), None
-    path = Path(settings.text)
-    if not path.is_file():
-        raise FileNotFoundError(f"text file not found: {path}")
-    text, digest = read_corpus(path, sha256=settings.text_sha256)
-    if not text.strip():
-        raise ValueError(f"text file {path} is empty")
-    return text, digest
+        text = generated_corpus(settings.corpus_chars, seed=settings.seed)
+        return torch.tensor(tokenizer.encode(text), dtype=torch.long), None
+
+    def prepare() -> TokenFile:
+        return prepare_token_file(settings.text, tokenizer, run_dir,  # type: ignore[arg-type]
+                                  sha256=settings.text_sha256, progress=progress, log=log)
+
+    if not torch.distributed.is_initialized():
+        tokens = prepare()
+    else:
+        first = prepare() if is_main_process() else None
+        torch.distributed.barrier()
+        tokens = first if first is not None else prepare()
+    return tokens.ids, tokens.sha256
 
 
 def _model_name(settings: LMSettings, num_params: int) -> str:
@@ -492,9 +508,8 @@ def train_language_model(
             tokenizer = get_tokenizer(settings.tokenizer, bpe_dir=settings.bpe_dir)
         else:  # offline, and checked to give the saved run's ids
             tokenizer = tokenizer_from_dict(saved_tokenizer, bpe_dir=settings.bpe_dir)
-        text, text_sha256 = _load_text(settings)
+        ids, text_sha256 = _token_ids(settings, tokenizer, run_dir, progress, log)
         settings = dataclasses.replace(settings, text_sha256=text_sha256)
-        ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
         cfg = settings.model_config(tokenizer.n_vocab)
         window = cfg.context_length
         if settings.batch_tokens is not None:

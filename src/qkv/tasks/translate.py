@@ -69,8 +69,7 @@ from ..data.translate import (
     download_fra_eng,
     num_held_out,
     preprocess,
-    read_corpus,
-    read_pairs,
+    read_pair_file,
 )
 from ..functional import BACKENDS
 from ..models import (
@@ -94,9 +93,11 @@ from ..training import (
     CheckpointError,
     EarlyStopping,
     LRSchedule,
+    available_memory,
     check_memory,
     check_save_every,
     check_weights,
+    format_bytes,
     is_checkpoint,
     is_main_process,
     load_weights,
@@ -104,6 +105,7 @@ from ..training import (
     resolve_device,
 )
 from ..training.metrics import bleu, corpus_bleu, exact_match, has_sacrebleu
+from ..utils.fileio import regular_file_stat
 from . import pipeline
 
 __all__ = [
@@ -421,6 +423,28 @@ def _corpus_file(settings: TranslateSettings, reload: bool) -> Path:
     return path
 
 
+# Memory a corpus takes per byte of its file, once read into pairs, vocabularies and
+# the padded id tensors: 15.7 measured on fra-eng (180,660 pairs, 20 at the peak while
+# the tensors are built); lower, so that a refusal is certain to be right.
+CORPUS_BYTES_PER_BYTE = 12
+
+
+def check_corpus_memory(path: Path) -> None:
+    """Refuse, before reading it, a pair file whose pairs cannot fit in memory: one
+    :class:`qkv.training.InsufficientMemoryError` line naming its size and the largest
+    corpus that would fit. The file is checked to be a regular file first."""
+    size = regular_file_stat(path, "corpus file").st_size
+    available = available_memory("cpu")
+    fits = "" if available is None else (
+        f"a corpus of at most {format_bytes(available // CORPUS_BYTES_PER_BYTE)} would fit; ")
+    check_memory(
+        CORPUS_BYTES_PER_BYTE * size,
+        f"reading the corpus file {path} ({format_bytes(size)}) into pairs "
+        f"({CORPUS_BYTES_PER_BYTE} bytes of memory per byte of text)",
+        hint=f"{fits}keep its first pairs with --num-examples N, or use a smaller file",
+    )
+
+
 def _load_pairs(
     settings: TranslateSettings, reload: bool
 ) -> tuple[list[list[str]], list[list[str]], str | None]:
@@ -429,9 +453,15 @@ def _load_pairs(
         pairs = make_date_pairs(settings.num_examples, seed=settings.seed)
         return [s.split() for s, _ in pairs], [t.split() for _, t in pairs], None
     path = _corpus_file(settings, reload)
+    max_chars = None
+    if settings.num_examples is None:  # every pair is kept: refuse before reading
+        check_corpus_memory(path)
+    else:  # the first pairs are kept: refuse as soon as they would not fit
+        available = available_memory("cpu")
+        max_chars = None if available is None else available // CORPUS_BYTES_PER_BYTE
     # A run saved before digests were recorded has none: its corpus is read unchecked.
-    text, digest = read_corpus(path, sha256=settings.data_sha256 if reload else None)
-    src, tgt = read_pairs(preprocess(text), settings.num_examples)
+    src, tgt, digest = read_pair_file(path, settings.num_examples, max_chars=max_chars,
+                                      sha256=settings.data_sha256 if reload else None)
     if not src:
         raise ValueError(f"no 'source<TAB>target' pairs found in {path}")
     return src, tgt, digest

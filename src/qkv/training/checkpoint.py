@@ -76,8 +76,10 @@ from ..checks import (
     show,
 )
 from ..utils.fileio import (
+    NotRegularFileError,
     deferred_signals,
     fsync_dir,
+    open_regular,
     remove_stale_temp_files,
     write_atomic,
     write_durable,
@@ -538,8 +540,14 @@ def _say_saving(signum: int) -> None:
 
 
 def _read_bounded(path: Path, limit: int, what: str) -> bytes:
-    """``path``'s bytes, refused unread past ``limit`` (however the file may grow meanwhile)."""
-    with open(path, "rb") as f:
+    """``path``'s bytes, refused unread past ``limit`` (however the file may grow meanwhile)
+    or when ``path`` is not a regular file (a FIFO there would block the read forever)."""
+    try:
+        f = open_regular(path, what)
+    except NotRegularFileError as error:
+        raise _fail(path, f"is {error.kind}, not a regular file; a qkv save writes "
+                          "only regular files") from None
+    with f:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise _fail(path, f"is larger than {limit:,} bytes, too large for {what}")

@@ -8,6 +8,12 @@ its temporary file behind; :func:`remove_stale_temp_files` clears those.
 :func:`deferred_signals` holds Ctrl-C and SIGTERM back while a multi-file write runs,
 and :func:`check_writable` tells, before an hour of training, whether a file can be
 written at all.
+
+Files the user names as inputs (a corpus, a text, a checkpoint's files) are opened with
+:func:`open_regular`: what the path is, and its size, are known before a byte is read, so a
+FIFO (which would block forever), ``/dev/zero`` (which never ends) or a directory is
+refused in one line saying what it is, and a caller can refuse a file too large for memory
+before reading it.
 """
 
 from __future__ import annotations
@@ -19,22 +25,29 @@ import os
 import re
 import secrets
 import signal
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 # What a file write takes: bytes, or a view of them (a tensor's, a NumPy array's).
 Buffer = bytes | bytearray | memoryview
 
 __all__ = [
     "write_atomic",
+    "temp_path",
     "write_durable",
     "fsync_dir",
     "remove_stale_temp_files",
     "deferred_signals",
     "check_writable",
     "process_alive",
+    "NotRegularFileError",
+    "file_kind",
+    "regular_file_stat",
+    "open_regular",
 ]
 
 # write_atomic's temporary names: ".{name}.{pid}.{8 hex digits}.tmp".
@@ -75,6 +88,13 @@ def _sha256(chunks: Iterable[Buffer]) -> str:
     return digest.hexdigest()
 
 
+def temp_path(path: str | os.PathLike[str]) -> Path:
+    """A fresh temporary name beside ``path``, for writing it whole and then renaming:
+    one that :func:`remove_stale_temp_files` clears if this process dies first."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, whole.
 
@@ -84,7 +104,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = temp_path(path)
     try:
         write_durable(tmp, data)
         os.replace(tmp, path)
@@ -197,3 +217,93 @@ def check_writable(path: str | os.PathLike[str], *, directory: bool = False) -> 
         raise OSError(f"cannot write into {str(folder)!r}: {reason}; "
                       "choose a writable location") from None
     return path
+
+
+# ----------------------------------------------------------------------------
+# Reading inputs
+
+
+class NotRegularFileError(OSError, ValueError):
+    """An input path that exists but is not a regular file (a directory, a FIFO, a
+    device, ...): bad input, whether the caller catches it as an ``OSError`` or as a
+    ``ValueError``. ``kind`` says what it is (:func:`file_kind`)."""
+
+    kind: str = "not a file"
+
+
+# What each kind of non-regular file is called in a message.
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def file_kind(mode: int) -> str:
+    """What a ``st_mode`` describes: ``"a regular file"``, ``"a FIFO (named pipe)"``, ..."""
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return next((name for test, name in _KINDS if test(mode)), "not a file")
+
+
+def _refuse(path: Path, what: str, mode: int) -> OSError:
+    error = NotRegularFileError(f"{what} {str(path)!r} is {file_kind(mode)}, not a regular "
+                                "file; name a regular file")
+    error.kind = file_kind(mode)
+    return error
+
+
+def regular_file_stat(path: str | os.PathLike[str], what: str = "file") -> os.stat_result:
+    """``os.stat(path)``, or a one-line ``OSError`` unless ``path`` is a regular file.
+
+    Nothing is opened: a FIFO, a device (``/dev/zero``), a socket or a directory is
+    refused by what it is (:class:`NotRegularFileError`), a missing path as
+    ``FileNotFoundError`` "``what`` not found". ``what`` names the input in the message
+    ("text file", "corpus file").
+    """
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} not found: {path}") from None
+    except NotADirectoryError:  # a component of the path is a file
+        raise FileNotFoundError(f"{what} not found: {path} (a parent is not a "
+                                "directory)") from None
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise OSError(f"cannot read {what} {str(path)!r}: {reason}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse(path, what, st.st_mode)
+    return st
+
+
+def open_regular(path: str | os.PathLike[str], what: str = "file") -> BinaryIO:
+    """Open ``path`` for reading in binary mode, only if it is a regular file.
+
+    :func:`regular_file_stat` decides before the file is opened. The file is then opened
+    non-blocking (so a FIFO swapped in meanwhile cannot block the open) and checked
+    again on the open descriptor: what is read is the regular file that was checked,
+    whose size is ``os.fstat(f.fileno()).st_size``.
+    """
+    path = Path(path)
+    regular_file_stat(path, what)
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | nonblock)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} not found: {path}") from None
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise OSError(f"cannot read {what} {str(path)!r}: {reason}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(path, what, st.st_mode)
+        if nonblock:
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
