@@ -473,7 +473,9 @@ def test_serve_mode(browser):
     asked: list[str] = []
 
     def answer(route):
-        text = route.request.url.split("text=", 1)[1]
+        request = route.request
+        assert (request.method, request.headers["content-type"]) == ("POST", "application/json")
+        text = request.post_data_json["text"]
         asked.append(text)
         if text == "boom":
             route.abort()
@@ -512,7 +514,7 @@ def test_serve_mode(browser):
         page.wait_for_function("document.querySelectorAll('text.token.query').length === 3")
         assert texts(page, "text.token.query") == ["Hello", ",", "\u00b7world"]
         assert page.locator("#error").is_hidden()
-        assert asked == ["bad", "boom", "Hello%2C%20world%20%26%20more"]
+        assert asked == ["bad", "boom", "Hello, world & more"]
         # The browser reports the failed loads itself; anything else is the page's fault.
         assert [e for e in watch.errors if not e.startswith("Failed to load resource")] == []
     finally:
