@@ -88,9 +88,11 @@ class _Server(ThreadingHTTPServer):
         with self._reading_lock:
             self._reading[connection] = time.monotonic() + self.request_timeout
 
-    def done_reading(self, connection: socket.socket) -> None:
+    def done_reading(self, connection: socket.socket) -> bool:
+        """The request on ``connection`` is read: False if its deadline came first (the
+        connection is closed, and the request may be cut short: it is not answered)."""
         with self._reading_lock:
-            self._reading.pop(connection, None)
+            return self._reading.pop(connection, None) is not None
 
     def service_actions(self) -> None:
         now = time.monotonic()
@@ -107,7 +109,7 @@ class _Server(ThreadingHTTPServer):
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
             self._refuse(request)
-            self.shutdown_request(request)
+            self.close_request(request)
             return
         try:
             super().process_request(request, client_address)
@@ -133,6 +135,24 @@ class _Server(ThreadingHTTPServer):
             request.setblocking(False)
             request.sendall(head + body)
             request.recv(65536)  # what the client already sent: closing over it would reset
+
+    def shutdown_request(self, request: Any) -> None:
+        # On the connection's own thread, once it is answered. The client may still be
+        # sending (a body refused unread, say): closing over unread bytes resets the
+        # connection, and a reset can destroy the answer before the client reads it.
+        # So this side ends first, then what still comes is read and dropped, for a
+        # bounded time and number of bytes, until the client closes too.
+        end = time.monotonic() + min(self.request_timeout, 2.0)
+        with suppress(OSError):
+            request.shutdown(socket.SHUT_WR)
+            budget = MAX_BODY_BYTES + 65536
+            while budget > 0 and (left := end - time.monotonic()) > 0:
+                request.settimeout(left)
+                chunk = request.recv(65536)
+                if not chunk:
+                    break
+                budget -= len(chunk)
+        self.close_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
@@ -206,8 +226,7 @@ def make_server(target: Target, *, port: int = 0, texts: Sequence[str] = (),
             return True
 
         def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
-            self.server.done_reading(self.connection)
-            if not self._addressed_here():
+            if not self.server.done_reading(self.connection) or not self._addressed_here():
                 return
             url = urlsplit(self.path)
             if url.path in ("/", "/index.html"):
@@ -225,10 +244,8 @@ def make_server(target: Target, *, port: int = 0, texts: Sequence[str] = (),
 
         def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
             body = self._body()
-            if body is None:
-                return
-            self.server.done_reading(self.connection)
-            if not self._addressed_here():
+            if (body is None or not self.server.done_reading(self.connection)
+                    or not self._addressed_here()):
                 return
             if urlsplit(self.path).path != API:
                 self._json(HTTPStatus.NOT_FOUND, {"error": f"POST goes to {API}, not "
