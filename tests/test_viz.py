@@ -36,6 +36,7 @@ from qkv.viz import Exploration, decode_section, encode_section, explore, page_d
 from qkv.viz.data import MAX_TEXT_CHARS
 from qkv.viz.server import MAX_BODY_BYTES, make_server
 from test_translate import FAST, PAIRS
+from test_viz_page import HOSTILE
 
 LM_TEXT = ("The cat sat on the mat. The dog sat on the log. " * 30)
 
@@ -548,5 +549,52 @@ def test_real_pages_work_in_a_browser_offline_and_live(runs, server, tmp_path):
             # The browser itself logs the deliberate 400 answer; nothing else may appear.
             bad_request = "the server responded with a status of 400"
             assert [e for e in errors if bad_request not in e] == [], errors
+        finally:
+            browser.close()
+
+
+def test_hostile_texts_through_a_real_model_show_literally_in_file_and_served_pages(tmp_path):
+    sync_api, executable = _browser()
+    cfg = GPTConfig(vocab_size=257, context_length=64, emb_dim=16, n_heads=2, n_layers=2,
+                    drop_rate=0.0)
+    lm = LanguageModel(GPTModel(cfg).init_weights().eval(), get_tokenizer("bytes"),
+                       LMSettings(preset="tiny"))
+    page_file = tmp_path / "hostile.html"
+    explore(lm, HOSTILE).save(page_file)
+    srv = make_server(lm, port=0, texts=HOSTILE[::-1], log=lambda line: None)
+    with sync_api.sync_playwright() as p, running(srv) as url:
+        browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            errors, dialogs = [], []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+
+            def shows(text):
+                assert page.text_content("#example-text") == text
+                tokens = page.locator("text.token.query")
+                assert tokens.count() == len(text.encode())  # one token per byte
+                if text.isascii():  # a byte of a longer character shows as U+FFFD
+                    assert "".join(tokens.all_text_contents()) == text
+                tokens.nth(len(text.encode()) // 2).hover()
+                assert page.locator("text.token.key.highlight").count() >= 1
+                page.mouse.move(1, 1)
+
+            for where, texts in ((page_file.as_uri(), HOSTILE), (url + "/", HOSTILE[::-1])):
+                page.goto(where)
+                page.wait_for_function("window.qkvReady === true", timeout=15_000)
+                for n, text in enumerate(texts):
+                    page.select_option("#example", str(n))
+                    shows(text)
+            # Typed into the served page's box, sent to the server and drawn.
+            for text in ("</script><script>alert(1)</script>", "<!--<script>"):
+                page.fill("#text-input", text)
+                page.click("#run")
+                page.wait_for_function(
+                    f"document.querySelectorAll('text.token.query').length === {len(text)}",
+                    timeout=15_000)
+                shows(text)
+            assert errors == [] and dialogs == []
         finally:
             browser.close()
