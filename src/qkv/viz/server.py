@@ -82,7 +82,7 @@ class _Server(ThreadingHTTPServer):
         self._reading_lock = threading.Lock()
         super().__init__(address, handler)
 
-    # -- the deadline: a connection still sending its request after it is closed.
+    # -- the deadline: a connection still sending its request when it passes is closed.
 
     def start_reading(self, connection: socket.socket) -> None:
         with self._reading_lock:
