@@ -113,7 +113,7 @@ class _Server(ThreadingHTTPServer):
             return
         try:
             super().process_request(request, client_address)
-        except BaseException:  # no thread started: its slot is free again
+        except Exception:  # no thread started ("can't start new thread"): free its slot
             self._slots.release()
             raise
 
@@ -335,4 +335,29 @@ def serve(target: Target, *, port: int = 8000, texts: Sequence[str] = (),
     server = make_server(target, port=port, texts=texts, title=title, beam=beam)
     with server:
         say(f"qkv view: serving on http://{HOST}:{server.server_port}/ (Ctrl-C stops)")
-        server.serve_forever()
+        # The server loops on a thread of its own while this one, the main thread, only
+        # waits: the KeyboardInterrupt of Ctrl-C or SIGTERM, raised in the main thread,
+        # then never lands in the server's code halfway through handing a connection to
+        # its thread (the server would close that connection under the thread's feet).
+        # It waits on an Event (an interrupted Thread.join can leave the thread marked as
+        # ended while it runs), half a second at a time: a signal that the system gives
+        # to another thread sets a flag the main thread reads only when it wakes.
+        failed: list[BaseException] = []
+        ended = threading.Event()
+
+        def loop() -> None:
+            try:
+                server.serve_forever()
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                failed.append(e)
+            finally:
+                ended.set()
+
+        threading.Thread(target=loop, name="qkv-view-server", daemon=True).start()
+        try:
+            while not ended.wait(0.5):
+                pass
+        finally:
+            server.shutdown()  # at once if the loop has ended; else within its poll
+        if failed:
+            raise failed[0]
