@@ -7,24 +7,36 @@ and at the end of this file (real runs, real server).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
 import threading
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 
+import qkv
 from qkv.cli import main
 from qkv.data.tokenizers import get_tokenizer
 from qkv.models.gpt import GPTConfig, GPTModel
 from qkv.tasks.lm import LanguageModel, LMSettings
 from qkv.tasks.translate import Translator
 from qkv.viz import Exploration, decode_section, encode_section, explore, page_data
-from qkv.viz.server import make_server
+from qkv.viz.data import MAX_TEXT_CHARS
+from qkv.viz.server import MAX_BODY_BYTES, make_server
 from test_translate import FAST, PAIRS
+from test_viz_page import HOSTILE
 
 LM_TEXT = ("The cat sat on the mat. The dog sat on the log. " * 30)
 
@@ -220,19 +232,30 @@ def test_view_writes_a_page_and_refuses_bad_input_in_one_line(runs, tmp_path, ca
 
 # ---------------------------------------------------------------------------- server
 
+@contextlib.contextmanager
+def running(srv):
+    """``srv`` serving on a thread of its own; its address."""
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_port}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 @pytest.fixture(scope="module")
 def server(runs):
     srv = make_server(LanguageModel.load(runs / "lm"), port=0, texts=["The cat"],
                       log=lambda line: None)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{srv.server_port}"
-    srv.shutdown()
-    srv.server_close()
+    with running(srv) as url:
+        yield url
 
 
-def get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
-    request = urllib.request.Request(url, headers=headers or {})
+def get(url: str, headers: dict | None = None, data: bytes | None = None
+        ) -> tuple[int, bytes]:
+    """The status and body of a GET (a POST with ``data``)."""
+    request = urllib.request.Request(url, headers=headers or {}, data=data)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, response.read()
@@ -265,6 +288,216 @@ def test_server_listens_on_the_loopback_only_and_says_when_its_port_is_taken(ser
     port = int(server.rsplit(":", 1)[1])
     with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} .*choose another"):
         make_server(LanguageModel.load(runs / "lm"), port=port)
+
+
+# ------------------------------------------------------ server: careless and hostile clients
+
+def post(url: str, obj, *, content_type: str = "application/json") -> tuple[int, dict]:
+    status, body = get(url + "/api/attention", headers={"Content-Type": content_type},
+                       data=json.dumps(obj).encode())
+    return status, json.loads(body)
+
+
+def connect(url: str, data: bytes = b"", *, receive_buffer: int | None = None):
+    """A raw connection to the server at ``url`` that has sent ``data`` (and may send
+    more, or nothing)."""
+    sock = socket.socket()
+    if receive_buffer is not None:  # before connecting: it sets the window offered
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    sock.sendall(data)
+    return sock
+
+
+def reply(sock) -> tuple[int, dict]:
+    """The status and JSON body the server sent on ``sock``, read to its end."""
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def reset(sock) -> None:
+    """Close ``sock`` the rude way: a TCP reset, as a killed browser tab does."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def request_threads() -> list[threading.Thread]:
+    # socketserver names each connection's thread after its target.
+    return [t for t in threading.enumerate() if "process_request_thread" in t.name]
+
+
+def test_idle_and_half_sent_connections_delay_no_one_and_texts_run_one_at_a_time(runs):
+    # The server would wait five minutes for the stalled clients; urllib gives up on an
+    # answer after 30 s: every answer below comes while the stalled ones still wait.
+    srv = make_server(LanguageModel.load(runs / "lm"), port=0, texts=["The cat"],
+                      timeout=300, log=lambda line: None)
+    with running(srv) as url, contextlib.ExitStack() as stalled:
+        idle = stalled.enter_context(connect(url))
+        half_head = stalled.enter_context(connect(
+            url, b"GET /api/attention?text=A%20cat HTTP/1.0\r\nHost: 127.0.0.1\r\n"))
+        half_body = stalled.enter_context(connect(
+            url, b"POST /api/attention HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: 17\r\n\r\n{\"text\": "))
+        assert get(url + "/")[0] == 200
+        # Eight texts at once, each on its own connection: each answer is its own text's.
+        texts = ["The dog", "A cat", "sat on", "the mat", "The log", "on the", "dog.", "mat"]
+        answers: dict[str, tuple[int, dict]] = {}
+        askers = [threading.Thread(target=lambda t=t: answers.update({t: post(url, {"text": t})}))
+                  for t in texts]
+        for asker in askers:
+            asker.start()
+        for asker in askers:
+            asker.join()
+        for text in texts:
+            status, body = answers[text]
+            assert status == 200, body
+            assert body["example"]["text"] == text
+            assert body["example"]["sections"][0]["queries"] == list(text)
+        # The stalled clients finish their requests and are answered too.
+        half_head.sendall(b"\r\n")
+        status, body = reply(half_head)
+        assert status == 200 and body["example"]["text"] == "A cat"
+        half_body.sendall(b'"The"}\r\n')
+        status, body = reply(half_body)
+        assert status == 200 and body["example"]["text"] == "The"
+        idle.sendall(b"GET /api/attention?text=ok HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        assert reply(idle)[0] == 200
+
+
+def test_a_client_too_slow_to_send_its_request_is_cut_off(runs):
+    logged: list[str] = []
+    srv = make_server(LanguageModel.load(runs / "lm"), port=0, timeout=0.5,
+                      log=logged.append)
+    with running(srv) as url:
+        idle = connect(url)
+        half_body = connect(url, b"POST /api/attention HTTP/1.0\r\nHost: 127.0.0.1\r\n"
+                                 b"Content-Type: application/json\r\nContent-Length: 99\r\n\r\n{")
+        assert idle.recv(1) == b"" and half_body.recv(1) == b""  # closed, unanswered
+        # A byte every 0.1 s of one endless header: no read waits long, the request
+        # never ends; the deadline is for the whole request.
+        trickle = connect(url, b"GET / HTTP/1.0\r\nX-Slow: ")
+        with pytest.raises(OSError):
+            for _ in range(300):
+                trickle.sendall(b"z")
+                time.sleep(0.1)
+        assert get(url + "/api/attention?text=ok")[0] == 200
+        for sock in (idle, half_body, trickle):
+            sock.close()
+    assert logged == []
+
+
+def test_clients_that_go_away_leave_no_trace(runs, capfd):
+    logged: list[str] = []
+    srv = make_server(LanguageModel.load(runs / "lm"), port=0, log=logged.append)
+    request = b"GET / HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n"
+    with running(srv) as url:
+        for _ in range(3):
+            reset(connect(url, request))  # before the server read the request
+            # While the page is being written: a small receive window keeps the
+            # server's write waiting for this client when the reset comes.
+            sock = connect(url, request, receive_buffer=1024)
+            assert sock.recv(1) == b"H"
+            reset(sock)
+            # Gone halfway through sending its request.
+            connect(url, b"GET / HT").close()
+        assert get(url + "/")[0] == 200
+        for _ in range(300):  # each connection's thread has seen its client go
+            if not request_threads():
+                break
+            time.sleep(0.1)
+        assert request_threads() == []
+    assert logged == []
+    assert capfd.readouterr().err == ""
+
+
+def test_the_api_bounds_what_it_reads_and_says_so_in_one_line(server):
+    port = server.rsplit(":", 1)[1]
+
+    def sent(head: str, body: bytes = b"") -> tuple[int, str]:
+        with connect(server, head.encode() + b"\r\n\r\n" + body) as sock:
+            status, answer = reply(sock)
+        assert set(answer) == {"error"} and "\n" not in answer["error"]
+        return status, answer["error"]
+
+    post_head = (f"POST /api/attention HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n"
+                 "Content-Type: application/json")
+    # A body over the limit is refused from its length alone, before it is sent.
+    status, error = sent(post_head + f"\r\nContent-Length: {MAX_BODY_BYTES + 1}")
+    assert status == 413 and f"at most {MAX_BODY_BYTES:,}" in error
+    assert f"{MAX_TEXT_CHARS:,} characters" in error
+    assert sent(post_head)[0] == 411
+    assert sent(post_head + "\r\nContent-Length: 1_0", b"x" * 10)[0] == 400
+    nested = b"[" * 100_000
+    status, error = sent(post_head + f"\r\nContent-Length: {len(nested)}", nested)
+    assert status == 400 and 'JSON {"text"' in error
+    for body in (b'{"text": 3}', b'{"text": "a", "more": 1}', b'"just text"'):
+        status, error = sent(post_head + f"\r\nContent-Length: {len(body)}", body)
+        assert status == 400, body
+    status, error = sent("POST /api/attention HTTP/1.0\r\nHost: 127.0.0.1\r\n"
+                         "Content-Type: text/plain\r\nContent-Length: 3", b"abc")
+    assert status == 415 and "application/json" in error
+    assert sent("PUT / HTTP/1.0\r\nHost: 127.0.0.1")[0] == 501
+    status, error = sent("GET /api/attention?text=" + "x" * 70_000 + " HTTP/1.0")
+    assert status == 414 and "POST /api/attention" in error
+    # The text itself: at most MAX_TEXT_CHARS characters, however it is written.
+    status, body = post(server, {"text": "x" * (MAX_TEXT_CHARS + 1)})
+    assert status == 400 and f"at most {MAX_TEXT_CHARS:,}" in body["error"]
+    # The longest text, in the widest characters and fully escaped, fits in the body.
+    longest = json.dumps({"text": "\U0001f431" * MAX_TEXT_CHARS}).encode()
+    assert len(longest) <= MAX_BODY_BYTES
+    status, body = get(server + "/api/attention", headers={"Content-Type": "application/json"},
+                       data=longest)
+    assert status == 400 and "context_length is 32" in json.loads(body)["error"]
+    status, body = post(server, {"text": "The dog"})
+    assert status == 200 and body["example"]["text"] == "The dog"
+
+
+def test_connections_beyond_the_limit_are_told_to_come_back(runs):
+    srv = make_server(LanguageModel.load(runs / "lm"), port=0, max_connections=2,
+                      log=lambda line: None)
+    with running(srv) as url:
+        first, second = connect(url), connect(url)
+        with connect(url) as third:
+            status, body = reply(third)
+        assert status == 503 and "2 connections" in body["error"]
+        first.close()
+        second.close()
+        for _ in range(300):  # their threads end when they see the connections close
+            if not request_threads():
+                break
+            time.sleep(0.1)
+        assert get(url + "/api/attention?text=ok")[0] == 200
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_view_serve_stops_on_sigterm_and_ctrl_c_in_one_line(runs, signum, code):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(qkv.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "qkv", "view", "--ckpt", str(runs / "lm"), "--serve",
+         "--port", "0", "--text", "The cat"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = process.stdout.readline()  # flushed as soon as the server listens
+        url = re.search(r"http://127\.0\.0\.1:\d+", line)
+        assert url, (line, process.stderr.read() if process.poll() is not None else "")
+        url = url[0]
+        idle = connect(url)  # a client that stays connected does not hold the exit
+        assert get(url + "/api/attention?text=The%20dog")[0] == 200
+        reset(connect(url, b"GET / HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n"))
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=60)
+        idle.close()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == code
+    assert err.strip() == "qkv view: interrupted", err
 
 
 # ---------------------------------------------------------------------------- browser
@@ -316,5 +549,52 @@ def test_real_pages_work_in_a_browser_offline_and_live(runs, server, tmp_path):
             # The browser itself logs the deliberate 400 answer; nothing else may appear.
             bad_request = "the server responded with a status of 400"
             assert [e for e in errors if bad_request not in e] == [], errors
+        finally:
+            browser.close()
+
+
+def test_hostile_texts_through_a_real_model_show_literally_in_file_and_served_pages(tmp_path):
+    sync_api, executable = _browser()
+    cfg = GPTConfig(vocab_size=257, context_length=64, emb_dim=16, n_heads=2, n_layers=2,
+                    drop_rate=0.0)
+    lm = LanguageModel(GPTModel(cfg).init_weights().eval(), get_tokenizer("bytes"),
+                       LMSettings(preset="tiny"))
+    page_file = tmp_path / "hostile.html"
+    explore(lm, HOSTILE).save(page_file)
+    srv = make_server(lm, port=0, texts=HOSTILE[::-1], log=lambda line: None)
+    with sync_api.sync_playwright() as p, running(srv) as url:
+        browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            errors, dialogs = [], []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+
+            def shows(text):
+                assert page.text_content("#example-text") == text
+                tokens = page.locator("text.token.query")
+                assert tokens.count() == len(text.encode())  # one token per byte
+                if text.isascii():  # a byte of a longer character shows as U+FFFD
+                    assert "".join(tokens.all_text_contents()) == text
+                tokens.nth(len(text.encode()) // 2).hover()
+                assert page.locator("text.token.key.highlight").count() >= 1
+                page.mouse.move(1, 1)
+
+            for where, texts in ((page_file.as_uri(), HOSTILE), (url + "/", HOSTILE[::-1])):
+                page.goto(where)
+                page.wait_for_function("window.qkvReady === true", timeout=15_000)
+                for n, text in enumerate(texts):
+                    page.select_option("#example", str(n))
+                    shows(text)
+            # Typed into the served page's box, sent to the server and drawn.
+            for text in ("</script><script>alert(1)</script>", "<!--<script>"):
+                page.fill("#text-input", text)
+                page.click("#run")
+                page.wait_for_function(
+                    f"document.querySelectorAll('text.token.query').length === {len(text)}",
+                    timeout=15_000)
+                shows(text)
+            assert errors == [] and dialogs == []
         finally:
             browser.close()

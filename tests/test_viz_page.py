@@ -26,6 +26,11 @@ import pytest
 from qkv.viz.page import render_page
 
 EVIL = "</script><b>x"
+# Texts that end, or comment out, a script whose data is pasted in naively; "]]>" and
+# "<![CDATA[" for an XML reading of the page, U+2028 and U+2029 for a JavaScript one.
+# "<!--<script>" comes last: a "-->" after it would undo what it does to such a page.
+HOSTILE = ["-->", "</script><script>alert(1)</script>", "<!--", "]]>", "<![CDATA[",
+           "a\u2028b\u2029c", "&amp;</", "<!--<script>"]
 LM_TOKENS = ["The", " cat", " sat", "\n", EVIL, "", "\U0001f431", " & <i>", "on", " the",
              " mat", "."]
 SOURCE = ["le", "chat", "est", "assis", "sur", "le", "tapis", "<eos>"]
@@ -121,7 +126,10 @@ def shown(token):
     """A token as the page writes it."""
     if token == "":
         return "\u2205"
-    return token.replace("\n", "\\n").replace(" ", "\u00b7")
+    for char, escape in (("\n", "\\n"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"),
+                         (" ", "\u00b7")):
+        token = token.replace(char, escape)
+    return token
 
 
 # ------------------------------------------------------------------------ the browser --
@@ -208,12 +216,15 @@ def set_view(page, view):
 
 def test_render_page_keeps_the_data_inert():
     data, _ = lm_data(np.random.default_rng(0))
+    data["examples"] += [{**data["examples"][0], "text": text} for text in HOSTILE]
     html = render_page(data, title="a <title> & {{DATA}}", mode="file")
     assert html.count("</script>") == 2  # the page's own two script elements, no more
     assert "a &lt;title&gt; &amp; {{DATA}}" in html
     assert 'data-mode="file"' in html
     blob = re.search(r'<script id="qkv-data" type="application/json">(.*?)</script>', html, re.S)
     assert json.loads(blob[1]) == data
+    # Nothing in the block is markup: no "<" (no tag, no comment), no ">" or "&".
+    assert not set(blob[1]) & set("<>&\u2028\u2029")
     assert "{{" not in html.replace("{{DATA}}", "")
 
 
@@ -385,6 +396,55 @@ def test_transformer_sections_and_examples(browser, tmp_path):
                                   "aria-selected") == "true"
 
 
+def hostile_data(rng):
+    """A Transformer's page whose every text, output and token is hostile (and the
+    model's name and run too)."""
+    examples = []
+    for text in HOSTILE:
+        src, tgt = [text, "<!--", "</script>", "<eos>"], ["<bos>", "]]>", text]
+        examples.append({"text": text, "output": "<!--" + text, "sections": [
+            encode_section("encoder", "Encoder self-attention", src, src,
+                           softmax_rows(rng, 2, 2, 4, 4, causal=False), False),
+            encode_section("decoder", "Decoder self-attention", tgt, tgt,
+                           softmax_rows(rng, 2, 2, 3, 3, causal=True), True),
+            encode_section("cross", "Cross-attention", tgt, src,
+                           softmax_rows(rng, 2, 2, 3, 4, causal=False), False),
+        ]})
+    return {"version": 1,
+            "model": {"kind": "transformer", "name": "<!--<script> model", "run": "runs/]]>"},
+            "examples": examples}
+
+
+def test_hostile_texts_show_as_text_and_every_example_and_tab_works(browser, tmp_path):
+    data = hostile_data(np.random.default_rng(10))
+    with opened(browser, tmp_path, data, title="<!--<script>") as watch:
+        page = watch.page
+        dialogs: list[str] = []
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        assert page.evaluate("document.title") == "<!--<script>"
+        assert "<!--<script> model" in page.text_content("#model-info")
+        assert texts(page, "#example option") == [
+            f"{n + 1}. {' '.join(text.split())}" for n, text in enumerate(HOSTILE)]
+        for n, example in enumerate(data["examples"]):
+            page.select_option("#example", str(n))
+            assert page.text_content("#example-text") == example["text"]
+            assert page.text_content("#example-output") == example["output"]
+            for section in example["sections"]:
+                page.click(f"button.section-tab[data-section='{section['id']}']")
+                assert page.get_attribute(f"button.section-tab[data-section='{section['id']}']",
+                                          "aria-selected") == "true"
+                # Each token whole, in its tooltip (long labels are cut on screen).
+                tips = texts(page, "g.tokens > g > title")
+                for side, tokens in (("query", section["queries"]), ("key", section["keys"])):
+                    assert [t.split(": ", 1)[1] for t in tips if t.startswith(side + " ")] \
+                        == [shown(t) for t in tokens]
+                page.hover("text.token.query[data-index='2']")
+                assert page.locator("text.token.key.highlight").count() >= 1
+                page.mouse.move(1, 1)
+        assert dialogs == []
+        assert page.evaluate("document.scripts.length") == 2
+
+
 def test_empty_and_broken_data_are_reported_not_thrown(browser, tmp_path):
     data, _ = lm_data(np.random.default_rng(8))
     empty = {**data, "examples": []}
@@ -473,7 +533,9 @@ def test_serve_mode(browser):
     asked: list[str] = []
 
     def answer(route):
-        text = route.request.url.split("text=", 1)[1]
+        request = route.request
+        assert (request.method, request.headers["content-type"]) == ("POST", "application/json")
+        text = request.post_data_json["text"]
         asked.append(text)
         if text == "boom":
             route.abort()
@@ -512,7 +574,7 @@ def test_serve_mode(browser):
         page.wait_for_function("document.querySelectorAll('text.token.query').length === 3")
         assert texts(page, "text.token.query") == ["Hello", ",", "\u00b7world"]
         assert page.locator("#error").is_hidden()
-        assert asked == ["bad", "boom", "Hello%2C%20world%20%26%20more"]
+        assert asked == ["bad", "boom", "Hello, world & more"]
         # The browser reports the failed loads itself; anything else is the page's fault.
         assert [e for e in watch.errors if not e.startswith("Failed to load resource")] == []
     finally:

@@ -32,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--html", type=Path, metavar="OUT.html",
                      help="write one self-contained page here")
     out.add_argument("--serve", action="store_true",
-                     help="serve the page on 127.0.0.1 with a text box, until Ctrl-C")
+                     help="serve the page on 127.0.0.1 with a text box, until Ctrl-C "
+                          "(exit status 130) or SIGTERM (143)")
     parser.add_argument("--port", type=int, default=8000,
                         help="with --serve: the port (default 8000; 0 picks a free one)")
     parser.add_argument("--beam", type=int, default=1,

@@ -20,6 +20,15 @@ __all__ = ["MODES", "render_page"]
 
 MODES = ("file", "serve")
 
+# The data block is HTML before it is JSON: inside <script>, "</script" ends the
+# element and "<!--" followed by "<script" makes the parser skip the real end tag (the
+# rest of the page then becomes data, and the page stays blank). JSON text has these
+# characters only inside strings, where "\u003c" reads back as "<"; with no "<" left the
+# HTML parser sees no tag and no comment at all. ">" and "&" go too (so that no "-->"
+# or entity appears), and U+2028/U+2029, which ensure_ascii already escapes, in case a
+# script ever evaluates the block as code.
+_INERT = str.maketrans({c: f"\\u{ord(c):04x}" for c in "<>&\u2028\u2029"})
+
 
 def _template() -> str:
     return resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
@@ -31,10 +40,7 @@ def render_page(data: dict[str, Any], *, title: str = "qkv attention", mode: str
     embedded as JSON, ``title`` in the tab and the heading."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    # Inside <script>, "</" could end the element early (a token "</script>" in the
-    # text, say); JSON allows "\/" for "/", and "\u2028"/"\u2029" are escaped by
-    # ensure_ascii, so the JSON is inert HTML.
-    payload = json.dumps(data, ensure_ascii=True, separators=(",", ":")).replace("</", "<\\/")
+    payload = json.dumps(data, ensure_ascii=True, separators=(",", ":")).translate(_INERT)
     values = {"TITLE": html.escape(title), "MODE": mode, "DATA": payload}
     page = _template()
     missing = [slot for slot in values if "{{" + slot + "}}" not in page]
