@@ -222,7 +222,9 @@ def test_view_writes_a_page_and_refuses_bad_input_in_one_line(runs, tmp_path, ca
          "ending in .html"),
         (["--ckpt", str(runs / "lm"), "--text", "", "--html", str(out)], "text is empty"),
         (["--ckpt", str(runs / "lm"), "--text", "x", "--html", str(out), "--beam", "0"],
-         "--beam must be >= 1"),
+         "--beam must be an integer in [1, 1,000]"),
+        (["--ckpt", str(runs / "lm"), "--text", "x", "--html", str(out), "--beam", "1000000"],
+         "--beam must be an integer in [1, 1,000]"),
     ]
     for args, message in cases:
         assert main(["view", *args]) == 2, args

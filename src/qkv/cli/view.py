@@ -45,11 +45,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..models.decoding import check_beam
     from ..viz.explore import explore, load_target
     from ..viz.server import serve
 
-    if args.beam < 1:
-        raise ValueError(f"--beam must be >= 1, got {args.beam}")
+    check_beam(args.beam, "--beam")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.html is not None:
