@@ -62,7 +62,11 @@ def add_save_every(parser: argparse.ArgumentParser) -> None:
     """The ``--save-every MINUTES`` flag of both training commands."""
     def minutes(text: str) -> float:
         try:
-            return check_save_every(float(text), "--save-every")
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected minutes (a number), got {text!r}") from None
+        try:
+            return check_save_every(value, "--save-every")
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 
