@@ -416,6 +416,7 @@ def finish_hf_tokenizer(
     *,
     eos_token_ids: Iterable[int] | int | None = None,
     chat_template: str | None = None,
+    add_flags: bool = False,
     where: str = "tokenizer_config.json",
 ) -> HFTokenizer:
     """An :class:`HFTokenizer` from a ``tokenizers.Tokenizer`` and a tokenizer config, set
@@ -424,10 +425,13 @@ def finish_hf_tokenizer(
     ``config`` holds what ``tokenizer_config.json`` may: the named special tokens
     (strings or ``{"content": ...}``), ``additional_special_tokens``,
     ``added_tokens_decoder``, ``add_bos_token`` / ``add_eos_token``. As transformers does,
-    a special token missing from the vocabulary is added to it, and when the config says
-    ``add_bos_token`` or ``add_eos_token`` (or the tokenizer has no post-processor of its
-    own) the post-processor becomes "BOS if asked, the text, EOS if asked". ``backend``
-    is changed in place. ``where`` names the config's origin in errors.
+    a special token missing from the vocabulary is added to it. With ``add_flags`` (a
+    tokenizer built from a GGUF's metadata), when the config says ``add_bos_token`` or
+    ``add_eos_token``, or the tokenizer has no post-processor, the post-processor becomes
+    "BOS if asked, the text, EOS if asked"; without it (a folder's tokenizer.json) the
+    tokenizer.json's own post-processor decides, and the two flags are ignored, as
+    transformers ignores them when it reads a tokenizer.json. ``backend`` is changed in
+    place. ``where`` names the config's origin in errors.
     """
     tokenizers = _import_tokenizers()
     special = {name: _token_text(f"{where} {name}", config.get(name))
@@ -456,19 +460,23 @@ def finish_hf_tokenizer(
             to_add.append(token)
     if to_add:
         backend.add_tokens(to_add)
+    edges = []
+    for flag, name in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
+        value = config.get(flag, False)
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} {flag} must be true or false, got {show(value)}")
+        text = special[name]
+        edges.append((text, backend.token_to_id(text)) if value and text else None)
     explicit = "add_bos_token" in config or "add_eos_token" in config
-    if explicit or backend.post_processor is None:
-        edges = []
-        for flag, name in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
-            value = config.get(flag, False)
-            if not isinstance(value, bool):
-                raise ValueError(f"{where} {flag} must be true or false, got {show(value)}")
-            text = special[name]
-            edges.append((text, backend.token_to_id(text)) if value and text else None)
+    if add_flags and (explicit or backend.post_processor is None):
         bos, eos = edges
-        single = " ".join([f"{bos[0]}:0"] * bool(bos) + ["$A:0"] + [f"{eos[0]}:0"] * bool(eos))
-        pair = " ".join([single] + [f"{bos[0]}:1"] * bool(bos) + ["$B:1"]
-                        + [f"{eos[0]}:1"] * bool(eos))
+
+        def around(seq: str, part: int) -> list[str]:
+            return ([f"{bos[0]}:{part}"] if bos else []) + [f"{seq}:{part}"] + (
+                [f"{eos[0]}:{part}"] if eos else [])
+
+        single = " ".join(around("$A", 0))
+        pair = " ".join(around("$A", 0) + around("$B", 1))
         backend.post_processor = tokenizers.processors.TemplateProcessing(
             single=single, pair=pair, special_tokens=[e for e in edges if e])
     return HFTokenizer(backend.to_str(), special_tokens=special, eos_token_ids=eos_token_ids,
@@ -494,7 +502,8 @@ def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:
     """An open model's tokenizer from its Hugging Face folder, with no network access.
 
     Reads ``tokenizer.json`` (required), and when present ``tokenizer_config.json``
-    (special tokens, whether a BOS is added, the chat template), ``chat_template.jinja``
+    (special tokens, the chat template; whether a BOS is added is tokenizer.json's to
+    say), ``chat_template.jinja``
     (the chat template, preferred to the config's, as transformers prefers it) and
     ``generation_config.json`` (``eos_token_id``: one id or a list). Each must be a
     regular file of bounded size; every problem is one line naming the file.
