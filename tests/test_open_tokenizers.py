@@ -139,6 +139,7 @@ QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 SP_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+LLAMA2_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
 
 
 def byte_level_tokenizer(specials: list[str], split: str | None = None):
@@ -160,7 +161,7 @@ def byte_level_tokenizer(specials: list[str], split: str | None = None):
     return tok
 
 
-def sentencepiece_tokenizer(prefix_space: bool = False):
+def sentencepiece_tokenizer(prefix_space: bool = False, specials: list[str] = SP_SPECIALS):
     """A SentencePiece-style BPE as Gemma (and, with ``prefix_space``, Llama 2) has it:
     spaces as U+2581, unknown characters as <0xNN> byte tokens, specials first (Gemma's
     order: pad, eos, bos, unk)."""
@@ -170,7 +171,7 @@ def sentencepiece_tokenizer(prefix_space: bool = False):
     trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False)
     trained.train_from_iterator(CORPUS, trainer=trainer)
     spec = json.loads(trained.to_str())["model"]
-    vocab = {t: i for i, t in enumerate(SP_SPECIALS + [f"<0x{b:02X}>" for b in range(256)])}
+    vocab = {t: i for i, t in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
     for token in sorted(spec["vocab"], key=spec["vocab"].get):
         vocab.setdefault(token, len(vocab))
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["merges"]]
@@ -181,7 +182,7 @@ def sentencepiece_tokenizer(prefix_space: bool = False):
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                      decoders.Fuse()] + [decoders.Strip(" ", 1, 0)] * prefix_space)
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
-                            for t in SP_SPECIALS])
+                            for t in specials])
     return tok
 
 
@@ -472,3 +473,187 @@ def test_the_older_tokenizers_keep_their_dicts():
     assert byte.to_dict() == {"name": "bytes", "n_vocab": 257, "eot_token": 256}
     with pytest.raises(ValueError, match="unknown key"):
         tokenizer_from_dict({"name": "bytes", "tokenizer_json": "{}"})
+
+
+# ----------------------------------------------------------------------------
+# GGUF files: the tokenizer rebuilt from the metadata llama.cpp writes
+
+
+def write_gguf(path: Path, architecture: str, model: str, tokens: list[str], *,
+               merges: list[str] | None = None, scores: list[float] | None = None,
+               types: list[int] | None = None, ids: dict[str, int] | None = None,
+               pre: str | None = None, template: str | None = None,
+               add_bos: bool | None = None) -> Path:
+    """A GGUF file holding a tokenizer and the few model keys transformers needs to
+    pick a tokenizer class (no tensors)."""
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_context_length(64)
+    writer.add_embedding_length(16)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(8)
+    writer.add_key_length(8)
+    writer.add_value_length(8)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model(model)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    if merges is not None:
+        writer.add_token_merges(merges)
+    if scores is not None:
+        writer.add_token_scores(scores)
+    if types is not None:
+        writer.add_token_types(types)
+    for name, value in (ids or {}).items():
+        getattr(writer, f"add_{name}_token_id")(value)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    if template is not None:
+        writer.add_chat_template(template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def vocabulary(tok) -> tuple[list[str], list[str]]:
+    """A ``tokenizers`` BPE's tokens in id order and its merges as "left right" lines."""
+    spec = json.loads(tok.to_str())["model"]
+    tokens = [t for t, _ in sorted(spec["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in spec["merges"]]
+    return tokens, merges
+
+
+def token_types(tokens: list[str], control: list[str]) -> list[int]:
+    # llama.cpp's kinds: 1 normal, 3 control, 6 byte.
+    return [3 if t in control else 6 if t.startswith("<0x") and len(t) == 6 else 1
+            for t in tokens]
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory) -> dict[str, Path]:
+    pytest.importorskip("gguf")
+    root = tmp_path_factory.mktemp("gguf")
+    files = {}
+    # SmolLM2's GGUF: arch llama, byte-level BPE, ChatML, no BOS added.
+    tokens, merges = vocabulary(byte_level_tokenizer(BYTE_LEVEL_SPECIALS))
+    files["smollm2"] = write_gguf(
+        root / "smollm2.gguf", "llama", "gpt2", tokens, merges=merges, pre="smollm",
+        types=token_types(tokens, BYTE_LEVEL_SPECIALS), template=CHATML,
+        ids={"bos": 1, "eos": 2, "pad": 2, "unk": 0})
+    # Llama 3: its split pattern, BOS added by the file's flag.
+    tokens, merges = vocabulary(byte_level_tokenizer(LLAMA3_SPECIALS, split=LLAMA3_SPLIT))
+    files["llama3"] = write_gguf(
+        root / "llama3.gguf", "llama", "gpt2", tokens, merges=merges, pre="llama-bpe",
+        types=token_types(tokens, LLAMA3_SPECIALS), template=LLAMA3, add_bos=True,
+        ids={"bos": 0, "eos": 4})
+    # Qwen 2: its own split pattern, no BOS id at all.
+    tokens, merges = vocabulary(byte_level_tokenizer(BYTE_LEVEL_SPECIALS, split=QWEN2_SPLIT))
+    files["qwen2"] = write_gguf(
+        root / "qwen2.gguf", "qwen2", "gpt2", tokens, merges=merges, pre="qwen2",
+        types=token_types(tokens, BYTE_LEVEL_SPECIALS), template=CHATML, add_bos=False,
+        ids={"eos": 2, "pad": 0})
+    # Llama 2 / Mistral style SentencePiece: scores, no merges (recovered from scores).
+    llama2, _ = vocabulary(sentencepiece_tokenizer(prefix_space=True, specials=LLAMA2_SPECIALS))
+    scores = [0.0 if i < len(LLAMA2_SPECIALS) + 256 else -float(i) for i in range(len(llama2))]
+    files["llama2"] = write_gguf(
+        root / "llama2.gguf", "llama", "llama", llama2, scores=scores,
+        types=token_types(llama2, LLAMA2_SPECIALS), template=GEMMA2.replace("<start_of_turn>",
+                                                                           "[INST]"),
+        ids={"bos": 1, "eos": 2, "unk": 0})
+    sp_tokens, _ = vocabulary(sentencepiece_tokenizer())
+    # Gemma 3: the same kind, laid out as Gemma's files are: whitespace tokens spelled
+    # with real spaces, no merges, a <mask> token.
+    gemma_tokens = sp_tokens[:len(SP_SPECIALS)] + ["<mask>"] + sp_tokens[len(SP_SPECIALS):]
+    gemma_tokens = [" " * len(t) if len(t) > 1 and set(t) == {"\u2581"} else t
+                    for t in gemma_tokens]
+    files["gemma3"] = write_gguf(
+        root / "gemma3.gguf", "gemma3", "llama", gemma_tokens,
+        scores=[0.0] * len(gemma_tokens), types=token_types(gemma_tokens, SP_SPECIALS + ["<mask>"]),
+        template=GEMMA3, add_bos=True, ids={"bos": 2, "eos": 1, "unk": 3, "pad": 0})
+    return files
+
+
+GGUF_FAMILIES = ["smollm2", "llama3", "qwen2", "llama2", "gemma3"]
+
+
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
+def test_gguf_tokenizer_equals_transformers(gguf_files, family):
+    from qkv.data.gguf_tokenizer import tokenizer_from_gguf
+    path = gguf_files[family]
+    ref = reference(path.parent, gguf_file=path.name)
+    tok = tokenizer_from_gguf(path)
+    # transformers adds its tokenizer classes' default special tokens when the file's
+    # vocabulary lacks them (GPT-2's <|endoftext|> beside Llama 3's vocabulary): ids past
+    # the model's embedding. qkv keeps to the file's vocabulary; texts holding such a
+    # token are the only ones the two tokenize differently.
+    n_file = tok.backend.get_vocab_size(with_added_tokens=True)
+    invented = [str(t) for i, t in ref.added_tokens_decoder.items() if i >= n_file]
+    assert set(invented) <= {"<|endoftext|>", "<s>", "</s>"} and tok.n_vocab == n_file
+    assert len(ref) == n_file + len(invented)
+    assert invented == (["<|endoftext|>"] if family == "llama3" else [])
+    for text in [t for t in TEXTS if not any(x in t for x in invented)]:
+        for add in (True, False):
+            want = ref.encode(text, add_special_tokens=add)
+            assert tok.encode(text, add_special_tokens=add) == want, (family, text, add)
+        ids = ref.encode(text)
+        assert tok.decode(ids) == ref.decode(ids), (family, text)
+        assert tok.decode(ids, skip_special_tokens=True) == ref.decode(
+            ids, skip_special_tokens=True), (family, text)
+    assert tok.special_tokens == {k: v for k, v in ref.special_tokens_map.items()
+                                  if k in tokmod.SPECIAL_TOKEN_NAMES}
+    assert (tok.bos_token_id, tok.eot_token) == (ref.bos_token_id, ref.eos_token_id)
+    system = None if family == "llama2" else "Be brief."  # that template refuses one
+    messages = chat_messages("What is the capital of France?", system)
+    assert tok.chat_prompt("What is the capital of France?", system) == ref.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    # It is stored and rebuilt as any open model's tokenizer is.
+    again = tokenizer_from_dict(parse_json(json.dumps(tok.to_dict())))
+    assert [again.encode(t) for t in TEXTS] == [tok.encode(t) for t in TEXTS]
+
+
+def test_gguf_problems_are_one_line(gguf_files, tmp_path):
+    from qkv.data.gguf_tokenizer import tokenizer_from_gguf
+    tokens, merges = vocabulary(byte_level_tokenizer(BYTE_LEVEL_SPECIALS))
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_bytes(b"GGML" + bytes(60))
+    truncated = tmp_path / "t.gguf"
+    truncated.write_bytes(gguf_files["smollm2"].read_bytes()[:3000])
+    cases = [
+        (not_gguf, "is not a GGUF file"),
+        (truncated, "is not a GGUF file"),
+        (write_gguf(tmp_path / "bert.gguf", "llama", "bert", tokens), "'bert' is not supported"),
+        (write_gguf(tmp_path / "eos.gguf", "llama", "gpt2", tokens, merges=merges,
+                    ids={"eos": len(tokens)}), "eos_token_id is"),
+        (write_gguf(tmp_path / "types.gguf", "llama", "gpt2", tokens, merges=merges,
+                    types=[1, 1]), "token_type has 2 entries"),
+        (write_gguf(tmp_path / "merge.gguf", "llama", "gpt2", tokens,
+                    merges=["a b c"]), "merge 'a b c' is not two tokens"),
+        (tmp_path, "is a directory"),
+    ]
+    for path, match in cases:
+        with pytest.raises((ValueError, OSError), match=match) as info:
+            tokenizer_from_gguf(path)
+        assert "\n" not in str(info.value) and str(path) in str(info.value), str(info.value)
+    empty = tmp_path / "empty.gguf"
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(empty), "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="has no tokenizer.ggml.model"):
+        tokenizer_from_gguf(empty)
+
+
+def test_byte_alphabet_is_gpt2s():
+    from qkv.data.gguf_tokenizer import byte_alphabet
+    # The GPT-2 BPE alphabet as the tokenizers library itself has it.
+    assert sorted(byte_alphabet().values()) == sorted(
+        tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    assert byte_alphabet()[ord(" ")] == "\u0120" and byte_alphabet()[ord("A")] == "A"

@@ -59,6 +59,7 @@ __all__ = [
     "Tokenizer",
     "get_tokenizer",
     "finish_hf_tokenizer",
+    "import_tokenizers",
     "load_hf_tokenizer",
     "tokenizer_from_dict",
 ]
@@ -207,7 +208,8 @@ _HF_KEYS = ("name", "n_vocab", "eot_token", "tokenizer_json", "sha256", "special
             "eos_token_ids", "chat_template")
 
 
-def _import_tokenizers() -> Any:
+def import_tokenizers() -> Any:
+    """The tokenizers library, or a one-line ImportError saying how to install it."""
     try:
         import tokenizers
     except ImportError:
@@ -309,7 +311,7 @@ class HFTokenizer(Tokenizer):
         chat_template: str | None = None,
         n_vocab: int | None = None,
     ) -> None:
-        tokenizers = _import_tokenizers()
+        tokenizers = import_tokenizers()
         if not isinstance(tokenizer_json, str):
             raise ValueError(f"tokenizer_json must be tokenizer.json's text, got "
                              f"{show(tokenizer_json)}")
@@ -433,7 +435,7 @@ def finish_hf_tokenizer(
     transformers ignores them when it reads a tokenizer.json. ``backend`` is changed in
     place. ``where`` names the config's origin in errors.
     """
-    tokenizers = _import_tokenizers()
+    tokenizers = import_tokenizers()
     special = {name: _token_text(f"{where} {name}", config.get(name))
                for name in SPECIAL_TOKEN_NAMES}
     present = set(backend.get_vocab(with_added_tokens=True))
@@ -513,7 +515,7 @@ def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:
         ValueError: a file that is too large, not JSON, or says something impossible.
         ImportError: the tokenizers library is not installed.
     """
-    tokenizers = _import_tokenizers()
+    tokenizers = import_tokenizers()
     folder = Path(folder).expanduser()
     path = folder / "tokenizer.json"
     if not os.path.lexists(path):
