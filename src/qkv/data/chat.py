@@ -39,13 +39,23 @@ __all__ = [
 MAX_CHAT_TEMPLATE_CHARS = 2**20
 
 
+# Earlier releases have known ways out of the sandbox, and a chat template is code that
+# came with a downloaded model.
+MIN_JINJA2 = (3, 1, 6)
+
+
 def _import_jinja2() -> Any:
+    hint = "pip install 'jinja2>=3.1.6' (or pip install 'qkv[hf]')"
     try:
         import jinja2
         import jinja2.ext
         import jinja2.sandbox
     except ImportError:
-        raise ImportError("rendering a chat template needs jinja2: pip install jinja2") from None
+        raise ImportError(f"rendering a chat template needs jinja2: {hint}") from None
+    version = tuple(int(p) if p.isdigit() else 0 for p in jinja2.__version__.split(".")[:3])
+    if version < MIN_JINJA2:
+        raise ImportError(f"jinja2 {jinja2.__version__} is too old to run a chat template "
+                          f"safely: {hint}")
     return jinja2
 
 

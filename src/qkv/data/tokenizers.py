@@ -218,7 +218,7 @@ def import_tokenizers() -> Any:
     return tokenizers
 
 
-def read_bounded(path: str | Path, what: str, max_bytes: int) -> bytes:
+def _read_bounded(path: str | Path, what: str, max_bytes: int) -> bytes:
     """The bytes of the regular file ``path``, refused in one line when larger than
     ``max_bytes`` (before anything is read)."""
     with open_regular(path, what) as f:
@@ -234,7 +234,7 @@ def read_bounded(path: str | Path, what: str, max_bytes: int) -> bytes:
 
 def _read_json_object(path: Path, what: str, max_bytes: int) -> dict[str, Any]:
     try:
-        obj = parse_json(read_bounded(path, what, max_bytes))
+        obj = parse_json(_read_bounded(path, what, max_bytes))
     except ValueError as error:
         raise ValueError(f"{what} {path}: {error}") from None
     if not isinstance(obj, dict):
@@ -522,7 +522,7 @@ def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:
         raise FileNotFoundError(f"no tokenizer.json in {folder}: an open model's folder holds "
                                 "tokenizer.json (GPT-2's vocab.json + merges.txt is the gpt2 "
                                 "tokenizer)")
-    data = read_bounded(path, "tokenizer file", MAX_TOKENIZER_JSON_BYTES)
+    data = _read_bounded(path, "tokenizer file", MAX_TOKENIZER_JSON_BYTES)
     try:
         parse_json(data)  # bounded nesting, one-line errors, before the library sees it
         backend = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
@@ -539,7 +539,7 @@ def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:
     template = _chat_template_of(config, where)
     jinja_path = folder / "chat_template.jinja"
     if os.path.lexists(jinja_path):
-        raw = read_bounded(jinja_path, "chat template file", 4 * MAX_CHAT_TEMPLATE_CHARS)
+        raw = _read_bounded(jinja_path, "chat template file", 4 * MAX_CHAT_TEMPLATE_CHARS)
         try:
             template = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -717,8 +717,9 @@ def tokenizer_from_dict(d: Mapping[str, Any], *, bpe_dir: str | Path | None = No
         raise ValueError(f"tokenizer has unknown key(s) {', '.join(map(show, unknown[:5]))}; "
                          "valid: name, n_vocab, eot_token")
     if "name" not in d:
-        raise ValueError(f"tokenizer dict needs a 'name' (one of {', '.join(TOKENIZER_NAMES)})")
-    name = check_str("tokenizer name", d["name"], choices=TOKENIZER_NAMES)
+        raise ValueError("tokenizer dict needs a 'name' (one of "
+                         f"{', '.join((*TOKENIZER_NAMES, HF_TOKENIZER_NAME))})")
+    name = check_str("tokenizer name", d["name"], choices=(*TOKENIZER_NAMES, HF_TOKENIZER_NAME))
     n_vocab = check_int("tokenizer n_vocab", d.get("n_vocab"), 1, MAX_SIZE) \
         if "n_vocab" in d else None
     eot = d.get("eot_token")
