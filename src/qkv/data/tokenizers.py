@@ -233,8 +233,9 @@ def _read_bounded(path: str | Path, what: str, max_bytes: int) -> bytes:
 
 
 def _read_json_object(path: Path, what: str, max_bytes: int) -> dict[str, Any]:
+    data = _read_bounded(path, what, max_bytes)
     try:
-        obj = parse_json(_read_bounded(path, what, max_bytes))
+        obj = parse_json(data)
     except ValueError as error:
         raise ValueError(f"{what} {path}: {error}") from None
     if not isinstance(obj, dict):
