@@ -688,3 +688,26 @@ def test_the_real_smollm2_gguf():
         messages = chat_messages("What is the capital of France?", system)
         assert tok.chat_prompt("What is the capital of France?", system) == \
             ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_tokens_only_the_config_names_are_added_as_transformers_adds_them(folders, tmp_path):
+    # A tokenizer_config.json may name tokens tokenizer.json lacks: an added token in
+    # added_tokens_decoder, a new special token, a new pad token. transformers appends
+    # them to the vocabulary; so does qkv, with the same ids.
+    tok = json.loads((folders["smollm2"] / "tokenizer.json").read_text(encoding="utf-8"))
+    n = len(tok["model"]["vocab"])
+    folder = write_folder(tmp_path / "added", tokenizers.Tokenizer.from_str(json.dumps(tok)), {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<pad>", "additional_special_tokens": ["<tool>"],
+        "added_tokens_decoder": {str(n): {"content": "<think>", "special": False,
+                                          "normalized": False, "lstrip": False,
+                                          "rstrip": False, "single_word": False}}})
+    ref = reference(folder)
+    qkv_tok = load_hf_tokenizer(folder)
+    text = "a<think>b</think> <tool>c<pad>"
+    assert qkv_tok.encode(text) == ref.encode(text)
+    assert qkv_tok.n_vocab == len(ref) == n + 3
+    for skip in (False, True):
+        ids = ref.encode(text)
+        assert qkv_tok.decode(ids, skip_special_tokens=skip) == ref.decode(
+            ids, skip_special_tokens=skip)
