@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -297,8 +297,14 @@ class HFTokenizer(Tokenizer):
             nothing. Default: one past the largest id of the tokenizer.
 
     Attributes:
+        backend: the ``tokenizers.Tokenizer`` that encodes and decodes.
+        tokenizer_json: its tokenizer.json text; ``sha256`` is that text's SHA-256.
+        special_tokens: ``{"bos_token": "<|im_start|>", ...}``, only the ones set; the
+            chat template sees them as variables.
         bos_token_id: id of ``bos_token`` (None without one).
+        eos_token_ids: the ids that end a reply, without repeats.
         eot_token: id of ``eos_token``, else the first of ``eos_token_ids``, else None.
+        chat_template: the Jinja chat template, or None (a base model).
     """
 
     name = HF_TOKENIZER_NAME
@@ -308,7 +314,7 @@ class HFTokenizer(Tokenizer):
         tokenizer_json: str,
         *,
         special_tokens: Mapping[str, str | None] | None = None,
-        eos_token_ids: Iterable[int] | int | None = None,
+        eos_token_ids: Sequence[int] | int | None = None,
         chat_template: str | None = None,
         n_vocab: int | None = None,
     ) -> None:
@@ -327,6 +333,7 @@ class HFTokenizer(Tokenizer):
         backend.no_padding()
         self.backend = backend
         self.tokenizer_json = tokenizer_json
+        self.sha256 = hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
         size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.n_vocab = size if n_vocab is None else check_int("n_vocab", n_vocab, size, MAX_SIZE)
         self.special_tokens: dict[str, str] = {}
@@ -386,7 +393,7 @@ class HFTokenizer(Tokenizer):
 
         Raises:
             ValueError: the tokenizer has no chat template, or the template refuses the
-                conversation (Gemma's takes no ``system`` role of its own kind, ...).
+                conversation (Gemma 2's refuses a ``system`` message, ...).
         """
         if self.chat_template is None:
             raise ValueError("this model has no chat template (it is a base model, not an "
@@ -404,7 +411,7 @@ class HFTokenizer(Tokenizer):
             "special_tokens": dict(self.special_tokens),
             "eos_token_ids": list(self.eos_token_ids),
             "chat_template": self.chat_template,
-            "sha256": hashlib.sha256(self.tokenizer_json.encode("utf-8")).hexdigest(),
+            "sha256": self.sha256,
             "tokenizer_json": self.tokenizer_json,
         }
 
@@ -417,7 +424,7 @@ def finish_hf_tokenizer(
     backend: Any,
     config: Mapping[str, Any],
     *,
-    eos_token_ids: Iterable[int] | int | None = None,
+    eos_token_ids: Sequence[int] | int | None = None,
     chat_template: str | None = None,
     add_flags: bool = False,
     where: str = "tokenizer_config.json",
