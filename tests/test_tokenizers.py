@@ -189,7 +189,7 @@ def test_from_dict_never_downloads(tmp_path, monkeypatch):
     "d, match",
     [
         ([1, 2], "tokenizer must be a dict"),
-        ({"name": "gpt3"}, "tokenizer name must be one of 'gpt2', 'bytes', got 'gpt3'"),
+        ({"name": "gpt3"}, "tokenizer name must be one of 'gpt2', 'bytes', 'hf', got 'gpt3'"),
         ({"name": ["bytes"]}, "tokenizer name must be one of"),
         ({"name": "bytes", "n_vocab": True}, r"n_vocab must be an integer in \[1, "),
         ({"name": "bytes", "n_vocab": 10**400}, "n_vocab .* about 401 digits"),

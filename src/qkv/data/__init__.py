@@ -1,8 +1,11 @@
-"""Data: translation pairs and vocabularies, the dates corpus, tokenizers and GPT windows."""
+"""Data: translation pairs and vocabularies, the dates corpus, tokenizers (GPT-2's, bytes,
+open models' from tokenizer.json or a GGUF file), chat templates and GPT windows."""
 
 # The book's ch. 2 ends with the input embeddings; they are a model's first layer and
 # live in qkv.models.gpt, re-exported here beside the data pipeline that feeds them.
 from ..models.gpt import GPTEmbedding, embed_tokens
+from .chat import chat_messages, render_chat_template
+from .gguf_tokenizer import tokenizer_from_gguf
 from .lm import (
     GPTDataset,
     GPTDatasetV1,
@@ -15,8 +18,10 @@ from .tokenizers import (
     ENDOFTEXT,
     ByteTokenizer,
     GPT2Tokenizer,
+    HFTokenizer,
     Tokenizer,
     get_tokenizer,
+    load_hf_tokenizer,
     tokenizer_from_dict,
 )
 
@@ -32,7 +37,12 @@ __all__ = [
     "ENDOFTEXT",
     "ByteTokenizer",
     "GPT2Tokenizer",
+    "HFTokenizer",
     "Tokenizer",
+    "chat_messages",
     "get_tokenizer",
+    "load_hf_tokenizer",
+    "render_chat_template",
     "tokenizer_from_dict",
+    "tokenizer_from_gguf",
 ]
