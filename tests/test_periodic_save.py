@@ -27,7 +27,7 @@ from qkv.training import (
     load_weights,
 )
 from qkv.training.limits import InsufficientDiskError
-from qkv.utils.testing import PAUSE_ENV
+from test_run_safety import start, wait_paused  # real processes, paused at named points
 
 PAIRS = [("Go.", "Va !"), ("I lost.", "J'ai perdu."), ("Hi.", "Salut !"), ("Run!", "Cours !"),
          ("Who?", "Qui ?"), ("Wow!", "Ça alors !"), ("I won.", "J'ai gagné."),
@@ -158,35 +158,12 @@ def test_eval_every_saves_at_each_evaluation_with_or_without_patience(tmp_path, 
 # --------------------------------------------------------------- real processes, real signals
 
 
-def _env(pause: str, folder: Path) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-            PAUSE_ENV: f"{pause}:{folder}"}
-
-
-def _start(args: list[str], pause: str, folder: Path) -> subprocess.Popen:
-    folder.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([sys.executable, "-m", "qkv", *args], env=_env(pause, folder),
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def _wait_paused(proc: subprocess.Popen, folder: Path, point: str) -> None:
-    import time
-
-    deadline = time.monotonic() + 120
-    while not (folder / f"paused-{point}").exists():
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"exited {proc.returncode} before pausing at {point}: {err}{out}")
-        assert time.monotonic() < deadline, f"never paused at {point}"
-        time.sleep(0.02)
-
-
 def test_sigkill_after_a_periodic_save_resumes_exactly(corpus, tmp_path, capsys):
     run_dir, folder = tmp_path / "run", tmp_path / "pause"
     args = [*TRAIN, "--data", str(corpus), "--epochs", "5", "--save-every", "0"]
     # KilledError while epoch 3 trains: the periodic save after epoch 2 is complete.
-    proc = _start([*args, "--run-dir", str(run_dir)], pause="epoch-end@3", folder=folder)
-    _wait_paused(proc, folder, "epoch-end")
+    proc = start(*[*args, "--run-dir", str(run_dir)], pause="epoch-end@3", folder=folder)
+    wait_paused(proc, folder, "epoch-end")
     proc.kill()
     proc.wait()
     assert checkpoint_progress(run_dir) == (2, 5)
@@ -206,9 +183,9 @@ def test_sigkill_after_a_periodic_save_resumes_exactly(corpus, tmp_path, capsys)
 
 def test_sighup_is_handled_as_sigterm(corpus, tmp_path):
     run_dir, folder = tmp_path / "run", tmp_path / "pause"
-    proc = _start([*TRAIN, "--data", str(corpus), "--run-dir", str(run_dir), "--epochs", "4"],
+    proc = start(*[*TRAIN, "--data", str(corpus), "--run-dir", str(run_dir), "--epochs", "4"],
                   pause="epoch-end@2", folder=folder)
-    _wait_paused(proc, folder, "epoch-end")
+    wait_paused(proc, folder, "epoch-end")
     proc.send_signal(signal.SIGHUP)
     (folder / "resume-epoch-end").touch()
     out, err = proc.communicate(timeout=120)
@@ -398,9 +375,9 @@ def test_lm_killed_inside_an_epoch_resumes_to_the_bit(tmp_path, capsys):
             "--batch-size", "4", "--epochs", "2", "--no-progress", "--dropout", "0.1"]
     folder, run_dir = tmp_path / "pause", tmp_path / "run"
     # A save after every step (the clock is always due); killed after the third.
-    proc = _start([*args, "--run-dir", str(run_dir), "--save-every", "1e-9"],
+    proc = start(*[*args, "--run-dir", str(run_dir), "--save-every", "1e-9"],
                   pause="mid-epoch-save@3", folder=folder)
-    _wait_paused(proc, folder, "mid-epoch-save")
+    wait_paused(proc, folder, "mid-epoch-save")
     proc.kill()
     proc.wait()
     assert checkpoint_progress(run_dir) == (0, 2)
