@@ -1,0 +1,469 @@
+"""Read an open model's weights and configuration from a GGUF file (llama.cpp's format).
+
+A GGUF file is a little header followed by the tensors' bytes:
+
+- the magic ``GGUF``, a version (2 or 3), the number of tensors and of metadata entries;
+- the metadata: typed key/value pairs. The model's configuration lives under the
+  architecture's prefix (``llama.block_count``, ``qwen3.attention.head_count_kv``,
+  ``gemma3.rope.freq_base``, ...), the tokenizer under ``tokenizer.``;
+- one entry per tensor: its name (llama.cpp's: ``token_embd.weight``,
+  ``blk.0.attn_q.weight``, ...), its dimensions, its GGML type (``F32``, ``Q4_K``, ...)
+  and where its bytes start, counted from the (aligned) end of the header.
+
+GGML lists a tensor's dimensions fastest-varying first, the reverse of PyTorch: a
+``(out, in)`` ``nn.Linear`` weight is stored with dimensions ``[in, out]``. Every shape
+this module returns is in PyTorch's order.
+
+Nothing in the file is trusted. ``gguf.GGUFReader`` believes the header's counts (an
+array "of 2**60 strings" is walked until the file ends, each element a NumPy object),
+reports a truncated tensor as a failed ``reshape`` and does not look for tensors that
+overlap. So :func:`read_gguf_header` walks the header itself first, with every count
+and length bounded and checked against the bytes that remain before anything is
+allocated, and every tensor checked to lie, aligned and whole, inside the file, apart
+from the others. Only then are tensors mapped (:func:`read_gguf_tensors`) or a
+``GGUFReader`` opened on the file (:func:`open_gguf_reader`, for the tokenizer).
+
+Quantized blocks are expanded by the ``gguf`` package's own ``gguf.quants.dequantize``
+(``pip install 'qkv[gguf]'``), one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..checks import show
+from ..utils.fileio import open_regular
+
+__all__ = [
+    "GGUF_WEIGHT_TYPES",
+    "GGUFHeader",
+    "GGUFTensorInfo",
+    "open_gguf_reader",
+    "read_gguf_header",
+    "read_gguf_tensors",
+    "unpermute_rope",
+]
+
+# The GGML types read_gguf_tensors expands: the unquantized ones and the quantizations
+# the released GGUFs of the supported families use.
+GGUF_WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+_MAGIC = b"GGUF"
+_VERSIONS = (2, 3)  # version 1 had 32-bit counts; gguf's reader refuses it too
+# Bounds on the header's counts, far above any released model's (a few thousand
+# tensors, a vocabulary of 262,144 tokens with as many merges, templates of some KiB),
+# so that a lying count is refused before it costs anything.
+_MAX_TENSORS = 1 << 16
+_MAX_KEYS = 1 << 16
+_MAX_ARRAY = 1 << 24
+_MAX_STRING = 1 << 24
+_MAX_NAME = 1 << 10
+_MAX_NESTING = 4
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_ELEMENTS = 1 << 40
+_MAX_ALIGNMENT = 1 << 20
+_DEFAULT_ALIGNMENT = 32
+# Never more than this is expanded, whatever the caller's budget (1 TiB).
+_MAX_TOTAL_BYTES = 1 << 40
+
+# GGUF's metadata value types: id -> (name, struct format) for the fixed-size scalars.
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B",
+            10: "<Q", 11: "<q", 12: "<d"}
+_BOOL, _STRING, _ARRAY = 7, 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor as the header describes it (nothing of its data read).
+
+    Attributes:
+        name: llama.cpp's name (``blk.0.attn_q.weight``).
+        type_name: the GGML type (``"F32"``, ``"Q4_K"``, ...).
+        shape: PyTorch's order, e.g. ``(out, in)`` for a linear weight.
+        offset: where its bytes start in the file.
+        nbytes: how many bytes it takes there.
+    """
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What a GGUF file's header says, checked (see :func:`read_gguf_header`).
+
+    Attributes:
+        path: the file.
+        version: the format's version (2 or 3).
+        architecture: ``general.architecture`` (``"llama"``, ``"qwen3"``, ``"gemma3"``).
+        config: every metadata entry under ``"{architecture}."``, prefix removed
+            (``{"block_count": 30, "attention.head_count": 9, "rope.freq_base": ...}``):
+            ints, floats, bools, strings and lists of them, as JSON can hold them.
+        general: the ``general.*`` entries the same way, prefix removed.
+        tensors: name -> :class:`GGUFTensorInfo`, in the file's order.
+        file_size: the file's size in bytes when it was read.
+    """
+
+    path: Path
+    version: int
+    architecture: str
+    config: dict[str, Any]
+    general: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+    file_size: int
+
+
+def _import_gguf() -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("reading a GGUF file's weights needs the gguf package: pip install "
+                          "gguf (or pip install 'qkv[gguf]')") from None
+    return gguf
+
+
+class _Header:
+    """A bounded walk over a GGUF header held in ``buf``; each problem one line."""
+
+    def __init__(self, buf: Any, path: Path) -> None:
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def fail(self, message: str) -> ValueError:
+        return ValueError(f"{self.path}: {message}")
+
+    def take(self, n: int, what: str) -> int:
+        """The offset of the next ``n`` bytes, which must lie in the file."""
+        if n > self.size - self.pos:
+            raise self.fail(f"truncated GGUF header: {what} needs {n:,} bytes at offset "
+                            f"{self.pos:,}, past the file's end ({self.size:,} bytes)")
+        start = self.pos
+        self.pos += n
+        return start
+
+    def unpack(self, fmt: str, what: str) -> Any:
+        return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt), what))[0]
+
+    def count(self, what: str, limit: int) -> int:
+        n = self.unpack("<Q", what)
+        if n > limit:
+            raise self.fail(f"{what} is {n:,}; at most {limit:,} is accepted")
+        return n
+
+    def string(self, what: str, limit: int = _MAX_STRING) -> str:
+        n = self.count(f"the length of {what}", limit)
+        start = self.take(n, what)
+        try:
+            return bytes(self.buf[start:start + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} at offset {start:,} is not UTF-8 text") from None
+
+    def value(self, vtype: int, key: str, keep: bool, depth: int = 0) -> Any:
+        """The value of type ``vtype`` at the cursor; ``keep=False`` only skips it."""
+        if vtype in _SCALARS:
+            fmt = _SCALARS[vtype]
+            value = self.unpack(fmt, f"metadata {key}")
+            if vtype == _BOOL:
+                if value > 1:
+                    raise self.fail(f"metadata {key} is a bool holding {value}, not 0 or 1")
+                return bool(value)
+            if isinstance(value, float) and keep and not math.isfinite(value):
+                raise self.fail(f"metadata {key} is {value}; a finite number is expected")
+            return value
+        if vtype == _STRING:
+            return self.string(f"metadata {key}")
+        if vtype == _ARRAY:
+            if depth >= _MAX_NESTING:
+                raise self.fail(f"metadata {key} nests arrays more than {_MAX_NESTING} deep")
+            itype = self.unpack("<I", f"metadata {key}")
+            n = self.count(f"the length of metadata {key}", _MAX_ARRAY)
+            if itype in _SCALARS and not keep:  # skipped whole: nothing is built
+                self.take(n * struct.calcsize(_SCALARS[itype]), f"metadata {key}")
+                return None
+            if itype not in _SCALARS and itype not in (_STRING, _ARRAY):
+                raise self.fail(f"metadata {key} is an array of unknown type {itype}")
+            items = [self.value(itype, key, keep, depth + 1) for _ in range(n)]
+            return items if keep else None
+        raise self.fail(f"metadata {key} has unknown value type {vtype} (GGUF's are 0-12)")
+
+
+def _walk(buf: Any, path: Path, ggml_types: Any,
+          block_sizes: Mapping[Any, tuple[int, int]]) -> GGUFHeader:
+    """Parse and check the whole header in ``buf`` (the file's bytes, mapped)."""
+    h = _Header(buf, path)
+    if h.size < 4 or bytes(buf[:4]) != _MAGIC:
+        head = bytes(buf[:4])
+        raise h.fail(f"not a GGUF file (it starts with {head!r}, a GGUF file with "
+                     f"{_MAGIC!r})")
+    h.take(4, "the magic")
+    version = h.unpack("<I", "the version")
+    if version not in _VERSIONS and version & 0xFFFF == 0 and version >> 16 in _VERSIONS:
+        raise h.fail("is a big-endian GGUF file; only little-endian ones are supported")
+    if version not in _VERSIONS:
+        raise h.fail(f"GGUF version {version} is not supported (supported: "
+                     f"{', '.join(map(str, _VERSIONS))})")
+    n_tensors = h.count("the tensor count", _MAX_TENSORS)
+    n_keys = h.count("the metadata count", _MAX_KEYS)
+    raw: dict[str, Any] = {}
+    skipped: set[str] = set()
+    for i in range(n_keys):
+        key = h.string(f"metadata key #{i}", _MAX_NAME)
+        if key in raw or key in skipped:
+            raise h.fail(f"metadata {key} appears twice")
+        vtype = h.unpack("<I", f"metadata {key}'s type")
+        # The tokenizer's long lists are skipped here (data.gguf_tokenizer reads them).
+        keep = not key.startswith("tokenizer.")
+        value = h.value(vtype, key, keep)
+        if keep:
+            raw[key] = value
+        else:
+            skipped.add(key)
+    architecture = raw.get("general.architecture")
+    if not isinstance(architecture, str) or not architecture:
+        raise h.fail("has no general.architecture (the model family, e.g. 'llama'): it "
+                     "does not describe a model")
+    alignment = raw.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if (isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0
+            or alignment & (alignment - 1) or alignment > _MAX_ALIGNMENT):
+        raise h.fail(f"general.alignment is {show(alignment)}; a power of two up to "
+                     f"{_MAX_ALIGNMENT:,} is expected")
+    entries = []
+    for i in range(n_tensors):
+        name = h.string(f"the name of tensor #{i}", _MAX_NAME)
+        n_dims = h.unpack("<I", f"tensor {name}'s dimension count")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise h.fail(f"tensor {name} has {n_dims:,} dimensions; GGML allows 1 to "
+                         f"{_MAX_DIMS}")
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, h.take(8 * n_dims,
+                                                              f"tensor {name}'s dimensions"))
+        code = h.unpack("<I", f"tensor {name}'s type")
+        offset = h.unpack("<Q", f"tensor {name}'s offset")
+        entries.append((name, dims, code, offset))
+    start = -(-h.pos // alignment) * alignment  # the data section, aligned
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, dims, code, offset in entries:
+        if name in tensors:
+            raise h.fail(f"tensor {name} appears twice")
+        try:
+            ggml_type = ggml_types(code)
+        except ValueError:
+            raise h.fail(f"tensor {name} has unknown GGML type {code}") from None
+        if not all(1 <= d <= _MAX_ELEMENTS for d in dims) or math.prod(dims) > _MAX_ELEMENTS:
+            raise h.fail(f"tensor {name} has dimensions {list(dims)}; each must be in "
+                         f"[1, {_MAX_ELEMENTS:,}] and their product at most "
+                         f"{_MAX_ELEMENTS:,}")
+        block, block_bytes = block_sizes[ggml_type]
+        if dims[0] % block:
+            raise h.fail(f"tensor {name}: a row of {dims[0]:,} values is not a whole "
+                         f"number of {ggml_type.name} blocks of {block}")
+        nbytes = math.prod(dims) // block * block_bytes
+        if offset % alignment:
+            raise h.fail(f"tensor {name} starts at data offset {offset:,}, not a multiple "
+                         f"of the alignment {alignment}")
+        if start + offset + nbytes > h.size:
+            raise h.fail(f"tensor {name} ({nbytes:,} bytes at offset {start + offset:,}) "
+                         f"ends past the file's end ({h.size:,} bytes): the file is "
+                         "truncated or its header is wrong")
+        tensors[name] = GGUFTensorInfo(name, ggml_type.name, tuple(reversed(dims)),
+                                       start + offset, nbytes)
+    spans = sorted(tensors.values(), key=lambda t: t.offset)
+    for before, after in zip(spans, spans[1:], strict=False):
+        if after.offset < before.offset + before.nbytes:
+            raise h.fail(f"tensors {before.name} and {after.name} overlap in the file: "
+                         "its header is wrong")
+    prefix = f"{architecture}."
+    return GGUFHeader(
+        path=path, version=version, architecture=architecture,
+        config={k[len(prefix):]: v for k, v in raw.items() if k.startswith(prefix)},
+        general={k[len("general."):]: v for k, v in raw.items() if k.startswith("general.")},
+        tensors=tensors, file_size=h.size)
+
+
+def _read(path: Path, f: Any) -> GGUFHeader:
+    gguf = _import_gguf()
+    size = os.fstat(f.fileno()).st_size
+    if size == 0:  # mmap refuses an empty file
+        raise ValueError(f"{path}: not a GGUF file (it is empty)")
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        view = memoryview(buf)
+        try:
+            return _walk(view, path, gguf.GGMLQuantizationType, gguf.GGML_QUANT_SIZES)
+        finally:
+            view.release()
+
+
+def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
+    """The architecture, configuration and tensor list of a GGUF file; no tensor read.
+
+    Args:
+        path: the ``.gguf`` file (a regular file).
+
+    Returns:
+        A :class:`GGUFHeader`: ``config`` holds every ``"{architecture}.*"`` metadata
+        entry (the model's sizes, norms' epsilon, RoPE base and scaling, sliding window,
+        ... whatever the family writes), and ``tensors`` each tensor's name, GGML type
+        and shape in PyTorch's order.
+
+    Raises:
+        ValueError: one line naming the file: not a GGUF file, a version other than 2 or
+            3, a header cut short or holding counts, lengths or dimensions past qkv's
+            bounds, an unknown value or tensor type, no ``general.architecture``, a
+            tensor that is misaligned, ends past the file's end or overlaps another.
+        OSError: ``path`` is missing or not a regular file (a FIFO, a directory).
+        ImportError: the gguf package is missing.
+    """
+    path = Path(path)
+    with open_regular(path, "GGUF file") as f:
+        return _read(path, f)
+
+
+def open_gguf_reader(path: str | os.PathLike[str]) -> tuple[GGUFHeader, Any]:
+    """The checked header and a ``gguf.GGUFReader`` on the file, for the metadata this
+    module does not decode (the tokenizer: ``tokenizer_from_gguf(path, reader=...)``).
+
+    The reader is only opened once :func:`read_gguf_header` has bounded every count it
+    will believe; raises as that does."""
+    path = Path(path)
+    header = read_gguf_header(path)
+    gguf = _import_gguf()
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as error:
+        raise ValueError(f"{path}: the gguf package cannot read it ({type(error).__name__}: "
+                         f"{' '.join(str(error).split())[:160]})") from None
+    return header, reader
+
+
+def read_gguf_tensors(
+    path: str | os.PathLike[str],
+    names: Iterable[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    max_bytes: int | None = None,
+    header: GGUFHeader | None = None,
+) -> dict[str, Tensor]:
+    """The file's tensors, expanded to ``dtype``, under llama.cpp's names.
+
+    Args:
+        path: the ``.gguf`` file.
+        names: the tensors to read (default: all), each one the header lists.
+        dtype: ``torch.float32`` or ``torch.bfloat16``. Quantized values are expanded in
+            float32, then rounded to ``dtype``; F32/F16/BF16 values are exact in float32.
+        max_bytes: refuse, before anything is expanded, if the tensors would take more
+            than this many bytes in ``dtype`` (the caller passes the memory it has).
+        header: the file's :func:`read_gguf_header`, if already read; it is checked
+            again against the file's size.
+
+    Returns:
+        name -> tensor of the header's shape (PyTorch's order: a linear weight is
+        ``(out, in)``), contiguous, on the CPU.
+
+    Raises:
+        ValueError: one line: as :func:`read_gguf_header`; a name the file lacks; a type
+            other than :data:`GGUF_WEIGHT_TYPES`; a total over ``max_bytes``; a tensor
+            holding NaN or an infinity (named).
+    """
+    path = Path(path)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    gguf = _import_gguf()
+    with open_regular(path, "GGUF file") as f:
+        size = os.fstat(f.fileno()).st_size
+        if header is None:
+            header = _read(path, f)
+        elif header.file_size != size:
+            raise ValueError(f"{path}: the file changed since its header was read "
+                             f"({header.file_size:,} bytes then, {size:,} now)")
+        wanted = list(header.tensors) if names is None else list(dict.fromkeys(names))
+        missing = [n for n in wanted if n not in header.tensors]
+        if missing:
+            raise ValueError(f"{path}: has no tensor {missing[0]!r} ({len(header.tensors):,} "
+                             "tensors in the file)")
+        infos = [header.tensors[n] for n in wanted]
+        for info in infos:
+            if info.type_name not in GGUF_WEIGHT_TYPES:
+                raise ValueError(f"{path}: tensor {info.name} is {info.type_name}, which qkv "
+                                 f"does not read; supported: {', '.join(GGUF_WEIGHT_TYPES)}")
+        item = torch.empty((), dtype=dtype).element_size()
+        total = sum(info.numel for info in infos) * item
+        limit = _MAX_TOTAL_BYTES if max_bytes is None else min(max_bytes, _MAX_TOTAL_BYTES)
+        if total > limit:
+            raise ValueError(f"{path}: the {len(infos):,} tensors take {total:,} bytes as "
+                             f"{str(dtype).removeprefix('torch.')}; at most {limit:,} "
+                             "are available")
+        if not infos:
+            return {}
+        data = np.memmap(f, dtype=np.uint8, mode="r")
+        try:
+            return {info.name: _expand(path, data, info, dtype, gguf) for info in infos}
+        finally:
+            del data
+
+
+def _expand(path: Path, data: np.ndarray, info: GGUFTensorInfo, dtype: torch.dtype,
+            gguf: Any) -> Tensor:
+    """One tensor's bytes -> a contiguous tensor of ``info.shape`` and ``dtype``."""
+    ggml_type = gguf.GGMLQuantizationType[info.type_name]
+    raw = data[info.offset:info.offset + info.nbytes]
+    if info.type_name == "F32":
+        values = np.array(raw.view("<f4"), dtype=np.float32)  # a copy, out of the map
+    elif info.type_name == "F16":
+        values = raw.view("<f2").astype(np.float32)
+    else:
+        # Rows of whole blocks; gguf expands the last axis from bytes to values.
+        values = gguf.quants.dequantize(raw.reshape(-1, info.nbytes // math.prod(
+            info.shape[:-1])), ggml_type)
+    tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    tensor = tensor.reshape(info.shape).to(dtype)
+    finite = torch.isfinite(tensor)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        raise ValueError(f"{path}: tensor {info.name} holds {bad:,} NaN or infinite "
+                         f"value(s) of {tensor.numel():,}; the weights are damaged")
+    return tensor
+
+
+# llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.modify_tensors) reorders the
+# rows of attn_q.weight and attn_k.weight of "llama"-architecture files (SmolLM2, Llama,
+# Mistral): Hugging Face rotates each head's first half against its second half (RoPE
+# "rotate half"), llama.cpp rotates neighbouring pairs (2i, 2i+1), so each head's rows
+# (h, 2, d/2) are stored as (h, d/2, 2). A model that applies rotate-half RoPE to them
+# must undo that with unpermute_rope (q with the query heads, k with the key/value
+# heads). Qwen2, Qwen3 and Gemma 3 files are written unpermuted (llama.cpp runs them
+# with rotate-half RoPE), so their weights are used as stored.
+def unpermute_rope(weight: Tensor, n_heads: int) -> Tensor:
+    """Undo llama.cpp's RoPE row order of a query or key projection.
+
+    Args:
+        weight: ``(n_heads * head_dim, ...)``: a weight ``(out, in)`` or a bias
+            ``(out,)``, rows as llama.cpp stores them.
+        n_heads: the heads the rows belong to: query heads for ``attn_q``, key/value
+            heads for ``attn_k``.
+
+    Returns:
+        The same values, rows in Hugging Face's (rotate-half) order, a new tensor.
+    """
+    rows = weight.shape[0]
+    if n_heads < 1 or rows % (2 * n_heads):
+        raise ValueError(f"unpermute_rope: {rows} rows are not {n_heads} heads of an even "
+                         "size")
+    rest = weight.shape[1:]
+    return (weight.reshape(n_heads, rows // n_heads // 2, 2, *rest)
+            .transpose(1, 2).reshape(weight.shape).contiguous())
