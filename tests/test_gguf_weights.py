@@ -1,9 +1,9 @@
 """qkv.models.gguf_weights: a GGUF file's header and tensors, read safely.
 
 Tiny files are written with the gguf package's own GGUFWriter. Quantized blocks are
-checked against decoders written here from GGML's block layouts (independent of the
-gguf package's dequantizer that the module uses), and against the error bound of
-gguf's own quantizer; the RoPE row order against llama.cpp's permutation and
+checked against the gguf package's dequantizer, against decoders written here one block
+at a time from GGML's block layouts, and against the error bound of gguf's own
+quantizer; the RoPE row order against llama.cpp's permutation and
 transformers' GGUF loader.
 """
 
@@ -221,6 +221,26 @@ def test_quantized_blocks_match_reference_decoders(tmp_path):
     assert torch.equal(bf, got["w_Q6_K"].to(torch.bfloat16))
 
 
+def test_quantized_equal_gguf_dequantize(tmp_path):
+    """Many random blocks of each type, 3-D too: bit for bit what gguf's numpy
+    dequantizer gives (the same float32 operations in the same order)."""
+    rng = np.random.default_rng(6)
+    tensors = {}
+    for qtype, (_, scale_at) in REFERENCES.items():
+        size = gguf.GGML_QUANT_SIZES[qtype][1]
+        raw = rng.integers(0, 256, (2 * 3 * 4, size), dtype=np.uint8)
+        for at in scale_at:
+            raw[:, at:at + 2] = np.frombuffer(
+                rng.uniform(-2, 2, len(raw)).astype("<f2").tobytes(), np.uint8).reshape(-1, 2)
+        tensors[qtype.name] = (raw.reshape(2, 3, 4 * size), qtype)
+    path = write_gguf(tmp_path / "q.gguf", tensors)
+    got = read_gguf_tensors(path)
+    for name, (raw, qtype) in tensors.items():
+        want = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+        assert got[name].shape == want.shape
+        assert torch.equal(got[name], want), name
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_quantized_error_within_format_bound(tmp_path, qtype):
     rng = np.random.default_rng(3)
@@ -388,7 +408,7 @@ def test_refuses_unsupported_type_nan_and_budget(tmp_path):
     rng = np.random.default_rng(5)
     raw = rng.integers(0, 256, (2, gguf.GGML_QUANT_SIZES[Q.Q2_K][1]), dtype=np.uint8)
     bad = np.ones((2, 32), np.float32)
-    bad[1, 3] = np.nan
+    bad[1, 3], bad[0, 0] = np.nan, -np.inf
     path = write_gguf(tmp_path / "t.gguf", {"q2": (raw, Q.Q2_K), "nan": bad,
                                            "ok": np.ones((4, 32), np.float32)})
     assert read_gguf_header(path).tensors["q2"].type_name == "Q2_K"
@@ -397,7 +417,7 @@ def test_refuses_unsupported_type_nan_and_budget(tmp_path):
     one_line(error, "q2 is Q2_K", ", ".join(GGUF_WEIGHT_TYPES))
     with pytest.raises(ValueError) as error:
         read_gguf_tensors(path, ["nan"])
-    one_line(error, "tensor nan holds 1 NaN")
+    one_line(error, "tensor nan holds 2 NaN or infinite value(s) of 64")
     with pytest.raises(ValueError) as error:
         read_gguf_tensors(path, ["missing"])
     one_line(error, "'missing'")
@@ -411,7 +431,15 @@ def test_refuses_unsupported_type_nan_and_budget(tmp_path):
 
 
 def test_open_gguf_reader_gives_the_tokenizer_metadata(small):
-    path, _ = small
+    path, arrays = small
     header, reader = open_gguf_reader(path)
     assert header.architecture == "llama"
     assert reader.get_field("tokenizer.ggml.tokens").contents() == ["a", "b", "c"]
+    # The header read once serves the tensors; a file changed since is refused.
+    got = read_gguf_tensors(path, ["token_embd.weight"], header=header)
+    assert torch.equal(got["token_embd.weight"], torch.from_numpy(arrays["token_embd.weight"]))
+    with open(path, "ab") as f:
+        f.write(bytes(32))
+    with pytest.raises(ValueError) as error:
+        read_gguf_tensors(path, header=header)
+    one_line(error, "changed since its header was read")

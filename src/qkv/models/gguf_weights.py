@@ -23,8 +23,10 @@ allocated, and every tensor checked to lie, aligned and whole, inside the file, 
 from the others. Only then are tensors mapped (:func:`read_gguf_tensors`) or a
 ``GGUFReader`` opened on the file (:func:`open_gguf_reader`, for the tokenizer).
 
-Quantized blocks are expanded by the ``gguf`` package's own ``gguf.quants.dequantize``
-(``pip install 'qkv[gguf]'``), one tensor at a time.
+Quantized blocks are expanded here, one tensor at a time, by vectorised PyTorch
+decoders of GGML's block layouts (``Q8_0`` ... ``Q6_K``; the tests hold them to the
+``gguf`` package's own ``gguf.quants.dequantize``, bit for bit). The ``gguf`` package
+(``pip install 'qkv[gguf]'``) gives the type codes and block sizes.
 """
 
 from __future__ import annotations
@@ -54,10 +56,6 @@ __all__ = [
     "read_gguf_tensors",
     "unpermute_rope",
 ]
-
-# The GGML types read_gguf_tensors expands: the unquantized ones and the quantizations
-# the released GGUFs of the supported families use.
-GGUF_WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)  # version 1 had 32-bit counts; gguf's reader refuses it too
@@ -199,8 +197,11 @@ class _Header:
                 return None
             if itype not in _SCALARS and itype not in (_STRING, _ARRAY):
                 raise self.fail(f"metadata {key} is an array of unknown type {itype}")
-            items = [self.value(itype, key, keep, depth + 1) for _ in range(n)]
-            return items if keep else None
+            if not keep:
+                for _ in range(n):
+                    self.value(itype, key, keep, depth + 1)
+                return None
+            return [self.value(itype, key, keep, depth + 1) for _ in range(n)]
         raise self.fail(f"metadata {key} has unknown value type {vtype} (GGUF's are 0-12)")
 
 
@@ -348,6 +349,12 @@ def open_gguf_reader(path: str | os.PathLike[str]) -> tuple[GGUFHeader, Any]:
     except (ValueError, IndexError, KeyError, TypeError, OverflowError) as error:
         raise ValueError(f"{path}: the gguf package cannot read it ({type(error).__name__}: "
                          f"{' '.join(str(error).split())[:160]})") from None
+    # Both walks must agree on where every tensor lies.
+    theirs = {t.name: int(t.data_offset) for t in reader.tensors}
+    ours = {name: info.offset for name, info in header.tensors.items()}
+    if theirs != ours:
+        raise ValueError(f"{path}: the gguf package places its tensors elsewhere than "
+                         "qkv's reading of the header does; the file is not readable safely")
     return header, reader
 
 
@@ -417,27 +424,102 @@ def read_gguf_tensors(
             del data
 
 
+def _halves(b: Tensor) -> Tensor:
+    """Two float16 bytes per row -> float32 ``(n, 1)``."""
+    return b.view(torch.float16).float()
+
+
+def _nibbles(qs: Tensor, width: int) -> Tensor:
+    """Bytes ``(n, k)`` cut in groups of ``width`` -> per group, the low nibbles of its
+    bytes, then their high nibbles: ``(n, 2 * k // width, width)`` uint8 values 0-15."""
+    groups = qs.reshape(qs.shape[0], -1, 1, width)
+    return torch.cat([groups & 0xF, groups >> 4], dim=2).reshape(qs.shape[0], -1, width)
+
+
+def _k_scales(scales: Tensor) -> tuple[Tensor, Tensor]:
+    """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins, float32 ``(n, 8)``:
+    bytes 0-3 hold scales 0-3 (low 6 bits) and the top bits of scales 4-7, bytes 4-7 the
+    same for the mins, bytes 8-11 the low nibbles of scales 4-7 and of mins 4-7."""
+    s = scales.reshape(-1, 3, 4)
+    lo, mid, top = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([lo & 63, (top & 0xF) | ((lo >> 2) & 0x30)], dim=1)
+    mn = torch.cat([mid & 63, (top >> 4) | ((mid >> 2) & 0x30)], dim=1)
+    return sc.float(), mn.float()
+
+
+def _q8_0(b: Tensor) -> Tensor:  # d, 32 int8
+    return b[:, 2:].view(torch.int8).float() * _halves(b[:, :2])
+
+
+def _q4_0(b: Tensor) -> Tensor:  # d, 16 bytes of two 4-bit values offset by 8
+    q = _nibbles(b[:, 2:], 16).reshape(len(b), 32).to(torch.int8) - 8
+    return _halves(b[:, :2]) * q.float()
+
+
+def _q4_1(b: Tensor) -> Tensor:  # d, min, 16 bytes of two 4-bit values
+    q = _nibbles(b[:, 4:], 16).reshape(len(b), 32).float()
+    return _halves(b[:, :2]) * q + _halves(b[:, 2:4])
+
+
+def _q4_k(b: Tensor) -> Tensor:  # d, dmin, 12 scale bytes, 128 bytes of 4-bit values
+    sc, mn = _k_scales(b[:, 4:16])
+    d = (_halves(b[:, :2]) * sc).unsqueeze(-1)
+    dm = (_halves(b[:, 2:4]) * mn).unsqueeze(-1)
+    return (d * _nibbles(b[:, 16:], 32).float() - dm).reshape(len(b), 256)
+
+
+def _q5_k(b: Tensor) -> Tensor:  # d, dmin, 12 scale bytes, 32 bytes of 5th bits, 128 bytes
+    sc, mn = _k_scales(b[:, 4:16])
+    d = (_halves(b[:, :2]) * sc).unsqueeze(-1)
+    dm = (_halves(b[:, 2:4]) * mn).unsqueeze(-1)
+    shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+    high = (b[:, 16:48].unsqueeze(1) >> shifts) & 1  # bit k: sub-block k's fifth bit
+    q = (_nibbles(b[:, 48:], 32) | (high << 4)).float()
+    return (d * q - dm).reshape(len(b), 256)
+
+
+def _q6_k(b: Tensor) -> Tensor:  # 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8, d
+    n = len(b)
+    low = _nibbles(b[:, :128], 64).reshape(n, 8, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    high = ((b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+    scales = b[:, 192:208].view(torch.int8).float()
+    d = (_halves(b[:, 208:210]) * scales).unsqueeze(-1)
+    return (d * q).reshape(n, 256)
+
+
+# GGML type -> its block decoder: bytes (n_blocks, block bytes) -> float32 values
+# (n_blocks, block values), in the order ggml's dequantize_row_* writes them.
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": _q5_k,
+             "Q6_K": _q6_k}
+# The GGML types read_gguf_tensors expands: the unquantized ones and the quantizations
+# the released GGUFs of the supported families use.
+GGUF_WEIGHT_TYPES = ("F32", "F16", "BF16", *_DECODERS)
+
+
 def _expand(path: Path, data: np.ndarray, info: GGUFTensorInfo, dtype: torch.dtype,
             gguf: Any) -> Tensor:
     """One tensor's bytes -> a contiguous tensor of ``info.shape`` and ``dtype``."""
-    ggml_type = gguf.GGMLQuantizationType[info.type_name]
-    raw = data[info.offset:info.offset + info.nbytes]
+    # A copy of the bytes, out of the read-only map (torch wants writable memory).
+    raw = torch.from_numpy(np.array(data[info.offset:info.offset + info.nbytes]))
     if info.type_name == "F32":
-        values = np.array(raw.view("<f4"), dtype=np.float32)  # a copy, out of the map
-    elif info.type_name == "F16":
-        values = raw.view("<f2").astype(np.float32)
+        values = raw.view(torch.float32)
+    elif info.type_name in ("F16", "BF16"):
+        values = raw.view(getattr(torch, {"F16": "float16", "BF16": "bfloat16"}[
+            info.type_name])).float()
     else:
-        # Rows of whole blocks; gguf expands the last axis from bytes to values.
-        values = gguf.quants.dequantize(raw.reshape(-1, info.nbytes // math.prod(
-            info.shape[:-1])), ggml_type)
-    tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-    tensor = tensor.reshape(info.shape).to(dtype)
-    finite = torch.isfinite(tensor)
-    if not bool(finite.all()):
-        bad = int((~finite).sum())
+        block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[info.type_name]][1]
+        values = _DECODERS[info.type_name](raw.reshape(-1, block_bytes))
+    tensor = values.reshape(info.shape).to(dtype)
+    # NaN propagates through min and max, and an infinity is one of them: one pass,
+    # cheaper than isfinite().all() over a large tensor; the count only on failure.
+    low, high = torch.aminmax(tensor)
+    if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+        bad = int((~torch.isfinite(tensor)).sum())
         raise ValueError(f"{path}: tensor {info.name} holds {bad:,} NaN or infinite "
                          f"value(s) of {tensor.numel():,}; the weights are damaged")
-    return tensor
+    return tensor.contiguous()
 
 
 # llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.modify_tensors) reorders the
