@@ -27,6 +27,12 @@ Quantized blocks are expanded here, one tensor at a time, by vectorised PyTorch
 decoders of GGML's block layouts (``Q8_0`` ... ``Q6_K``; the tests hold them to the
 ``gguf`` package's own ``gguf.quants.dequantize``, bit for bit). The ``gguf`` package
 (``pip install 'qkv[gguf]'``) gives the type codes and block sizes.
+
+The tensors come back under llama.cpp's names and in llama.cpp's conventions; a model
+built from them must still undo three of those: the row order of ``attn_q``/``attn_k``
+in ``llama``-architecture files (:func:`unpermute_rope`), Gemma's RMSNorm weights, which
+llama.cpp's converter stores as ``1 + w`` (every ``*norm.weight`` of a ``gemma*`` file),
+and GPT-2's fused ``attn_qkv`` (stored ``(3d, d)``, as ``nn.Linear`` holds it).
 """
 
 from __future__ import annotations
@@ -374,7 +380,8 @@ def read_gguf_tensors(
         dtype: ``torch.float32`` or ``torch.bfloat16``. Quantized values are expanded in
             float32, then rounded to ``dtype``; F32/F16/BF16 values are exact in float32.
         max_bytes: refuse, before anything is expanded, if the tensors would take more
-            than this many bytes in ``dtype`` (the caller passes the memory it has).
+            than this many bytes in ``dtype`` (the caller passes the memory it has; while
+            a tensor is expanded, its bytes and its float32 values are held beside it).
         header: the file's :func:`read_gguf_header`, if already read; it is checked
             again against the file's size.
 
