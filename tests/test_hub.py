@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -287,11 +288,15 @@ def test_fetch_sharded_weights_follows_the_index(hub):
         assert (folder / shard).read_bytes() == files[shard]
 
 
-@pytest.mark.parametrize("offline", ["server stopped", "HF_HUB_OFFLINE=1", "library offline"])
+@pytest.mark.parametrize("offline", ["server stopped", "HF_HUB_OFFLINE=1", "library offline",
+                                     "hub down"])
 def test_second_fetch_works_from_the_cache_offline(hub, monkeypatch, offline):
-    hub.add(REPO, tiny_files())
+    sha = hub.add(REPO, tiny_files())
     first = fetch_model(REPO)
-    hub.stop()
+    if offline == "hub down":
+        hub.repos[REPO]["status"] = 503
+    else:
+        hub.stop()
     if offline == "HF_HUB_OFFLINE=1":
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     elif offline == "library offline":
@@ -300,15 +305,19 @@ def test_second_fetch_works_from_the_cache_offline(hub, monkeypatch, offline):
     assert fetch_model(REPO, log=lines.append) == first
     assert (first / "model.safetensors").read_bytes() == tiny_files()["model.safetensors"]
     assert len(lines) == 1 and "cached" in lines[0]
+    # By the commit hash too; a revision never fetched is not in the cache.
+    assert fetch_model(REPO, revision=sha) == first
+    with pytest.raises(ConnectionError, match="cannot reach"):
+        fetch_model(REPO, revision="v2")
 
 
-@pytest.mark.parametrize("offline", ["server stopped", "HF_HUB_OFFLINE=1"])
+@pytest.mark.parametrize("offline", ["server stopped", "HF_HUB_OFFLINE=1", "hub down"])
 def test_offline_with_an_empty_cache_is_one_line_naming_the_folder_form(hub, monkeypatch,
                                                                        offline):
-    hub.add(REPO, tiny_files())
+    hub.add(REPO, tiny_files(), status=503 if offline == "hub down" else None)
     if offline == "server stopped":
         hub.stop()
-    else:
+    elif offline == "HF_HUB_OFFLINE=1":
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConnectionError) as caught:
         fetch_model(REPO)
@@ -317,6 +326,8 @@ def test_offline_with_an_empty_cache_is_one_line_naming_the_folder_form(hub, mon
     assert text.endswith("download it elsewhere and pass the folder: qkv lm import FOLDER")
     if offline == "HF_HUB_OFFLINE=1":
         assert "HF_HUB_OFFLINE" in text and hub.requests == []
+    if offline == "hub down":
+        assert "503" in text
 
 
 @pytest.mark.parametrize("status, code, kind, words", [
@@ -444,7 +455,8 @@ def test_is_repo_id_follows_the_hub_naming_rule_and_prefers_paths(tmp_path, monk
     good = ["HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B", "a/b",
             "google/gemma-3-270m-it", "o_1/m.v2", "x/" + "a" * 96]
     bad = ["gpt2", "a/b/c", "./a/b", "/a/b", "~/a/b", "a/b.gguf ", "a--b/c", "a/b..c",
-           "-a/b", "a/b-", "a/.b", "x/" + "a" * 97, "a/b c", "a\\b", "é/b", "a/", "/b", ""]
+           "-a/b", "a/b-", "a/.b", "a/b.gguf", "a/b.GGUF", "x/" + "a" * 97, "a/b c",
+           "a\\b", "é/b", "a/", "/b", ""]
     assert [g for g in good if not is_repo_id(g)] == []
     assert [b for b in bad if is_repo_id(b)] == []
     # An existing path always wins.
@@ -452,3 +464,11 @@ def test_is_repo_id_follows_the_hub_naming_rule_and_prefers_paths(tmp_path, monk
     assert is_repo_id("owner/model")
     (tmp_path / "owner" / "model").mkdir(parents=True)
     assert not is_repo_id("owner/model")
+
+
+def test_without_huggingface_hub_the_error_names_the_extra_and_the_folder_form(monkeypatch):
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(ImportError) as caught:
+        fetch_model(REPO)
+    text = one_line(caught.value)
+    assert "qkv[hf]" in text and "qkv lm import FOLDER" in text

@@ -81,10 +81,12 @@ def is_repo_id(text: str) -> bool:
     The rule: a path that exists on this machine is a path, whatever it looks like;
     otherwise ``text`` is a repo id when it is exactly ``owner/name``, each part made of
     ASCII letters, digits, ``-``, ``_`` and ``.`` (at most 96, starting and ending with a
-    letter or digit, without ``--`` or ``..``). Anything else (``./x``, ``~/x``,
+    letter or digit, without ``--`` or ``..``), and does not end in ``.gguf`` (a GGUF
+    file that is not there yet is still a file). Anything else (``./x``, ``~/x``,
     ``a/b/c``, ``x.gguf``, ``name`` alone) is treated as a path.
     """
-    if not isinstance(text, str) or not _valid_repo_id(text):
+    if (not isinstance(text, str) or not _valid_repo_id(text)
+            or text.lower().endswith(".gguf")):
         return False
     try:
         return not Path(text).expanduser().exists()
@@ -165,8 +167,8 @@ def _reason(error: BaseException) -> str:
 
 
 def _http_error(repo_id: str, revision: str | None, error: Exception) -> Exception | None:
-    """The one-line error for the Hub's refusal, or ``None`` for a server fault (5xx),
-    which is treated like no answer."""
+    """The one-line error for the Hub's refusal of a request, or ``None`` when the Hub is
+    down or busy (5xx, 429), which is treated like no answer."""
     from huggingface_hub.errors import (
         GatedRepoError,
         RepositoryNotFoundError,
@@ -192,7 +194,7 @@ def _http_error(repo_id: str, revision: str | None, error: Exception) -> Excepti
     if status in (401, 403):
         return PermissionError(f"{repo_id}: the Hub refused access (HTTP {status}); it is "
                                f"private or gated: {login}")
-    if isinstance(status, int) and status >= 500:
+    if status == 429 or (isinstance(status, int) and status >= 500):
         return None
     return OSError(f"{repo_id}: the Hub answered HTTP {status}: {_reason(error)}")
 
@@ -302,6 +304,7 @@ def fetch_model(
         raise ValueError(f"max_bytes must be a positive integer, got {show(max_bytes)}")
     try:
         from huggingface_hub import HfApi, constants
+        from huggingface_hub.errors import HfHubHTTPError
     except ImportError:
         raise ImportError("downloading a Hugging Face repo id needs huggingface_hub "
                           "(pip install 'qkv[hf]'), or pass a downloaded folder: "
@@ -318,19 +321,18 @@ def fetch_model(
         say(f"{repo_id}: the Hub is not reachable ({why}); using the cached {folder}")
         return folder
 
-    if _env_true("HF_HUB_OFFLINE") or constants.HF_HUB_OFFLINE:
+    if _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE") \
+            or constants.HF_HUB_OFFLINE:
         return offline("HF_HUB_OFFLINE is set")
     try:
         info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision,
                                                     files_metadata=True)
     except network as error:
         return offline(_reason(error))
-    except Exception as error:
+    except HfHubHTTPError as error:
         refusal = _http_error(repo_id, revision, error)
-        if refusal is None and getattr(error, "response", None) is not None:
-            return offline(_reason(error))
         if refusal is None:
-            raise
+            return offline(_reason(error))
         raise refusal from None
 
     commit = info.sha
@@ -360,15 +362,12 @@ def fetch_model(
         try:
             path = hf_hub_download(repo_id, name, revision=at, cache_dir=cache,
                                    endpoint=endpoint)
-        except network as error:
-            raise _unreachable(repo_id, f"while downloading {name}: {_reason(error)}") from None
-        except Exception as error:
-            refusal = _http_error(repo_id, revision, error)
-            if refusal is None and getattr(error, "response", None) is not None:
+        except (*network, HfHubHTTPError) as error:
+            refusal = None if isinstance(error, network) else _http_error(repo_id, revision,
+                                                                          error)
+            if refusal is None:
                 raise _unreachable(repo_id, f"while downloading {name}: "
                                             f"{_reason(error)}") from None
-            if refusal is None:
-                raise
             raise refusal from None
         size, expected = os.path.getsize(path), sizes.get(name)
         if expected is not None and size != expected:
