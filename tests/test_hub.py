@@ -367,15 +367,19 @@ def test_a_listing_with_an_escaping_name_is_refused(hub, name):
     assert hub.fetched() == set()
 
 
-def test_an_index_naming_an_escaping_shard_is_refused(hub):
+@pytest.mark.parametrize("shard, shown", [("../evil.safetensors", "'../evil.safetensors'"),
+                                          ("model.bin", "'model.bin'"),
+                                          (["a.safetensors"], "a list")])
+def test_an_index_naming_a_bad_shard_is_refused(hub, shard, shown):
     files = tiny_files()
     del files["model.safetensors"]
     files["model.safetensors.index.json"] = json.dumps(
-        {"weight_map": {"a": "../evil.safetensors"}}).encode()
+        {"weight_map": {"a": "model-1.safetensors", "b": shard}}).encode()
+    files["model-1.safetensors"] = weights(1)
     hub.add(REPO, files)
     with pytest.raises(ValueError) as caught:
         fetch_model(REPO)
-    assert "'../evil.safetensors'" in one_line(caught.value)
+    assert shown in one_line(caught.value)
     assert hub.fetched() == {"model.safetensors.index.json"}
 
 

@@ -16,10 +16,12 @@ The files land in huggingface_hub's own cache (``HF_HUB_CACHE``, else ``HF_HOME/
 else ``~/.cache/huggingface/hub``), shared with transformers, and the folder returned is
 the cache's snapshot of one commit. On POSIX its files are symlinks to
 ``../../blobs/<hash>``: every one is checked to resolve inside the repository's own
-cache folder. ``HF_ENDPOINT``, ``HF_HUB_OFFLINE`` and ``HF_HUB_CACHE``/``HF_HOME`` are
-read when :func:`fetch_model` is called (huggingface_hub reads them once, when it is
-imported, so a change made after that would otherwise be missed); the token
-(``HF_TOKEN`` or ``hf auth login``) is huggingface_hub's own business.
+cache folder. A snapshot that transformers filled before may hold other files too;
+fetch_model downloads none of them, and the import reads only the files above.
+``HF_ENDPOINT``, ``HF_HUB_OFFLINE`` and ``HF_HUB_CACHE``/``HF_HOME`` are read when
+:func:`fetch_model` is called (huggingface_hub reads them once, when it is imported,
+so a change made after that would otherwise be missed); the token (``HF_TOKEN`` or
+``hf auth login``) is huggingface_hub's own business.
 
 Bounded before anything is downloaded: the repository's file listing (one request,
 with sizes) must name only plain relative paths, and the weights it lists must fit in
@@ -212,13 +214,11 @@ def _index_shards(path: Path) -> list[str]:
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"{path}: expected an object with a non-empty 'weight_map', "
                          f"got {show(index)}")
-    shards = sorted(set(weight_map.values()), key=str)
-    for shard in shards:
-        if not _safe_name(shard) or not isinstance(shard, str) \
-                or not shard.endswith(".safetensors"):
+    for shard in weight_map.values():
+        if not _safe_name(shard) or not shard.endswith(".safetensors"):
             raise ValueError(f"{path}: shard {show(shard)} must be a .safetensors file "
                              f"inside the repository")
-    return shards
+    return sorted(set(weight_map.values()))
 
 
 def _weights_in(folder: Path) -> list[str] | None:
