@@ -300,3 +300,27 @@ def test_the_modern_preset_trains_and_generates_past_its_context(text_file, tmp_
     assert main(["lm", "generate", "--ckpt", str(run), "--prompt", "The cat",
                  "--max-new-tokens", "60"]) == 0
     assert "60 tokens in" in capsys.readouterr().out
+
+
+def test_validation_on_a_large_text_scores_a_bounded_spread_of_windows(tmp_path, monkeypatch):
+    import qkv.tasks.lm as lm_task
+
+    monkeypatch.setattr(lm_task, "MAX_VALID_WINDOWS", 5)
+    seen: list[int] = []
+    real = lm_task.lm_loss
+
+    def spy(model, batch):
+        if not model.training:  # validation runs in eval mode
+            seen.append(batch[0].shape[0])
+        return real(model, batch)
+
+    monkeypatch.setattr(lm_task, "lm_loss", spy)
+    text = tmp_path / "story.txt"
+    text.write_text("the cat sat on the mat and the dog sat on the log. " * 80)
+    settings = lm_task.LMSettings(text=str(text), preset="tiny", context_length=16,
+                                  batch_size=4, epochs=2, val_fraction=0.5)
+    _, history = lm_task.train_language_model(settings, tmp_path / "run", progress=False,
+                                              log=lambda line: None)
+    # Half the text held out: over a hundred windows of 16, of which 5 are scored per epoch.
+    assert seen == [4, 1, 4, 1]
+    assert len(history["valid_loss"]) == 2

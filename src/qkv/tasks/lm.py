@@ -80,6 +80,11 @@ __all__ = ["LMSettings", "LanguageModel", "Generation", "TextStream", "train_lan
            "lm_loss", "import_gpt2", "param_groups", "FROM_INIT"]
 
 TASK = "lm"
+# Validation scores at most this many windows: spread evenly over the held-out text and
+# the same ones at every evaluation, so the curve compares like with like. (The book's
+# evaluate_model reads a few batches too.) The whole held-out tenth of a gigabyte of text
+# would take longer to score than the training between two evaluations.
+MAX_VALID_WINDOWS = 2048
 # Most characters of the generated corpus a run may ask for (it is built in memory).
 MAX_CORPUS_CHARS = 100_000_000
 
@@ -524,6 +529,10 @@ def train_language_model(
         train_ids, val_ids = ids[:split], ids[split:]
         train_set = GPTDataset(train_ids, window, stride)
         val_set = GPTDataset(val_ids, window, window) if len(val_ids) > window else None
+        # On a large text, validate on windows spread evenly over the held-out part.
+        val_windows = None if val_set is None or len(val_set) <= MAX_VALID_WINDOWS else \
+            torch.linspace(0, len(val_set) - 1, MAX_VALID_WINDOWS,
+                           dtype=torch.float64).round().long().tolist()
         _, world_size = get_rank_and_world_size()
         strategy = settings.strategy or "ddp"
         if strategy == "fsdp" and world_size == 1:
@@ -561,7 +570,9 @@ def train_language_model(
         log(f"GPT '{settings.preset}': {n_params:,} parameters, {cfg.n_layers} layers x "
             f"{cfg.n_heads} heads, context {window}; tokenizer {tokenizer.name} "
             f"({tokenizer.n_vocab:,} ids); {len(train_ids):,} training tokens in "
-            f"{len(train_set):,} windows, {len(val_ids):,} validation tokens")
+            f"{len(train_set):,} windows, {len(val_ids):,} validation tokens"
+            + ("" if val_windows is None else f" (validation scores {len(val_windows):,} of "
+               f"their {len(val_set):,} windows, spread evenly)"))
 
         def optimizer(module: nn.Module) -> torch.optim.Optimizer:
             # Built by the trainer, after FSDP (if any) has sharded the parameters. The
@@ -580,6 +591,7 @@ def train_language_model(
             # dropout masks of the epochs that follow.
             for inputs, targets in create_dataloader(val_set, batch_size=settings.batch_size,
                                                      shuffle=False, drop_last=False,
+                                                     sampler=val_windows,
                                                      generator=torch.Generator()):
                 s, n = lm_loss(module, (inputs.to(device), targets.to(device)))
                 loss_sum, tokens = loss_sum + s.item(), tokens + int(n)
