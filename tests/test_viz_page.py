@@ -50,13 +50,19 @@ def softmax_rows(rng, L, H, Q, K, causal, sharpness=2.5):
     return e / e.sum(-1, keepdims=True)
 
 
-def encode_section(sid, title, queries, keys, weights, causal):
+DECADES = 5  # the schema's log range
+
+
+def encode_section(sid, title, queries, keys, weights, causal, generated_from=None):
     """One section, as the schema says: per (layer, head, row), layer-major, the stored
-    entries of the row (0..i when causal) as round(w / row_max * 255), and row_max as
-    little-endian float32."""
+    entries of the row (0..i when causal) as bytes on a log scale, 255 + round(254 /
+    DECADES * log10(w / row_max)) (0 below the range), and row_max as little-endian
+    float32."""
     L, H, Q, K = weights.shape
     row_max = weights.max(-1).astype("<f4")
-    q = np.rint(weights / row_max[..., None].astype(np.float64) * 255).astype(np.uint8)
+    with np.errstate(divide="ignore"):
+        ratio = np.log10(weights / row_max[..., None].astype(np.float64))
+    q = np.clip(np.rint(255 + ratio * 254 / DECADES), 0, 255).astype(np.uint8)
     if causal:
         ti, tj = np.tril_indices(Q)
         stored = q[:, :, ti, tj]
@@ -64,7 +70,8 @@ def encode_section(sid, title, queries, keys, weights, causal):
         stored = q
     return {
         "id": sid, "title": title, "queries": list(queries), "keys": list(keys),
-        "layers": L, "heads": H, "causal": causal,
+        "layers": L, "heads": H, "causal": causal, "decades": DECADES,
+        "generated_from": generated_from,
         "weights": base64.b64encode(np.ascontiguousarray(stored).tobytes()).decode("ascii"),
         "row_max": base64.b64encode(row_max.tobytes()).decode("ascii"),
     }
@@ -73,15 +80,17 @@ def encode_section(sid, title, queries, keys, weights, causal):
 def decoded(weights):
     """What the page should show: the weights after the 8-bit round trip."""
     row_max = weights.max(-1).astype("<f4").astype(np.float64)
-    q = np.rint(weights / row_max[..., None] * 255)
-    return q / 255 * row_max[..., None]
+    with np.errstate(divide="ignore"):
+        q = np.clip(np.rint(255 + np.log10(weights / row_max[..., None]) * 254 / DECADES),
+                    0, 255)
+    return np.where(q > 0, 10 ** ((q - 255) * DECADES / 254), 0) * row_max[..., None]
 
 
 def lm_data(rng, tokens=LM_TOKENS, L=2, H=3):
     w = softmax_rows(rng, L, H, len(tokens), len(tokens), causal=True)
     sec = encode_section("self", "Self-attention", tokens, tokens, w, causal=True)
     data = {
-        "version": 1,
+        "version": 2,
         "model": {"kind": "lm", "name": f"GPT ({L} layers, {H} heads)", "run": "runs/tiny"},
         "examples": [{"text": "".join(tokens), "output": None, "sections": [sec]}],
     }
@@ -92,7 +101,7 @@ def bahdanau_data(rng):
     w = softmax_rows(rng, 1, 1, len(OUTPUT), len(SOURCE), causal=False, sharpness=3.0)
     sec = encode_section("alignment", "Alignment (output -> source)", OUTPUT, SOURCE, w, False)
     data = {
-        "version": 1,
+        "version": 2,
         "model": {"kind": "bahdanau", "name": "Bahdanau seq2seq (GRU, additive attention)",
                   "run": None},
         "examples": [{"text": " ".join(SOURCE[:-1]), "output": " ".join(OUTPUT[:-1]),
@@ -117,7 +126,7 @@ def transformer_data(rng):
     }
     second = json.loads(json.dumps(example))
     second["text"] = "un autre exemple"
-    data = {"version": 1, "model": {"kind": "transformer", "name": "Transformer", "run": None},
+    data = {"version": 2, "model": {"kind": "transformer", "name": "Transformer", "run": None},
             "examples": [example, second]}
     return data, decoded(cross)
 
@@ -410,7 +419,7 @@ def hostile_data(rng):
             encode_section("cross", "Cross-attention", tgt, src,
                            softmax_rows(rng, 2, 2, 3, 4, causal=False), False),
         ]})
-    return {"version": 1,
+    return {"version": 2,
             "model": {"kind": "transformer", "name": "<!--<script> model", "run": "runs/]]>"},
             "examples": examples}
 
@@ -453,7 +462,7 @@ def test_empty_and_broken_data_are_reported_not_thrown(browser, tmp_path):
     no_tokens = json.loads(json.dumps(data))
     no_tokens["examples"][0]["sections"] = [
         {"id": "self", "title": "Self-attention", "queries": [], "keys": [], "layers": 1,
-         "heads": 1, "causal": True, "weights": "", "row_max": ""}]
+         "heads": 1, "causal": True, "decades": DECADES, "weights": "", "row_max": ""}]
     with opened(browser, tmp_path, no_tokens, name="no_tokens.html") as watch:
         assert "no tokens" in watch.page.inner_text("#empty")
         assert watch.page.is_disabled("#export-svg")
