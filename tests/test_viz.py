@@ -172,6 +172,59 @@ def test_language_model_page_holds_each_layers_attention(runs):
     close_to_8_bits(decode_section(section)[0], want)
 
 
+def test_a_language_model_page_shows_its_greedy_continuation_as_decoded_with_the_cache(runs):
+    lm = LanguageModel.load(runs / "lm")
+    prompt, n = "The cat", 6
+    (ex,) = page_data(lm, [prompt], generate=n)["examples"]
+    (section,) = ex["sections"]
+    # The continuation is what `lm generate` prints (greedy, KV cache).
+    assert ex["output"] == lm.generate(prompt, n).text
+    ids = lm.tokenizer.encode(prompt)
+    p = len(ids)
+    assert section["generated_from"] == p and len(section["queries"]) == p + n
+    assert "".join(section["queries"]) == prompt + ex["output"]
+    full = torch.tensor([lm.tokenizer.encode(prompt + ex["output"])])
+    assert full.shape[1] == p + n
+    got = decode_section(section).double()
+    model = lm.model
+    with torch.no_grad():
+        # Layer 0 of the whole sequence, from its embeddings and weights, in float64.
+        x = model.tok_emb(full)[0] + model.pos_emb.weight[: p + n]
+        block = model.trf_blocks[0]
+        close_to_8_bits(got[0], naive_attention(block.norm1(x), block.att, causal=True))
+        # Every layer's row of each generated token is the row it had when it was decoded
+        # one token at a time with the KV cache (another code path than the full forward).
+        _, whole = model(full, need_weights=True)
+        caches = model.new_caches(1)
+        logits, _ = model(full[:, :p], caches=caches, need_weights=True)
+        for t in range(p, p + n):
+            assert int(logits[0, -1].argmax()) == int(full[0, t])  # greedy
+            logits, step = model(full[:, t : t + 1], caches=caches, need_weights=True)
+            for layer in range(len(step)):
+                row = step[layer][0, :, 0, : t + 1]  # (heads, keys so far)
+                torch.testing.assert_close(row, whole[layer][0, :, t, : t + 1],
+                                           atol=1e-6, rtol=1e-5)
+                close_to_8_bits(got[layer, :, t, : t + 1], row.double())
+
+
+def test_generate_is_bounded_by_the_context_and_refused_for_translators(runs):
+    lm = LanguageModel.load(runs / "lm")
+    (ex,) = page_data(lm, ["The"], generate=29)["examples"]  # 3 + 29 = the context, 32
+    assert len(ex["sections"][0]["queries"]) == 32
+    for bad, message in [(30, "generate 30: the prompt has 3 tokens and the model's "
+                              "context_length is 32, so at most 29"),
+                         (-1, "generate must be an integer in [0, 100,000], got -1"),
+                         ("2", "generate must be an integer"),
+                         (True, "generate must be an integer")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            page_data(lm, ["The"], generate=bad)
+    (plain,) = page_data(lm, ["The"])["examples"]
+    assert plain["output"] is None and plain["sections"][0]["generated_from"] is None
+    translator = Translator.load(runs / "bahdanau")
+    with pytest.raises(ValueError, match="only a language model continues its text"):
+        explore(translator, "Go.", generate=3)
+
+
 def test_bahdanau_page_is_the_alignment_of_its_translation(runs):
     translator = Translator.load(runs / "bahdanau")
     (result,) = translator.translate(["I lost."])
@@ -259,11 +312,28 @@ def test_view_writes_a_page_and_refuses_bad_input_in_one_line(runs, tmp_path, ca
          "--beam must be an integer in [1, 1,000]"),
         (["--ckpt", str(runs / "lm"), "--text", "x", "--html", str(out), "--beam", "1000000"],
          "--beam must be an integer in [1, 1,000]"),
+        (["--ckpt", str(runs / "lm"), "--text", "x", "--html", str(out), "--generate", "-1"],
+         "--generate must be an integer in [0, 100,000], got -1"),
+        (["--ckpt", str(runs / "lm"), "--text", "x", "--html", str(out), "--generate",
+          "10000000"], "--generate must be an integer in [0, 100,000]"),
+        (["--ckpt", str(runs / "lm"), "--text", "The", "--html", str(out), "--generate", "30"],
+         "the prompt has 3 tokens and the model's context_length is 32, so at most 29"),
+        (["--ckpt", str(runs / "transformer"), "--text", "Go.", "--html", str(out),
+          "--generate", "2"], "only a language model continues its text"),
+        (["--ckpt", str(runs / "transformer"), "--serve", "--port", "0", "--generate", "2"],
+         "only a language model continues its text"),
     ]
     for args, message in cases:
         assert main(["view", *args]) == 2, args
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+    lm_page = tmp_path / "lm.html"
+    assert main(["view", "--ckpt", str(runs / "lm"), "--text", "The cat", "--generate", "4",
+                 "--html", str(lm_page)]) == 0
+    data = json.loads(re.search(r'<script id="qkv-data" type="application/json">(.*?)</script>',
+                                lm_page.read_text(encoding="utf-8"), re.S)[1])
+    (section,) = data["examples"][0]["sections"]
+    assert section["generated_from"] == 7 and len(section["queries"]) == 11
 
 
 # ---------------------------------------------------------------------------- server
@@ -312,6 +382,19 @@ def test_server_answers_the_page_and_each_text_and_survives_bad_input(server):
                                  ("text=a&text=b", 400, "give one text")]:
         status, body = get(server + "/api/attention?" + query)
         assert (status, message in json.loads(body)["error"]) == (code, True), query
+    # The tokens to generate: in the query string or the JSON body.
+    status, body = get(server + "/api/attention?text=The&generate=5")
+    assert status == 200 and json.loads(body)["example"]["sections"][0]["generated_from"] == 3
+    status, answer = post(server, {"text": "The cat", "generate": 2})
+    assert status == 200 and len(answer["example"]["sections"][0]["queries"]) == 9
+    for request, message in [({"text": "The", "generate": 30}, "so at most 29"),
+                             ({"text": "The", "generate": "2"}, "generate must be an integer"),
+                             ({"text": "The", "generate": -2}, "generate must be an integer"),
+                             ({"text": "The", "n": 2}, "the body must be the JSON")]:
+        status, answer = post(server, request)
+        assert status == 400 and message in answer["error"], (request, answer)
+    status, body = get(server + "/api/attention?text=The&generate=x")
+    assert status == 400 and "generate must be an integer" in json.loads(body)["error"]
     status, body = get(server + "/nope")
     assert status == 404
     status, body = get(server + "/", headers={"Host": "evil.example:80"})
