@@ -588,3 +588,121 @@ def test_serve_mode(browser):
         assert [e for e in watch.errors if not e.startswith("Failed to load resource")] == []
     finally:
         context.close()
+
+
+def sink_data(rng, tokens=LM_TOKENS, L=2, H=3, generated_from=8):
+    """An LM section whose first key takes ~0.9 of every row (an attention sink), the
+    tokens from ``generated_from`` on marked as generated."""
+    Q = len(tokens)
+    logits = 0.5 * rng.standard_normal((L, H, Q, Q))
+    logits[..., 0] += 6.0
+    logits = np.where(np.tril(np.ones((Q, Q), dtype=bool)), logits, -np.inf)
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    w = e / e.sum(-1, keepdims=True)
+    sec = encode_section("self", "Self-attention", tokens, tokens, w, True,
+                         generated_from=generated_from)
+    data = {"version": 2, "model": {"kind": "lm", "name": "GPT", "run": None},
+            "examples": [{"text": "".join(tokens[:generated_from]),
+                          "output": "".join(tokens[generated_from:]), "sections": [sec]}]}
+    return data, decoded(w)
+
+
+def legend_colour(page, s):
+    """The colour the legend's ramp gives to strength ``s`` (its gradient's stops)."""
+    stops = page.eval_on_selector_all(
+        "#legend-grad stop", "els => els.map(e => [Number(e.getAttribute('offset')),"
+                             " e.getAttribute('stop-color')])")
+    stops = [(t, [int(c) for c in re.findall(r"\d+", colour)]) for t, colour in stops]
+    for (t0, c0), (t1, c1) in zip(stops, stops[1:]):
+        if t0 <= s <= t1:
+            f = (s - t0) / (t1 - t0)
+            return [a + (b - a) * f for a, b in zip(c0, c1)]
+    raise AssertionError(s)
+
+
+def cell_colour(page, i, j):
+    return page.evaluate(
+        """([i, j]) => {
+          const c = document.querySelector('canvas#matrix'), d = c.dataset;
+          const k = c.width / parseFloat(c.style.width);
+          const x = Math.round((+d.originX + (j + 0.5) * +d.cell) * k);
+          const y = Math.round((+d.originY + (i + 0.5) * +d.cell) * k);
+          return Array.from(c.getContext('2d').getImageData(x, y, 1, 1).data.slice(0, 3));
+        }""", [i, j])
+
+
+def test_colour_scales_legend_and_generated_tokens(browser, tmp_path):
+    data, w = sink_data(np.random.default_rng(9))
+    with opened(browser, tmp_path, data) as watch:
+        page = watch.page
+        # Generated tokens: marked in the head view, the example and the legend.
+        assert page.input_value("#scale") == "linear"  # today's default
+        gen = list(range(8, len(LM_TOKENS)))
+        for side in ("query", "key"):
+            assert page.eval_on_selector_all(
+                f"text.token.{side}.generated", "els => els.map(e => +e.dataset.index)") == gen
+        assert page.locator(".gen-rule").count() == 2
+        assert page.text_content("#example-output-label") == "Generated (greedy, 4 tokens)"
+        assert page.locator("#legend-generated").is_visible()
+        assert "tokens 8\u201311 generated" in page.inner_text("#section-caption")
+        # Linear: the sink takes nearly every line; log shows the other keys too.
+        def others():
+            return sum(1 for q, k, _h, _d, _v in links(page) if k != 0)
+        linear_others = others()
+        ticks = texts(page, "#legend-svg text.tick")
+        assert ticks == ["0", "0.250", "0.500", "0.750", "1.000"]
+        page.select_option("#scale", "log")
+        assert others() > linear_others + 20
+        assert texts(page, "#legend-svg text.tick") == ["0.0001", "0.001", "0.01", "0.1", "1"]
+        assert "Log" in page.inner_text("#legend-text")
+        shot(page, "sink_head_log")
+
+        # The matrix view: each cell's colour is the legend's colour at the weight's place
+        # on the scale, and the tooltip shows the weight itself.
+        set_view(page, "matrix")
+        page.select_option("#layer", "1")
+        page.select_option("#head", "2")
+        l, h, i, j = 1, 2, 10, 5
+        m = w[l, h].max()
+        v = w[l, h, i, j]
+        expect = {
+            "linear": v / m,
+            "log": min(1, max(0, 1 + np.log10(v / m) / 4)),
+            "rest": min(1, v / w[l, h, i, 1:].max()),
+        }
+        seen = {}
+        for scale, s in expect.items():
+            page.select_option("#scale", scale)
+            got = cell_colour(page, i, j)
+            want = legend_colour(page, s)
+            assert all(abs(a - b) <= 3 for a, b in zip(got, want)), (scale, got, want, s)
+            seen[scale] = got
+        assert seen["linear"] != seen["log"] != seen["rest"]
+        assert sum(seen["linear"]) > sum(seen["log"])  # a small weight: darker on log
+        assert "first token" in page.inner_text("#legend-text")
+        assert texts(page, "#legend-svg text.tick") == ["0%", "25%", "50%", "75%", "100%"]
+        box = page.locator("canvas#matrix").bounding_box()
+        geo = page.eval_on_selector("canvas#matrix", "c => c.dataset")
+        cell = float(geo["cell"])
+        page.mouse.move(box["x"] + float(geo["originX"]) + (j + 0.5) * cell,
+                        box["y"] + float(geo["originY"]) + (i + 0.5) * cell)
+        tip = page.inner_text("#tooltip")
+        value = float(re.search(r": ([0-9.e+-]+)", tip)[1])
+        assert value == pytest.approx(v, rel=0.005)
+        assert "generated query" in tip
+        shot(page, "sink_matrix_rest")
+
+        # The model view: the thumbnails follow the scale.
+        def thumb_ink():
+            page.wait_for_selector("#model-panel[data-complete='true']")
+            return page.eval_on_selector(
+                "canvas.thumb[data-layer='0'][data-head='0']",
+                "c => c.getContext('2d').getImageData(0, 0, c.width, c.height).data"
+                ".reduce((a, b, k) => a + (k % 4 === 3 ? 0 : 255 - b), 0)")
+        set_view(page, "model")
+        rest_ink = thumb_ink()
+        page.select_option("#scale", "linear")
+        linear_ink = thumb_ink()
+        assert rest_ink > 2 * linear_ink
+        assert "each map's largest" in page.inner_text("#legend-text")
+        shot(page, "sink_model_linear")
