@@ -613,10 +613,10 @@ def legend_colour(page, s):
         "#legend-grad stop", "els => els.map(e => [Number(e.getAttribute('offset')),"
                              " e.getAttribute('stop-color')])")
     stops = [(t, [int(c) for c in re.findall(r"\d+", colour)]) for t, colour in stops]
-    for (t0, c0), (t1, c1) in zip(stops, stops[1:]):
+    for (t0, c0), (t1, c1) in zip(stops, stops[1:], strict=False):
         if t0 <= s <= t1:
             f = (s - t0) / (t1 - t0)
-            return [a + (b - a) * f for a, b in zip(c0, c1)]
+            return [a + (b - a) * f for a, b in zip(c0, c1, strict=True)]
     raise AssertionError(s)
 
 
@@ -662,33 +662,36 @@ def test_colour_scales_legend_and_generated_tokens(browser, tmp_path):
         set_view(page, "matrix")
         page.select_option("#layer", "1")
         page.select_option("#head", "2")
-        l, h, i, j = 1, 2, 10, 5
-        m = w[l, h].max()
-        v = w[l, h, i, j]
+        layer, h, i, j = 1, 2, 10, 5
+        m = w[layer, h].max()
+        v = w[layer, h, i, j]
         expect = {
             "linear": v / m,
             "log": min(1, max(0, 1 + np.log10(v / m) / 4)),
-            "rest": min(1, v / w[l, h, i, 1:].max()),
+            "rest": min(1, v / w[layer, h, i, 1:].max()),
         }
         seen = {}
         for scale, s in expect.items():
             page.select_option("#scale", scale)
             got = cell_colour(page, i, j)
             want = legend_colour(page, s)
-            assert all(abs(a - b) <= 3 for a, b in zip(got, want)), (scale, got, want, s)
+            assert all(abs(a - b) <= 3 for a, b in zip(got, want, strict=True)), \
+                (scale, got, want, s)
             seen[scale] = got
         assert seen["linear"] != seen["log"] != seen["rest"]
         assert sum(seen["linear"]) > sum(seen["log"])  # a small weight: darker on log
         assert "first token" in page.inner_text("#legend-text")
         assert texts(page, "#legend-svg text.tick") == ["0%", "25%", "50%", "75%", "100%"]
+        page.locator("canvas#matrix").scroll_into_view_if_needed()
         box = page.locator("canvas#matrix").bounding_box()
         geo = page.eval_on_selector("canvas#matrix", "c => c.dataset")
         cell = float(geo["cell"])
         page.mouse.move(box["x"] + float(geo["originX"]) + (j + 0.5) * cell,
                         box["y"] + float(geo["originY"]) + (i + 0.5) * cell)
         tip = page.inner_text("#tooltip")
-        value = float(re.search(r": ([0-9.e+-]+)", tip)[1])
-        assert value == pytest.approx(v, rel=0.005)
+        match = re.search(r": ([0-9.e+-]+)\n", tip)
+        assert match, tip
+        assert float(match[1]) == pytest.approx(v, rel=0.005)
         assert "generated query" in tip
         shot(page, "sink_matrix_rest")
 

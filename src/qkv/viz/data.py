@@ -105,6 +105,7 @@ def encode_section(
         "heads": heads,
         "causal": causal,
         "generated_from": generated_from,
+        "decades": DECADES,
         "weights": base64.b64encode(q.contiguous().numpy().tobytes()).decode("ascii"),
         "row_max": base64.b64encode(
             row_max.to(torch.float32).numpy().astype("<f4").tobytes()).decode("ascii"),
