@@ -659,6 +659,18 @@ def test_real_pages_work_in_a_browser_offline_and_live(runs, server, tmp_path):
             page.click("#run")
             page.wait_for_function(
                 "document.querySelectorAll('text.token.query').length === 5", timeout=15_000)
+            # The generate field: "A dog" and 3 greedy tokens, marked as generated.
+            assert page.input_value("#generate-input") == "0"
+            page.fill("#generate-input", "3")
+            page.click("#run")
+            page.wait_for_function(
+                "document.querySelectorAll('text.token.query').length === 8", timeout=15_000)
+            assert page.locator("text.token.query.generated").count() == 3
+            assert "Generated" in page.text_content("#example-output-label")
+            page.fill("#generate-input", "0")
+            page.click("#run")
+            page.wait_for_function(
+                "document.querySelectorAll('text.token.query').length === 5", timeout=15_000)
             page.fill("#text-input", "x" * 40)
             page.click("#run")
             page.wait_for_function(
