@@ -695,6 +695,19 @@ def test_colour_scales_legend_and_generated_tokens(browser, tmp_path):
         assert "generated query" in tip
         shot(page, "sink_matrix_rest")
 
+        def exported_svg(name):
+            with page.expect_download() as info:
+                page.click("#export-svg")
+            path = tmp_path / name
+            info.value.save_as(path)
+            return ET.fromstring(path.read_bytes())
+
+        svg_ns = "{http://www.w3.org/2000/svg}"
+        root = exported_svg("matrix.svg")
+        green = [t.text for t in root.iter(f"{svg_ns}text") if t.get("fill") == "#1a7f37"]
+        assert green == [shown(t) for t in LM_TOKENS[8:]] * 2  # rows, then columns
+        assert len([p for p in root.iter(f"{svg_ns}path") if p.get("stroke") == "#1a7f37"]) == 1
+
         # The model view: the thumbnails follow the scale.
         def thumb_ink():
             page.wait_for_selector("#model-panel[data-complete='true']")
@@ -709,3 +722,6 @@ def test_colour_scales_legend_and_generated_tokens(browser, tmp_path):
         assert rest_ink > 2 * linear_ink
         assert "each map's largest" in page.inner_text("#legend-text")
         shot(page, "sink_model_linear")
+        root = exported_svg("model.svg")
+        rules = [p for p in root.iter(f"{svg_ns}path") if p.get("stroke") == "#1a7f37"]
+        assert len(rules) == 2 * 3  # one per layer and head
