@@ -6,7 +6,9 @@
     qkv view --ckpt runs/lm --serve --port 8000      # a text box; the page redraws
 
 The page is one self-contained file (no network, ever): a head view, a model view of
-every layer x head, a matrix view, and PNG and SVG export. See :mod:`qkv.viz`.
+every layer x head, a matrix view, a colour scale (linear, log, or per row with the first
+token aside) and PNG and SVG export; ``--generate N`` adds a language model's greedy
+continuation, marked. See :mod:`qkv.viz`.
 """
 
 from __future__ import annotations
