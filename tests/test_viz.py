@@ -33,7 +33,7 @@ from qkv.models.gpt import GPTConfig, GPTModel
 from qkv.tasks.lm import LanguageModel, LMSettings
 from qkv.tasks.translate import Translator
 from qkv.viz import Exploration, decode_section, encode_section, explore, page_data
-from qkv.viz.data import MAX_TEXT_CHARS
+from qkv.viz.data import DECADES, MAX_TEXT_CHARS
 from qkv.viz.server import MAX_BODY_BYTES, make_server
 from test_translate import FAST, PAIRS
 from test_viz_page import HOSTILE
@@ -81,12 +81,21 @@ def naive_attention(x: torch.Tensor, attn, *, causal: bool, valid: int | None = 
     return scores.masked_fill(~keep, float("-inf")).softmax(-1)
 
 
+# The page's bytes are a log scale of DECADES decades in 254 steps: a weight within its
+# range reads back within half a step, a factor 10 ** (DECADES / 508), of itself.
+LOG_HALF_STEP = 10 ** (DECADES / 508) - 1  # 2.29%
+
+
 def close_to_8_bits(got: torch.Tensor, want: torch.Tensor) -> None:
-    """The page's 8-bit weights are exact to half a step of 1/255 of their row's max."""
-    step = want.amax(-1, keepdim=True) / 510
+    """The page's 8-bit weights: each within 2.3% of itself from 1e-5 of its row's max
+    up (float32 adds its own rounding), and below that under the range's floor."""
     assert got.shape == want.shape
-    assert bool(((got.double() - want).abs() <= step + 1e-6).all()), \
-        (got.double() - want).abs().max()
+    got = got.double()
+    floor = want.amax(-1, keepdim=True) * 10.0 ** -DECADES
+    inside = want >= floor
+    rel = ((got - want).abs() / want.clamp_min(1e-300))[inside]
+    assert bool((rel <= LOG_HALF_STEP + 1e-5).all()), rel.max()
+    assert bool((got[~inside] <= floor.expand_as(got)[~inside] * (1 + LOG_HALF_STEP)).all())
 
 
 # ---------------------------------------------------------------------------- encoding
@@ -107,6 +116,28 @@ def test_encoding_keeps_every_row_to_8_bits_and_stores_a_causal_map_as_a_triangl
     torch.testing.assert_close(got.amax(-1), causal.amax(-1).float())
 
 
+def test_small_weights_beside_an_attention_sink_keep_their_precision():
+    """Rows where the first key takes ~0.9 (an attention sink) and 255 others share the
+    rest: a byte linear in w / row_max would read nearly every other weight as 0; the log
+    bytes keep each within 2.3% of the float64 weight."""
+    g = torch.Generator().manual_seed(1)
+    logits = 0.3 * torch.randn(2, 3, 256, 256, generator=g, dtype=torch.float64)
+    logits[..., 0] += 8.0
+    w = logits.masked_fill(~torch.ones(256, 256, dtype=torch.bool).tril(),
+                           float("-inf")).softmax(-1)
+    assert float(w[:, :, 200:, 0].min()) > 0.8  # the sink dominates the long rows
+    rest = w[:, :, 200:, 1:201]
+    row_max = w[:, :, 200:].amax(-1, keepdim=True)
+    # Nearly all of them would be 0 as linear bytes:
+    assert float((rest / row_max * 255 < 0.5).double().mean()) > 0.95
+    section = encode_section("self", "t", ["a"] * 256, ["a"] * 256, w, causal=True)
+    got = decode_section(section).double()
+    close_to_8_bits(got, w)
+    assert bool((got[:, :, 200:, 1:201] > 0).all())
+    rel = (got - w).abs() / w.clamp_min(1e-300)
+    assert float(rel[w > 0].max()) <= LOG_HALF_STEP + 1e-5  # every weight here is in range
+
+
 def test_encoding_refuses_what_is_not_an_attention_map():
     w = torch.full((1, 1, 2, 3), 1 / 3)
     with pytest.raises(ValueError, match="2 x 3 but there are 2 queries and 2 keys"):
@@ -117,6 +148,8 @@ def test_encoding_refuses_what_is_not_an_attention_map():
         encode_section("x", "t", ["a", "b"], ["a", "b", "c"], w * float("nan"))
     with pytest.raises(ValueError, match="layers, heads, queries, keys"):
         encode_section("x", "t", ["a", "b"], ["a", "b", "c"], w[0])
+    with pytest.raises(ValueError, match="generated_from must be an index in 0..2, got 3"):
+        encode_section("x", "t", ["a", "b"], ["a", "b", "c"], w, generated_from=3)
 
 
 # ---------------------------------------------------------------------------- models
@@ -124,7 +157,7 @@ def test_encoding_refuses_what_is_not_an_attention_map():
 def test_language_model_page_holds_each_layers_attention(runs):
     lm = LanguageModel.load(runs / "lm")
     data = page_data(lm, ["The cat sat"], run_dir=runs / "lm")
-    assert data["model"]["kind"] == "lm" and data["version"] == 1
+    assert data["model"]["kind"] == "lm" and data["version"] == 2
     (ex,) = data["examples"]
     (section,) = ex["sections"]
     assert section["queries"] == list("The cat sat") and section["causal"]
@@ -137,6 +170,59 @@ def test_language_model_page_holds_each_layers_attention(runs):
         block = lm.model.trf_blocks[0]
         want = naive_attention(block.norm1(x), block.att, causal=True)
     close_to_8_bits(decode_section(section)[0], want)
+
+
+def test_a_language_model_page_shows_its_greedy_continuation_as_decoded_with_the_cache(runs):
+    lm = LanguageModel.load(runs / "lm")
+    prompt, n = "The cat", 6
+    (ex,) = page_data(lm, [prompt], generate=n)["examples"]
+    (section,) = ex["sections"]
+    # The continuation is what `lm generate` prints (greedy, KV cache).
+    assert ex["output"] == lm.generate(prompt, n).text
+    ids = lm.tokenizer.encode(prompt)
+    p = len(ids)
+    assert section["generated_from"] == p and len(section["queries"]) == p + n
+    assert "".join(section["queries"]) == prompt + ex["output"]
+    full = torch.tensor([lm.tokenizer.encode(prompt + ex["output"])])
+    assert full.shape[1] == p + n
+    got = decode_section(section).double()
+    model = lm.model
+    with torch.no_grad():
+        # Layer 0 of the whole sequence, from its embeddings and weights, in float64.
+        x = model.tok_emb(full)[0] + model.pos_emb.weight[: p + n]
+        block = model.trf_blocks[0]
+        close_to_8_bits(got[0], naive_attention(block.norm1(x), block.att, causal=True))
+        # Every layer's row of each generated token is the row it had when it was decoded
+        # one token at a time with the KV cache (another code path than the full forward).
+        _, whole = model(full, need_weights=True)
+        caches = model.new_caches(1)
+        logits, _ = model(full[:, :p], caches=caches, need_weights=True)
+        for t in range(p, p + n):
+            assert int(logits[0, -1].argmax()) == int(full[0, t])  # greedy
+            logits, step = model(full[:, t : t + 1], caches=caches, need_weights=True)
+            for layer in range(len(step)):
+                row = step[layer][0, :, 0, : t + 1]  # (heads, keys so far)
+                torch.testing.assert_close(row, whole[layer][0, :, t, : t + 1],
+                                           atol=1e-6, rtol=1e-5)
+                close_to_8_bits(got[layer, :, t, : t + 1], row.double())
+
+
+def test_generate_is_bounded_by_the_context_and_refused_for_translators(runs):
+    lm = LanguageModel.load(runs / "lm")
+    (ex,) = page_data(lm, ["The"], generate=29)["examples"]  # 3 + 29 = the context, 32
+    assert len(ex["sections"][0]["queries"]) == 32
+    for bad, message in [(30, "generate 30: the prompt has 3 tokens and the model's "
+                              "context_length is 32, so at most 29"),
+                         (-1, "generate must be an integer in [0, 100,000], got -1"),
+                         ("2", "generate must be an integer"),
+                         (True, "generate must be an integer")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            page_data(lm, ["The"], generate=bad)
+    (plain,) = page_data(lm, ["The"])["examples"]
+    assert plain["output"] is None and plain["sections"][0]["generated_from"] is None
+    translator = Translator.load(runs / "bahdanau")
+    with pytest.raises(ValueError, match="only a language model continues its text"):
+        explore(translator, "Go.", generate=3)
 
 
 def test_bahdanau_page_is_the_alignment_of_its_translation(runs):
@@ -164,7 +250,8 @@ def test_transformer_page_has_all_three_attentions_of_every_layer(runs):
     # Cross-attention of the last layer, averaged over heads, is what each decoding step
     # with the KV cache saw (another code path: one token at a time).
     mean = decode_section(cross)[-1].double().mean(0)
-    torch.testing.assert_close(mean, result.attention.double(), atol=2 / 255, rtol=0)
+    torch.testing.assert_close(mean, result.attention.double(), atol=1e-5,
+                               rtol=LOG_HALF_STEP)
     # Encoder layer 0 from the embeddings and the block's weights, in float64.
     model = translator.model
     src = torch.tensor([translator.src_vocab[result.source_tokens]])
@@ -225,11 +312,28 @@ def test_view_writes_a_page_and_refuses_bad_input_in_one_line(runs, tmp_path, ca
          "--beam must be an integer in [1, 1,000]"),
         (["--ckpt", str(runs / "lm"), "--text", "x", "--html", str(out), "--beam", "1000000"],
          "--beam must be an integer in [1, 1,000]"),
+        (["--ckpt", str(runs / "lm"), "--text", "x", "--html", str(out), "--generate", "-1"],
+         "--generate must be an integer in [0, 100,000], got -1"),
+        (["--ckpt", str(runs / "lm"), "--text", "x", "--html", str(out), "--generate",
+          "10000000"], "--generate must be an integer in [0, 100,000]"),
+        (["--ckpt", str(runs / "lm"), "--text", "The", "--html", str(out), "--generate", "30"],
+         "the prompt has 3 tokens and the model's context_length is 32, so at most 29"),
+        (["--ckpt", str(runs / "transformer"), "--text", "Go.", "--html", str(out),
+          "--generate", "2"], "only a language model continues its text"),
+        (["--ckpt", str(runs / "transformer"), "--serve", "--port", "0", "--generate", "2"],
+         "only a language model continues its text"),
     ]
     for args, message in cases:
         assert main(["view", *args]) == 2, args
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+    lm_page = tmp_path / "lm.html"
+    assert main(["view", "--ckpt", str(runs / "lm"), "--text", "The cat", "--generate", "4",
+                 "--html", str(lm_page)]) == 0
+    data = json.loads(re.search(r'<script id="qkv-data" type="application/json">(.*?)</script>',
+                                lm_page.read_text(encoding="utf-8"), re.S)[1])
+    (section,) = data["examples"][0]["sections"]
+    assert section["generated_from"] == 7 and len(section["queries"]) == 11
 
 
 # ---------------------------------------------------------------------------- server
@@ -278,6 +382,19 @@ def test_server_answers_the_page_and_each_text_and_survives_bad_input(server):
                                  ("text=a&text=b", 400, "give one text")]:
         status, body = get(server + "/api/attention?" + query)
         assert (status, message in json.loads(body)["error"]) == (code, True), query
+    # The tokens to generate: in the query string or the JSON body.
+    status, body = get(server + "/api/attention?text=The&generate=5")
+    assert status == 200 and json.loads(body)["example"]["sections"][0]["generated_from"] == 3
+    status, answer = post(server, {"text": "The cat", "generate": 2})
+    assert status == 200 and len(answer["example"]["sections"][0]["queries"]) == 9
+    for request, message in [({"text": "The", "generate": 30}, "so at most 29"),
+                             ({"text": "The", "generate": "2"}, "generate must be an integer"),
+                             ({"text": "The", "generate": -2}, "generate must be an integer"),
+                             ({"text": "The", "n": 2}, "the body must be the JSON")]:
+        status, answer = post(server, request)
+        assert status == 400 and message in answer["error"], (request, answer)
+    status, body = get(server + "/api/attention?text=The&generate=x")
+    assert status == 400 and "generate must be an integer" in json.loads(body)["error"]
     status, body = get(server + "/nope")
     assert status == 404
     status, body = get(server + "/", headers={"Host": "evil.example:80"})
@@ -539,6 +656,18 @@ def test_real_pages_work_in_a_browser_offline_and_live(runs, server, tmp_path):
             page.goto(server + "/")
             page.wait_for_function("window.qkvReady === true", timeout=15_000)
             page.fill("#text-input", "A dog")
+            page.click("#run")
+            page.wait_for_function(
+                "document.querySelectorAll('text.token.query').length === 5", timeout=15_000)
+            # The generate field: "A dog" and 3 greedy tokens, marked as generated.
+            assert page.input_value("#generate-input") == "0"
+            page.fill("#generate-input", "3")
+            page.click("#run")
+            page.wait_for_function(
+                "document.querySelectorAll('text.token.query').length === 8", timeout=15_000)
+            assert page.locator("text.token.query.generated").count() == 3
+            assert "Generated" in page.text_content("#example-output-label")
+            page.fill("#generate-input", "0")
             page.click("#run")
             page.wait_for_function(
                 "document.querySelectorAll('text.token.query').length === 5", timeout=15_000)

@@ -50,13 +50,19 @@ def softmax_rows(rng, L, H, Q, K, causal, sharpness=2.5):
     return e / e.sum(-1, keepdims=True)
 
 
-def encode_section(sid, title, queries, keys, weights, causal):
+DECADES = 5  # the schema's log range
+
+
+def encode_section(sid, title, queries, keys, weights, causal, generated_from=None):
     """One section, as the schema says: per (layer, head, row), layer-major, the stored
-    entries of the row (0..i when causal) as round(w / row_max * 255), and row_max as
-    little-endian float32."""
+    entries of the row (0..i when causal) as bytes on a log scale, 255 + round(254 /
+    DECADES * log10(w / row_max)) (0 below the range), and row_max as little-endian
+    float32."""
     L, H, Q, K = weights.shape
     row_max = weights.max(-1).astype("<f4")
-    q = np.rint(weights / row_max[..., None].astype(np.float64) * 255).astype(np.uint8)
+    with np.errstate(divide="ignore"):
+        ratio = np.log10(weights / row_max[..., None].astype(np.float64))
+    q = np.clip(np.rint(255 + ratio * 254 / DECADES), 0, 255).astype(np.uint8)
     if causal:
         ti, tj = np.tril_indices(Q)
         stored = q[:, :, ti, tj]
@@ -64,7 +70,8 @@ def encode_section(sid, title, queries, keys, weights, causal):
         stored = q
     return {
         "id": sid, "title": title, "queries": list(queries), "keys": list(keys),
-        "layers": L, "heads": H, "causal": causal,
+        "layers": L, "heads": H, "causal": causal, "decades": DECADES,
+        "generated_from": generated_from,
         "weights": base64.b64encode(np.ascontiguousarray(stored).tobytes()).decode("ascii"),
         "row_max": base64.b64encode(row_max.tobytes()).decode("ascii"),
     }
@@ -73,15 +80,17 @@ def encode_section(sid, title, queries, keys, weights, causal):
 def decoded(weights):
     """What the page should show: the weights after the 8-bit round trip."""
     row_max = weights.max(-1).astype("<f4").astype(np.float64)
-    q = np.rint(weights / row_max[..., None] * 255)
-    return q / 255 * row_max[..., None]
+    with np.errstate(divide="ignore"):
+        q = np.clip(np.rint(255 + np.log10(weights / row_max[..., None]) * 254 / DECADES),
+                    0, 255)
+    return np.where(q > 0, 10 ** ((q - 255) * DECADES / 254), 0) * row_max[..., None]
 
 
 def lm_data(rng, tokens=LM_TOKENS, L=2, H=3):
     w = softmax_rows(rng, L, H, len(tokens), len(tokens), causal=True)
     sec = encode_section("self", "Self-attention", tokens, tokens, w, causal=True)
     data = {
-        "version": 1,
+        "version": 2,
         "model": {"kind": "lm", "name": f"GPT ({L} layers, {H} heads)", "run": "runs/tiny"},
         "examples": [{"text": "".join(tokens), "output": None, "sections": [sec]}],
     }
@@ -92,7 +101,7 @@ def bahdanau_data(rng):
     w = softmax_rows(rng, 1, 1, len(OUTPUT), len(SOURCE), causal=False, sharpness=3.0)
     sec = encode_section("alignment", "Alignment (output -> source)", OUTPUT, SOURCE, w, False)
     data = {
-        "version": 1,
+        "version": 2,
         "model": {"kind": "bahdanau", "name": "Bahdanau seq2seq (GRU, additive attention)",
                   "run": None},
         "examples": [{"text": " ".join(SOURCE[:-1]), "output": " ".join(OUTPUT[:-1]),
@@ -117,7 +126,7 @@ def transformer_data(rng):
     }
     second = json.loads(json.dumps(example))
     second["text"] = "un autre exemple"
-    data = {"version": 1, "model": {"kind": "transformer", "name": "Transformer", "run": None},
+    data = {"version": 2, "model": {"kind": "transformer", "name": "Transformer", "run": None},
             "examples": [example, second]}
     return data, decoded(cross)
 
@@ -410,7 +419,7 @@ def hostile_data(rng):
             encode_section("cross", "Cross-attention", tgt, src,
                            softmax_rows(rng, 2, 2, 3, 4, causal=False), False),
         ]})
-    return {"version": 1,
+    return {"version": 2,
             "model": {"kind": "transformer", "name": "<!--<script> model", "run": "runs/]]>"},
             "examples": examples}
 
@@ -453,7 +462,7 @@ def test_empty_and_broken_data_are_reported_not_thrown(browser, tmp_path):
     no_tokens = json.loads(json.dumps(data))
     no_tokens["examples"][0]["sections"] = [
         {"id": "self", "title": "Self-attention", "queries": [], "keys": [], "layers": 1,
-         "heads": 1, "causal": True, "weights": "", "row_max": ""}]
+         "heads": 1, "causal": True, "decades": DECADES, "weights": "", "row_max": ""}]
     with opened(browser, tmp_path, no_tokens, name="no_tokens.html") as watch:
         assert "no tokens" in watch.page.inner_text("#empty")
         assert watch.page.is_disabled("#export-svg")
@@ -579,3 +588,140 @@ def test_serve_mode(browser):
         assert [e for e in watch.errors if not e.startswith("Failed to load resource")] == []
     finally:
         context.close()
+
+
+def sink_data(rng, tokens=LM_TOKENS, L=2, H=3, generated_from=8):
+    """An LM section whose first key takes ~0.9 of every row (an attention sink), the
+    tokens from ``generated_from`` on marked as generated."""
+    Q = len(tokens)
+    logits = 0.5 * rng.standard_normal((L, H, Q, Q))
+    logits[..., 0] += 6.0
+    logits = np.where(np.tril(np.ones((Q, Q), dtype=bool)), logits, -np.inf)
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    w = e / e.sum(-1, keepdims=True)
+    sec = encode_section("self", "Self-attention", tokens, tokens, w, True,
+                         generated_from=generated_from)
+    data = {"version": 2, "model": {"kind": "lm", "name": "GPT", "run": None},
+            "examples": [{"text": "".join(tokens[:generated_from]),
+                          "output": "".join(tokens[generated_from:]), "sections": [sec]}]}
+    return data, decoded(w)
+
+
+def legend_colour(page, s):
+    """The colour the legend's ramp gives to strength ``s`` (its gradient's stops)."""
+    stops = page.eval_on_selector_all(
+        "#legend-grad stop", "els => els.map(e => [Number(e.getAttribute('offset')),"
+                             " e.getAttribute('stop-color')])")
+    stops = [(t, [int(c) for c in re.findall(r"\d+", colour)]) for t, colour in stops]
+    for (t0, c0), (t1, c1) in zip(stops, stops[1:], strict=False):
+        if t0 <= s <= t1:
+            f = (s - t0) / (t1 - t0)
+            return [a + (b - a) * f for a, b in zip(c0, c1, strict=True)]
+    raise AssertionError(s)
+
+
+def cell_colour(page, i, j):
+    return page.evaluate(
+        """([i, j]) => {
+          const c = document.querySelector('canvas#matrix'), d = c.dataset;
+          const k = c.width / parseFloat(c.style.width);
+          const x = Math.round((+d.originX + (j + 0.5) * +d.cell) * k);
+          const y = Math.round((+d.originY + (i + 0.5) * +d.cell) * k);
+          return Array.from(c.getContext('2d').getImageData(x, y, 1, 1).data.slice(0, 3));
+        }""", [i, j])
+
+
+def test_colour_scales_legend_and_generated_tokens(browser, tmp_path):
+    data, w = sink_data(np.random.default_rng(9))
+    with opened(browser, tmp_path, data) as watch:
+        page = watch.page
+        # Generated tokens: marked in the head view, the example and the legend.
+        assert page.input_value("#scale") == "linear"  # today's default
+        gen = list(range(8, len(LM_TOKENS)))
+        for side in ("query", "key"):
+            assert page.eval_on_selector_all(
+                f"text.token.{side}.generated", "els => els.map(e => +e.dataset.index)") == gen
+        assert page.locator(".gen-rule").count() == 2
+        assert page.text_content("#example-output-label") == "Generated (greedy, 4 tokens)"
+        assert page.locator("#legend-generated").is_visible()
+        assert "tokens 8\u201311 generated" in page.inner_text("#section-caption")
+        # Linear: the sink takes nearly every line; log shows the other keys too.
+        def others():
+            return sum(1 for q, k, _h, _d, _v in links(page) if k != 0)
+        linear_others = others()
+        ticks = texts(page, "#legend-svg text.tick")
+        assert ticks == ["0", "0.250", "0.500", "0.750", "1.000"]
+        page.select_option("#scale", "log")
+        assert others() > linear_others + 20
+        assert texts(page, "#legend-svg text.tick") == ["0.0001", "0.001", "0.01", "0.1", "1"]
+        assert "Log" in page.inner_text("#legend-text")
+        shot(page, "sink_head_log")
+
+        # The matrix view: each cell's colour is the legend's colour at the weight's place
+        # on the scale, and the tooltip shows the weight itself.
+        set_view(page, "matrix")
+        page.select_option("#layer", "1")
+        page.select_option("#head", "2")
+        layer, h, i, j = 1, 2, 10, 5
+        m = w[layer, h].max()
+        v = w[layer, h, i, j]
+        expect = {
+            "linear": v / m,
+            "log": min(1, max(0, 1 + np.log10(v / m) / 4)),
+            "rest": min(1, v / w[layer, h, i, 1:].max()),
+        }
+        seen = {}
+        for scale, s in expect.items():
+            page.select_option("#scale", scale)
+            got = cell_colour(page, i, j)
+            want = legend_colour(page, s)
+            assert all(abs(a - b) <= 3 for a, b in zip(got, want, strict=True)), \
+                (scale, got, want, s)
+            seen[scale] = got
+        assert seen["linear"] != seen["log"] != seen["rest"]
+        assert sum(seen["linear"]) > sum(seen["log"])  # a small weight: darker on log
+        assert "first token" in page.inner_text("#legend-text")
+        assert texts(page, "#legend-svg text.tick") == ["0%", "25%", "50%", "75%", "100%"]
+        page.locator("canvas#matrix").scroll_into_view_if_needed()
+        box = page.locator("canvas#matrix").bounding_box()
+        geo = page.eval_on_selector("canvas#matrix", "c => c.dataset")
+        cell = float(geo["cell"])
+        page.mouse.move(box["x"] + float(geo["originX"]) + (j + 0.5) * cell,
+                        box["y"] + float(geo["originY"]) + (i + 0.5) * cell)
+        tip = page.inner_text("#tooltip")
+        match = re.search(r": ([0-9.e+-]+)\n", tip)
+        assert match, tip
+        assert float(match[1]) == pytest.approx(v, rel=0.005)
+        assert "generated query" in tip
+        shot(page, "sink_matrix_rest")
+
+        def exported_svg(name):
+            with page.expect_download() as info:
+                page.click("#export-svg")
+            path = tmp_path / name
+            info.value.save_as(path)
+            return ET.fromstring(path.read_bytes())
+
+        svg_ns = "{http://www.w3.org/2000/svg}"
+        root = exported_svg("matrix.svg")
+        green = [t.text for t in root.iter(f"{svg_ns}text") if t.get("fill") == "#1a7f37"]
+        assert green == [shown(t) for t in LM_TOKENS[8:]] * 2  # rows, then columns
+        assert len([p for p in root.iter(f"{svg_ns}path") if p.get("stroke") == "#1a7f37"]) == 1
+
+        # The model view: the thumbnails follow the scale.
+        def thumb_ink():
+            page.wait_for_selector("#model-panel[data-complete='true']")
+            return page.eval_on_selector(
+                "canvas.thumb[data-layer='0'][data-head='0']",
+                "c => c.getContext('2d').getImageData(0, 0, c.width, c.height).data"
+                ".reduce((a, b, k) => a + (k % 4 === 3 ? 0 : 255 - b), 0)")
+        set_view(page, "model")
+        rest_ink = thumb_ink()
+        page.select_option("#scale", "linear")
+        linear_ink = thumb_ink()
+        assert rest_ink > 2 * linear_ink
+        assert "each map's largest" in page.inner_text("#legend-text")
+        shot(page, "sink_model_linear")
+        root = exported_svg("model.svg")
+        rules = [p for p in root.iter(f"{svg_ns}path") if p.get("stroke") == "#1a7f37"]
+        assert len(rules) == 2 * 3  # one per layer and head

@@ -6,11 +6,21 @@ columns). A language model has one section (causal self-attention); the Bahdanau
 translator one (its alignment: output tokens over source tokens); the Transformer
 translator three (encoder self-attention, decoder self-attention, cross-attention).
 
-Weights are stored in 8 bits, relative to their row's largest weight: entry ``(l, h, i,
-j)`` is ``q / 255 * row_max[l, h, i]`` with ``q`` a byte. Every row keeps its own
-resolution (a row's top weights are exact to 1/510 of its maximum, however long the
-row), and a causal map stores only its lower triangle. So a 256-token prompt on a
-12-layer, 12-head GPT takes 4.7 MB of bytes (6.3 MB as base64), not 38 MB of float32.
+Weights are stored in 8 bits, on a log scale relative to their row's largest weight:
+entry ``(l, h, i, j)`` is ``row_max[l, h, i] * 10 ** (-DECADES * (255 - q) / 254)`` for a
+byte ``q`` of 1..255, and 0 for ``q = 0``. Every weight from ``row_max / 10**DECADES`` up
+is kept to within 2.3% of itself, however it compares with the rest of its row; smaller
+ones read as 0. A linear byte (``w / row_max * 255``) would keep only the top of each row:
+when one key takes most of every row, as the first token (an "attention sink") does in
+most trained language models, every other weight of a long row is below 1/510 of the
+row's maximum and would read as 0, and no colour scale could show it. Each row's maximum
+is stored exactly (float32), and a causal map stores only its lower triangle. So a
+256-token prompt on a 12-layer, 12-head GPT takes 4.7 MB of bytes (6.3 MB as base64),
+not 38 MB of float32.
+
+A language model's example can continue its text greedily (``generate``): its section
+then covers the prompt and the generated tokens, and ``generated_from`` is the index of
+the first generated one (``None`` when there is none).
 
 Shapes: ``weights`` are ``(layers, heads, queries, keys)``.
 """
@@ -27,14 +37,18 @@ from torch import Tensor
 
 from ..data.translate import BOS, EOS
 from ..models.decoding import eval_mode
+from ..models.gpt import check_max_new_tokens
+from ..models.gpt import generate as generate_ids
 from ..models.transformer import TransformerSeq2Seq
 from ..tasks.lm import LanguageModel
 from ..tasks.translate import Translator
 
-__all__ = ["VERSION", "MAX_TEXT_CHARS", "encode_section", "decode_section", "example",
-           "page_data", "describe"]
+__all__ = ["VERSION", "DECADES", "MAX_TEXT_CHARS", "encode_section", "decode_section",
+           "example", "page_data", "describe", "check_generate", "check_translator_generate"]
 
-VERSION = 1
+VERSION = 2
+# The range of the stored log scale: weights down to 10**-DECADES of their row's largest.
+DECADES = 5
 # The longest text one example takes: far more than any model here attends over, and
 # a bound on the work a request to the local server can ask for.
 MAX_TEXT_CHARS = 10_000
@@ -50,12 +64,14 @@ def encode_section(
     weights: Tensor,
     *,
     causal: bool = False,
+    generated_from: int | None = None,
 ) -> dict[str, Any]:
     """One attention map in the page's format (see the module docstring).
 
     ``weights (layers, heads, len(queries), len(keys))``: non-negative and finite (rows
     of a softmax, in practice). With ``causal``, ``queries`` and ``keys`` have one
     length and only entries ``j <= i`` are stored (the others must be 0 and read as 0).
+    ``generated_from``: the first query (and key) that the model generated, if any.
     """
     if weights.dim() != 4:
         raise ValueError(f"weights must be (layers, heads, queries, keys), got shape "
@@ -66,12 +82,18 @@ def encode_section(
                          f"and {len(keys)} keys")
     if causal and n_q != n_k:
         raise ValueError(f"a causal map needs as many queries as keys, got {n_q} and {n_k}")
+    if generated_from is not None and not (
+            isinstance(generated_from, int) and 0 <= generated_from <= min(n_q, n_k)):
+        raise ValueError(f"generated_from must be an index in 0..{min(n_q, n_k)}, got "
+                         f"{generated_from!r}")
     w = weights.detach().to("cpu", torch.float64)
     if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
         raise ValueError(f"{title}: attention weights must be finite and >= 0")
     row_max = w.amax(dim=-1)
     scaled = w / row_max.clamp_min(torch.finfo(torch.float64).tiny).unsqueeze(-1)
-    q = torch.round(scaled * 255).to(torch.uint8)
+    # log10 of 0 is -inf: it clamps to the byte 0, as does anything under the range.
+    steps = torch.round(255 + torch.log10(scaled) * (254 / DECADES))
+    q = steps.clamp(0, 255).to(torch.uint8)
     if causal:
         q = q[:, :, torch.ones(n_q, n_k, dtype=torch.bool).tril()]  # (L, H, entries)
     return {
@@ -82,6 +104,8 @@ def encode_section(
         "layers": layers,
         "heads": heads,
         "causal": causal,
+        "generated_from": generated_from,
+        "decades": DECADES,
         "weights": base64.b64encode(q.contiguous().numpy().tobytes()).decode("ascii"),
         "row_max": base64.b64encode(
             row_max.to(torch.float32).numpy().astype("<f4").tobytes()).decode("ascii"),
@@ -90,19 +114,21 @@ def encode_section(
 
 def decode_section(section: dict[str, Any]) -> Tensor:
     """The ``(layers, heads, queries, keys)`` float32 weights :func:`encode_section`
-    stored (to 8 bits per row): what the page reads, for tests and notebooks."""
+    stored (8 bits each, log scale): what the page reads, for tests and notebooks."""
     layers, heads = section["layers"], section["heads"]
     n_q, n_k = len(section["queries"]), len(section["keys"])
     q = torch.frombuffer(bytearray(base64.b64decode(section["weights"])), dtype=torch.uint8)
     row_max = torch.frombuffer(bytearray(base64.b64decode(section["row_max"])),
                                dtype=torch.float32).reshape(layers, heads, n_q)
-    full = torch.zeros(layers, heads, n_q, n_k, dtype=torch.float32)
+    levels = q.double()
+    values = torch.where(levels > 0, 10 ** ((levels - 255) * (DECADES / 254)), 0.0)
+    full = torch.zeros(layers, heads, n_q, n_k, dtype=torch.float64)
     if section["causal"]:
         full[:, :, torch.ones(n_q, n_k, dtype=torch.bool).tril()] = \
-            q.reshape(layers, heads, -1).float()
+            values.reshape(layers, heads, -1)
     else:
-        full[:] = q.reshape(layers, heads, n_q, n_k).float()
-    return full / 255 * row_max.unsqueeze(-1)
+        full[:] = values.reshape(layers, heads, n_q, n_k)
+    return (full * row_max.double().unsqueeze(-1)).float()
 
 
 def _check_text(text: Any) -> str:
@@ -115,12 +141,45 @@ def _check_text(text: Any) -> str:
     return text
 
 
+def check_generate(lm: LanguageModel, prompt_tokens: int, generate: Any,
+                   name: str = "generate") -> int:
+    """``generate`` if the prompt of ``prompt_tokens`` tokens and that many generated ones
+    fit the model's context (the page shows one forward pass over all of them); else a
+    one-line ``ValueError``."""
+    check_max_new_tokens(generate, name)
+    context = lm.model.cfg.context_length
+    if prompt_tokens > context:
+        raise ValueError(f"the prompt has {prompt_tokens} tokens; the model's "
+                         f"context_length is {context}")
+    if prompt_tokens + generate > context:
+        room = max(context - prompt_tokens, 0)
+        raise ValueError(f"{name} {generate}: the prompt has {prompt_tokens} tokens and the "
+                         f"model's context_length is {context}, so at most {room} can be "
+                         "generated and shown")
+    return generate
+
+
 @torch.no_grad()
-def _lm_example(lm: LanguageModel, text: str) -> dict[str, Any]:
-    labels, weights = lm.attention(text)  # per layer (heads, T, T)
-    section = encode_section("self", "Causal self-attention", labels, labels,
-                             torch.stack(weights), causal=True)
-    return {"text": text, "output": None, "sections": [section]}
+def _lm_example(lm: LanguageModel, text: str, generate: int,
+                name: str = "generate") -> dict[str, Any]:
+    check_max_new_tokens(generate, name)  # before the text is even tokenized
+    idx = lm.encode_prompt(text)  # (1, P)
+    prompt = idx.shape[1]
+    check_generate(lm, prompt, generate, name)
+    if generate:
+        # Greedy, with the KV cache: the tokens `qkv lm generate` would print.
+        idx = generate_ids(lm.model, idx, generate, temperature=0.0, use_cache=True)
+    # One forward pass over prompt and continuation: causal, so each generated token's
+    # row is what it saw when it was generated.
+    _, weights = lm.model(idx, need_weights=True)  # per layer (1, heads, T, T)
+    ids = idx[0].tolist()
+    labels = [lm.tokenizer.decode([i]) for i in ids]
+    title = "Causal self-attention" + (" (prompt and greedy continuation)" if generate else "")
+    section = encode_section("self", title, labels, labels,
+                             torch.stack([w[0] for w in weights]), causal=True,
+                             generated_from=prompt if generate else None)
+    output = lm.tokenizer.decode(ids[prompt:]) if generate else None
+    return {"text": text, "output": output, "sections": [section]}
 
 
 @torch.no_grad()
@@ -159,13 +218,16 @@ def _translation_example(translator: Translator, text: str, beam: int) -> dict[s
     ]}
 
 
-def example(target: Target, text: str, *, beam: int = 1) -> dict[str, Any]:
+def example(target: Target, text: str, *, beam: int = 1, generate: int = 0,
+            generate_name: str = "generate") -> dict[str, Any]:
     """One input text's sections: the model run on ``text`` (a translator translates it,
-    greedily or with ``beam``)."""
+    greedily or with ``beam``; a language model first continues it greedily by
+    ``generate`` tokens, when asked). ``generate_name`` names the setting in errors."""
     text = _check_text(text)
     if isinstance(target, LanguageModel):
-        return _lm_example(target, text)
+        return _lm_example(target, text, generate, generate_name)
     if isinstance(target, Translator):
+        check_translator_generate(generate, generate_name)
         return _translation_example(target, text, beam)
     raise TypeError(f"expected a qkv LanguageModel or Translator, got {type(target).__name__}")
 
@@ -187,10 +249,24 @@ def describe(target: Target, run_dir: str | Path | None = None) -> dict[str, Any
     raise TypeError(f"expected a qkv LanguageModel or Translator, got {type(target).__name__}")
 
 
+def check_translator_generate(generate: Any, name: str = "generate") -> None:
+    """A translator generates its translation itself: ``generate`` must be 0."""
+    if generate != 0 or isinstance(generate, bool):
+        raise ValueError(f"{name} {generate!r}: only a language model continues its text; a "
+                         "translator's page shows the translation it generates")
+
+
 def page_data(target: Target, texts: Sequence[str], *, run_dir: str | Path | None = None,
-              beam: int = 1) -> dict[str, Any]:
-    """Everything one page shows: the model's description and one example per text."""
+              beam: int = 1, generate: int = 0,
+              generate_name: str = "generate") -> dict[str, Any]:
+    """Everything one page shows: the model's description and one example per text
+    (a language model's continued by ``generate`` greedy tokens)."""
     if isinstance(texts, str) or not texts:
         raise ValueError("texts must be a non-empty list of strings")
+    if isinstance(target, Translator):
+        check_translator_generate(generate, generate_name)
+    else:
+        check_max_new_tokens(generate, generate_name)
     return {"version": VERSION, "model": describe(target, run_dir),
-            "examples": [example(target, text, beam=beam) for text in texts]}
+            "examples": [example(target, text, beam=beam, generate=generate,
+                                 generate_name=generate_name) for text in texts]}

@@ -69,7 +69,8 @@ class Exploration:
 
 
 def explore(model_or_run_dir: Target | str | Path, text: str | Sequence[str], *,
-            device: str = "cpu", beam: int = 1, bpe_dir: str | None = None) -> Exploration:
+            device: str = "cpu", beam: int = 1, bpe_dir: str | None = None,
+            generate: int = 0) -> Exploration:
     """What a model attends to on ``text`` (one string or several): an
     :class:`Exploration` to show in a notebook or :meth:`~Exploration.save` as HTML.
 
@@ -77,6 +78,9 @@ def explore(model_or_run_dir: Target | str | Path, text: str | Sequence[str], *,
     :class:`~qkv.tasks.translate.Translator`, or the run directory of either (loaded on
     ``device``; ``bpe_dir`` for a GPT-2 tokenizer's files). A translator translates each
     text (greedy, or beam search with ``beam``) and shows its attention while doing so.
+    A language model with ``generate=N`` first continues each text greedily by ``N``
+    tokens (prompt and continuation must fit its context) and shows the attention of the
+    whole sequence, the generated tokens marked.
     """
     run_dir = None
     if isinstance(model_or_run_dir, (str, Path)):
@@ -88,6 +92,6 @@ def explore(model_or_run_dir: Target | str | Path, text: str | Sequence[str], *,
         raise TypeError(f"explore needs a LanguageModel, a Translator or a run directory, "
                         f"got {type(model_or_run_dir).__name__}")
     texts = [text] if isinstance(text, str) else list(text)
-    data = page_data(target, texts, run_dir=run_dir, beam=beam)
+    data = page_data(target, texts, run_dir=run_dir, beam=beam, generate=generate)
     title = f"qkv attention: {run_dir.name if run_dir else data['model']['name']}"
     return Exploration(data, title)

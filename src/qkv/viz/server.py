@@ -4,8 +4,10 @@ through the model and the page redraws.
 The server listens on 127.0.0.1 only and answers:
 
 - ``GET /``: the page, in its "serve" mode;
-- ``POST /api/attention`` with the JSON body ``{"text": "..."}`` (what the page sends;
-  at most :data:`MAX_BODY_BYTES`), or ``GET /api/attention?text=...``: one example of
+- ``POST /api/attention`` with the JSON body ``{"text": "...", "generate": N}`` (what
+  the page sends; ``generate``, the greedy tokens a language model adds to the text, is
+  optional and 0 by default; at most :data:`MAX_BODY_BYTES`), or
+  ``GET /api/attention?text=...&generate=N``: one example of
   :func:`qkv.viz.data.example` as ``{"example": ...}``, or ``{"error": "one line"}``
   with status 400 for bad input (a text over :data:`~qkv.viz.data.MAX_TEXT_CHARS`
   characters, say), 413 for a body over the limit and 500 for anything else.
@@ -37,7 +39,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from ..tasks.translate import Translator
-from .data import MAX_TEXT_CHARS, Target, example, page_data
+from .data import MAX_TEXT_CHARS, Target, check_translator_generate, example, page_data
 from .page import render_page
 
 __all__ = ["HOST", "REQUEST_TIMEOUT", "MAX_CONNECTIONS", "MAX_BODY_BYTES", "make_server",
@@ -52,6 +54,9 @@ MAX_CONNECTIONS = 64
 # one outside the Basic Multilingual Plane: a surrogate pair of "\uXXXX"), plus room for
 # the braces and the key.
 MAX_BODY_BYTES = 12 * MAX_TEXT_CHARS + 1024
+# The greedy tokens one request may ask for, as written in a request (more digits than
+# any context length needs, few enough to refuse a huge number before converting it).
+_GENERATE = re.compile(r"[0-9]{1,7}")
 API = "/api/attention"
 
 
@@ -161,12 +166,14 @@ class _Server(ThreadingHTTPServer):
 
 
 def make_server(target: Target, *, port: int = 0, texts: Sequence[str] = (),
-                title: str = "qkv attention", beam: int = 1,
+                title: str = "qkv attention", beam: int = 1, generate: int = 0,
                 log: Callable[[str], None] | None = None,
                 timeout: float = REQUEST_TIMEOUT,
                 max_connections: int = MAX_CONNECTIONS) -> ThreadingHTTPServer:
     """A server bound to 127.0.0.1:``port`` (0: any free port; ``server.server_port``
-    says which) showing ``texts`` first; call ``serve_forever()`` on it.
+    says which) showing ``texts`` first (a language model's continued by ``generate``
+    greedy tokens, the page's first value for its own field); call ``serve_forever()``
+    on it.
 
     ``timeout``: seconds a client has to send its request and for each write of the
     answer; ``max_connections``: connections served at once. ``log`` takes the server's
@@ -177,8 +184,10 @@ def make_server(target: Target, *, port: int = 0, texts: Sequence[str] = (),
         raise ValueError(f"timeout must be in (0, 3600] seconds, got {timeout}")
     if not 1 <= max_connections <= 1024:
         raise ValueError(f"max_connections must be in 1..1024, got {max_connections}")
-    page = render_page(page_data(target, list(texts) or [default_text(target)], beam=beam),
-                       title=title, mode="serve").encode("utf-8")
+    data = page_data(target, list(texts) or [default_text(target)], beam=beam,
+                     generate=generate)
+    data["generate"] = generate  # the page's field starts with it
+    page = render_page(data, title=title, mode="serve").encode("utf-8")
     say = log or (lambda line: print(line, file=sys.stderr))
     model_lock = threading.Lock()  # one model, one computation at a time
 
@@ -232,12 +241,18 @@ def make_server(target: Target, *, port: int = 0, texts: Sequence[str] = (),
             if url.path in ("/", "/index.html"):
                 self._send(HTTPStatus.OK, page, "text/html; charset=utf-8")
             elif url.path == API:
-                texts = parse_qs(url.query, keep_blank_values=True).get("text")
-                if not texts or len(texts) != 1:
+                query = parse_qs(url.query, keep_blank_values=True)
+                texts = query.get("text")
+                counts = query.get("generate", [])
+                if not texts or len(texts) != 1 or len(counts) > 1 or set(query) - {
+                        "text", "generate"}:
                     self._json(HTTPStatus.BAD_REQUEST,
-                               {"error": f"give one text: {API}?text=..."})
+                               {"error": f"give one text: {API}?text=...[&generate=N]"})
                     return
-                self._attention(texts[0])
+                count: Any = counts[0] if counts else 0
+                if isinstance(count, str) and _GENERATE.fullmatch(count):
+                    count = int(count)
+                self._attention(texts[0], count)
             else:
                 self._json(HTTPStatus.NOT_FOUND, {"error": f"no page {url.path!r} here; "
                                                   f"try / or {API}?text=..."})
@@ -251,17 +266,18 @@ def make_server(target: Target, *, port: int = 0, texts: Sequence[str] = (),
                 self._json(HTTPStatus.NOT_FOUND, {"error": f"POST goes to {API}, not "
                                                   f"{urlsplit(self.path).path!r}"})
                 return
-            usage = 'the body must be the JSON {"text": "..."}'
+            usage = 'the body must be the JSON {"text": "..."} or {"text": "...", "generate": N}'
             try:
                 request = json.loads(body.decode("utf-8"))
             except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..."
                 self._json(HTTPStatus.BAD_REQUEST,
                            {"error": f"{usage}; {type(e).__name__}: {str(e)[:200]}"})
                 return
-            if not isinstance(request, dict) or set(request) != {"text"}:
+            if not isinstance(request, dict) or "text" not in request or set(request) - {
+                    "text", "generate"}:
                 self._json(HTTPStatus.BAD_REQUEST, {"error": usage})
                 return
-            self._attention(request["text"])
+            self._attention(request["text"], request.get("generate", 0))
 
         def _body(self) -> bytes | None:
             """The request's body, or None when it was refused (answered here) or the
@@ -301,10 +317,12 @@ def make_server(target: Target, *, port: int = 0, texts: Sequence[str] = (),
             self.close_connection = True
             self._json(status, {"error": message})
 
-        def _attention(self, text: Any) -> None:
+        def _attention(self, text: Any, count: Any) -> None:
             try:
+                if isinstance(target, Translator):
+                    check_translator_generate(count)
                 with model_lock:
-                    answer = example(target, text, beam=beam)
+                    answer = example(target, text, beam=beam, generate=count)
             except ValueError as e:  # the input's fault: say what is wrong with it
                 self._json(HTTPStatus.BAD_REQUEST, {"error": (str(e).splitlines() or [""])[0]})
             except Exception as e:  # noqa: BLE001 - the server outlives any one request
@@ -326,13 +344,14 @@ def make_server(target: Target, *, port: int = 0, texts: Sequence[str] = (),
 
 
 def serve(target: Target, *, port: int = 8000, texts: Sequence[str] = (),
-          title: str = "qkv attention", beam: int = 1,
+          title: str = "qkv attention", beam: int = 1, generate: int = 0,
           log: Callable[[str], None] | None = None) -> None:
     """Serve the page, saying where with ``log`` (stdout, flushed, by default), until
     Ctrl-C or SIGTERM: their ``KeyboardInterrupt`` ends the server and goes on to the
     caller (the command line reports it and exits 130 or 143)."""
     say = log or partial(print, flush=True)  # flushed: a pipe or a log file sees it now
-    server = make_server(target, port=port, texts=texts, title=title, beam=beam)
+    server = make_server(target, port=port, texts=texts, title=title, beam=beam,
+                         generate=generate)
     with server:
         say(f"qkv view: serving on http://{HOST}:{server.server_port}/ (Ctrl-C stops)")
         # The server loops on a thread of its own while this one, the main thread, only
