@@ -387,3 +387,62 @@ def test_lm_killed_inside_an_epoch_resumes_to_the_bit(tmp_path, capsys):
     b = load_file(tmp_path / "straight" / "model.safetensors")
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_ctrl_c_during_the_first_save_after_an_epoch_keeps_that_save(tmp_path, monkeypatch):
+    """The signal held during a save acts after the trainer has recorded the save, so the
+    rollback does not replace the newer checkpoint on disk with the older epoch's end."""
+    clock = FakeClock(1.0)  # a minute a batch, 12 batches an epoch, a save every 5 minutes
+    monkeypatch.setattr(trainer_module.time, "monotonic", clock)
+    monkeypatch.setattr(trainer_module, "FIRST_SAVE_SECONDS", 1e9)  # no first-epoch save
+    staged = 0
+    real_pause = checkpoint_module.pause_point
+
+    def pause(name):
+        nonlocal staged
+        real_pause(name)
+        if name == "save-staged":
+            staged += 1
+            if staged == 3:  # epoch 2's first save, before its commit
+                signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(checkpoint_module, "pause_point", pause)
+    trainer = _long_epoch_trainer(tmp_path / "run", clock)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    from qkv.training import describe_run_dir
+    # Saves after batches 5 and 10 of epoch 1, none at its end (2 minutes after the
+    # last), then 3 steps into epoch 2 (minute 15): that one is what the disk holds.
+    assert describe_run_dir(tmp_path / "run") == \
+        "the checkpoint after epoch 1 of 3 and 3 steps into epoch 2"
+
+
+def test_a_checkpoint_inside_an_epoch_is_not_relabelled_by_a_run_that_trains_nothing(
+        tmp_path, monkeypatch):
+    clock = FakeClock(1.0)
+    monkeypatch.setattr(trainer_module.time, "monotonic", clock)
+    killed = _long_epoch_trainer(tmp_path / "run", clock, kill_at=19)
+    with pytest.raises(KilledError):
+        killed.fit()
+    resumed = _long_epoch_trainer(tmp_path / "run", None)
+    resumed.resume()
+    resumed.config.epochs = 1  # the epoch inside which the checkpoint was saved is 2
+    with pytest.raises(ValueError, match="saved 5 steps into epoch 2: train to at least epoch 2"):
+        resumed.fit()
+    assert checkpoint_progress(tmp_path / "run") == (1, 3)
+
+
+def test_nohup_keeps_a_run_alive_when_its_terminal_closes(corpus, tmp_path):
+    run_dir, folder = tmp_path / "run", tmp_path / "pause"
+    folder.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "QKV_TEST_PAUSE": f"epoch-end@2:{folder}"}
+    proc = subprocess.Popen(  # as nohup starts it: SIGHUP ignored
+        [sys.executable, "-m", "qkv", *TRAIN, "--data", str(corpus), "--run-dir",
+         str(run_dir), "--epochs", "3"], env=env, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    wait_paused(proc, folder, "epoch-end")
+    proc.send_signal(signal.SIGHUP)
+    (folder / "resume-epoch-end").touch()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert checkpoint_progress(run_dir) == (3, 3)

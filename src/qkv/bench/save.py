@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..checks import MAX_COUNT, check_int
 from ..models.gpt import PRESETS, GPTConfig, GPTModel
-from ..training import SAVE_EVERY_MINUTES, TrainConfig, Trainer
+from ..training import SAVE_EVERY_MINUTES, TrainConfig, Trainer, check_save_every
 from ..training.trainer import FIRST_SAVE_SECONDS
 from ..utils.figures import new_figure, save_figure
 from .timing import Stats, hbars, machine_info, markdown_table, write_json
@@ -56,10 +57,10 @@ class SaveBenchConfig:
         if unknown or not self.presets:
             raise ValueError(f"unknown GPT preset {unknown[0] if unknown else 'list'!r}; "
                              f"choose from {', '.join(PRESETS)}")
-        if not 1 <= self.repeats <= 1000:
-            raise ValueError(f"repeats must be between 1 and 1000, got {self.repeats}")
-        if not 0 < self.save_every <= 10**6:
-            raise ValueError(f"save_every must be in (0, 1e6] minutes, got {self.save_every}")
+        check_int("repeats", self.repeats, 1, MAX_COUNT)  # the command line bounds it further
+        check_save_every(self.save_every)
+        if self.save_every == 0:
+            raise ValueError("save_every must be > 0 minutes: the cost is a share of it")
 
 
 def _trainer(preset: str, run_dir: Path) -> Trainer:

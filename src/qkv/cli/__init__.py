@@ -145,8 +145,10 @@ def _guarded_process() -> Iterator[_OutputGuard]:
     previous_streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = out, err  # type: ignore[assignment]
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = {signum: signal.signal(signum, _terminate)
-                for signum in TERMINATING if main_thread}
+    # A signal the process was started ignoring stays ignored: `nohup qkv ...` must
+    # survive its terminal closing.
+    previous = {signum: signal.signal(signum, _terminate) for signum in TERMINATING
+                if main_thread and signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         yield out
     finally:

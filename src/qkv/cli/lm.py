@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.gpt import MAX_NEW_TOKENS, check_max_new_tokens
+from ..models.gpt import MAX_NEW_TOKENS, check_max_new_tokens, check_sampling
 from ..training import DECAYS, DTYPES, STRATEGIES
 from .runs import add_save_every, check_resume_flags, given_settings, reporting_stops
 
@@ -197,6 +197,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from ..tasks.lm import LanguageModel
 
     check_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
+    check_sampling(args.temperature, args.top_k, args.seed, flags=True)  # before any output
     lm = LanguageModel.load(args.ckpt, device=args.device, bpe_dir=args.bpe_dir)
     try:
         _print_piece(args.prompt)

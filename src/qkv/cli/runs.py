@@ -32,8 +32,9 @@ from ..training import (
     is_main_process,
     load_config,
 )
-from ..training.checkpoint import MANIFEST
+from ..training.checkpoint import MANIFEST, MAX_MANIFEST_BYTES
 from ..training.lock import busy_error, running_holder
+from ..utils.fileio import open_regular
 
 
 class Terminated(KeyboardInterrupt):
@@ -122,14 +123,19 @@ def resume_command(task: str, run_dir: Path, args: argparse.Namespace, **extra: 
         words += ["--device", args.device]
     if getattr(args, "threads", None) is not None:
         words += ["--threads", str(args.threads)]
+    if getattr(args, "save_every", SAVE_EVERY_MINUTES) != SAVE_EVERY_MINUTES:
+        words += ["--save-every", f"{args.save_every:g}"]
     for flag, value in extra.items():
         words += [f"--{flag.replace('_', '-')}", str(value)]
     return shlex.join(words)
 
 
 def _manifest(run_dir: Path) -> bytes | None:
+    """The manifest's bytes, to tell whether this run saved; None when there is no
+    readable one (a FIFO there is not read: it would block)."""
     try:
-        return (run_dir / MANIFEST).read_bytes()
+        with open_regular(run_dir / MANIFEST, "checkpoint manifest") as f:
+            return f.read(MAX_MANIFEST_BYTES + 1)
     except OSError:
         return None
 

@@ -40,9 +40,10 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from ..checks import parse_json
 from ..utils.fileio import fsync_dir, open_regular, temp_path, write_atomic
 from .textfile import CHUNK_BYTES, TextFile, file_sha256, tokenizer_pieces
-from .tokenizers import Tokenizer
+from .tokenizers import TOKENIZER_NAMES, Tokenizer
 from .translate import CorpusChangedError
 
 __all__ = ["TOKENS_FILE", "TOKENS_INFO", "TokenFile", "prepare_token_file"]
@@ -83,8 +84,8 @@ def _read_info(path: Path) -> dict[str, Any] | None:
             data = f.read(_MAX_INFO_BYTES + 1)
         if len(data) > _MAX_INFO_BYTES:
             return None
-        info = json.loads(data)
-    except (OSError, ValueError, RecursionError):
+        info = parse_json(data)
+    except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) else None
 
@@ -157,6 +158,11 @@ def prepare_token_file(
             changed while it was read.
         OSError: the disk filled up (one line; the partial file is removed).
     """
+    if tokenizer.name not in TOKENIZER_NAMES:
+        # The cut points are proven for these; a tokenizer that adds a BOS to every
+        # encode, say, would give other ids piece by piece than for the whole text.
+        raise ValueError(f"tokenizing a text in pieces is proven for the "
+                         f"{' and '.join(TOKENIZER_NAMES)} tokenizers, not {tokenizer.name!r}")
     log = log or (lambda _: None)
     directory = Path(directory)
     source = TextFile(text_path, "text file")

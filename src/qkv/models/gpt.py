@@ -61,6 +61,7 @@ __all__ = [
     "TransformerBlock",
     "MAX_NEW_TOKENS",
     "check_max_new_tokens",
+    "check_sampling",
     "generate",
     "generate_text_simple",
     "native_unsupported",
@@ -642,6 +643,24 @@ def check_max_new_tokens(value: Any, name: str = "max_new_tokens") -> int:
     return value
 
 
+def check_sampling(temperature: Any, top_k: Any = None, seed: Any = None, *,
+                   flags: bool = False) -> None:
+    """One-line ``ValueError`` unless ``temperature`` is a finite number >= 0, ``top_k``
+    None or a positive integer and ``seed`` None or an integer ``torch.manual_seed``
+    takes. ``flags``: name them as the command line does (``--top-k``)."""
+    def name(field: str) -> str:
+        return "--" + field.replace("_", "-") if flags else field
+
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or \
+            not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"{name('temperature')} must be a finite number >= 0 (0 = greedy), "
+                         f"got {show(temperature)}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"{name('top_k')} must be a positive integer or None, got {show(top_k)}")
+    if seed is not None:
+        check_int(name("seed"), seed, -(2**63), 2**64 - 1)  # what torch.manual_seed takes
+
+
 def _next_token(
     logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
 ) -> Tensor:
@@ -721,15 +740,7 @@ def generate(
             f"idx must be integer ids of shape (batch, T >= 1), got {tuple(idx.shape)}"
         )
     check_max_new_tokens(max_new_tokens)
-    if (
-        not (isinstance(temperature, (int, float)) and math.isfinite(temperature))
-        or temperature < 0
-    ):
-        raise ValueError(
-            f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
-        )
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    check_sampling(temperature, top_k)
     cfg = getattr(model, "cfg", None)
     model_context = getattr(cfg, "context_length", None)
     if context_size is None:

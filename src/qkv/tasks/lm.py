@@ -50,7 +50,14 @@ from ..checks import (
 from ..data.lm import GPTDataset, create_dataloader, generated_corpus
 from ..data.tokenfile import TokenFile, prepare_token_file
 from ..data.tokenizers import TOKENIZER_NAMES, Tokenizer, get_tokenizer, tokenizer_from_dict
-from ..models.gpt import PRESETS, GPTConfig, GPTModel, check_max_new_tokens, generate
+from ..models.gpt import (
+    PRESETS,
+    GPTConfig,
+    GPTModel,
+    check_max_new_tokens,
+    check_sampling,
+    generate,
+)
 from ..training import (
     DECAYS,
     DTYPES,
@@ -365,6 +372,7 @@ class LanguageModel:
         :data:`qkv.models.gpt.MAX_NEW_TOKENS`, checked before anything runs.
         """
         check_max_new_tokens(max_new_tokens)
+        check_sampling(temperature, top_k, seed)
         idx = self.encode_prompt(prompt)
         generator = None
         if seed is not None:

@@ -78,6 +78,7 @@ from ..checks import (
 from ..utils.fileio import (
     NotRegularFileError,
     deferred_signals,
+    file_kind,
     fsync_dir,
     open_regular,
     remove_stale_temp_files,
@@ -705,8 +706,13 @@ class _Checkpoint:
 
     def check_size(self, name: str) -> None:
         path = self.path(name)
-        if not path.is_file():
-            raise _fail(path, "missing (listed in the checkpoint manifest)")
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise _fail(path, "missing (listed in the checkpoint manifest)") from None
+        if not stat.S_ISREG(mode):  # a FIFO would block the read
+            raise _fail(path, f"is {file_kind(mode)}, not a regular file; a qkv save writes "
+                              "only regular files")
         size, expected = path.stat().st_size, self.files[name]["bytes"]
         if size != expected:
             raise _fail(path, f"truncated or altered: {size} bytes, manifest says {expected}")
@@ -720,7 +726,8 @@ class _Checkpoint:
     def read(self, name: str) -> bytes:
         """The file's bytes after checking them against the manifest (one read, no race)."""
         self.check_size(name)
-        data = self.path(name).read_bytes()
+        with open_regular(self.path(name), "checkpoint file") as f:
+            data = f.read()
         self.check_digest(name, hashlib.sha256(data).hexdigest())
         return data
 

@@ -27,12 +27,13 @@ import datetime
 import json
 import os
 import socket
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..utils.fileio import process_alive
+from ..utils.fileio import file_kind, process_alive
 
 try:
     import fcntl
@@ -157,7 +158,9 @@ def busy_error(run_dir: Path, holder: LockHolder | None) -> RunDirBusyError:
 
 
 def _flags() -> int:
-    return os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    # O_NONBLOCK: a FIFO put where the lock file goes must not block the open.
+    return (os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+            | getattr(os, "O_NONBLOCK", 0))
 
 
 def _acquire_flock(run_dir: Path, path: Path) -> tuple[int, LockHolder | None]:
@@ -167,6 +170,11 @@ def _acquire_flock(run_dir: Path, path: Path) -> tuple[int, LockHolder | None]:
         except OSError as error:
             raise OSError(f"cannot create the lock file {path}: "
                           f"{error.strerror or error}; is {run_dir} writable?") from None
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise OSError(f"{path} is {file_kind(mode)}, not the lock file qkv makes; "
+                          "remove it, or choose another --run-dir")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -71,6 +71,7 @@ from tqdm import tqdm
 
 from ..checks import MAX_COUNT, check_bool, check_float, check_int, check_str, show
 from ..utils.figures import new_figure, save_figure
+from ..utils.fileio import deferred_signals
 from ..utils.testing import pause_point
 from .checkpoint import (
     CheckpointError,
@@ -450,6 +451,10 @@ class Trainer:
         rescue = self._capture() if self._can_save and not self._fsdp else None
         if cfg.flops_per_token is not None and self._ceiling is None:
             self._ceiling = self._measure_ceiling()
+        if self._partial is not None and cfg.epochs <= self.epoch:
+            raise ValueError(f"the checkpoint resumed was saved {self._partial['groups']} steps "
+                             f"into epoch {self.epoch + 1}: train to at least epoch "
+                             f"{self.epoch + 1} (epochs is {cfg.epochs})")
         first = self.epoch + 1  # the first epoch this call trains
         self._last_save = self._fit_started = time.monotonic()
         if self._can_save:
@@ -913,10 +918,13 @@ class Trainer:
         weights, optimizer = self._whole_weights(), self._whole_optimizer_state()
         if not self.is_main_process:
             return
-        save_checkpoint(self.run_dir, weights, self.checkpoint_config,
-                        optimizer=optimizer, trainer_state=self.trainer_state(partial))
-        self._last_save = time.monotonic()
-        self.saved_epoch = self.epoch
+        # A Ctrl-C or SIGTERM held back during the save acts only once the save is
+        # recorded here, so that the rollback it triggers knows what the disk holds.
+        with deferred_signals():
+            save_checkpoint(self.run_dir, weights, self.checkpoint_config,
+                            optimizer=optimizer, trainer_state=self.trainer_state(partial))
+            self._last_save = time.monotonic()
+            self.saved_epoch = self.epoch
         if self.history["loss"]:
             try:
                 plot_history(self.history, self.run_dir / LOSS_PLOT)
@@ -957,6 +965,12 @@ class Trainer:
                                   "history") from None
         self.saved_epoch = self.epoch
         self._partial = _saved_partial(state.get("partial"), self.epoch, self.run_dir)
+        if self._partial is not None and self.world_size > 1:
+            # Saved by one process: its steps were that process's batches, not a shard's.
+            raise CheckpointError(
+                f"{self.run_dir}: the checkpoint was saved {self._partial['groups']} steps into "
+                f"epoch {self.epoch + 1} by one process; resume it in one process (without "
+                "torchrun) to finish that epoch, then go on under torchrun")
         self.best = _saved_best(state.get("best"), self.run_dir)
         saved = state.get("train_config") or {}
         saved_lr = saved.get("lr")  # finite and > 0: load_trainer_state checked it

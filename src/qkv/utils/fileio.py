@@ -65,12 +65,12 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_durable(path: str | os.PathLike[str], data: bytes | Iterable[Buffer]) -> str:
+def write_durable(path: str | os.PathLike[str], data: Buffer | Iterable[Buffer]) -> str:
     """Write ``data`` (bytes, or buffers written one after the other: views of large
     tensors need no copy) to ``path`` and fsync it (not atomic by itself). Returns the
     SHA-256 of what was written, hashed beside the write (another thread: hashlib and
     file writes both release the GIL) rather than read back."""
-    chunks = [data] if isinstance(data, bytes) else list(data)
+    chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         digest = pool.submit(_sha256, chunks)
         with open(path, "wb") as f:
@@ -182,7 +182,8 @@ def deferred_signals(
     previous = {}
     try:
         for signum in _DEFERRED:
-            previous[signum] = signal.signal(signum, hold)
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored stays ignored
+                previous[signum] = signal.signal(signum, hold)
         yield
     finally:
         for signum, handler in previous.items():

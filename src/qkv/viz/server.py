@@ -38,6 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from ..checks import parse_json
 from ..tasks.translate import Translator
 from .data import MAX_TEXT_CHARS, Target, check_translator_generate, example, page_data
 from .page import render_page
@@ -268,10 +269,9 @@ def make_server(target: Target, *, port: int = 0, texts: Sequence[str] = (),
                 return
             usage = 'the body must be the JSON {"text": "..."} or {"text": "...", "generate": N}'
             try:
-                request = json.loads(body.decode("utf-8"))
-            except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..."
-                self._json(HTTPStatus.BAD_REQUEST,
-                           {"error": f"{usage}; {type(e).__name__}: {str(e)[:200]}"})
+                request = parse_json(body)  # bounded nesting: "[[[[..." is refused
+            except ValueError as e:
+                self._json(HTTPStatus.BAD_REQUEST, {"error": f"{usage}; {str(e)[:200]}"})
                 return
             if not isinstance(request, dict) or "text" not in request or set(request) - {
                     "text", "generate"}:
