@@ -76,8 +76,8 @@ from ..training import (
     checkpoint_progress,
     get_rank_and_world_size,
     is_checkpoint,
-    is_main_process,
     load_weights,
+    main_process_first,
     resolve_device,
     save_checkpoint,
 )
@@ -450,12 +450,7 @@ def _token_ids(settings: LMSettings, tokenizer: Tokenizer, run_dir: Path, progre
         return prepare_token_file(settings.text, tokenizer, run_dir,  # type: ignore[arg-type]
                                   sha256=settings.text_sha256, progress=progress, log=log)
 
-    if not torch.distributed.is_initialized():
-        tokens = prepare()
-    else:
-        first = prepare() if is_main_process() else None
-        torch.distributed.barrier()
-        tokens = first if first is not None else prepare()
+    tokens = main_process_first(prepare)  # the other ranks reuse rank 0's token file
     return tokens.ids, tokens.sha256
 
 

@@ -25,7 +25,8 @@ import atexit
 import copy
 import os
 from collections.abc import Callable
-from typing import Any
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ __all__ = [
     "get_rank_and_world_size",
     "is_main_process",
     "main_process_log",
+    "main_process_first",
     "STRATEGIES",
     "shard_units",
     "meta_copy",
@@ -65,6 +67,33 @@ def get_rank_and_world_size() -> tuple[int, int]:
 def is_main_process() -> bool:
     """True on rank 0, and in a process that is not part of a process group."""
     return get_rank_and_world_size()[0] == 0
+
+
+T = TypeVar("T")
+
+# How long the other ranks wait for rank 0's preparation (tokenizing a text of many
+# gigabytes takes an hour): far past the training group's own timeout (NCCL's is ten
+# minutes), which is right for collectives that should take milliseconds.
+PREPARATION_TIMEOUT = timedelta(days=1)
+
+
+def main_process_first(work: Callable[[], T]) -> T:
+    """``work()`` on rank 0, then on every other rank once rank 0's has returned (to
+    reuse what it wrote, e.g. a token file); just ``work()`` without a process group.
+
+    The others wait in a barrier of a gloo group of their own, with
+    :data:`PREPARATION_TIMEOUT`, so that a long preparation is not mistaken for a hang.
+    """
+    rank, world_size = get_rank_and_world_size()
+    if world_size == 1:
+        return work()
+    group = dist.new_group(backend="gloo", timeout=PREPARATION_TIMEOUT)
+    try:
+        result = work() if rank == 0 else None
+        dist.barrier(group=group)
+        return work() if rank != 0 else result  # type: ignore[return-value]
+    finally:
+        dist.destroy_process_group(group)
 
 
 def main_process_log(log: Callable[[str], None] | None) -> Callable[[str], None]:
