@@ -453,12 +453,12 @@ def _load_pairs(
         pairs = make_date_pairs(settings.num_examples, seed=settings.seed)
         return [s.split() for s, _ in pairs], [t.split() for _, t in pairs], None
     path = _corpus_file(settings, reload)
-    max_chars = None
     if settings.num_examples is None:  # every pair is kept: refuse before reading
         check_corpus_memory(path)
-    else:  # the first pairs are kept: refuse as soon as they would not fit
-        available = available_memory("cpu")
-        max_chars = None if available is None else available // CORPUS_BYTES_PER_BYTE
+    # And, whichever pairs are kept, as soon as those read would not fit (a file that
+    # grew after its size was checked included).
+    available = available_memory("cpu")
+    max_chars = None if available is None else available // CORPUS_BYTES_PER_BYTE
     # A run saved before digests were recorded has none: its corpus is read unchecked.
     src, tgt, digest = read_pair_file(path, settings.num_examples, max_chars=max_chars,
                                       sha256=settings.data_sha256 if reload else None)
