@@ -18,10 +18,18 @@ training k epochs, saving, resuming in a fresh process and training to N give
 bit-identical weights (on the same device and software; on GPU,
 ``torch.use_deterministic_algorithms(True)`` may be needed as well).
 
+Saving on a clock. Besides the end of the run, :meth:`Trainer.fit` saves every
+``config.save_every`` minutes (at the end of an epoch, and in one process also inside a
+long one, recording the steps done) and after the first epoch of a long run, so that a
+SIGKILL, the OOM killer or a power cut loses at most that interval;
+:meth:`Trainer.resume` continues from any of these saves exactly. The disk's free space
+is checked before training and before each save.
+
 Ctrl-C. A ``KeyboardInterrupt`` during :meth:`Trainer.fit` (with a ``run_dir``) rolls the
 model, optimizer, RNGs and history back to the end of the last completed epoch, saves
-that as the checkpoint unless it is already on disk, and re-raises: granularity is one
-epoch, the partial epoch is lost, and :meth:`Trainer.resume` continues exactly. An
+that as the checkpoint unless it, or a later save inside the next epoch, is already on
+disk, and re-raises: what the last save did not keep of the partial epoch is lost, and
+:meth:`Trainer.resume` continues exactly. An
 interruption before the first epoch completes saves nothing (there is nothing to keep,
 and an earlier checkpoint in ``run_dir`` stays as it was). The rollback needs a copy of
 the model and optimizer state, taken (on the CPU) after every epoch. A save itself is
