@@ -34,7 +34,7 @@ from ..training import (
 )
 from ..training.checkpoint import MANIFEST, MAX_MANIFEST_BYTES
 from ..training.lock import busy_error, running_holder
-from ..utils.fileio import open_regular
+from ..utils.fileio import read_regular
 
 
 class Terminated(KeyboardInterrupt):
@@ -134,9 +134,8 @@ def _manifest(run_dir: Path) -> bytes | None:
     """The manifest's bytes, to tell whether this run saved; None when there is no
     readable one (a FIFO there is not read: it would block)."""
     try:
-        with open_regular(run_dir / MANIFEST, "checkpoint manifest") as f:
-            return f.read(MAX_MANIFEST_BYTES + 1)
-    except OSError:
+        return read_regular(run_dir / MANIFEST, "checkpoint manifest", MAX_MANIFEST_BYTES)
+    except (OSError, ValueError):
         return None
 
 

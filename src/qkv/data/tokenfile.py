@@ -41,7 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..checks import parse_json
-from ..utils.fileio import fsync_dir, open_regular, temp_path, write_atomic
+from ..utils.fileio import fsync_dir, open_regular, read_regular, temp_path, write_atomic
 from .textfile import CHUNK_BYTES, TextFile, file_sha256, tokenizer_pieces
 from .tokenizers import TOKENIZER_NAMES, Tokenizer
 from .translate import CorpusChangedError
@@ -80,11 +80,7 @@ def _dtype(tokenizer: Tokenizer) -> np.dtype:
 def _read_info(path: Path) -> dict[str, Any] | None:
     """The record, or None if it is missing, not a regular file, too large or not JSON."""
     try:
-        with open_regular(path, "token record") as f:
-            data = f.read(_MAX_INFO_BYTES + 1)
-        if len(data) > _MAX_INFO_BYTES:
-            return None
-        info = parse_json(data)
+        info = parse_json(read_regular(path, "token record", _MAX_INFO_BYTES))
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) else None

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import MAX_SIZE, check_int, check_str, parse_json, show
-from ..utils.fileio import open_regular, regular_file_stat
+from ..utils.fileio import open_regular, read_regular, regular_file_stat
 from .chat import MAX_CHAT_TEMPLATE_CHARS, chat_messages, render_chat_template
 
 __all__ = [
@@ -218,22 +218,8 @@ def import_tokenizers() -> Any:
     return tokenizers
 
 
-def _read_bounded(path: str | Path, what: str, max_bytes: int) -> bytes:
-    """The bytes of the regular file ``path``, refused in one line when larger than
-    ``max_bytes`` (before anything is read)."""
-    with open_regular(path, what) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > max_bytes:
-            raise ValueError(f"{what} {path} is {size:,} bytes; at most {max_bytes:,} "
-                             "are accepted")
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:  # grew while being read
-        raise ValueError(f"{what} {path} has more than {max_bytes:,} bytes")
-    return data
-
-
 def _read_json_object(path: Path, what: str, max_bytes: int) -> dict[str, Any]:
-    data = _read_bounded(path, what, max_bytes)
+    data = read_regular(path, what, max_bytes)
     try:
         obj = parse_json(data)
     except ValueError as error:
@@ -530,7 +516,7 @@ def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:
         raise FileNotFoundError(f"no tokenizer.json in {folder}: an open model's folder holds "
                                 "tokenizer.json (GPT-2's vocab.json + merges.txt is the gpt2 "
                                 "tokenizer)")
-    data = _read_bounded(path, "tokenizer file", MAX_TOKENIZER_JSON_BYTES)
+    data = read_regular(path, "tokenizer file", MAX_TOKENIZER_JSON_BYTES)
     try:
         parse_json(data)  # bounded nesting, one-line errors, before the library sees it
         backend = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
@@ -547,7 +533,7 @@ def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:
     template = _chat_template_of(config, where)
     jinja_path = folder / "chat_template.jinja"
     if os.path.lexists(jinja_path):
-        raw = _read_bounded(jinja_path, "chat template file", 4 * MAX_CHAT_TEMPLATE_CHARS)
+        raw = read_regular(jinja_path, "chat template file", 4 * MAX_CHAT_TEMPLATE_CHARS)
         try:
             template = raw.decode("utf-8")
         except UnicodeDecodeError:

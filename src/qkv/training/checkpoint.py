@@ -76,11 +76,13 @@ from ..checks import (
     show,
 )
 from ..utils.fileio import (
+    FileTooLargeError,
     NotRegularFileError,
     deferred_signals,
     file_kind,
     fsync_dir,
     open_regular,
+    read_regular,
     remove_stale_temp_files,
     write_atomic,
     write_durable,
@@ -224,9 +226,6 @@ class _TensorFile:
 
     def __len__(self) -> int:
         return sum(chunk.nbytes for chunk in self.chunks)
-
-    def to_bytes(self) -> bytes:
-        return b"".join(self.chunks)
 
 
 def _looks_like_pickle(data: bytes) -> bool:
@@ -540,19 +539,20 @@ def _say_saving(signum: int) -> None:
 # Loading
 
 
+def _not_regular(path: Path, kind: str) -> CheckpointError:
+    # A FIFO there would block the read forever.
+    return _fail(path, f"is {kind}, not a regular file; a qkv save writes only regular files")
+
+
 def _read_bounded(path: Path, limit: int, what: str) -> bytes:
-    """``path``'s bytes, refused unread past ``limit`` (however the file may grow meanwhile)
-    or when ``path`` is not a regular file (a FIFO there would block the read forever)."""
+    """``path``'s bytes (:func:`qkv.utils.fileio.read_regular`), each refusal a
+    :class:`CheckpointError`."""
     try:
-        f = open_regular(path, what)
+        return read_regular(path, what, limit)
     except NotRegularFileError as error:
-        raise _fail(path, f"is {error.kind}, not a regular file; a qkv save writes "
-                          "only regular files") from None
-    with f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise _fail(path, f"is larger than {limit:,} bytes, too large for {what}")
-    return data
+        raise _not_regular(path, error.kind) from None
+    except FileTooLargeError:
+        raise _fail(path, f"is larger than {limit:,} bytes, too large for {what}") from None
 
 
 def _parse_json(path: Path, data: bytes) -> Any:
@@ -707,13 +707,12 @@ class _Checkpoint:
     def check_size(self, name: str) -> None:
         path = self.path(name)
         try:
-            mode = os.stat(path).st_mode
+            st = os.stat(path)
         except FileNotFoundError:
             raise _fail(path, "missing (listed in the checkpoint manifest)") from None
-        if not stat.S_ISREG(mode):  # a FIFO would block the read
-            raise _fail(path, f"is {file_kind(mode)}, not a regular file; a qkv save writes "
-                              "only regular files")
-        size, expected = path.stat().st_size, self.files[name]["bytes"]
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, file_kind(st.st_mode))
+        size, expected = st.st_size, self.files[name]["bytes"]
         if size != expected:
             raise _fail(path, f"truncated or altered: {size} bytes, manifest says {expected}")
 

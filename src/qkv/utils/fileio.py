@@ -48,6 +48,8 @@ __all__ = [
     "file_kind",
     "regular_file_stat",
     "open_regular",
+    "FileTooLargeError",
+    "read_regular",
 ]
 
 # write_atomic's temporary names: ".{name}.{pid}.{8 hex digits}.tmp".
@@ -308,3 +310,23 @@ def open_regular(path: str | os.PathLike[str], what: str = "file") -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+class FileTooLargeError(ValueError):
+    """An input larger than its reader accepts: one line with the size and the limit."""
+
+
+def read_regular(path: str | os.PathLike[str], what: str, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``path`` (see :func:`open_regular`), at most
+    ``max_bytes``: a larger file is a one-line :class:`FileTooLargeError`, refused by its
+    size before anything is read, or as soon as it has grown past ``max_bytes`` while
+    being read."""
+    with open_regular(path, what) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise FileTooLargeError(f"{what} {path} is {size:,} bytes; at most "
+                                    f"{max_bytes:,} are accepted")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise FileTooLargeError(f"{what} {path} has more than {max_bytes:,} bytes")
+    return data
