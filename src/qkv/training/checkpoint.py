@@ -778,6 +778,14 @@ def checkpoint_progress(run_dir: str | os.PathLike[str]) -> tuple[int, int | Non
     manifest and ``trainer.json`` (hash checked); raises :class:`CheckpointError` when
     there is no valid checkpoint. For messages that must say what is on disk.
     """
+    progress = _saved_progress(run_dir)
+    return None if progress is None else progress[:2]
+
+
+def _saved_progress(run_dir: str | os.PathLike[str]
+                    ) -> tuple[int, int | None, int | None] | None:
+    """:func:`checkpoint_progress`, and the steps into the next epoch of a checkpoint
+    saved inside one (None for one saved at an epoch's end), from one read."""
     ckpt = _Checkpoint(run_dir)
     if not ckpt.has(TRAINER_JSON):
         return None
@@ -790,7 +798,10 @@ def checkpoint_progress(run_dir: str | os.PathLike[str]) -> tuple[int, int | Non
     train_config = state.get("train_config")
     target = train_config.get("epochs") if isinstance(train_config, dict) else None
     valid_target = isinstance(target, int) and not isinstance(target, bool) and target >= 0
-    return epoch, target if valid_target else None
+    partial = state.get("partial")
+    steps = partial.get("groups") if isinstance(partial, dict) else None
+    valid_steps = isinstance(steps, int) and not isinstance(steps, bool)
+    return epoch, target if valid_target else None, steps if valid_steps else None
 
 
 # Every name a save writes or replaces in a run directory.
@@ -813,18 +824,14 @@ def describe_run_dir(run_dir: str | os.PathLike[str]) -> str:
     if not checkpoint_files(run_dir):
         return "no checkpoint"
     try:
-        progress = checkpoint_progress(run_dir)
+        progress = _saved_progress(run_dir)
     except CheckpointError as error:
         return f"a checkpoint that does not load ({error})"
     if progress is None:
         return "a checkpoint without trainer state (it loads, but cannot be resumed)"
-    epoch, target = progress
-    text = f"the checkpoint after epoch {epoch}" + ("" if target is None else f" of {target}")
-    state = _Checkpoint(run_dir).read_json(TRAINER_JSON).get("trainer_state") or {}
-    partial = state.get("partial") if isinstance(state, dict) else None
-    if isinstance(partial, dict) and isinstance(partial.get("groups"), int):
-        text += f" and {partial['groups']} steps into epoch {epoch + 1}"
-    return text
+    epoch, target, steps = progress
+    return (f"the checkpoint after epoch {epoch}" + ("" if target is None else f" of {target}")
+            + ("" if steps is None else f" and {steps} steps into epoch {epoch + 1}"))
 
 
 def is_checkpoint(run_dir: str | os.PathLike[str]) -> bool:

@@ -552,14 +552,17 @@ class Trainer:
             return True
         if self.run_dir is None:
             return False
-        now = time.monotonic()
         # After the first epoch, this call's whole run is about its time times the epochs.
-        expected = (now - self._fit_started) * (cfg.epochs - self.epoch + 1)
-        due = [now - self._last_save >= 60 * cfg.save_every
-               or (first and expected > FIRST_SAVE_SECONDS)]
+        expected = (time.monotonic() - self._fit_started) * (cfg.epochs - self.epoch + 1)
+        due = [self._clock_due() or (first and expected > FIRST_SAVE_SECONDS)]
         if self.world_size > 1:
             dist.broadcast_object_list(due, src=0)
         return bool(due[0])
+
+    def _clock_due(self) -> bool:
+        """Whether ``save_every`` minutes have passed since the last save (or the start of
+        :meth:`fit`)."""
+        return time.monotonic() - self._last_save >= 60 * self.config.save_every
 
     def _checkpoint_bytes(self) -> int:
         """About how many bytes a checkpoint of this run takes: the weights, the
@@ -628,8 +631,7 @@ class Trainer:
             if index < skip:
                 continue
             # Before a step, not after: the epoch's end has a save rule of its own.
-            if mid_epoch and index > skip and \
-                    time.monotonic() - self._last_save >= 60 * cfg.save_every:
+            if mid_epoch and index > skip and self._clock_due():
                 self._check_finite(epoch, bad_step, weights=True)  # never save a diverged state
                 self.save(partial={"epoch": epoch, "groups": index,
                                    "loss_sum": loss_total.item(), "tokens": int(token_total.item()),
