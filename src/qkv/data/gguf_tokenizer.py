@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import show
+from ..models.gguf_weights import import_gguf
 from ..utils.fileio import regular_file_stat
 from .tokenizers import HFTokenizer, finish_hf_tokenizer, import_tokenizers
 
@@ -86,15 +87,6 @@ def byte_alphabet() -> dict[int, str]:
         if b not in spelling:
             spelling[b] = chr(256 + len(spelling) - len(printable))
     return spelling
-
-
-def _import_gguf() -> Any:
-    try:
-        import gguf
-    except ImportError:
-        raise ImportError("reading a GGUF file needs the gguf package: pip install gguf "
-                          "(or pip install 'qkv[gguf]')") from None
-    return gguf
 
 
 class _Metadata:
@@ -260,7 +252,7 @@ def tokenizer_from_gguf(path: str | os.PathLike[str], *, reader: Any = None) -> 
         ImportError: the gguf or tokenizers package is missing.
     """
     path = Path(path)
-    gguf = _import_gguf()
+    gguf = import_gguf()
     tokenizers = import_tokenizers()
     if reader is None:
         regular_file_stat(path, "GGUF file")

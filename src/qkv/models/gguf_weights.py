@@ -54,6 +54,7 @@ from ..checks import show
 from ..utils.fileio import open_regular
 
 __all__ = [
+    "import_gguf",
     "GGUF_WEIGHT_TYPES",
     "GGUFHeader",
     "GGUFTensorInfo",
@@ -135,12 +136,13 @@ class GGUFHeader:
     file_size: int
 
 
-def _import_gguf() -> Any:
+def import_gguf() -> Any:
+    """The gguf package, or a one-line ImportError saying how to install it."""
     try:
         import gguf
     except ImportError:
-        raise ImportError("reading a GGUF file's weights needs the gguf package: pip install "
-                          "gguf (or pip install 'qkv[gguf]')") from None
+        raise ImportError("reading a GGUF file needs the gguf package: pip install gguf "
+                          "(or pip install 'qkv[gguf]')") from None
     return gguf
 
 
@@ -304,7 +306,7 @@ def _walk(buf: Any, path: Path, ggml_types: Any,
 
 
 def _read(path: Path, f: Any) -> GGUFHeader:
-    gguf = _import_gguf()
+    gguf = import_gguf()
     size = os.fstat(f.fileno()).st_size
     if size == 0:  # mmap refuses an empty file
         raise ValueError(f"{path}: not a GGUF file (it is empty)")
@@ -349,7 +351,7 @@ def open_gguf_reader(path: str | os.PathLike[str]) -> tuple[GGUFHeader, Any]:
     will believe; raises as that does."""
     path = Path(path)
     header = read_gguf_header(path)
-    gguf = _import_gguf()
+    gguf = import_gguf()
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, TypeError, OverflowError) as error:
@@ -397,7 +399,7 @@ def read_gguf_tensors(
     path = Path(path)
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    gguf = _import_gguf()
+    gguf = import_gguf()
     with open_regular(path, "GGUF file") as f:
         size = os.fstat(f.fileno()).st_size
         if header is None:
