@@ -631,6 +631,14 @@ def _browser():
     return playwright, executable
 
 
+def _errors_of(page) -> list[str]:
+    """The list the page's script errors and console errors are appended to as it runs."""
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    return errors
+
+
 def test_real_pages_work_in_a_browser_offline_and_live(runs, server, tmp_path):
     sync_api, executable = _browser()
     page_file = tmp_path / "lm.html"
@@ -639,9 +647,7 @@ def test_real_pages_work_in_a_browser_offline_and_live(runs, server, tmp_path):
         browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
         try:
             page = browser.new_page()
-            errors, requests = [], []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+            errors, requests = _errors_of(page), []
             page.on("request", lambda r: requests.append(r.url))
             page.goto(page_file.as_uri())
             page.wait_for_function("window.qkvReady === true", timeout=15_000)
@@ -697,9 +703,7 @@ def test_hostile_texts_through_a_real_model_show_literally_in_file_and_served_pa
         browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
         try:
             page = browser.new_page()
-            errors, dialogs = [], []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+            errors, dialogs = _errors_of(page), []
             page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
 
             def shows(text):
