@@ -22,7 +22,7 @@ from .functional import (
     lengths_to_mask,
 )
 from .kv_cache import KVCache
-from .positional import apply_rope, rope_angles
+from .positional import apply_rope, check_rope_scaling, rope_angles
 
 __all__ = ["MultiHeadAttention"]
 
@@ -41,8 +41,9 @@ class MultiHeadAttention(nn.Module):
 
     Args:
         d_in: width of the query input ``x``.
-        d_out: width of the projections and of the output; split into
-            ``num_heads`` heads of ``head_dim = d_out // num_heads``.
+        d_out: width of the output, and of the projections, split into
+            ``num_heads`` heads of ``head_dim = d_out // num_heads`` (unless
+            ``head_dim`` is given).
         context_length: longest sequence accepted; None accepts any length
             (the fused causal path then never allocates a ``T x T`` mask).
         dropout: dropout probability on the attention weights (training only).
@@ -68,11 +69,21 @@ class MultiHeadAttention(nn.Module):
         rope: rotate queries and keys by their absolute positions (rotary
             position embedding, "rotate half" as in Llama and GPT-NeoX); with a
             KV cache, positions continue from the cache's. ``rope_base`` sets the
-            frequencies (default 10,000).
+            frequencies (default 10,000) and ``rope_scaling`` their stretching past the
+            trained context (see :func:`qkv.positional.check_rope_scaling`).
+        head_dim: size of each head, when it is not ``d_out // num_heads`` (Gemma,
+            Qwen3): the query projection is then ``num_heads * head_dim`` wide, the key
+            and value ones ``num_kv_groups * head_dim``, and ``out_proj`` maps the
+            heads back to ``d_out``.
+        q_norm, k_norm: modules applied to each query and key head ``(..., head_dim)``
+            after the projection, before RoPE ("QK-norm": Qwen3, Gemma 3); None: none.
+        scale: the factor on ``q k^T``; default ``1 / sqrt(head_dim)`` (Gemma's is
+            ``query_pre_attn_scalar ** -0.5``).
 
     ``window_size`` and ``rope`` apply to self-attention only.
 
-    Parameters are created in the order ``W_query, W_key, W_value, out_proj``.
+    Parameters are created in the order ``W_query, W_key, W_value, out_proj`` (then
+    the norms', if given).
 
     Shapes:
         ``x (batch, T_q, d_in) -> (batch, T_q, d_out)``; with
@@ -103,10 +114,21 @@ class MultiHeadAttention(nn.Module):
         window_size: int | None = None,
         rope: bool = False,
         rope_base: float = 10_000.0,
+        rope_scaling: dict[str, Any] | None = None,
+        head_dim: int | None = None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         check_positive_int("d_in", d_in)
-        check_heads(d_out, num_heads)
+        if head_dim is None:
+            check_heads(d_out, num_heads)
+            head_dim = d_out // num_heads
+        else:
+            check_positive_int("d_out", d_out)
+            check_positive_int("num_heads", num_heads)
+            check_positive_int("head_dim", head_dim)
         for name, size in (("kdim", kdim), ("vdim", vdim)):
             if size is not None:
                 check_positive_int(name, size)
@@ -127,27 +149,36 @@ class MultiHeadAttention(nn.Module):
                                  "window_size tokens")
         check_bool("rope", rope)
         check_float("rope_base", rope_base, 1.0, lo_open=True)
-        if rope and (d_out // num_heads) % 2:
-            raise ValueError(f"rope needs an even head_dim, got {d_out // num_heads} "
-                             f"(d_out={d_out} / num_heads={num_heads})")
+        rope_scaling = check_rope_scaling(rope_scaling)
+        if rope and head_dim % 2:
+            raise ValueError(f"rope needs an even head_dim, got {head_dim}")
+        if scale is not None:
+            scale = check_float("scale", scale, 0.0, lo_open=True)
+        for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if norm is not None and not isinstance(norm, nn.Module):
+                raise ValueError(f"{name} must be an nn.Module or None, got "
+                                 f"{type(norm).__name__}")
         self.num_kv_groups = num_kv_groups
         self.window_size = window_size
-        self.rope, self.rope_base = rope, float(rope_base)
+        self.rope, self.rope_base, self.rope_scaling = rope, float(rope_base), rope_scaling
+        self.scale = scale
         self.d_in, self.d_out = d_in, d_out
         self.kdim = d_in if kdim is None else kdim
         self.vdim = d_in if vdim is None else vdim
         self.num_heads = num_heads
-        self.head_dim = d_out // num_heads
+        self.head_dim = head_dim
+        self.inner_dim = num_heads * head_dim  # the query heads side by side
         self.context_length = context_length
         self.causal = causal
         self.backend = backend
 
         kv_out = num_kv_groups * self.head_dim
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_query = nn.Linear(d_in, self.inner_dim, bias=qkv_bias)
         self.W_key = nn.Linear(self.kdim, kv_out, bias=qkv_bias)
         self.W_value = nn.Linear(self.vdim, kv_out, bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
+        self.out_proj = nn.Linear(self.inner_dim, d_out, bias=out_bias)
         self.dropout = nn.Dropout(dropout)
+        self.q_norm, self.k_norm = q_norm, k_norm
 
     def _split_heads(self, x: Tensor) -> Tensor:
         # (b, T, heads * head_dim) -> (b, heads, T, head_dim): heads become a batch axis
@@ -252,9 +283,14 @@ class MultiHeadAttention(nn.Module):
         q = self._split_heads(self.W_query(x))
         k = self._split_heads(self.W_key(key))
         v = self._split_heads(self.W_value(value))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         if self.rope:  # rotated at their absolute positions, before they are cached
             positions = torch.arange(past, past + num_queries, device=x.device)
-            cos, sin = rope_angles(positions, self.head_dim, self.rope_base)
+            cos, sin = rope_angles(positions, self.head_dim, self.rope_base,
+                                   self.rope_scaling)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)
@@ -272,9 +308,10 @@ class MultiHeadAttention(nn.Module):
             dropout_p=self.dropout.p if self.training else 0.0,
             need_weights=want_weights,
             window=window,
+            scale=self.scale,
         )
-        # (b, heads, T, head_dim) -> (b, T, d_out)
-        out = self.out_proj(out.transpose(1, 2).reshape(batch, num_queries, self.d_out))
+        # (b, heads, T, head_dim) -> (b, T, heads * head_dim) -> (b, T, d_out)
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, num_queries, self.inner_dim))
         return (out, weights) if need_weights else out
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
@@ -313,4 +350,7 @@ class MultiHeadAttention(nn.Module):
                if self.num_kv_groups != self.num_heads else "")
             + (f", window_size={self.window_size}" if self.window_size is not None else "")
             + (f", rope=True, rope_base={self.rope_base:g}" if self.rope else "")
+            + (f", rope_scaling={self.rope_scaling}" if self.rope_scaling else "")
+            + (f", head_dim={self.head_dim}" if self.inner_dim != self.d_out else "")
+            + (f", scale={self.scale:g}" if self.scale is not None else "")
         )

@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
-from .checks import check_dropout, check_positive_int
+from .checks import MAX_SIZE, check_dropout, check_float, check_int, check_positive_int, show
 
-__all__ = ["PositionalEncoding", "sinusoidal_table", "rope_angles", "apply_rope"]
+__all__ = ["PositionalEncoding", "sinusoidal_table", "rope_angles", "rope_frequencies",
+           "apply_rope", "check_rope_scaling", "ROPE_SCALING_TYPES"]
 
 
 def sinusoidal_table(max_len: int, num_hiddens: int) -> Tensor:
@@ -63,20 +68,86 @@ class PositionalEncoding(nn.Module):
 
 # ---------------------------------------------------------------------------- RoPE
 
-def rope_angles(positions: Tensor, head_dim: int, base: float = 10_000.0) -> tuple[Tensor, Tensor]:
+# How a model stretches RoPE past the context it was trained on (``rope_scaling``):
+# "linear" divides every frequency by ``factor`` (position interpolation); "llama3"
+# (Llama 3.1) divides only the low frequencies, whose wavelengths exceed the original
+# context, leaves the high ones and blends the band between.
+ROPE_SCALING_TYPES = ("linear", "llama3")
+_ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+
+
+def check_rope_scaling(scaling: Any, name: str = "rope_scaling") -> dict[str, Any] | None:
+    """``scaling`` as a plain dict if it is None or a valid RoPE scaling; else a one-line
+    ``ValueError`` naming the type (or key) and what is valid.
+
+    ``{"rope_type": "linear", "factor": f}`` or ``{"rope_type": "llama3", "factor": f,
+    "low_freq_factor": l, "high_freq_factor": h, "original_max_position_embeddings":
+    n}``; factors finite and positive, ``l < h``.
+    """
+    if scaling is None:
+        return None
+    if not isinstance(scaling, Mapping):
+        raise ValueError(f"{name} must be None or a dict, got {show(scaling)}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(f"{name} type {show(kind)} is not supported; supported: "
+                         f"{', '.join(ROPE_SCALING_TYPES)} (or none)")
+    keys = _ROPE_SCALING_KEYS[kind]
+    out: dict[str, Any] = {"rope_type": kind}
+    for key in keys:
+        value = scaling.get(key)
+        if key == "original_max_position_embeddings":
+            out[key] = check_int(f"{name}.{key}", value, 1, MAX_SIZE)
+        else:
+            out[key] = check_float(f"{name}.{key}", value, 0.0, lo_open=True)
+    if kind == "llama3" and not out["low_freq_factor"] < out["high_freq_factor"]:
+        raise ValueError(f"{name}: low_freq_factor ({out['low_freq_factor']}) must be below "
+                         f"high_freq_factor ({out['high_freq_factor']})")
+    return out
+
+
+def rope_frequencies(head_dim: int, base: float = 10_000.0,
+                     scaling: Mapping[str, Any] | None = None, *,
+                     device: torch.device | str | None = None) -> Tensor:
+    """The ``head_dim / 2`` angular frequencies of RoPE, float64: pair ``i`` turns by
+    ``base^(-2i / head_dim)`` per position, then rescaled by ``scaling``
+    (:func:`check_rope_scaling`'s form; None: as they are)."""
+    if head_dim % 2:
+        raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64,
+                                      device=device) / head_dim)
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: wavelengths longer than original / low_freq_factor are slowed by `factor`,
+    # shorter than original / high_freq_factor kept, and the band between interpolated
+    # linearly in original / wavelength.
+    original = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rope_angles(positions: Tensor, head_dim: int, base: float = 10_000.0,
+                scaling: Mapping[str, Any] | None = None) -> tuple[Tensor, Tensor]:
     """``(cos, sin)``, each ``(T, head_dim)``, of rotary position embedding (RoPE) at
     ``positions (T,)``: pair ``i`` of a head's dimensions turns by ``position * base^(-2i
-    / head_dim)``. Computed in float64, whose angles stay exact to far beyond any
-    context length (float32's lose a milliradian by position 30,000), and returned in
-    float64 (:func:`apply_rope` casts); ``head_dim`` must be even.
+    / head_dim)`` (rescaled by ``scaling``: :func:`rope_frequencies`). Computed in
+    float64, whose angles stay exact to far beyond any context length (float32's lose a
+    milliradian by position 30,000), and returned in float64 (:func:`apply_rope`
+    casts); ``head_dim`` must be even.
 
     The layout is "rotate half" (Llama, GPT-NeoX): dimension ``i`` pairs with ``i +
     head_dim / 2``, so the angles of the first half repeat in the second.
     """
-    if head_dim % 2:
-        raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64,
-                                      device=positions.device) / head_dim)
+    inv_freq = rope_frequencies(head_dim, base, scaling, device=positions.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # (T, head_dim / 2)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()

@@ -40,12 +40,14 @@ from ..checks import (
     check_float,
     check_heads,
     check_int,
+    check_str,
     show,
     small_divisors,
 )
 from ..kernels import unavailable_reason
 from ..kv_cache import KVCache, kv_cache_bytes
 from ..multihead import MultiHeadAttention
+from ..positional import check_rope_scaling
 from .native_decode import DTYPES as NATIVE_DTYPES
 from .native_decode import NativeDecoder
 
@@ -54,7 +56,10 @@ __all__ = [
     "embed_tokens",
     "PRESETS",
     "FeedForward",
+    "GatedFeedForward",
     "GELU",
+    "RMSNorm",
+    "make_norm",
     "GPTConfig",
     "GPTModel",
     "LayerNorm",
@@ -87,6 +92,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-modern": {"context_length": 128, "emb_dim": 64, "n_heads": 4, "n_layers": 2,
                     "drop_rate": 0.0, "n_kv_groups": 2, "window_size": 64, "rope": True},
 }
+
+
+NORMS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
+MLPS = ("gelu", "swiglu", "geglu")
+LAYER_TYPES = ("sliding", "full")
 
 
 # ----------------------------------------------------------------------------
@@ -157,6 +167,33 @@ class GPTConfig:
 
     The last four default to GPT-2's choices, so the book's configurations and numbers
     are unchanged; see :class:`qkv.MultiHeadAttention` for what each does.
+
+    Today's open models (Llama, SmolLM2, Mistral, Qwen2/3, Gemma 3) differ from GPT-2
+    in the pieces below; each defaults to GPT-2's choice (``docs/models.md`` lists each
+    family's settings):
+
+    Attributes:
+        norm: ``"layernorm"`` (GPT-2), ``"rmsnorm"`` (Llama, Qwen) or
+            ``"gemma_rmsnorm"`` (RMSNorm scaled by ``1 + w`` in float32); ``norm_eps``
+            its epsilon.
+        post_norms: also normalise each sub-layer's output before it is added back
+            (Gemma 3's post-attention and post-feed-forward norms).
+        mlp: ``"gelu"`` (GPT-2's ``Linear, GELU, Linear``), ``"swiglu"``
+            (``fc3(silu(fc1 x) * fc2 x)``, Llama, Qwen) or ``"geglu"`` (the same with
+            tanh-GELU, Gemma); ``hidden_dim`` its width (None: ``4 * emb_dim``),
+            ``mlp_bias`` biases on its layers.
+        head_dim: size of each attention head (None: ``emb_dim // n_heads``; Gemma and
+            Qwen3 use wider heads than that); ``out_bias`` a bias on ``out_proj``.
+        qk_norm: normalise each query and key head (a norm of kind ``norm``) before RoPE.
+        query_scale: factor on ``q k^T``; None: ``head_dim ** -0.5``.
+        layer_types: per layer ``"sliding"`` (attends to its last ``window_size``
+            tokens) or ``"full"``; None: every layer is windowed if ``window_size`` is set.
+        rope_local_base: the RoPE base of the sliding layers, when it differs from
+            ``rope_base`` (Gemma 3: 10,000 for local layers, 1,000,000 for global).
+        rope_scaling: stretch RoPE past the trained context, e.g. ``{"rope_type":
+            "llama3", ...}`` (:func:`qkv.positional.check_rope_scaling`); with
+            ``rope_local_base`` it applies to the full layers only, as in Gemma 3.
+        embed_scale: multiply the token embeddings by ``sqrt(emb_dim)`` (Gemma).
     """
 
     vocab_size: int = 50257
@@ -171,68 +208,126 @@ class GPTConfig:
     window_size: int | None = None
     rope: bool = False
     rope_base: float = 10_000.0
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    post_norms: bool = False
+    mlp: str = "gelu"
+    hidden_dim: int | None = None
+    mlp_bias: bool = True
+    head_dim: int | None = None
+    out_bias: bool = True
+    qk_norm: bool = False
+    query_scale: float | None = None
+    layer_types: list[str] | None = None
+    rope_local_base: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+    embed_scale: bool = False
 
     def __post_init__(self) -> None:
         # The cap keeps every dimension an int32; whether the model fits in memory is a
         # separate check (num_parameters, qkv.training.limits).
         for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
             check_int(f"GPTConfig.{name}", getattr(self, name), 1, MAX_SIZE)
-        for name in ("n_kv_groups", "window_size"):
+        for name in ("n_kv_groups", "window_size", "hidden_dim", "head_dim"):
             if getattr(self, name) is not None:
                 check_int(f"GPTConfig.{name}", getattr(self, name), 1, MAX_SIZE)
-        for name in ("qkv_bias", "tie_weights", "rope"):
+        for name in ("qkv_bias", "tie_weights", "rope", "post_norms", "mlp_bias", "out_bias",
+                     "qk_norm", "embed_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"GPTConfig.{name} must be True or False, got {show(getattr(self, name))}"
                 )
         self.drop_rate = check_float("GPTConfig.drop_rate", self.drop_rate)  # NaN, inf fail
         check_dropout(self.drop_rate)
-        if self.emb_dim % self.n_heads != 0:
-            # (check_heads would list the divisors by trying every number up to emb_dim)
-            raise ValueError(
-                f"emb_dim ({self.emb_dim}) must be divisible by num_heads ({self.n_heads}); "
-                f"e.g. num_heads in {small_divisors(self.emb_dim)}"
-            )
-        check_heads(self.emb_dim, self.n_heads, name="emb_dim")
+        check_str("GPTConfig.norm", self.norm, choices=NORMS)
+        check_str("GPTConfig.mlp", self.mlp, choices=MLPS)
+        self.norm_eps = check_float("GPTConfig.norm_eps", self.norm_eps, 0.0, 1.0,
+                                    lo_open=True)
+        if self.query_scale is not None:
+            self.query_scale = check_float("GPTConfig.query_scale", self.query_scale, 0.0,
+                                           lo_open=True)
+        if self.rope_local_base is not None:
+            self.rope_local_base = check_float("GPTConfig.rope_local_base",
+                                               self.rope_local_base, 1.0, lo_open=True)
+        self.rope_scaling = check_rope_scaling(self.rope_scaling, "GPTConfig.rope_scaling")
+        if (self.rope_scaling is not None or self.rope_local_base is not None) and not self.rope:
+            raise ValueError("GPTConfig.rope_scaling and rope_local_base need rope=True")
+        if self.layer_types is not None:
+            if not isinstance(self.layer_types, (list, tuple)) or \
+                    len(self.layer_types) != self.n_layers or \
+                    any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ValueError(f"GPTConfig.layer_types must list {LAYER_TYPES[0]!r} or "
+                                 f"{LAYER_TYPES[1]!r} for each of the {self.n_layers} layers, "
+                                 f"got {show(self.layer_types)}")
+            self.layer_types = list(self.layer_types)
+            if "sliding" in self.layer_types and self.window_size is None:
+                raise ValueError("GPTConfig.layer_types has sliding layers but no window_size")
+        if self.head_dim is None:  # the heads split the width
+            if self.emb_dim % self.n_heads != 0:
+                # (check_heads would list the divisors by trying every number up to emb_dim)
+                raise ValueError(
+                    f"emb_dim ({self.emb_dim}) must be divisible by num_heads "
+                    f"({self.n_heads}); e.g. num_heads in {small_divisors(self.emb_dim)}"
+                )
+            check_heads(self.emb_dim, self.n_heads, name="emb_dim")
         if self.n_kv_groups is not None and self.n_heads % self.n_kv_groups:
             raise ValueError(f"GPTConfig.n_kv_groups ({self.n_kv_groups}) must divide "
                              f"n_heads ({self.n_heads})")
         self.rope_base = check_float("GPTConfig.rope_base", self.rope_base, 1.0,
                                      lo_open=True)
-        if self.rope and self.head_dim % 2:
-            raise ValueError(f"GPTConfig.rope needs an even head size, got emb_dim "
-                             f"{self.emb_dim} / n_heads {self.n_heads} = {self.head_dim}")
+        if self.rope and self.attention_head_dim % 2:
+            raise ValueError(f"GPTConfig.rope needs an even head size, got "
+                             f"{self.attention_head_dim}")
 
-    # Sizes, from the config alone: nothing is allocated. Tested against built models.
+    # Per-layer choices, read by the blocks as they are built.
 
     @property
-    def head_dim(self) -> int:
-        return self.emb_dim // self.n_heads
+    def attention_head_dim(self) -> int:
+        """Size of each attention head: ``head_dim``, or ``emb_dim // n_heads``."""
+        return self.emb_dim // self.n_heads if self.head_dim is None else self.head_dim
 
     @property
     def kv_heads(self) -> int:
         """Key/value heads per layer: ``n_kv_groups``, or ``n_heads``."""
         return self.n_heads if self.n_kv_groups is None else self.n_kv_groups
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it sees every earlier token)."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding":
+            return self.window_size
+        return None
+
+    def layer_rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """RoPE base and scaling of layer ``layer``: a sliding layer of a model with a
+        ``rope_local_base`` has that base, unscaled; every other layer ``rope_base`` and
+        ``rope_scaling``."""
+        if self.rope_local_base is not None and self.layer_window(layer) is not None:
+            return self.rope_local_base, None
+        return self.rope_base, self.rope_scaling
+
+    # Sizes, from the model this config builds, made on the "meta" device: shapes
+    # without storage, so nothing is allocated and no second description of the
+    # architecture has to be kept in step with the modules.
+
+    def meta_model(self) -> GPTModel:
+        """``GPTModel(self)`` on the ``meta`` device: every module and parameter shape,
+        no storage (milliseconds, whatever the model's size)."""
+        with torch.device("meta"):
+            return GPTModel(self)
+
     def num_parameters(self) -> int:
-        """Number of parameters of ``GPTModel(self)`` by arithmetic (a tied head counts once)."""
-        V, C, d, L = self.vocab_size, self.context_length, self.emb_dim, self.n_layers
-        kv = self.kv_heads * self.head_dim  # width of the key and value projections
-        # W_q, W_k, W_v (with their biases), out_proj
-        attention = d * d + 2 * d * kv + (d + 2 * kv if self.qkv_bias else 0) + d * d + d
-        feed_forward = 8 * d * d + 5 * d  # (4d, d) + 4d and (d, 4d) + d
-        block = attention + feed_forward + 4 * d  # and two LayerNorms
-        head = 0 if self.tie_weights else V * d
-        positions = 0 if self.rope else C * d
-        return V * d + positions + L * block + 2 * d + head
+        """Number of parameters of ``GPTModel(self)`` (a tied head counts once)."""
+        return sum(p.numel() for p in self.meta_model().parameters())
 
     def kv_cache_bytes(self, batch_size: int, tokens: int, *, bytes_per_value: int = 4) -> int:
         """Bytes of the KV cache that decoding ``tokens`` positions for ``batch_size``
-        sequences holds: every layer's ``kv_heads`` keys and values per position, at most
-        ``window_size`` positions (see :func:`qkv.kv_cache.kv_cache_bytes`)."""
-        return kv_cache_bytes(layers=self.n_layers, kv_heads=self.kv_heads,
-                              head_dim=self.head_dim, batch=batch_size, tokens=tokens,
-                              window=self.window_size, bytes_per_value=bytes_per_value)
+        sequences holds: each layer's key/value heads per position, at most its window's
+        positions for a sliding layer (see :func:`qkv.kv_cache.kv_cache_bytes`)."""
+        return sum(
+            kv_cache_bytes(layers=1, kv_heads=block.att.num_kv_groups,
+                           head_dim=block.att.head_dim, batch=batch_size, tokens=tokens,
+                           window=block.att.window_size, bytes_per_value=bytes_per_value)
+            for block in self.meta_model().trf_blocks)
 
     def training_flops_per_token(self, tokens: int | None = None) -> float:
         """Floating-point operations of one training step per token of a ``tokens``-long
@@ -249,12 +344,16 @@ class GPTConfig:
         not the hardware's.
         """
         T = self.context_length if tokens is None else tokens
-        d, L = self.emb_dim, self.n_layers
-        kv = self.kv_heads * self.head_dim
-        matmul_weights = L * (10 * d * d + 2 * d * kv) + self.vocab_size * d
-        # A window caps the keys each query scores; the count stays that of a full window.
-        seen = T if self.window_size is None else min(T, self.window_size)
-        return 6.0 * matmul_weights + 12.0 * L * seen * d
+        model = self.meta_model()
+        # every product, the output head's too (counted even when tied)
+        matmul_weights = sum(m.weight.numel() for m in model.modules()
+                             if isinstance(m, nn.Linear))
+        attention = 0
+        for block in model.trf_blocks:
+            # A window caps the keys each query scores; the count stays that of a full one.
+            window = block.att.window_size
+            attention += (T if window is None else min(T, window)) * block.att.inner_dim
+        return 6.0 * matmul_weights + 12.0 * attention
 
     def num_saved_activations(self, batch_size: int, tokens: int) -> int:
         """A lower bound on the float32 values a training step's forward pass keeps for
@@ -273,29 +372,8 @@ class GPTConfig:
         A generator: a caller comparing with a checkpoint can stop after as many entries
         as the checkpoint holds, however many layers the config claims.
         """
-        V, d = self.vocab_size, self.emb_dim
-        kv = self.kv_heads * self.head_dim
-        yield "tok_emb.weight", (V, d)
-        if not self.rope:
-            yield "pos_emb.weight", (self.context_length, d)
-        for i in range(self.n_layers):
-            block = f"trf_blocks.{i}"
-            for w, width in (("W_query", d), ("W_key", kv), ("W_value", kv)):
-                yield f"{block}.att.{w}.weight", (width, d)
-                if self.qkv_bias:
-                    yield f"{block}.att.{w}.bias", (width,)
-            yield f"{block}.att.out_proj.weight", (d, d)
-            yield f"{block}.att.out_proj.bias", (d,)
-            yield f"{block}.ff.layers.0.weight", (4 * d, d)
-            yield f"{block}.ff.layers.0.bias", (4 * d,)
-            yield f"{block}.ff.layers.2.weight", (d, 4 * d)
-            yield f"{block}.ff.layers.2.bias", (d,)
-            for norm in ("norm1", "norm2"):
-                yield f"{block}.{norm}.scale", (d,)
-                yield f"{block}.{norm}.shift", (d,)
-        yield "final_norm.scale", (d,)
-        yield "final_norm.shift", (d,)
-        yield "out_head.weight", (V, d)
+        for name, tensor in self.meta_model().state_dict().items():
+            yield name, tuple(tensor.shape)
 
     def __getitem__(self, key: str) -> Any:
         # the book's classes read their config as a dict: cfg["emb_dim"]
@@ -310,8 +388,15 @@ class GPTConfig:
         return tuple(f.name for f in fields(cls))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict (JSON-able) for a checkpoint; :meth:`from_dict` reverses it."""
-        return asdict(self)
+        """Plain dict (JSON-able) for a checkpoint; :meth:`from_dict` reverses it.
+
+        The fields of today's open models are left out while they hold GPT-2's default,
+        so a GPT-2-style run's ``config.json`` stays what earlier versions wrote."""
+        out = asdict(self)
+        for name in _OPEN_MODEL_FIELDS:
+            if out[name] == _DEFAULTS[name]:
+                del out[name]
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GPTConfig:
@@ -335,6 +420,12 @@ class GPTConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown GPT preset {name!r}; choose one of: {', '.join(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})
+
+
+# The fields added for today's open models (those after rope_base); at their defaults a
+# config describes a GPT-2-style model and is saved without them.
+_OPEN_MODEL_FIELDS = GPTConfig.field_names()[GPTConfig.field_names().index("rope_base") + 1:]
+_DEFAULTS = {f.name: f.default for f in fields(GPTConfig)}
 
 
 def _as_config(cfg: GPTConfig | Mapping[str, Any]) -> GPTConfig:
@@ -366,6 +457,41 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.scale.shape, self.scale, self.shift, self.eps)
 
 
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation over the last axis (Llama, Qwen; Gemma's with ``gemma``).
+
+    ``x / sqrt(mean(x^2) + eps)`` computed in float32, then scaled: by ``scale`` in the
+    input's dtype (``scale`` starts at ones), or with ``gemma=True`` by ``1 + scale`` in
+    float32 before the result is cast back (``scale`` starts at zeros). Gemma stores
+    its weights that way; both roundings are those of the models' own code.
+
+    Shapes: ``(..., dim) -> (..., dim)``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, gemma: bool = False) -> None:
+        super().__init__()
+        self.eps, self.gemma = eps, gemma
+        self.scale = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (normed * (1.0 + self.scale.float())).to(x.dtype)
+        return self.scale * normed.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.scale.shape[0]}, eps={self.eps:g}" + (", gemma=True" if self.gemma else "")
+
+
+def make_norm(cfg: GPTConfig, dim: int | None = None) -> nn.Module:
+    """The norm ``cfg.norm`` names, over ``dim`` features (default ``cfg.emb_dim``)."""
+    dim = cfg.emb_dim if dim is None else dim
+    if cfg.norm == "layernorm":
+        return LayerNorm(dim, cfg.norm_eps)
+    return RMSNorm(dim, cfg.norm_eps, gemma=cfg.norm == "gemma_rmsnorm")
+
+
 class GELU(nn.Module):
     """GELU with GPT-2's tanh approximation, ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
 
@@ -374,27 +500,35 @@ class GELU(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Position-wise MLP: ``Linear(d, 4d) -> GELU -> Linear(4d, d)``, shape-preserving."""
+    """Position-wise MLP: ``Linear(d, 4d) -> GELU -> Linear(4d, d)``, shape-preserving
+    (``cfg.hidden_dim`` replaces ``4d`` where set)."""
 
     def __init__(self, cfg: GPTConfig | Mapping[str, Any]) -> None:
         super().__init__()
         cfg = _as_config(cfg)
+        hidden = 4 * cfg.emb_dim if cfg.hidden_dim is None else cfg.hidden_dim
         self.layers = nn.Sequential(
-            nn.Linear(cfg.emb_dim, 4 * cfg.emb_dim),
+            nn.Linear(cfg.emb_dim, hidden, bias=cfg.mlp_bias),
             GELU(),
-            nn.Linear(4 * cfg.emb_dim, cfg.emb_dim),
+            nn.Linear(hidden, cfg.emb_dim, bias=cfg.mlp_bias),
         )
 
     def forward(self, x: Tensor) -> Tensor:
         return self.layers(x)
 
+    @property
+    def out_layer(self) -> nn.Linear:
+        """The projection back into the residual stream."""
+        return self.layers[2]
 
-class TransformerBlock(nn.Module):
-    """Pre-LayerNorm decoder block: ``x + attn(norm1(x))``, then ``x + ff(norm2(x))``.
 
-    Normalising before each sub-layer (GPT-2's order) keeps the residual path an identity,
-    which is what lets deep stacks train. Dropout is applied to each branch before it is
-    added back ("shortcut dropout").
+class GatedFeedForward(nn.Module):
+    """Gated MLP of Llama, Qwen (SwiGLU) and Gemma (GeGLU): ``fc3(act(fc1 x) * fc2 x)``.
+
+    ``fc1`` (the gate) and ``fc2`` (the values) map ``emb_dim -> hidden_dim``, ``fc3`` maps
+    back; ``act`` is SiLU for ``cfg.mlp == "swiglu"``, tanh-GELU for ``"geglu"``. The
+    names are those of LLMs-from-scratch's Llama chapters (Hugging Face's ``gate_proj``,
+    ``up_proj``, ``down_proj``).
 
     Shapes: ``(batch, T, emb_dim) -> (batch, T, emb_dim)``.
     """
@@ -402,6 +536,40 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: GPTConfig | Mapping[str, Any]) -> None:
         super().__init__()
         cfg = _as_config(cfg)
+        hidden = 4 * cfg.emb_dim if cfg.hidden_dim is None else cfg.hidden_dim
+        self.fc1 = nn.Linear(cfg.emb_dim, hidden, bias=cfg.mlp_bias)
+        self.fc2 = nn.Linear(cfg.emb_dim, hidden, bias=cfg.mlp_bias)
+        self.fc3 = nn.Linear(hidden, cfg.emb_dim, bias=cfg.mlp_bias)
+        self.act: nn.Module = nn.SiLU() if cfg.mlp == "swiglu" else GELU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc3(self.act(self.fc1(x)) * self.fc2(x))
+
+    @property
+    def out_layer(self) -> nn.Linear:
+        """The projection back into the residual stream."""
+        return self.fc3
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder block: ``x + attn(norm1(x))``, then ``x + ff(norm2(x))``.
+
+    Normalising before each sub-layer (GPT-2's order) keeps the residual path an identity,
+    which is what lets deep stacks train. Dropout is applied to each branch before it is
+    added back ("shortcut dropout"). With ``cfg.post_norms`` (Gemma 3) each branch is
+    normalised once more before it is added: ``x + post_norm1(attn(norm1(x)))``.
+
+    ``layer`` is the block's index in the model: it picks the layer's window and RoPE
+    base where they differ between layers (:meth:`GPTConfig.layer_window`).
+
+    Shapes: ``(batch, T, emb_dim) -> (batch, T, emb_dim)``.
+    """
+
+    def __init__(self, cfg: GPTConfig | Mapping[str, Any], layer: int = 0) -> None:
+        super().__init__()
+        cfg = _as_config(cfg)
+        rope_base, rope_scaling = cfg.layer_rope(layer)
+        head_dim = cfg.attention_head_dim
         self.att = MultiHeadAttention(
             d_in=cfg.emb_dim,
             d_out=cfg.emb_dim,
@@ -409,14 +577,22 @@ class TransformerBlock(nn.Module):
             dropout=cfg.drop_rate,
             num_heads=cfg.n_heads,
             qkv_bias=cfg.qkv_bias,
+            out_bias=cfg.out_bias,
             num_kv_groups=cfg.n_kv_groups,
-            window_size=cfg.window_size,
+            window_size=cfg.layer_window(layer),
             rope=cfg.rope,
-            rope_base=cfg.rope_base,
+            rope_base=rope_base,
+            rope_scaling=rope_scaling,
+            head_dim=cfg.head_dim,
+            q_norm=make_norm(cfg, head_dim) if cfg.qk_norm else None,
+            k_norm=make_norm(cfg, head_dim) if cfg.qk_norm else None,
+            scale=cfg.query_scale,
         )
-        self.ff = FeedForward(cfg)
-        self.norm1 = LayerNorm(cfg.emb_dim)
-        self.norm2 = LayerNorm(cfg.emb_dim)
+        self.ff = FeedForward(cfg) if cfg.mlp == "gelu" else GatedFeedForward(cfg)
+        self.norm1 = make_norm(cfg)
+        self.norm2 = make_norm(cfg)
+        self.post_norm1 = make_norm(cfg) if cfg.post_norms else None
+        self.post_norm2 = make_norm(cfg) if cfg.post_norms else None
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
 
     def forward(
@@ -427,8 +603,13 @@ class TransformerBlock(nn.Module):
         weights = None
         if need_weights:
             attended, weights = attended
+        if self.post_norm1 is not None:
+            attended = self.post_norm1(attended)
         x = x + self.drop_shortcut(attended)
-        x = x + self.drop_shortcut(self.ff(self.norm2(x)))
+        fed = self.ff(self.norm2(x))
+        if self.post_norm2 is not None:
+            fed = self.post_norm2(fed)
+        x = x + self.drop_shortcut(fed)
         return (x, weights) if need_weights else x
 
 
@@ -461,8 +642,8 @@ class GPTModel(nn.Module):
         # With rotary embeddings the attention layers carry the positions: no table.
         self.pos_emb = None if cfg.rope else nn.Embedding(cfg.context_length, cfg.emb_dim)
         self.drop_emb = nn.Dropout(cfg.drop_rate)
-        self.trf_blocks = nn.Sequential(*[TransformerBlock(cfg) for _ in range(cfg.n_layers)])
-        self.final_norm = LayerNorm(cfg.emb_dim)
+        self.trf_blocks = nn.Sequential(*[TransformerBlock(cfg, i) for i in range(cfg.n_layers)])
+        self.final_norm = make_norm(cfg)
         self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             # one Parameter in two places: the same storage, updated once per step
@@ -513,7 +694,10 @@ class GPTModel(nn.Module):
             if idx.dim() != 2:
                 raise ValueError(f"token ids must have shape (batch, tokens), got "
                                  f"{tuple(idx.shape)}")
-            x = self.drop_emb(self.tok_emb(idx))
+            x = self.tok_emb(idx)
+            if self.cfg.embed_scale:  # Gemma: sqrt(emb_dim), rounded to the weights' dtype
+                x = x * torch.tensor(self.cfg.emb_dim ** 0.5, dtype=x.dtype)
+            x = self.drop_emb(x)
         else:
             x = self.drop_emb(embed_tokens(self.tok_emb, self.pos_emb, idx, start))
         all_weights = []
@@ -583,7 +767,7 @@ class GPTModel(nn.Module):
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
         for block in self.trf_blocks:
             nn.init.normal_(block.att.out_proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.ff.layers[2].weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.ff.out_layer.weight, mean=0.0, std=residual_std)
         return self
 
 
@@ -611,14 +795,19 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         if type(att) is not MultiHeadAttention or type(ff) is not FeedForward:
             return "attention and feed-forward must be qkv's MultiHeadAttention and FeedForward"
         if (att.num_kv_groups != att.num_heads or att.window_size is not None or att.rope
-                or not att.causal or att.d_in != att.d_out):
-            return "plain causal multi-head attention is needed (no GQA, window or RoPE)"
-        if [type(m) for m in ff.layers] != [nn.Linear, GELU, nn.Linear]:
-            return "the feed-forward must be Linear, GELU, Linear"
-        if type(block.norm1) is not LayerNorm or type(block.norm2) is not LayerNorm:
-            return "the norms must be qkv's LayerNorm"
-    if type(model.final_norm) is not LayerNorm:
-        return "the final norm must be qkv's LayerNorm"
+                or not att.causal or att.d_in != att.d_out or att.inner_dim != att.d_out
+                or att.q_norm is not None or att.k_norm is not None or att.scale is not None
+                or att.out_proj.bias is None):
+            return ("plain causal multi-head attention is needed (no GQA, window, RoPE, "
+                    "QK-norm, other head size or scale)")
+        if [type(m) for m in ff.layers] != [nn.Linear, GELU, nn.Linear] or \
+                ff.layers[0].bias is None:
+            return "the feed-forward must be Linear, GELU, Linear, with biases"
+        if type(block.norm1) is not LayerNorm or type(block.norm2) is not LayerNorm or \
+                block.post_norm1 is not None:
+            return "the norms must be qkv's LayerNorm, before each sub-layer only"
+    if type(model.final_norm) is not LayerNorm or model.cfg.embed_scale:
+        return "the final norm must be qkv's LayerNorm, the embeddings unscaled"
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return "forward hooks are registered, and only the model's forward runs them"
     return unavailable_reason()

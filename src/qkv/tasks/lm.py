@@ -26,6 +26,7 @@ checked against the model the config describes before anything is built.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,7 +50,15 @@ from ..checks import (
 )
 from ..data.lm import GPTDataset, create_dataloader, generated_corpus
 from ..data.tokenfile import TokenFile, prepare_token_file
-from ..data.tokenizers import TOKENIZER_NAMES, Tokenizer, get_tokenizer, tokenizer_from_dict
+from ..data.tokenizers import (
+    HF_TOKENIZER_NAME,
+    TOKENIZER_NAMES,
+    HFTokenizer,
+    Tokenizer,
+    get_tokenizer,
+    load_hf_tokenizer,
+    tokenizer_from_dict,
+)
 from ..models.gpt import (
     PRESETS,
     GPTConfig,
@@ -69,6 +78,7 @@ from ..training import (
     CheckpointError,
     EarlyStopping,
     LRSchedule,
+    available_memory,
     can_fuse_optimizer,
     check_memory,
     check_save_every,
@@ -78,12 +88,14 @@ from ..training import (
     is_checkpoint,
     load_weights,
     main_process_first,
+    read_weights_header,
     resolve_device,
     save_checkpoint,
 )
 from . import pipeline
 
 __all__ = ["LMSettings", "LanguageModel", "Generation", "TextStream", "train_language_model",
+           "import_model", "IMPORT_DTYPES", "FINE_TUNE_WINDOW",
            "lm_loss", "import_gpt2", "param_groups", "FROM_INIT"]
 
 TASK = "lm"
@@ -94,6 +106,8 @@ TASK = "lm"
 MAX_VALID_WINDOWS = 2048
 # Most characters of the generated corpus a run may ask for (it is built in memory).
 MAX_CORPUS_CHARS = 100_000_000
+# Training window of a fine-tuned open model unless --context-length says otherwise.
+FINE_TUNE_WINDOW = 512
 
 
 @dataclass
@@ -124,6 +138,10 @@ class LMSettings:
     n_heads: int | None = None
     n_layers: int | None = None
     qkv_bias: bool = False
+    # An imported open model's whole architecture (GPTConfig fields, written by qkv lm
+    # import): it replaces the preset and the sizes above, and context_length is then
+    # the training window (default: FINE_TUNE_WINDOW, at most the model's context).
+    architecture: dict[str, Any] | None = None
     batch_size: int = 16
     epochs: int | None = None
     lr: float | None = None
@@ -177,7 +195,12 @@ class LMSettings:
         for name in ("text", "bpe_dir", "init"):
             if getattr(self, name) is not None:
                 check_str(name, getattr(self, name))
-        check_str("tokenizer", self.tokenizer, choices=TOKENIZER_NAMES)
+        # "hf": an open model's own tokenizer, which only qkv lm import sets
+        check_str("tokenizer", self.tokenizer, choices=(*TOKENIZER_NAMES, HF_TOKENIZER_NAME))
+        if self.architecture is not None:
+            if not isinstance(self.architecture, dict):
+                raise ValueError(f"architecture must be an object, got {show(self.architecture)}")
+            GPTConfig.from_dict(self.architecture)  # its own checks, one line each
         for name in ("context_length", "stride", "emb_dim", "n_heads", "n_layers"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1, MAX_SIZE)
@@ -224,12 +247,26 @@ class LMSettings:
         return LRSchedule(warmup_steps=self.warmup_steps, decay=self.decay)
 
     def model_config(self, vocab_size: int) -> GPTConfig:
+        """The model these settings train, for a tokenizer of ``vocab_size`` ids."""
+        if self.architecture is not None:
+            changed = {"vocab_size": vocab_size}
+            if self.drop_rate is not None:
+                changed["drop_rate"] = self.drop_rate
+            return GPTConfig.from_dict({**self.architecture, **changed})
         overrides: dict[str, Any] = {"vocab_size": vocab_size, "tie_weights": self.tie_weights,
                                      "qkv_bias": self.qkv_bias}
         for name in ("context_length", "drop_rate", "emb_dim", "n_heads", "n_layers"):
             if getattr(self, name) is not None:
                 overrides[name] = getattr(self, name)
         return GPTConfig.preset(self.preset, **overrides)
+
+    def window(self, cfg: GPTConfig) -> int:
+        """Tokens per training window: the model's context, or for an imported open
+        model (whose context runs to tens of thousands of tokens) ``context_length``,
+        default :data:`FINE_TUNE_WINDOW`, at most the model's context."""
+        if self.architecture is None:
+            return cfg.context_length
+        return min(self.context_length or FINE_TUNE_WINDOW, cfg.context_length)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LMSettings:
@@ -323,7 +360,6 @@ class LanguageModel:
         """
         settings, model_config, tokenizer_dict = _read_config(run_dir)
         n = model_config.num_parameters()
-        check_weights(run_dir, model_config.parameter_shapes(), n)
         check_memory(LOAD_BYTES_PER_PARAMETER * n, f"loading {_model_name(settings, n)}",
                      hint="load it on a machine with more memory")
         try:
@@ -338,8 +374,7 @@ class LanguageModel:
                 f"{run_dir}: tokenizer has {tokenizer.n_vocab} ids but the model expects "
                 f"vocab_size={model_config.vocab_size}"
             )
-        model = GPTModel(model_config)
-        load_weights(run_dir, model)
+        model = _load_model(run_dir, model_config)
         return cls(model.to(resolve_device(device)), tokenizer, settings)
 
     @property
@@ -455,9 +490,29 @@ def _token_ids(settings: LMSettings, tokenizer: Tokenizer, run_dir: Path, progre
 
 
 def _model_name(settings: LMSettings, num_params: int) -> str:
+    if settings.architecture is not None:
+        return f"this {num_params:,}-parameter imported model"
     resized = any(getattr(settings, k) is not None for k in _SIZES)
     return (f"this {num_params:,}-parameter GPT ('{settings.preset}' preset"
             f"{', resized' if resized else ''})")
+
+
+# The weight dtypes a run may store (safetensors' names): float32, or bfloat16 for an
+# open model imported with --dtype bfloat16.
+_STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16}
+
+
+def _load_model(run_dir: str | Path, cfg: GPTConfig) -> GPTModel:
+    """The run's model, built in the dtype its weights are stored in, after the weights'
+    header has been checked against ``cfg`` (names, shapes, one dtype throughout)."""
+    stored = read_weights_header(run_dir).shapes().get("tok_emb.weight", ("F32", ()))[0]
+    if stored not in _STORED_DTYPES:
+        raise CheckpointError(f"{run_dir}: tok_emb.weight is stored as {stored}; runs store "
+                              f"{' or '.join(_STORED_DTYPES)}")
+    check_weights(run_dir, cfg.parameter_shapes(), cfg.num_parameters(), dtype=stored)
+    model = GPTModel(cfg).to(_STORED_DTYPES[stored])
+    load_weights(run_dir, model)
+    return model
 
 
 def _read_config(run_dir: str | Path) -> tuple[LMSettings, GPTConfig, dict[str, Any]]:
@@ -519,7 +574,7 @@ def train_language_model(
         ids, text_sha256 = _token_ids(settings, tokenizer, run_dir, progress, log)
         settings = dataclasses.replace(settings, text_sha256=text_sha256)
         cfg = settings.model_config(tokenizer.n_vocab)
-        window = cfg.context_length
+        window = settings.window(cfg)
         if settings.batch_tokens is not None:
             settings = dataclasses.replace(
                 settings, batch_tokens=None,
@@ -563,9 +618,8 @@ def train_language_model(
             hint="choose a smaller --preset, --context-length or --batch-size",
         )
         if settings.init is not None and not resume:
-            check_weights(settings.init, cfg.parameter_shapes(), num_params)
-            model = GPTModel(cfg)
-            load_weights(settings.init, model)
+            model = _load_model(settings.init, cfg)
+            model.float()  # trained in float32 (--dtype: the forward's autocast), whatever stored
             log(f"starting from the weights of {settings.init}")
         else:
             model = GPTModel(cfg).init_weights()
@@ -633,8 +687,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 # The LMSettings fields that override a preset's sizes.
 _SIZES = ("emb_dim", "n_heads", "n_layers")
-# What a run started with --init takes from the run it starts from.
-FROM_INIT = ("tokenizer", "preset", "context_length", *_SIZES, "qkv_bias", "tie_weights")
+# What a run started with --init takes from the run it starts from (an open model's
+# training window, context_length, is not: see LMSettings.window).
+FROM_INIT = ("tokenizer", "preset", "context_length", *_SIZES, "qkv_bias", "tie_weights",
+             "architecture")
 
 
 def _architecture(cfg: GPTConfig, preset: str) -> dict[str, Any]:
@@ -658,7 +714,10 @@ def _settings_from_init(settings: LMSettings) -> tuple[LMSettings, dict[str, Any
         raise ValueError(f"--init {init}: no checkpoint there (a run directory of qkv lm "
                          "train or qkv lm import)")
     theirs, cfg, tokenizer = _read_config(init)
-    arch = {"tokenizer": theirs.tokenizer, **_architecture(cfg, theirs.preset)}
+    arch = {"tokenizer": theirs.tokenizer, **_architecture(cfg, theirs.preset),
+            "architecture": theirs.architecture}
+    if theirs.architecture is not None:
+        arch["context_length"] = settings.context_length  # the window, not the model's
     defaults = LMSettings()
     for name in FROM_INIT:
         ours, wanted = getattr(settings, name), arch[name]
@@ -716,4 +775,148 @@ def import_gpt2(
             "task": TASK, "settings": dataclasses.asdict(settings), "model": cfg.to_dict(),
             "tokenizer": tokenizer.to_dict()})
         log(f"imported {_model_name(settings, n)} from {folder} into {run_dir}")
+    return LanguageModel(model, tokenizer, settings)
+
+
+# Weight dtypes an import may store (--dtype).
+IMPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def import_model(
+    source: str | Path,
+    run_dir: str | Path,
+    *,
+    dtype: str = "float32",
+    bpe_dir: str | Path | None = None,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> LanguageModel:
+    """Make a run directory of an open model, for ``lm generate``, ``lm attention``,
+    ``qkv view``, ``lm train --init`` and :meth:`LanguageModel.load`.
+
+    ``source`` is one of:
+
+    - a Hugging Face folder: ``config.json`` (``model_type`` one of
+      :data:`qkv.models.hf_open.SUPPORTED_TYPES`), ``model.safetensors`` or its shards
+      with ``model.safetensors.index.json``, and ``tokenizer.json`` (with
+      ``tokenizer_config.json``'s chat template and ``generation_config.json``'s EOS
+      ids); a GPT-2 folder's ``vocab.json``/``merges.txt`` (or ``bpe_dir``) as before;
+    - a ``.gguf`` file (llama.cpp, Ollama, LM Studio): weights dequantized, tokenizer and
+      chat template from its metadata;
+    - a Hugging Face repo id (``HuggingFaceTB/SmolLM2-135M-Instruct``), downloaded
+      through ``huggingface_hub`` (``revision``, ``cache_dir``) when no such path exists.
+
+    The weights are stored in ``dtype`` (``"float32"`` or ``"bfloat16"``). The config
+    and every tensor's name and shape are checked, and the memory the model needs, before
+    anything is allocated; the run directory follows the usual rules (one writer, an
+    existing checkpoint replaced only with ``overwrite``).
+    """
+    from ..models.hf_open import config_fields, read_open_config, read_open_weights
+    from ..models.hub import fetch_model, is_repo_id
+
+    if dtype not in IMPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(IMPORT_DTYPES)}, got {show(dtype)}")
+    run_dir = Path(run_dir)
+    text = str(source)
+    path = Path(text).expanduser()
+    if not os.path.lexists(path):
+        if not is_repo_id(text):
+            raise FileNotFoundError(f"{text}: no such file or folder (give a Hugging Face "
+                                    "folder, a .gguf file or a repo id such as "
+                                    "HuggingFaceTB/SmolLM2-135M-Instruct)")
+        path = fetch_model(text, revision=revision, cache_dir=cache_dir, log=log)
+    torch_dtype = IMPORT_DTYPES[dtype]
+    if path.is_file():
+        return _import_gguf(path, run_dir, torch_dtype, overwrite, log)
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a folder or a .gguf file")
+    config = read_open_config(path)
+    if config.get("model_type", "gpt2") == "gpt2":
+        if dtype != "float32":
+            raise ValueError("--dtype bfloat16: GPT-2 imports as float32 (its runs use the "
+                             "fast float32 decoder); leave --dtype out")
+        return import_gpt2(path, run_dir, bpe_dir=bpe_dir, overwrite=overwrite, log=log)
+    cfg = GPTConfig(**config_fields(config, str(path / "config.json")))
+    tokenizer = _fit_tokenizer(load_hf_tokenizer(path), cfg, path)
+    return _save_import(
+        cfg, tokenizer, lambda budget: read_open_weights(path, dataclasses.asdict(cfg),
+                                                         torch_dtype, max_bytes=budget),
+        torch_dtype, path, run_dir, overwrite, log)
+
+
+def _import_gguf(path: Path, run_dir: Path, dtype: torch.dtype, overwrite: bool,
+                 log: Callable[[str], None] | None) -> LanguageModel:
+    from ..data.gguf_tokenizer import tokenizer_from_gguf
+    from ..models.gguf_model import gguf_config, gguf_state_dict, read_gguf_header
+    from ..models.hf_open import config_fields, to_qkv
+
+    header = read_gguf_header(path)
+    config = gguf_config(header)
+    if config.get("model_type") == "gpt2":
+        raise ValueError(f"{path}: a GPT-2 GGUF; import GPT-2 from its Hugging Face folder "
+                         "(config.json, model.safetensors, vocab.json, merges.txt)")
+    fields = config_fields(config, str(path))
+    cfg = GPTConfig(**fields)
+    tokenizer = _fit_tokenizer(tokenizer_from_gguf(path), cfg, path)
+
+    def read(budget: int | None) -> dict[str, Tensor]:
+        return to_qkv(gguf_state_dict(path, header, config, dtype, max_bytes=budget), fields)
+
+    return _save_import(cfg, tokenizer, read, dtype, path, run_dir, overwrite, log)
+
+
+def _fit_tokenizer(tokenizer: HFTokenizer, cfg: GPTConfig, source: Path) -> HFTokenizer:
+    """``tokenizer`` with the model's vocabulary size: models pad their embedding past
+    the tokenizer's last id (Qwen: to a multiple of 128 rows); a tokenizer with ids the
+    model has no row for cannot be used."""
+    if tokenizer.n_vocab > cfg.vocab_size:
+        raise ValueError(f"{source}: the tokenizer has {tokenizer.n_vocab:,} ids but the "
+                         f"model only {cfg.vocab_size:,} embedding rows")
+    if tokenizer.n_vocab < cfg.vocab_size:
+        widened = tokenizer_from_dict({**tokenizer.to_dict(), "n_vocab": cfg.vocab_size})
+        assert isinstance(widened, HFTokenizer)
+        return widened
+    return tokenizer
+
+
+def _save_import(
+    cfg: GPTConfig,
+    tokenizer: HFTokenizer,
+    read: Callable[[int | None], dict[str, Tensor]],
+    dtype: torch.dtype,
+    source: Path,
+    run_dir: Path,
+    overwrite: bool,
+    log: Callable[[str], None] | None,
+) -> LanguageModel:
+    """Check memory, read the weights (``read(budget in bytes)``, qkv's names) into a
+    model built without allocating its own, and save the run."""
+    n = cfg.num_parameters()
+    item = torch.empty((), dtype=dtype).element_size()
+    settings = LMSettings(tokenizer=HF_TOKENIZER_NAME, architecture=cfg.to_dict(), epochs=0,
+                          lr=1e-3, drop_rate=cfg.drop_rate)
+    settings.validate()
+    what = f"importing {_model_name(settings, n)} as {str(dtype).removeprefix('torch.')}"
+    # the weights, plus one tensor's float32 expansion at a time (a bounded extra)
+    check_memory(item * n, what, hint="import it on a machine with more memory, or pass "
+                 "--dtype bfloat16")
+    with pipeline.training_run(run_dir, "cpu", resume=False, overwrite=overwrite,
+                               outputs=(), log=log) as log:
+        tensors = read(available_memory())
+        with torch.device("meta"):
+            model = GPTModel(cfg)
+        if cfg.tie_weights:
+            tensors.setdefault("out_head.weight", tensors["tok_emb.weight"])
+        # assign: the model takes the read tensors as its parameters, no second copy
+        model.load_state_dict(tensors, assign=True)
+        if cfg.tie_weights:
+            model.out_head.weight = model.tok_emb.weight
+        model.eval()
+        save_checkpoint(run_dir, model, {
+            "task": TASK, "settings": dataclasses.asdict(settings), "model": cfg.to_dict(),
+            "tokenizer": tokenizer.to_dict()})
+        log(f"imported {_model_name(settings, n)} from {source} into {run_dir} "
+            f"({str(dtype).removeprefix('torch.')})")
     return LanguageModel(model, tokenizer, settings)
