@@ -139,13 +139,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     att.set_defaults(run=run_attention)
 
     imp = actions.add_parser(
-        "import", help="make a run directory of a Hugging Face GPT-2 folder (gpt2 to gpt2-xl)")
-    imp.add_argument("folder", type=Path,
-                     help="config.json, model.safetensors (or pytorch_model.bin, read "
-                          "weights-only), vocab.json and merges.txt")
-    imp.add_argument("--run-dir", type=Path, required=True)
+        "import", help="make a run directory of an open model: a Hugging Face folder, a "
+                       ".gguf file or a Hub repo id (GPT-2, Llama/SmolLM2, Mistral, Qwen2, "
+                       "Qwen3, Gemma 3)",
+        description="Make a run directory of an open model, for lm generate, lm attention, "
+                    "qkv view and lm train --init. Example: qkv lm import "
+                    "smollm2-135m-instruct-q4_1.gguf --run-dir runs/smol")
+    imp.add_argument("source", metavar="SRC",
+                     help="a Hugging Face folder (config.json, model.safetensors or its "
+                          "shards, tokenizer.json), a .gguf file, or a repo id such as "
+                          "HuggingFaceTB/SmolLM2-135M-Instruct (downloaded when online)")
+    imp.add_argument("--run-dir", type=Path, required=True,
+                     help="the run directory to create (refused if it holds a checkpoint, "
+                          "unless --overwrite)")
+    imp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                     help="how the weights are stored and run (default: float32; "
+                          "bfloat16 halves the memory)")
+    imp.add_argument("--revision", default=None,
+                     help="with a repo id: the branch, tag or commit (default: the main "
+                          "branch)")
+    imp.add_argument("--cache-dir", type=Path, default=None,
+                     help="with a repo id: huggingface_hub's cache folder (default: its "
+                          "own, $HF_HOME)")
     imp.add_argument("--bpe-dir", default=None,
-                     help="GPT-2's BPE files, if the folder has no vocab.json/merges.txt")
+                     help="GPT-2 only: the BPE files (encoder.json + vocab.bpe), if the "
+                          "folder has no vocab.json/merges.txt")
     imp.add_argument("--overwrite", action="store_true",
                      help="replace a checkpoint already in --run-dir")
     imp.set_defaults(run=run_import)
@@ -225,12 +243,14 @@ def run_attention(args: argparse.Namespace) -> int:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from ..tasks.lm import import_gpt2
+    from ..tasks.lm import import_model
 
-    lm = import_gpt2(args.folder, args.run_dir, bpe_dir=args.bpe_dir,
-                     overwrite=args.overwrite, log=print)
+    lm = import_model(args.source, args.run_dir, dtype=args.dtype, bpe_dir=args.bpe_dir,
+                      revision=args.revision, cache_dir=args.cache_dir,
+                      overwrite=args.overwrite, log=print)
     cfg = lm.model.cfg
-    print(f"{cfg.n_layers} layers, {cfg.n_heads} heads, width {cfg.emb_dim}, context "
-          f"{cfg.context_length}, {lm.tokenizer.n_vocab:,} ids; try: qkv lm generate "
-          f"--ckpt {args.run_dir} --prompt \"Hello\"")
+    kv = f" ({cfg.kv_heads} key/value)" if cfg.kv_heads != cfg.n_heads else ""
+    print(f"{cfg.n_layers} layers, {cfg.n_heads} heads{kv}, width "
+          f"{cfg.emb_dim}, context {cfg.context_length:,}, {lm.tokenizer.n_vocab:,} ids; try: "
+          f"qkv lm generate --ckpt {args.run_dir} --prompt \"Hello\"")
     return 0

@@ -1,0 +1,256 @@
+"""Today's open models in qkv's one decoder, against ``transformers`` itself.
+
+Each family (Llama/SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3, and Llama with each RoPE
+scaling) is a tiny random model built with transformers' own classes and saved as a
+Hugging Face folder beside a small byte-level tokenizer; ``qkv lm import`` makes a run
+of it. The run's logits must match transformers' within 1e-4 (float32), its greedy
+tokens equal transformers' ``generate`` token for token, with and without the KV cache,
+the Gemma model's well past its sliding window. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qkv.cli import main
+from qkv.models.gpt import GPTConfig, GPTModel, generate
+from qkv.tasks.lm import LanguageModel
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+VOCAB = 320  # the model's rows; the tokenizer has fewer ids, as Qwen's does
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ["The quick brown fox jumps over the lazy dog. " * 3,
+          "Attention is all you need; queries, keys and values. " * 3,
+          "Paris is the capital of France, Berlin of Germany. " * 3]
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=True),
+    "llama-untied-bias": lambda: transformers.LlamaConfig(
+        **COMMON, tie_word_embeddings=False, attention_bias=True, mlp_bias=True),
+    "llama3-scaling": lambda: transformers.LlamaConfig(**COMMON, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "linear-scaling": lambda: transformers.LlamaConfig(
+        **COMMON, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **COMMON, head_dim=32, sliding_window=6, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
+}
+
+
+def byte_level_tokenizer():
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    assert tok.get_vocab_size() <= VOCAB
+    return tok
+
+
+def hf_model(family: str, seed: int = 0):
+    """A random model of ``family``, its norms moved off their initial values (so that a
+    norm applied as ``w`` instead of ``1 + w`` could not pass)."""
+    config = FAMILIES[family]()
+    config.eos_token_id = 2  # <|im_end|>
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> dict[str, tuple]:
+    """family -> (transformers model, its folder, the run qkv lm import made of it)."""
+    tok = byte_level_tokenizer()
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        root = tmp_path_factory.mktemp(family)
+        model = hf_model(family, seed=i)
+        folder = root / "hf"
+        model.save_pretrained(folder)
+        tok.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps({
+            "eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}))
+        run = root / "run"
+        assert main(["lm", "import", str(folder), "--run-dir", str(run)]) == 0
+        out[family] = (model, folder, run)
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_equal_transformers(imported, family):
+    hf, _, run = imported[family]
+    lm = LanguageModel.load(run)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(ids), hf(ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_tokens_equal_transformers_cached_or_not(imported, family):
+    hf, _, run = imported[family]
+    model = LanguageModel.load(run).model
+    prompt = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(2))
+    want = hf.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                       pad_token_id=0)
+    for use_cache in (True, False):
+        assert generate(model, prompt, 20, use_cache=use_cache).tolist() == want.tolist()
+
+
+def test_gemma_sliding_layers_past_their_window(imported):
+    """40 tokens through a 6-token window: the ring caches of the sliding layers and the
+    full cache of the global one give the tokens of the uncached forward and of
+    transformers."""
+    hf, _, run = imported["gemma3"]
+    model = LanguageModel.load(run).model
+    windows = [block.att.window_size for block in model.trf_blocks]
+    assert windows == [6, 6, None]
+    bases = [block.att.rope_base for block in model.trf_blocks]
+    assert bases == [10_000.0, 10_000.0, 1_000_000.0]
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    want = hf.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                       pad_token_id=0)
+    cached = generate(model, prompt, 40, use_cache=True)
+    assert cached.tolist() == want.tolist()
+    assert generate(model, prompt, 40, use_cache=False).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_architecture_facts_come_from_the_model(imported, family):
+    hf, _, run = imported[family]
+    cfg = LanguageModel.load(run).model.cfg
+    assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())
+    built = GPTModel(cfg)
+    assert list(cfg.parameter_shapes()) == [(k, tuple(v.shape))
+                                           for k, v in built.state_dict().items()]
+    # the KV cache holds each layer's key/value heads, a sliding layer only its window
+    kv = hf.config.num_key_value_heads * cfg.attention_head_dim
+    per_token = [2 * kv * 4] * cfg.n_layers
+    tokens = 100
+    want = sum(p * (tokens if w is None else min(tokens, w))
+               for p, w in zip(per_token, [cfg.layer_window(i) for i in range(cfg.n_layers)]))
+    assert cfg.kv_cache_bytes(1, tokens) == want
+
+
+def test_the_run_keeps_the_tokenizer_and_pads_to_the_model(imported):
+    _, folder, run = imported["qwen2"]
+    lm = LanguageModel.load(run)
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    text = "The quick brown fox <|im_end|> ünïcode"
+    assert lm.tokenizer.encode(text) == reference.encode(text)
+    assert lm.tokenizer.n_vocab == VOCAB  # the model's rows, past the tokenizer's last id
+    assert lm.tokenizer.eos_token_ids == [reference.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_bfloat16_import_stores_and_runs_bfloat16(imported, tmp_path):
+    hf, folder, _ = imported["qwen3"]
+    run = tmp_path / "bf16"
+    assert main(["lm", "import", str(folder), "--run-dir", str(run), "--dtype",
+                 "bfloat16"]) == 0
+    model = LanguageModel.load(run).model
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = hf.to(torch.bfloat16)(ids).logits.float()
+        hf.float()
+        got = model(ids).float()
+    # both round the same weights to bfloat16; their sums round differently
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_fine_tuning_an_imported_model(imported, tmp_path):
+    _, _, run = imported["llama"]
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(CORPUS) * 20, encoding="utf-8")
+    tuned = tmp_path / "tuned"
+    assert main(["lm", "train", "--init", str(run), "--run-dir", str(tuned), "--text",
+                 str(text), "--epochs", "1", "--context-length", "32", "--batch-size", "4",
+                 "--dtype", "bfloat16", "--no-progress", "--sample", ""]) == 0
+    lm = LanguageModel.load(tuned)
+    assert lm.settings.window(lm.model.cfg) == 32
+    assert lm.model.cfg.context_length == 256  # the model's own, unchanged
+    before = LanguageModel.load(run).model.state_dict()
+    after = lm.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_attention_heatmap_of_an_imported_model(imported, tmp_path):
+    _, _, run = imported["gemma3"]
+    out = tmp_path / "att.png"
+    assert main(["lm", "attention", "--ckpt", str(run), "--prompt", "The quick brown fox",
+                 "--heatmap", str(out), "--layers", "2"]) == 0
+    assert out.stat().st_size > 1000
+
+
+def one_line_error(capsys, argv, pattern):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert pytest.importorskip("re").search(pattern, err), err
+
+
+def edit_config(folder: Path, tmp_path: Path, **changes) -> Path:
+    import shutil
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config.update(changes)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def test_bad_folders_are_one_line(imported, tmp_path, capsys):
+    _, folder, _ = imported["llama"]
+    run = str(tmp_path / "run")
+    one_line_error(capsys, ["lm", "import", str(edit_config(folder, tmp_path / "a",
+                                                             model_type="falcon")),
+                            "--run-dir", run], r"falcon.*llama")
+    one_line_error(capsys, ["lm", "import", str(edit_config(
+        folder, tmp_path / "b", rope_scaling={"rope_type": "yarn", "factor": 4.0})),
+        "--run-dir", run], r"yarn")
+    # the config says wider layers than the weights hold: refused from the header
+    one_line_error(capsys, ["lm", "import", str(edit_config(folder, tmp_path / "c",
+                                                             intermediate_size=4096)),
+                            "--run-dir", run], r"mlp|96|4096")
+    one_line_error(capsys, ["lm", "import", str(tmp_path / "missing"), "--run-dir", run],
+                   r"no such file or folder")
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_round_trips_and_gpt2_configs_are_unchanged():
+    gpt2 = GPTConfig.preset("tiny", vocab_size=257)
+    assert set(gpt2.to_dict()) == {"vocab_size", "context_length", "emb_dim", "n_heads",
+                                   "n_layers", "drop_rate", "qkv_bias", "tie_weights",
+                                   "n_kv_groups", "window_size", "rope", "rope_base"}
+    gemma = GPTConfig(vocab_size=50, context_length=64, emb_dim=32, n_heads=2, n_layers=2,
+                      head_dim=24, norm="gemma_rmsnorm", mlp="geglu", qk_norm=True,
+                      post_norms=True, rope=True, window_size=4,
+                      layer_types=["sliding", "full"], rope_local_base=10_000.0,
+                      rope_base=1e6, embed_scale=True, query_scale=0.2)
+    assert GPTConfig.from_dict(json.loads(json.dumps(gemma.to_dict()))) == gemma
+    with pytest.raises(ValueError, match="layer_types"):
+        GPTConfig(n_layers=2, layer_types=["sliding"], window_size=4)
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        GPTConfig(rope=True, rope_scaling={"rope_type": "yarn", "factor": 2.0})
