@@ -317,7 +317,7 @@ def test_generation_stops_at_any_eos_id_which_the_text_leaves_out(open_lm):
         assert out.text == "".join(pieces) == tok.decode(new[:stop_at])  # ... and not shown
 
 
-def test_chat_errors_are_one_line(open_lm, llama_folder, tmp_path):
+def test_chat_errors_are_one_line(open_lm):
     byte_lm = LanguageModel(tiny_model(257), ByteTokenizer(), LMSettings())
     raises_one_line(ValueError, "chat needs an open model's tokenizer with a chat template; "
                     "this model's is 'bytes'", byte_lm.generate, "hi", 3, chat=True)
@@ -396,7 +396,7 @@ def one_line_error(capsys, argv, match):
     return err
 
 
-def test_cli_errors(open_run, capsys, tmp_path):
+def test_cli_errors(open_run, capsys):
     base = ["lm", "generate", "--ckpt", str(open_run), "--prompt", "hi"]
     one_line_error(capsys, [*base, "--system", "x"], "--system is the system message of a "
                    "chat: pass --chat too")
