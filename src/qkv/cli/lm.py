@@ -3,6 +3,7 @@
     qkv lm train                                   # on a corpus qkv generates itself
     qkv lm train --text story.txt --tokenizer gpt2 --bpe-dir gpt2/ --preset mini
     qkv lm generate --ckpt runs/lm --prompt "The cat" --max-new-tokens 60
+    qkv lm generate --ckpt runs/smollm2 --chat --prompt "What is attention?" --top-p 0.9
     qkv lm attention --ckpt runs/lm --prompt "The cat sat" --heatmap attn.png
 """
 
@@ -114,18 +115,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(run=run_train)
 
     gen = actions.add_parser("generate", help="continue a prompt with a trained model")
-    gen.add_argument("--ckpt", type=Path, required=True)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--ckpt", type=Path, required=True, metavar="RUN",
+                     help="run directory (qkv lm train or qkv lm import)")
+    gen.add_argument("--prompt", required=True,
+                     help="text to continue; with --chat, the user's message")
+    gen.add_argument("--chat", action="store_true",
+                     help="send --prompt through the model's chat template (an "
+                          "instruction-tuned open model) and print only its reply "
+                          "(default: off, plain continuation)")
+    gen.add_argument("--system", default=None,
+                     help="system message of the chat, with --chat (default: none, or what "
+                          "the template puts there)")
     gen.add_argument("--max-new-tokens", type=int, default=50,
-                     help="tokens to add, printed as they come (default: 50; at most "
+                     help="most tokens to add, printed as they come; an open model stops "
+                          f"earlier at its end-of-text id (default: 50; 0 to "
                           f"{MAX_NEW_TOKENS:,})")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature, >= 0: 0 = greedy, higher = more varied "
+                          "(default: 0)")
+    gen.add_argument("--top-k", type=int, default=None,
+                     help="sample only among the K most likely tokens, K >= 1 (default: all)")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="sample only among the most likely tokens whose probabilities "
+                          "reach P together (nucleus), 0 < P <= 1 (default: 1, all)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="seed for sampling, for output that repeats (default: none)")
     gen.add_argument("--no-kv-cache", action="store_true",
                      help="recompute the whole context for every token (slower, same tokens)")
-    gen.add_argument("--bpe-dir", default=None)
-    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--bpe-dir", default=None,
+                     help="GPT-2's BPE files, for a run with the gpt2 tokenizer (default: "
+                          "$QKV_BPE_DIR, else the run's own folder)")
+    gen.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
     gen.set_defaults(run=run_generate, prints_result=True)
 
     att = actions.add_parser("attention", help="per-layer, per-head attention heatmaps")
@@ -214,14 +234,21 @@ def _print_piece(piece: str) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from ..tasks.lm import LanguageModel
 
+    # Before any output:
     check_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
-    check_sampling(args.temperature, args.top_k, args.seed, flags=True)  # before any output
+    check_sampling(args.temperature, args.top_k, args.seed, top_p=args.top_p, flags=True)
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is the system message of a chat: pass --chat too")
     lm = LanguageModel.load(args.ckpt, device=args.device, bpe_dir=args.bpe_dir)
     try:
-        _print_piece(args.prompt)
+        # A chat prints the reply alone, not the rendered template (whose errors then come
+        # before any output too).
+        if not args.chat:
+            _print_piece(args.prompt)
         out = lm.generate(args.prompt, args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k, use_cache=not args.no_kv_cache, seed=args.seed,
-                          on_text=_print_piece)
+                          top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_kv_cache,
+                          seed=args.seed, on_text=_print_piece, chat=args.chat,
+                          system=args.system)
     except _OutputGoneError:
         return 0  # the command line says what became of stdout
     print()

@@ -67,6 +67,7 @@ __all__ = [
     "MAX_NEW_TOKENS",
     "check_max_new_tokens",
     "check_sampling",
+    "sampling_probs",
     "generate",
     "generate_text_simple",
     "native_unsupported",
@@ -833,10 +834,11 @@ def check_max_new_tokens(value: Any, name: str = "max_new_tokens") -> int:
 
 
 def check_sampling(temperature: Any, top_k: Any = None, seed: Any = None, *,
-                   flags: bool = False) -> None:
+                   top_p: Any = None, flags: bool = False) -> None:
     """One-line ``ValueError`` unless ``temperature`` is a finite number >= 0, ``top_k``
-    None or a positive integer and ``seed`` None or an integer ``torch.manual_seed``
-    takes. ``flags``: name them as the command line does (``--top-k``)."""
+    None or a positive integer, ``top_p`` None or a number in ``(0, 1]`` and ``seed`` None
+    or an integer ``torch.manual_seed`` takes. ``flags``: name them as the command line
+    does (``--top-k``)."""
     def name(field: str) -> str:
         return "--" + field.replace("_", "-") if flags else field
 
@@ -846,22 +848,60 @@ def check_sampling(temperature: Any, top_k: Any = None, seed: Any = None, *,
                          f"got {show(temperature)}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"{name('top_k')} must be a positive integer or None, got {show(top_k)}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):  # also refuses NaN
+        raise ValueError(f"{name('top_p')} must be a number in (0, 1] or None (1 = no cut), "
+                         f"got {show(top_p)}")
     if seed is not None:
         check_int(name("seed"), seed, -(2**63), 2**64 - 1)  # what torch.manual_seed takes
 
 
-def _next_token(
-    logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
-) -> Tensor:
-    """Pick one id per row from ``logits (batch, vocab)`` -> ``(batch, 1)``."""
+def sampling_probs(logits: Tensor, temperature: float, top_k: int | None = None,
+                   top_p: float | None = None) -> Tensor:
+    """The distribution one sampling step draws from: ``logits (batch, vocab)`` ->
+    float32 probabilities ``(batch, vocab)``, zero for every token cut.
+
+    In the order transformers' ``generate`` applies them: the logits are divided by
+    ``temperature`` (> 0); ``top_k`` keeps the ``k`` largest (ties with the k-th too);
+    ``top_p`` keeps the nucleus, the most likely tokens until their probabilities reach
+    ``top_p`` together: a token stays while the tokens more likely than it hold less than
+    ``top_p``, so the most likely one always stays. The kept probabilities are renormalised.
+    """
+    logits = logits.float() / temperature
     if top_k is not None:
-        # keep the k largest logits (ties with the k-th are kept too)
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if temperature == 0.0:
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1:  # 1 keeps everything: no sort, no rounding at the tail
+        ranked, order = probs.sort(dim=-1, descending=True)
+        ahead = ranked.cumsum(dim=-1) - ranked  # the mass of the tokens more likely than each
+        cut = torch.empty_like(ahead, dtype=torch.bool).scatter_(-1, order, ahead >= top_p)
+        probs = probs.masked_fill(cut, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _next_token(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                generator: torch.Generator | None) -> Tensor:
+    """Pick one id per row from ``logits (batch, vocab)`` -> ``(batch, 1)``."""
+    if temperature == 0.0:  # top-k and top-p always keep the most likely token
         return logits.argmax(dim=-1, keepdim=True)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = sampling_probs(logits, temperature, top_k, top_p)
     return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def _eos_ids(eos_id: Any, vocab_size: int | None) -> list[int] | None:
+    """``eos_id`` (an id, a list or tuple of ids, or None) as a list; one-line
+    ``ValueError`` for anything else or an id outside the vocabulary."""
+    if eos_id is None:
+        return None
+    ids = list(eos_id) if isinstance(eos_id, (list, tuple)) else [eos_id]
+    top = MAX_SIZE if vocab_size is None else vocab_size - 1
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= top
+                      for i in ids):
+        raise ValueError(f"eos_id must be an id or a non-empty list of ids in [0, {top}], "
+                         f"got {show(eos_id)}")
+    return ids
 
 
 @torch.no_grad()
@@ -872,9 +912,10 @@ def generate(
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
-    eos_id: int | None = None,
+    eos_id: int | list[int] | tuple[int, ...] | None = None,
     context_size: int | None = None,
     native: bool | None = None,
     on_token: Callable[[Tensor], None] | None = None,
@@ -887,12 +928,16 @@ def generate(
         temperature: 0 picks the most likely token (greedy); above 0 samples from
             ``softmax(logits / temperature)``, flatter as it grows.
         top_k: sample only among the ``k`` most likely tokens.
+        top_p: sample only from the nucleus, the most likely tokens whose probabilities
+            first reach ``top_p`` together (applied after ``temperature`` and ``top_k``,
+            as transformers does: :func:`sampling_probs`).
         use_cache: decode with one :class:`KVCache` per layer; the tokens are the same as
             without it, only faster.
         generator: source of randomness for sampling, for reproducible output.
-        eos_id: stop once every row has produced this id; a row that finished early is
-            padded with it. (Unlike the book's batch-of-one loop, the final ``eos_id`` is
-            kept in the output.)
+        eos_id: an id, or a list of ids (an open model may end a reply with any of
+            several): stop once every row has produced one of them; a row that finished
+            early is padded with the first. (Unlike the book's batch-of-one loop, the
+            final id is kept in the output.)
         context_size: tokens the model sees; default ``model.cfg.context_length``.
         native: how the cache's one-token steps run. ``False``: the model's own forward
             (the readable path). ``True``: qkv's C kernels
@@ -908,15 +953,18 @@ def generate(
     ``max_new_tokens`` is at most :data:`MAX_NEW_TOKENS`; the output is allocated once,
     so each step costs the same however long the text has grown.
 
-    Context: the model always sees the last ``context_size`` tokens (the book's crop). The
-    cache grows while the sequence fits; once full, each step re-fills it from the last
-    ``context_size`` tokens, because their positions have all shifted by one. A model
-    with rotary positions and a sliding window (``cfg.rope`` and ``cfg.window_size``)
-    needs no re-fill: its caches are rings that keep the window, and positions only
-    matter relative to each other, so it feeds one token per step for as long as asked,
-    computing what the model computes on the whole sequence. Past ``context_size``
-    that is more than ``use_cache=False`` sees: each layer's window reaches one window
-    further back, which the re-read of the last ``context_size`` tokens cuts off.
+    Context: the model always sees the last ``context_size`` tokens (the book's crop). A
+    layer's cache holds ``min(context_size, T + max_new_tokens)`` positions, all this call
+    can fill (a sliding-window layer's, its window): a few tokens from a model with a
+    128k context allocate a few positions, not 128k. The cache grows while the sequence
+    fits; once full, each step re-fills it from the last ``context_size`` tokens, because
+    their positions have all shifted by one. A model with rotary positions and a sliding
+    window (``cfg.rope`` and ``cfg.window_size``) needs no re-fill: its caches are rings
+    that keep the window, and positions only matter relative to each other, so it feeds
+    one token per step for as long as asked, computing what the model computes on the
+    whole sequence. Past ``context_size`` that is more than ``use_cache=False`` sees:
+    each layer's window reaches one window further back, which the re-read of the last
+    ``context_size`` tokens cuts off.
 
     Runs in eval mode (dropout off) and restores the model's mode afterwards. With the
     cache on the CPU and the model's forward doing the steps (``native`` off or not
@@ -929,8 +977,9 @@ def generate(
             f"idx must be integer ids of shape (batch, T >= 1), got {tuple(idx.shape)}"
         )
     check_max_new_tokens(max_new_tokens)
-    check_sampling(temperature, top_k)
+    check_sampling(temperature, top_k, top_p=top_p)
     cfg = getattr(model, "cfg", None)
+    eos_ids = _eos_ids(eos_id, getattr(cfg, "vocab_size", None))
     model_context = getattr(cfg, "context_length", None)
     if context_size is None:
         if model_context is None:
@@ -967,11 +1016,19 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        caches = model.new_caches(idx.shape[0], context_size) if use_cache else None
+        caches = None
+        if use_cache:
+            # Room for the (cropped) prompt and every new token, at most the context. A
+            # cache smaller than context_size is never full: the re-fill below only
+            # happens to a cache of context_size positions. (A sliding-window layer
+            # sizes its ring to its window whatever max_len says.)
+            max_len = min(context_size, idx.shape[1] + max_new_tokens)
+            caches = model.new_caches(idx.shape[0], max_len)
         endless = (caches is not None and all(c.ring for c in caches)
                    and getattr(model, "pos_emb", True) is None)
         decoder = NativeDecoder(model, caches) if use_native else None
         finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        stop = None if eos_ids is None else torch.tensor(eos_ids, device=idx.device)
         # The whole output, allocated once: appending to a growing tensor would copy it
         # every step. `end` is the length so far; ids[:, :end] is the sequence.
         ids = idx.new_empty(idx.shape[0], idx.shape[1] + max_new_tokens)
@@ -990,15 +1047,15 @@ def generate(
             else:
                 # the cache holds every token but the newest: feed just that one
                 logits = forward(ids[:, end - 1 : end], caches)
-            next_id = _next_token(logits[:, -1, :], float(temperature), top_k, generator)
-            if eos_id is not None:
-                next_id = next_id.masked_fill(finished[:, None], eos_id)
-                finished |= next_id[:, 0] == eos_id
+            next_id = _next_token(logits[:, -1, :], float(temperature), top_k, top_p, generator)
+            if eos_ids is not None:
+                next_id = next_id.masked_fill(finished[:, None], eos_ids[0])
+                finished |= torch.isin(next_id[:, 0], stop)
             ids[:, end : end + 1] = next_id
             end += 1
             if on_token is not None:
                 on_token(ids[:, end - 1 : end])
-            if eos_id is not None and bool(finished.all()):
+            if eos_ids is not None and bool(finished.all()):
                 break
     finally:
         model.train(was_training)

@@ -195,7 +195,8 @@ class LMSettings:
         for name in ("text", "bpe_dir", "init"):
             if getattr(self, name) is not None:
                 check_str(name, getattr(self, name))
-        # "hf": an open model's own tokenizer, which only qkv lm import sets
+        # "hf": an open model's own tokenizer, which the run's config holds whole; a run
+        # gets it from the model it was made of (qkv lm import), never by name.
         check_str("tokenizer", self.tokenizer, choices=(*TOKENIZER_NAMES, HF_TOKENIZER_NAME))
         if self.architecture is not None:
             if not isinstance(self.architecture, dict):
@@ -286,7 +287,8 @@ def lm_loss(model: nn.Module, batch: tuple[Tensor, ...]) -> tuple[Tensor, Tensor
 
 @dataclass
 class Generation:
-    """A prompt's continuation and how fast it came."""
+    """A prompt's continuation and how fast it came: ``new_tokens`` counts every token
+    generated, the end-of-sequence id that stopped it included, which ``text`` leaves out."""
 
     prompt: str
     text: str
@@ -381,8 +383,25 @@ class LanguageModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def encode_prompt(self, prompt: str) -> Tensor:
-        ids = self.tokenizer.encode(prompt)
+    def encode_prompt(self, prompt: str, *, chat: bool = False,
+                      system: str | None = None) -> Tensor:
+        """``prompt``'s ids ``(1, T)``. A plain prompt is encoded as transformers encodes a
+        text: an open model's tokenizer adds what it adds around one (Llama's and Gemma's
+        BOS). With ``chat``, the prompt is the user's message: the model's chat template
+        rendered around it (and the ``system`` message), whose text already holds every
+        special token, so nothing is added."""
+        check_bool("chat", chat)
+        if system is not None and not chat:
+            raise ValueError("a system message belongs to a chat: pass chat=True with it")
+        if chat:
+            if not isinstance(self.tokenizer, HFTokenizer):
+                raise ValueError(f"chat needs an open model's tokenizer with a chat template; "
+                                 f"this model's is {self.tokenizer.name!r}: prompt it with "
+                                 "plain text instead")
+            text = self.tokenizer.chat_prompt(prompt, system)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode(prompt)  # an HFTokenizer adds its specials
         if not ids:
             raise ValueError(f"the prompt {prompt!r} has no tokens")
         return torch.tensor([ids], device=self.device)
@@ -395,11 +414,22 @@ class LanguageModel:
         *,
         temperature: float = 0.0,
         top_k: int | None = None,
+        top_p: float | None = None,
         use_cache: bool = True,
         seed: int | None = None,
         on_text: Callable[[str], None] | None = None,
+        chat: bool = False,
+        system: str | None = None,
     ) -> Generation:
-        """Continue ``prompt``; greedy at temperature 0, seedable sampling otherwise.
+        """Continue ``prompt``; greedy at temperature 0, seedable sampling otherwise
+        (``top_k``, ``top_p``: :func:`qkv.models.gpt.generate`).
+
+        ``chat``: ``prompt`` is a user's message to an instruction-tuned open model, sent
+        through its chat template with the optional ``system`` message
+        (:meth:`encode_prompt`); the text is the model's reply. An open model's tokenizer
+        (:class:`~qkv.data.tokenizers.HFTokenizer`) ends the text at any of its
+        ``eos_token_ids``, which the text leaves out; the ``gpt2`` and ``bytes``
+        tokenizers generate ``max_new_tokens`` tokens.
 
         ``on_text`` receives the text as it is generated, piece by piece (see
         :class:`TextStream`); the pieces joined are the returned ``text``. An exception
@@ -407,8 +437,9 @@ class LanguageModel:
         :data:`qkv.models.gpt.MAX_NEW_TOKENS`, checked before anything runs.
         """
         check_max_new_tokens(max_new_tokens)
-        check_sampling(temperature, top_k, seed)
-        idx = self.encode_prompt(prompt)
+        check_sampling(temperature, top_k, seed, top_p=top_p)
+        idx = self.encode_prompt(prompt, chat=chat, system=system)
+        eos = self.tokenizer.eos_token_ids if isinstance(self.tokenizer, HFTokenizer) else []
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -417,20 +448,25 @@ class LanguageModel:
             stream = TextStream(self.tokenizer)
 
             def on_token(new: Tensor) -> None:
-                piece = stream.push(int(new[0, 0]))
+                token = int(new[0, 0])
+                if token in eos:  # the end of the text, not a part of it
+                    return
+                piece = stream.push(token)
                 if piece:
                     on_text(piece)
 
         start = time.perf_counter()
         out = generate(self.model, idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                       use_cache=use_cache, generator=generator, on_token=on_token)
+                       top_p=top_p, use_cache=use_cache, generator=generator,
+                       eos_id=eos or None, on_token=on_token)
         seconds = time.perf_counter() - start
         if on_text is not None:
             rest = stream.flush()
             if rest:
                 on_text(rest)
         new = out[0, idx.shape[1] :].tolist()
-        return Generation(prompt, self.tokenizer.decode(new), len(new), seconds)
+        text = new[:-1] if new and new[-1] in eos else new  # generation stops at an EOS
+        return Generation(prompt, self.tokenizer.decode(text), len(new), seconds)
 
     @torch.no_grad()
     def attention(self, prompt: str) -> tuple[list[str], list[Tensor]]:
