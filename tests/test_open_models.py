@@ -58,7 +58,7 @@ def byte_level_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = tokenizers.trainers.BpeTrainer(
+    trainer = trainers.BpeTrainer(
         vocab_size=300, special_tokens=SPECIALS, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer=trainer)
@@ -150,7 +150,8 @@ def test_architecture_facts_come_from_the_model(imported, family):
     per_token = [2 * kv * 4] * cfg.n_layers
     tokens = 100
     want = sum(p * (tokens if w is None else min(tokens, w))
-               for p, w in zip(per_token, [cfg.layer_window(i) for i in range(cfg.n_layers)]))
+               for p, w in zip(per_token, [cfg.layer_window(i) for i in range(cfg.n_layers)],
+                                   strict=True))
     assert cfg.kv_cache_bytes(1, tokens) == want
 
 
