@@ -31,8 +31,8 @@ from torch import Tensor
 
 from ..checks import MAX_SIZE, check_int, parse_json, show
 
-__all__ = ["HF_CONFIG", "HF_SAFETENSORS", "HF_PYTORCH_BIN", "read_config", "read_weights",
-           "weights_file"]
+__all__ = ["HF_CONFIG", "HF_SAFETENSORS", "HF_PYTORCH_BIN", "gpt2_fields", "read_config",
+           "read_weights", "weights_file"]
 
 HF_CONFIG = "config.json"
 HF_SAFETENSORS = "model.safetensors"
@@ -53,24 +53,31 @@ def read_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
         config = parse_json(path.read_bytes())
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {show(config)}")
+    return gpt2_fields(config, str(path))
+
+
+def gpt2_fields(config: Any, where: str) -> dict[str, Any]:
+    """``GPTConfig`` fields from a GPT-2 ``config.json`` object; ``where`` names it in
+    the one-line ``ValueError`` that refuses any field qkv's ``GPTModel`` cannot
+    reproduce."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{where}: expected a JSON object, got {show(config)}")
 
     def field(name: str, default: Any = None) -> Any:
         return config.get(name, default)
 
     model_type = field("model_type", "gpt2")
     if model_type != "gpt2":
-        raise ValueError(f"{path}: model_type must be 'gpt2', got {show(model_type)}")
+        raise ValueError(f"{where}: model_type must be 'gpt2', got {show(model_type)}")
     sizes = {}
     for ours, theirs in (("vocab_size", "vocab_size"), ("context_length", "n_positions"),
                          ("emb_dim", "n_embd"), ("n_heads", "n_head"),
                          ("n_layers", "n_layer")):
         value = field(theirs)
-        check_int(f"{path.name}: {theirs}", value, 1, MAX_SIZE)
+        check_int(f"{where}: {theirs}", value, 1, MAX_SIZE)
         sizes[ours] = value
     if sizes["emb_dim"] % sizes["n_heads"]:
-        raise ValueError(f"{path.name}: n_embd ({sizes['emb_dim']}) must be divisible by "
+        raise ValueError(f"{where}: n_embd ({sizes['emb_dim']}) must be divisible by "
                          f"n_head ({sizes['n_heads']})")
     # What qkv's GPTModel computes; anything else would load and give other outputs.
     fixed: dict[str, tuple[Any, Callable[[Any], bool]]] = {
@@ -85,15 +92,15 @@ def read_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
     for name, (default, ok) in fixed.items():
         value = field(name, default)
         if not ok(value):
-            raise ValueError(f"{path.name}: {name}={show(value)} is not supported (qkv's "
+            raise ValueError(f"{where}: {name}={show(value)} is not supported (qkv's "
                              f"GPTModel is GPT-2's: {name}={show(default)})")
     tie = field("tie_word_embeddings", True)
     if not isinstance(tie, bool):
-        raise ValueError(f"{path.name}: tie_word_embeddings must be true or false, "
+        raise ValueError(f"{where}: tie_word_embeddings must be true or false, "
                          f"got {show(tie)}")
     drop = field("attn_pdrop", 0.1)
     if not isinstance(drop, (int, float)) or isinstance(drop, bool) or not 0 <= drop < 1:
-        raise ValueError(f"{path.name}: attn_pdrop must be a number in [0, 1), "
+        raise ValueError(f"{where}: attn_pdrop must be a number in [0, 1), "
                          f"got {show(drop)}")
     return {**sizes, "drop_rate": float(drop), "qkv_bias": True, "tie_weights": tie}
 

@@ -1,0 +1,503 @@
+"""Read a Hugging Face Llama, Mistral, Qwen2, Qwen3 or Gemma 3 folder as :class:`GPTModel` parts.
+
+These families share one layout, the one ``LlamaForCausalLM`` saves: ``nn.Linear``
+weights ``(out, in)`` under ``model.layers.{i}.self_attn.{q,k,v,o}_proj`` and
+``model.layers.{i}.mlp.{gate,up,down}_proj``, RMSNorm weights, ``model.embed_tokens``,
+``model.norm`` and, unless tied, ``lm_head``. They differ in a few switches, each a
+``GPTConfig`` field here:
+
+- Llama (SmolLM2, Llama 3.x): biases only with ``attention_bias`` / ``mlp_bias``; RoPE
+  scaled the Llama 3 way or linearly;
+- Mistral: every layer sees a window of ``sliding_window`` tokens (when set);
+- Qwen2: biases on the query, key and value projections; Qwen3: an RMSNorm over each
+  head's query and key (``qk_norm``); both may window some layers (``layer_types``);
+- Gemma 3: norms ``x_hat * (1 + w)``, two more per block (``post_norms``), embeddings
+  scaled by ``sqrt(emb_dim)``, a GeGLU MLP, queries scaled by ``query_pre_attn_scalar``,
+  windowed layers with their own RoPE base (``rope_local_base``).
+
+:func:`config_fields` reads a ``config.json`` object the way transformers reads it: a
+key left out takes the family's default in transformers, and RoPE comes from either
+layout saved files hold (``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``,
+or transformers 5's ``rope_parameters``, for Gemma 3 one per layer type). When the
+windowed layers' RoPE differs from the others', ``rope_local_base`` is set and those
+layers are unscaled; otherwise every layer uses ``rope_base`` and ``rope_scaling``.
+Anything qkv's ``GPTModel`` cannot reproduce is a one-line ``ValueError``.
+
+:func:`read_open_weights` reads ``model.safetensors`` or the shards a
+``model.safetensors.index.json`` names; every shard's header (names, shapes, dtypes)
+and the total size are checked before a tensor's data is read. No pickles.
+
+GPT-2 folders keep their own reader (:mod:`.hf_gpt2`); :func:`config_fields` hands a
+GPT-2 config to it. This module does not import :mod:`qkv.models.gpt`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..checks import MAX_SIZE, check_bool, check_float, check_int, parse_json, show
+from ..utils.fileio import read_regular
+from .hf_gpt2 import HF_CONFIG, HF_SAFETENSORS, gpt2_fields
+from .hub import WEIGHTS_INDEX
+
+__all__ = ["SUPPORTED_TYPES", "config_fields", "expected_tensors", "to_qkv",
+           "read_open_config", "read_open_weights"]
+
+SUPPORTED_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+_MAX_CONFIG_BYTES = 1 << 20
+_MAX_INDEX_BYTES = 16 << 20  # an index of a 70B model is ~100 KB
+# safetensors' dtype names of the weights qkv reads (its header's "dtype").
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# Hugging Face activation name -> GPTConfig.mlp (the gate's activation).
+_MLPS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu"}
+_ROPE_TYPES = ("default", "linear", "llama3")
+# transformers' layer kinds -> GPTConfig.layer_types'.
+_LAYER_KINDS = {"sliding_attention": "sliding", "full_attention": "full"}
+
+# What transformers assumes for a key config.json leaves out: each family's config class.
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
+    "mlp_bias": False, "rope_theta": 10_000.0, "sliding_window": 4096,
+    "use_sliding_window": False, "max_window_layers": 28,
+}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+              "num_hidden_layers": 32, "num_attention_heads": 32,
+              "max_position_embeddings": 2048},
+    "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "max_position_embeddings": 4096 * 32},
+    "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+              "max_position_embeddings": 32768},
+    "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+              "head_dim": 128, "max_position_embeddings": 32768},
+    "gemma3_text": {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                    "num_hidden_layers": 26, "num_attention_heads": 8,
+                    "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131_072, "tie_word_embeddings": True,
+                    "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+                    "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+                    "rope_local_base_freq": 10_000.0, "use_bidirectional_attention": False},
+}
+
+
+def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``GPTConfig`` fields from a Hugging Face ``config.json`` object of a supported
+    ``model_type``; ``where`` names the config in errors. Every value is checked before
+    it is used; a field qkv cannot reproduce is a one-line ``ValueError``."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{where}: expected a JSON object, got {show(config)}")
+    kind = config.get("model_type")
+    if kind not in SUPPORTED_TYPES:
+        raise ValueError(f"{where}: model_type {show(kind)} is not supported; qkv reads "
+                         f"{', '.join(SUPPORTED_TYPES)}")
+    if kind == "gpt2":
+        return gpt2_fields(config, where)
+    defaults = {**_COMMON_DEFAULTS, **_DEFAULTS[kind]}
+
+    def get(name: str) -> Any:
+        return config.get(name, defaults.get(name))
+
+    def size(name: str, lo: int = 1) -> int:
+        return check_int(f"{where}: {name}", get(name), lo, MAX_SIZE)
+
+    def flag(name: str) -> bool:
+        return check_bool(f"{where}: {name}", get(name))
+
+    def positive(name: str) -> float:
+        return check_float(f"{where}: {name}", get(name), 0.0, lo_open=True)
+
+    for name in ("attn_logit_softcapping", "final_logit_softcapping", "quantization_config"):
+        if config.get(name) is not None:
+            raise ValueError(f"{where}: {name}={show(config[name])} is not supported (qkv "
+                             f"reproduces {name}=None)")
+    if kind == "gemma3_text" and flag("use_bidirectional_attention"):
+        raise ValueError(f"{where}: use_bidirectional_attention=True is not supported "
+                         "(qkv's GPTModel is causal)")
+    emb_dim, n_heads, n_layers = (size("hidden_size"), size("num_attention_heads"),
+                                  size("num_hidden_layers"))
+    kv_heads = n_heads if get("num_key_value_heads") is None else size("num_key_value_heads")
+    if n_heads % kv_heads:
+        raise ValueError(f"{where}: num_attention_heads ({n_heads}) must be a multiple of "
+                         f"num_key_value_heads ({kv_heads})")
+    head_dim = emb_dim // n_heads if get("head_dim") is None else size("head_dim")
+    act_key = "hidden_activation" if kind == "gemma3_text" else "hidden_act"
+    mlp = _MLPS.get(get(act_key)) if isinstance(get(act_key), str) else None
+    if mlp is None:
+        raise ValueError(f"{where}: {act_key}={show(get(act_key))} is not supported; qkv "
+                         f"reproduces {', '.join(map(repr, _MLPS))}")
+    # Which projections carry biases is fixed by each family's modeling code.
+    attention_bias = flag("attention_bias") if kind in ("llama", "qwen3", "gemma3_text") \
+        else False
+    context = size("max_position_embeddings")
+    kinds, window = _layer_kinds(config, kind, n_layers, get, where)
+    full, local = _rope(config, kind, context, get, where)
+    if window is None:
+        if "sliding" in kinds and local != full:
+            raise ValueError(f"{where}: sliding_window=None with sliding_attention layers "
+                             "of their own RoPE is not supported")
+        kinds = ["full"] * n_layers
+    if "sliding" in kinds and local != full:
+        if local[1] is not None:
+            raise ValueError(f"{where}: RoPE scaling ({local[1]['rope_type']}) on the "
+                             "sliding_attention layers is not supported (qkv scales the "
+                             "full_attention layers only)")
+        rope_local_base = local[0]
+    else:
+        rope_local_base = None
+    gemma = kind == "gemma3_text"
+    return {
+        "vocab_size": size("vocab_size"), "context_length": context, "emb_dim": emb_dim,
+        "n_heads": n_heads, "n_layers": n_layers, "drop_rate": 0.0,
+        "n_kv_groups": None if kv_heads == n_heads else kv_heads,
+        "head_dim": None if head_dim * n_heads == emb_dim else head_dim,
+        "hidden_dim": size("intermediate_size"), "mlp": mlp,
+        "qkv_bias": kind == "qwen2" or attention_bias, "out_bias": attention_bias,
+        "mlp_bias": flag("mlp_bias") if kind == "llama" else False,
+        "norm": "gemma_rmsnorm" if gemma else "rmsnorm", "norm_eps": positive("rms_norm_eps"),
+        "post_norms": gemma, "qk_norm": kind in ("qwen3", "gemma3_text"),
+        "query_scale": positive("query_pre_attn_scalar") ** -0.5 if gemma else None,
+        "embed_scale": gemma, "tie_weights": flag("tie_word_embeddings"),
+        "window_size": window if "sliding" in kinds else None,
+        "layer_types": kinds if len(set(kinds)) > 1 else None,
+        "rope": True, "rope_base": full[0], "rope_scaling": full[1],
+        "rope_local_base": rope_local_base,
+    }
+
+
+def _layer_kinds(config: Mapping[str, Any], kind: str, n_layers: int, get: Any,
+                 where: str) -> tuple[list[str], int | None]:
+    """Each layer's kind as the config declares it ("sliding" or "full") and the window
+    in tokens (``None``: no layer is windowed, whatever the kinds say)."""
+    if kind == "llama":
+        return ["full"] * n_layers, None
+    window = get("sliding_window")
+    if window is not None:
+        check_int(f"{where}: sliding_window", window, 1, MAX_SIZE)
+    if kind == "mistral":  # MistralModel windows every layer and ignores layer_types
+        return ["sliding"] * n_layers, window
+    if kind in ("qwen2", "qwen3") and not check_bool(f"{where}: use_sliding_window",
+                                                     get("use_sliding_window")):
+        window = None
+    declared = config.get("layer_types")
+    if declared is not None:
+        if not (isinstance(declared, list) and len(declared) == n_layers
+                and all(isinstance(k, str) and k in _LAYER_KINDS for k in declared)):
+            raise ValueError(f"{where}: layer_types must list {n_layers} of "
+                             f"{', '.join(map(repr, _LAYER_KINDS))}, got {show(declared)}")
+        return [_LAYER_KINDS[k] for k in declared], window
+    if kind == "gemma3_text":  # older configs: every pattern-th layer is a full one
+        pattern = check_int(f"{where}: sliding_window_pattern", get("sliding_window_pattern"),
+                            1, MAX_SIZE)
+        return ["sliding" if (i + 1) % pattern else "full" for i in range(n_layers)], window
+    first = check_int(f"{where}: max_window_layers", get("max_window_layers"), 0, MAX_SIZE)
+    return ["sliding" if i >= first else "full" for i in range(n_layers)], window
+
+
+_Rope = tuple[float, dict[str, Any] | None]
+
+
+def _rope(config: Mapping[str, Any], kind: str, context: int, get: Any,
+          where: str) -> tuple[_Rope, _Rope]:
+    """``(base, scaling)`` of the full-attention layers and of the sliding ones.
+
+    transformers 5 saves ``rope_parameters`` (for Gemma 3 one dict per layer type);
+    older files hold ``rope_theta``, ``rope_scaling`` and, for Gemma 3,
+    ``rope_local_base_freq``, whose ``rope_scaling`` is the full layers'. A value inside
+    the dict wins over the top-level one.
+    """
+    scaling, params = config.get("rope_scaling"), config.get("rope_parameters")
+    for name, value in (("rope_scaling", scaling), ("rope_parameters", params)):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{where}: {name} must be an object or null, got {show(value)}")
+    nested = isinstance(params, dict) and any(k in _LAYER_KINDS for k in params)
+    if kind == "gemma3_text":
+        if params and not nested:
+            raise ValueError(f"{where}: gemma3_text rope_parameters must map "
+                             f"{', '.join(_LAYER_KINDS)} to their parameters")
+        params = params or {}
+        for name in _LAYER_KINDS:
+            if params.get(name) is not None and not isinstance(params[name], dict):
+                raise ValueError(f"{where}: rope_parameters.{name} must be an object, got "
+                                 f"{show(params[name])}")
+        full = {**(params.get("full_attention") or {}), **(scaling or {})}
+        local = dict(params.get("sliding_attention") or {})
+        full.setdefault("rope_theta", get("rope_theta"))
+        local.setdefault("rope_theta", get("rope_local_base_freq"))
+        named = (("rope_parameters.full_attention", full),
+                 ("rope_parameters.sliding_attention", local))
+    else:
+        if nested:
+            raise ValueError(f"{where}: rope_parameters per layer type are read for "
+                             f"gemma3_text only, not {kind}")
+        full = dict(scaling or params or {})
+        full.setdefault("rope_theta", get("rope_theta"))
+        if "original_max_position_embeddings" in config:  # transformers lets it win
+            full["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        named = (("rope_parameters", full), ("rope_parameters", full))
+    for _, rope in named:
+        if "partial_rotary_factor" in config:
+            rope.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    first, second = (_rope_fields(rope, context, f"{where}: {name}") for name, rope in named)
+    return first, second
+
+
+def _rope_fields(rope: Mapping[str, Any], context: int, where: str) -> _Rope:
+    """``(rope_base, rope_scaling)`` from one transformers RoPE dict."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    base = check_float(f"{where}.rope_theta", rope.get("rope_theta"), 0.0, lo_open=True)
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if isinstance(partial, bool) or partial != 1:
+        raise ValueError(f"{where}.partial_rotary_factor={show(partial)} is not supported "
+                         "(qkv rotates every dimension of a head: 1.0)")
+    if rope_type == "default":
+        return base, None
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(f"{where}.rope_type={show(rope_type)} is not supported; qkv "
+                         f"reproduces {', '.join(map(repr, _ROPE_TYPES))}")
+
+    def positive(name: str) -> float:
+        return check_float(f"{where}.{name}", rope.get(name), 0.0, lo_open=True)
+
+    if rope_type == "linear":
+        return base, {"rope_type": "linear", "factor": positive("factor")}
+    low, high = positive("low_freq_factor"), positive("high_freq_factor")
+    if high <= low:
+        raise ValueError(f"{where}: high_freq_factor ({high}) must exceed low_freq_factor "
+                         f"({low})")
+    original = check_int(f"{where}.original_max_position_embeddings",
+                         rope.get("original_max_position_embeddings", context), 1, MAX_SIZE)
+    return base, {"rope_type": "llama3", "factor": positive("factor"),
+                  "low_freq_factor": low, "high_freq_factor": high,
+                  "original_max_position_embeddings": original}
+
+
+def _names(fields: Mapping[str, Any]) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    """``(Hugging Face name, qkv name, shape)`` of every tensor a model of ``fields``
+    holds; ``lm_head`` only when untied."""
+    if fields.get("mlp", "gelu") not in ("swiglu", "geglu"):
+        raise ValueError(f"mlp={show(fields.get('mlp', 'gelu'))}: GPT-2's weights are read by "
+                         "qkv.models.hf_gpt2.read_weights, not here")
+    V, d, H, L = (fields["vocab_size"], fields["emb_dim"], fields["n_heads"],
+                  fields["n_layers"])
+    hd = fields["head_dim"] or d // H
+    kv = fields["n_kv_groups"] or H
+    ff = fields["hidden_dim"] or 4 * d
+    yield "model.embed_tokens.weight", "tok_emb.weight", (V, d)
+    for i in range(L):
+        hf, ours = f"model.layers.{i}", f"trf_blocks.{i}"
+        yield f"{hf}.input_layernorm.weight", f"{ours}.norm1.scale", (d,)
+        for theirs, name, rows in (("q_proj", "W_query", H * hd), ("k_proj", "W_key", kv * hd),
+                                   ("v_proj", "W_value", kv * hd)):
+            yield f"{hf}.self_attn.{theirs}.weight", f"{ours}.att.{name}.weight", (rows, d)
+            if fields["qkv_bias"]:
+                yield f"{hf}.self_attn.{theirs}.bias", f"{ours}.att.{name}.bias", (rows,)
+        if fields["qk_norm"]:
+            yield f"{hf}.self_attn.q_norm.weight", f"{ours}.att.q_norm.scale", (hd,)
+            yield f"{hf}.self_attn.k_norm.weight", f"{ours}.att.k_norm.scale", (hd,)
+        yield f"{hf}.self_attn.o_proj.weight", f"{ours}.att.out_proj.weight", (d, H * hd)
+        if fields["out_bias"]:
+            yield f"{hf}.self_attn.o_proj.bias", f"{ours}.att.out_proj.bias", (d,)
+        if fields["post_norms"]:  # Gemma 3: a norm after attention, one before the MLP
+            yield f"{hf}.post_attention_layernorm.weight", f"{ours}.post_norm1.scale", (d,)
+            yield f"{hf}.pre_feedforward_layernorm.weight", f"{ours}.norm2.scale", (d,)
+        else:
+            yield f"{hf}.post_attention_layernorm.weight", f"{ours}.norm2.scale", (d,)
+        for theirs, name, shape in (("gate_proj", "fc1", (ff, d)), ("up_proj", "fc2", (ff, d)),
+                                    ("down_proj", "fc3", (d, ff))):
+            yield f"{hf}.mlp.{theirs}.weight", f"{ours}.ff.{name}.weight", shape
+            if fields["mlp_bias"]:
+                yield f"{hf}.mlp.{theirs}.bias", f"{ours}.ff.{name}.bias", shape[:1]
+        if fields["post_norms"]:
+            yield f"{hf}.post_feedforward_layernorm.weight", f"{ours}.post_norm2.scale", (d,)
+    yield "model.norm.weight", "final_norm.scale", (d,)
+    if not fields["tie_weights"]:
+        yield "lm_head.weight", "out_head.weight", (V, d)
+
+
+def expected_tensors(fields: Mapping[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Hugging Face name and shape of every tensor a folder of ``fields`` must hold
+    (``lm_head.weight`` only when untied; a tied model's file may hold it too)."""
+    return ((theirs, shape) for theirs, _, shape in _names(fields))
+
+
+def _check_names(where: str, shapes: Mapping[str, tuple[int, ...]],
+                 fields: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The expected names and shapes, after a one-line ``ValueError`` for a missing,
+    unexpected or misshapen tensor in ``shapes``."""
+    expected = dict(expected_tensors(fields))
+    missing = [k for k in expected if k not in shapes]
+    if missing:
+        raise ValueError(f"{where}: missing {len(missing)} tensors, e.g. {missing[0]!r}")
+    # A tied model's lm_head is the embedding again; transformers saves it or not.
+    head = (fields["vocab_size"], fields["emb_dim"])
+    extra = [k for k in shapes if k not in expected
+             and not (k == "lm_head.weight" and tuple(shapes[k]) == head)]
+    if extra:
+        raise ValueError(f"{where}: {len(extra)} unexpected tensors for this config, e.g. "
+                         f"{extra[0]!r} of shape {list(shapes[extra[0]])}")
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            raise ValueError(f"{where}: {name} has shape {list(shapes[name])}, expected "
+                             f"{list(shape)} from {HF_CONFIG}")
+    return expected
+
+
+def to_qkv(raw: Mapping[str, Tensor], fields: Mapping[str, Any]) -> dict[str, Tensor]:
+    """Hugging Face names -> ``GPTModel``'s; the tensors themselves are unchanged (Gemma's
+    norm weights stay ``w``). A tied model's ``out_head.weight`` is ``tok_emb.weight``."""
+    _check_names("state dict", {k: tuple(v.shape) for k, v in raw.items()}, fields)
+    out = {ours: raw[theirs] for theirs, ours, _ in _names(fields)}
+    if fields["tie_weights"]:
+        out["out_head.weight"] = out["tok_emb.weight"]
+    return out
+
+
+def _inside(folder: Path, name: str) -> Path:
+    """``folder / name``, refused unless it resolves to a regular file inside the folder.
+
+    A Hugging Face cache snapshot (``models--owner--name/snapshots/<commit>``) is a
+    folder of symlinks into ``../../blobs``: there the repository's cache folder is the
+    bound.
+    """
+    root = folder.resolve()
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        root = root.parent.parent
+    path = folder / name
+    try:
+        target = path.resolve()
+    except (OSError, RuntimeError) as error:  # RuntimeError: a loop of symlinks
+        raise ValueError(f"{path}: cannot be resolved ({error})") from None
+    if not target.is_relative_to(root):
+        raise ValueError(f"{path}: resolves to {target}, outside the model folder {root}")
+    if not target.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    if not target.is_file():
+        raise ValueError(f"{path}: not a regular file")
+    return path
+
+
+def _read_json(path: Path, what: str, max_bytes: int) -> dict[str, Any]:
+    try:
+        value = parse_json(read_regular(path, what, max_bytes))
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {show(value)}")
+    return value
+
+
+def read_open_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """The folder's ``config.json`` object (at most 1 MiB; one-line errors)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such folder")
+    return _read_json(_inside(folder, HF_CONFIG), "config", _MAX_CONFIG_BYTES)
+
+
+def _weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files holding the weights, and the index's tensor -> file map."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such folder")
+
+    def present(name: str) -> bool:  # a dangling link is there too, refused by _inside
+        return (folder / name).exists() or (folder / name).is_symlink()
+
+    if present(HF_SAFETENSORS):
+        return [_inside(folder, HF_SAFETENSORS)], None
+    if not present(WEIGHTS_INDEX):
+        raise FileNotFoundError(f"{folder}: has neither {HF_SAFETENSORS} nor {WEIGHTS_INDEX}")
+    path = _inside(folder, WEIGHTS_INDEX)
+    weight_map = _read_json(path, "weights index", _MAX_INDEX_BYTES).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{path}: expected a non-empty 'weight_map' object, got "
+                         f"{show(weight_map)}")
+    for shard in weight_map.values():
+        if not (isinstance(shard, str) and shard.endswith(".safetensors")
+                and shard == Path(shard).name):
+            raise ValueError(f"{path}: shard {show(shard)} must be a .safetensors file "
+                             f"directly inside {folder}")
+    return [_inside(folder, shard) for shard in sorted(set(weight_map.values()))], weight_map
+
+
+def read_open_weights(
+    folder: str | os.PathLike[str],
+    fields: Mapping[str, Any],
+    dtype: torch.dtype = torch.float32,
+    max_bytes: int | None = None,
+) -> dict[str, Tensor]:
+    """A ``GPTModel(GPTConfig(**fields))`` state dict (qkv names, ``dtype``) from the
+    folder's ``model.safetensors`` or the shards its ``model.safetensors.index.json`` names.
+
+    Before any tensor's data is read: every file must resolve inside the folder, every
+    shard's header must hold exactly :func:`expected_tensors` (names, shapes; F32, F16
+    or BF16 values; each in the shard the index names), and the state dict must fit in
+    ``max_bytes`` bytes (in ``dtype``; ``None``: no bound). A tensor holding NaN or an
+    infinity after conversion is refused too. Every error is one line.
+    """
+    from safetensors import safe_open
+
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {show(dtype)}")
+    if max_bytes is not None:
+        check_int("max_bytes", max_bytes, 1)
+    folder = Path(folder)
+    files, weight_map = _weight_files(folder)
+
+    def opened(path: Path) -> Any:
+        try:
+            return safe_open(str(path), framework="pt", device="cpu")
+        except Exception as error:  # safetensors raises its own error types
+            reason = " ".join(str(error).splitlines())
+            raise ValueError(f"{path}: not a safetensors file ({reason})") from None
+
+    found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+    for path in files:
+        with opened(path) as f:
+            for name in list(f.keys()):  # a safe_open handle has no __iter__
+                if name in found:
+                    raise ValueError(f"{path}: {name} is also in {found[name][0].name}")
+                if weight_map is not None and weight_map.get(name) != path.name:
+                    raise ValueError(f"{path}: holds {name}, which {WEIGHTS_INDEX} puts in "
+                                     f"{show(weight_map.get(name))}")
+                header = f.get_slice(name)
+                found[name] = path, tuple(header.get_shape()), header.get_dtype()
+    if weight_map is not None:
+        absent = [name for name in weight_map if name not in found]
+        if absent:
+            raise ValueError(f"{folder / WEIGHTS_INDEX}: puts {absent[0]} in "
+                             f"{weight_map[absent[0]]}, which does not hold it")
+    expected = _check_names(str(folder), {k: v[1] for k, v in found.items()}, fields)
+    for name in expected:
+        path, _, stored = found[name]
+        if stored not in _DTYPES:
+            raise ValueError(f"{path}: {name} holds {stored} values; qkv reads F32, F16 "
+                             "or BF16 weights")
+    total = sum(math.prod(shape) for shape in expected.values()) * dtype.itemsize
+    if max_bytes is not None and total > max_bytes:
+        raise ValueError(f"{folder}: the weights take {total:,} bytes as {dtype}, more than "
+                         f"the {max_bytes:,} allowed")
+    raw: dict[str, Tensor] = {}
+    for path in files:
+        with opened(path) as f:
+            for name in expected:
+                if found[name][0] != path:
+                    continue
+                tensor = f.get_tensor(name).to(dtype)
+                if not bool(torch.isfinite(tensor).all()):
+                    bad = int((~torch.isfinite(tensor)).sum())
+                    raise ValueError(f"{path}: {name} holds {bad:,} NaN or infinite value(s) "
+                                     f"of {tensor.numel():,} as {dtype}; the weights are "
+                                     "damaged or do not fit the dtype")
+                raw[name] = tensor
+    return to_qkv(raw, fields)
