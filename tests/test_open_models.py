@@ -114,7 +114,7 @@ def test_greedy_tokens_equal_transformers_cached_or_not(imported, family):
     model = LanguageModel.load(run).model
     prompt = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(2))
     want = hf.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                       pad_token_id=0)
+                       pad_token_id=0, attention_mask=torch.ones_like(prompt))
     for use_cache in (True, False):
         assert generate(model, prompt, 20, use_cache=use_cache).tolist() == want.tolist()
 
@@ -131,7 +131,7 @@ def test_gemma_sliding_layers_past_their_window(imported):
     assert bases == [10_000.0, 10_000.0, 1_000_000.0]
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
     want = hf.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False,
-                       pad_token_id=0)
+                       pad_token_id=0, attention_mask=torch.ones_like(prompt))
     cached = generate(model, prompt, 40, use_cache=True)
     assert cached.tolist() == want.tolist()
     assert generate(model, prompt, 40, use_cache=False).tolist() == want.tolist()

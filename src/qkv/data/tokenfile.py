@@ -43,7 +43,7 @@ from tqdm import tqdm
 from ..checks import parse_json
 from ..utils.fileio import fsync_dir, open_regular, read_regular, temp_path, write_atomic
 from .textfile import CHUNK_BYTES, TextFile, file_sha256, tokenizer_pieces
-from .tokenizers import TOKENIZER_NAMES, Tokenizer
+from .tokenizers import HFTokenizer, Tokenizer
 from .translate import CorpusChangedError
 
 __all__ = ["TOKENS_FILE", "TOKENS_INFO", "TokenFile", "prepare_token_file"]
@@ -154,11 +154,6 @@ def prepare_token_file(
             changed while it was read.
         OSError: the disk filled up (one line; the partial file is removed).
     """
-    if tokenizer.name not in TOKENIZER_NAMES:
-        # The cut points are proven for these; a tokenizer that adds a BOS to every
-        # encode, say, would give other ids piece by piece than for the whole text.
-        raise ValueError(f"tokenizing a text in pieces is proven for the "
-                         f"{' and '.join(TOKENIZER_NAMES)} tokenizers, not {tokenizer.name!r}")
     log = log or (lambda _: None)
     directory = Path(directory)
     source = TextFile(text_path, "text file")
@@ -197,6 +192,48 @@ def prepare_token_file(
     return TokenFile(ids, digest, False, info)
 
 
+# Characters on each side of a cut that an open model's tokenizer is checked on.
+_JUNCTION_CHARS = 256
+
+
+def _piece_encoder(tokenizer: Tokenizer, what: str) -> Callable[[str], list[int]]:
+    """``encode(piece)``: the ids of the next piece of a text, so that the pieces' ids
+    joined are the text's.
+
+    The cut points of :func:`qkv.data.textfile.tokenizer_pieces` are proven for GPT-2's
+    pre-tokenizer and the byte tokenizer. An open model's tokenizer (:class:`HFTokenizer`)
+    has its own pre-tokenizer, so each cut is checked as it is made: the characters
+    around it must encode to the same ids whole as in two parts, else the text is
+    refused in one line. Its BOS, if it adds one, starts the text once, as a whole
+    encode would give it.
+    """
+    if not isinstance(tokenizer, HFTokenizer):
+        return tokenizer.encode
+    tail = ""
+    count = 0
+
+    def encode(piece: str) -> list[int]:
+        nonlocal tail, count
+        ids = tokenizer.encode(piece, add_special_tokens=False)
+        if tail:
+            head = piece[:_JUNCTION_CHARS]
+            whole = tokenizer.encode(tail + head, add_special_tokens=False)
+            parts = (tokenizer.encode(tail, add_special_tokens=False)
+                     + tokenizer.encode(head, add_special_tokens=False))
+            if whole != parts:
+                raise ValueError(f"{what}: this tokenizer does not give the same ids for "
+                                 f"the text cut at character {count:,} as whole, so it "
+                                 "cannot be tokenized in pieces; train on a smaller text")
+        elif tokenizer.bos_token_id is not None and \
+                tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]:
+            ids = [tokenizer.bos_token_id, *ids]
+        tail = piece[-_JUNCTION_CHARS:]
+        count += len(piece)
+        return ids
+
+    return encode
+
+
 def _tokenize(source: TextFile, tokenizer: Tokenizer, ids_path: Path, dtype: np.dtype,
               progress: bool) -> dict[str, Any]:
     """Write the ids of ``source`` to ``ids_path`` (replaced whole, at the end); the record."""
@@ -210,9 +247,10 @@ def _tokenize(source: TextFile, tokenizer: Tokenizer, ids_path: Path, dtype: np.
                disable=not progress, file=sys.stderr, leave=False)
     try:
         with bar, open(tmp, "wb") as out:
+            encode = _piece_encoder(tokenizer, f"text file {source.path}")
             for piece in tokenizer_pieces(source.pieces(), what=f"text file {source.path}"):
                 has_text = has_text or not piece.isspace()
-                data = np.asarray(tokenizer.encode(piece), dtype=dtype).tobytes()
+                data = np.asarray(encode(piece), dtype=dtype).tobytes()
                 out.write(data)
                 digest.update(data)
                 count += len(data) // dtype.itemsize

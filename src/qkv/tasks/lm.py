@@ -723,10 +723,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 # The LMSettings fields that override a preset's sizes.
 _SIZES = ("emb_dim", "n_heads", "n_layers")
-# What a run started with --init takes from the run it starts from (an open model's
-# training window, context_length, is not: see LMSettings.window).
-FROM_INIT = ("tokenizer", "preset", "context_length", *_SIZES, "qkv_bias", "tie_weights",
-             "architecture")
+# What a run started with --init takes from the run it starts from; context_length too,
+# unless that run is an imported open model, whose training window it is (LMSettings.window).
+FROM_INIT = ("tokenizer", "preset", *_SIZES, "qkv_bias", "tie_weights", "architecture")
 
 
 def _architecture(cfg: GPTConfig, preset: str) -> dict[str, Any]:
@@ -753,9 +752,9 @@ def _settings_from_init(settings: LMSettings) -> tuple[LMSettings, dict[str, Any
     arch = {"tokenizer": theirs.tokenizer, **_architecture(cfg, theirs.preset),
             "architecture": theirs.architecture}
     if theirs.architecture is not None:
-        arch["context_length"] = settings.context_length  # the window, not the model's
+        del arch["context_length"]  # the window, this run's to choose
     defaults = LMSettings()
-    for name in FROM_INIT:
+    for name in arch:
         ours, wanted = getattr(settings, name), arch[name]
         if name in _SIZES and wanted is None:
             wanted = getattr(cfg, name)  # the preset's size, which the weights have
