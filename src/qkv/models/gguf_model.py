@@ -1,0 +1,372 @@
+"""Read a GGUF file (llama.cpp's format) as a Hugging Face model folder would give it.
+
+A Hugging Face folder holds a ``config.json`` and tensors under Hugging Face's names; a
+GGUF file holds the same model under llama.cpp's metadata keys, names and conventions.
+This module turns the second into the first, so that one Hugging Face -> qkv mapping
+serves both:
+
+- :func:`gguf_config`: the ``config.json`` a Hugging Face folder of the model would hold
+  (its keys as those files spell them: ``rope_theta``, ``rope_scaling``, ...);
+- :func:`gguf_state_dict`: every tensor under its Hugging Face name, with llama.cpp's
+  conventions undone: the RoPE row order of ``attn_q``/``attn_k`` in ``llama`` files,
+  Gemma's norm weights stored as ``1 + w``, GPT-2's ``Conv1D`` weights stored transposed.
+
+Supported architectures (``general.architecture``): ``llama`` (Llama, SmolLM2 and Mistral
+files all say ``llama``), ``qwen2``, ``qwen3``, ``gemma3`` and ``gpt2``.
+
+The configuration says what llama.cpp would run, which is not always what the original
+``config.json`` said; llama.cpp's converter drops what its runtime does not use:
+
+- ``llama`` files: no sliding window (llama.cpp runs Mistral v0.1 with full attention);
+  ``model_type`` is ``"mistral"`` when ``general.name`` says Mistral, else ``"llama"``.
+- ``gemma3`` files: llama.cpp fixes what the file does not say: every sixth layer is
+  global (layer ``i`` is full iff ``(i + 1) % 6 == 0``) when the file has a sliding window,
+  every layer otherwise; the sliding layers' RoPE base is 10000; the query scale is
+  ``head_dim ** -0.5``, except for 62-layer models (Gemma 3 27B), where it is
+  ``(hidden_size / num_attention_heads) ** -0.5`` (``query_pre_attn_scalar``).
+- Llama 3's RoPE scaling is stored as a ``rope_freqs.weight`` tensor of per-frequency
+  factors, not as metadata; such a file is refused (one line) for now.
+- ``tie_word_embeddings`` is True when the file has no ``output.weight``. GPT-2 files from
+  older converters hold a copy of the embedding there: they come back untied, with
+  ``lm_head.weight`` equal to ``transformer.wte.weight``.
+- ``qwen2`` files get no ``attention_bias`` key (Hugging Face's Qwen2 always has a query,
+  key and value bias and no output bias); the other families get
+  ``attention_bias = True`` iff the file has ``blk.0.attn_q.bias``.
+
+Floats stored as float32 (``1e-5`` is ``9.99999974738e-06`` there) are given back as the
+shortest decimal that rounds to the same float32 (``1e-05``), as ``config.json`` spells it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..checks import MAX_SIZE, check_float, check_int, show
+from .gguf_weights import GGUFHeader, read_gguf_header, read_gguf_tensors, unpermute_rope
+
+__all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "read_gguf_model"]
+
+# general.architecture -> Hugging Face's model_type
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+                "gpt2": "gpt2"}
+GGUF_ARCHITECTURES = tuple(_MODEL_TYPES)
+
+_ROPE_BASE = 10000.0  # llama.cpp's rope.freq_base when a file has none
+_GEMMA3_GLOBAL_EVERY = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA3_27B_LAYERS = 62
+# rope.scaling.* key -> the key of Hugging Face's rope_scaling ("type" and "factor" aside);
+# "finetuned" says only how the model was trained.
+_ROPE_SCALING_KEYS = {"original_context_length": "original_max_position_embeddings",
+                      "attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast",
+                      "yarn_beta_slow": "beta_slow"}
+
+
+def _decimal(value: float) -> float:
+    """A float32 value as the shortest decimal that rounds to it (1e-05, not 9.99e-06)."""
+    single = np.float32(value)
+    return float(str(single)) if float(single) == value else value
+
+
+def gguf_config(header: GGUFHeader) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of the model in a GGUF file, from its header.
+
+    Args:
+        header: :func:`~qkv.models.gguf_weights.read_gguf_header` of the file.
+
+    Returns:
+        ``model_type`` (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``,
+        ``"gemma3_text"`` or ``"gpt2"``) and the fields of that family's
+        ``config.json``: for GPT-2 ``vocab_size``, ``n_positions``, ``n_embd``,
+        ``n_layer``, ``n_head``, ``n_inner`` (None: ``4 * n_embd``),
+        ``layer_norm_epsilon``; for the others
+        ``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+        ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
+        ``max_position_embeddings``, ``rms_norm_eps``, ``rope_theta``, ``rope_scaling``
+        (None or ``{"rope_type", "factor", ...}``), Gemma 3's ``sliding_window``,
+        ``layer_types``, ``rope_local_base_freq``, ``query_pre_attn_scalar`` and
+        ``final_logit_softcapping``; and ``tie_word_embeddings``.
+
+    Raises:
+        ValueError: one line naming the file and the key: an architecture other than
+            :data:`GGUF_ARCHITECTURES`, a missing or out-of-range size, sizes that do not
+            divide, a ``block_count`` beyond the file's tensors, partial rotary
+            embeddings, unknown RoPE scaling keys, a ``rope_freqs`` tensor.
+    """
+    arch, meta, tensors, path = (header.architecture, header.config, header.tensors,
+                                 header.path)
+    if arch not in _MODEL_TYPES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
+    where = f"{path}: metadata {arch}."
+
+    def integer(key: str, default: int | None = None, lo: int = 1) -> int:
+        value = meta.get(key, default)
+        if value is None:
+            raise ValueError(f"{where}{key} is missing; a {arch} model needs it")
+        return check_int(f"{where}{key}", value, lo, MAX_SIZE)
+
+    def number(key: str, default: float | None = None) -> float:
+        value = meta.get(key, default)
+        if value is None:
+            raise ValueError(f"{where}{key} is missing; a {arch} model needs it")
+        return _decimal(check_float(f"{where}{key}", value, 0.0, lo_open=True))
+
+    layers = integer("block_count")
+    if layers > len(tensors):  # each layer has tensors: a lying count stops here
+        raise ValueError(f"{where}block_count is {layers:,}, but the file holds only "
+                         f"{len(tensors):,} tensors")
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: has no tensor token_embd.weight (the token embedding)")
+    vocab = tensors["token_embd.weight"].shape[0]
+    if integer("vocab_size", vocab) != vocab:
+        raise ValueError(f"{where}vocab_size is {meta['vocab_size']:,}, but "
+                         f"token_embd.weight has {vocab:,} rows")
+    hidden, heads = integer("embedding_length"), integer("attention.head_count")
+    common = {"vocab_size": vocab, "tie_word_embeddings": "output.weight" not in tensors}
+    if arch == "gpt2":
+        inner = integer("feed_forward_length")
+        if hidden % heads:
+            raise ValueError(f"{where}embedding_length {hidden} is not a multiple of "
+                             f"attention.head_count {heads}")
+        return {"model_type": "gpt2", **common, "n_positions": integer("context_length"),
+                "n_embd": hidden, "n_layer": layers, "n_head": heads,
+                "n_inner": None if inner == 4 * hidden else inner,
+                "layer_norm_epsilon": number("attention.layer_norm_epsilon"),
+                "activation_function": "gelu_new"}
+
+    kv_heads = integer("attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise ValueError(f"{where}attention.head_count {heads} is not a multiple of "
+                         f"attention.head_count_kv {kv_heads}")
+    if "attention.key_length" in meta:
+        head_dim = integer("attention.key_length")
+    elif "rope.dimension_count" in meta:  # llama's files: the rotary width is head_dim
+        head_dim = integer("rope.dimension_count")
+    elif hidden % heads:
+        raise ValueError(f"{where}embedding_length {hidden} is not a multiple of "
+                         f"attention.head_count {heads}, and no attention.key_length says "
+                         "the heads' size")
+    else:
+        head_dim = hidden // heads
+    for key in ("attention.value_length", "rope.dimension_count"):
+        if integer(key, head_dim) != head_dim:
+            raise ValueError(f"{where}{key} is {meta[key]}, not the heads' size {head_dim}; "
+                             "qkv supports neither values of another size nor partial "
+                             "rotary embeddings")
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(f"{path}: rope_freqs tensor (llama3 rope scaling) is not supported "
+                         "yet")
+    config = {
+        "model_type": _MODEL_TYPES[arch], **common, "hidden_size": hidden,
+        "intermediate_size": integer("feed_forward_length"), "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "max_position_embeddings": integer("context_length"),
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon"),
+        "rope_theta": number("rope.freq_base", _ROPE_BASE),
+        "rope_scaling": _rope_scaling(meta, where), "hidden_act": "silu",
+        "sliding_window": None,
+    }
+    if arch != "qwen2":
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "llama" and "mistral" in str(header.general.get("name", "")).lower():
+        config["model_type"] = "mistral"
+    if arch == "gemma3":
+        window = integer("attention.sliding_window", 0, lo=0)
+        config.pop("hidden_act")
+        config.update(
+            hidden_activation="gelu_pytorch_tanh", sliding_window=window or None,
+            layer_types=["sliding_attention" if window and (i + 1) % _GEMMA3_GLOBAL_EVERY
+                         else "full_attention" for i in range(layers)],
+            rope_local_base_freq=number("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE),
+            query_pre_attn_scalar=(hidden // heads if layers == _GEMMA3_27B_LAYERS
+                                   else head_dim),
+            final_logit_softcapping=(number("final_logit_softcapping")
+                                     if "final_logit_softcapping" in meta else None))
+    return config
+
+
+def _rope_scaling(meta: dict[str, Any], where: str) -> dict[str, Any] | None:
+    """Hugging Face's ``rope_scaling`` from the ``rope.scaling.*`` keys, as llama.cpp
+    reads them: a factor without a type is linear; type "none" or a linear factor of 1
+    is no scaling."""
+    keys = {k.removeprefix("rope.scaling."): v for k, v in meta.items()
+            if k.startswith("rope.scaling.") and k != "rope.scaling.finetuned"}
+    kind = keys.pop("type", "linear")
+    factor = keys.pop("factor", meta.get("rope.scale_linear"))  # its older name
+    unknown = sorted(set(keys) - set(_ROPE_SCALING_KEYS))
+    if unknown:
+        raise ValueError(f"{where}rope.scaling.{unknown[0]} is not understood by qkv (known: "
+                         f"type, factor, {', '.join(_ROPE_SCALING_KEYS)})")
+    if not isinstance(kind, str):
+        raise ValueError(f"{where}rope.scaling.type must be a string, got {show(kind)}")
+    if kind == "none" or (kind == "linear" and factor in (None, 1.0)):
+        return None
+    if factor is None:
+        raise ValueError(f"{where}rope.scaling.type is {kind!r}, but rope.scaling.factor "
+                         "is missing")
+    scaling = {"rope_type": kind,
+               "factor": _decimal(check_float(f"{where}rope.scaling.factor", factor, 0.0,
+                                              lo_open=True))}
+    for key, value in keys.items():
+        scaling[_ROPE_SCALING_KEYS[key]] = value if isinstance(value, int) else _decimal(
+            check_float(f"{where}rope.scaling.{key}", value))
+    return scaling
+
+
+def _plan(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """llama.cpp's tensor name -> (Hugging Face's name, the shape the GGUF file holds,
+    PyTorch's order), every tensor the configuration implies, in llama.cpp's order."""
+    vocab, model_type = config["vocab_size"], config["model_type"]
+    if model_type == "gpt2":
+        d = config["n_embd"]
+        f = config["n_inner"] or 4 * d  # None: 4 * n_embd, as in config.json
+        plan = {"token_embd.weight": ("transformer.wte.weight", (vocab, d)),
+                "position_embd.weight": ("transformer.wpe.weight", (config["n_positions"], d)),
+                "output_norm.weight": ("transformer.ln_f.weight", (d,)),
+                "output_norm.bias": ("transformer.ln_f.bias", (d,))}
+        # llama.cpp name -> (Hugging Face name, rows, columns; None: a norm's vector);
+        # every one has a bias of its rows.
+        block = {"attn_norm": ("ln_1", d, None), "attn_qkv": ("attn.c_attn", 3 * d, d),
+                 "attn_output": ("attn.c_proj", d, d), "ffn_norm": ("ln_2", d, None),
+                 "ffn_up": ("mlp.c_fc", f, d), "ffn_down": ("mlp.c_proj", d, f)}
+        for i in range(config["n_layer"]):
+            for name, (hf, rows, cols) in block.items():
+                hf = f"transformer.h.{i}.{hf}"
+                plan[f"blk.{i}.{name}.weight"] = (f"{hf}.weight",
+                                                  (rows,) if cols is None else (rows, cols))
+                plan[f"blk.{i}.{name}.bias"] = (f"{hf}.bias", (rows,))
+    else:
+        d, f, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+        q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+        plan = {"token_embd.weight": ("model.embed_tokens.weight", (vocab, d)),
+                "output_norm.weight": ("model.norm.weight", (d,))}
+        block = {"attn_norm.weight": ("input_layernorm.weight", (d,)),
+                 "attn_q.weight": ("self_attn.q_proj.weight", (q, d)),
+                 "attn_k.weight": ("self_attn.k_proj.weight", (kv, d)),
+                 "attn_v.weight": ("self_attn.v_proj.weight", (kv, d)),
+                 "attn_output.weight": ("self_attn.o_proj.weight", (d, q)),
+                 "ffn_gate.weight": ("mlp.gate_proj.weight", (f, d)),
+                 "ffn_up.weight": ("mlp.up_proj.weight", (f, d)),
+                 "ffn_down.weight": ("mlp.down_proj.weight", (d, f))}
+        if model_type == "gemma3_text":
+            block.update({"post_attention_norm.weight": ("post_attention_layernorm.weight", (d,)),
+                          "ffn_norm.weight": ("pre_feedforward_layernorm.weight", (d,)),
+                          "post_ffw_norm.weight": ("post_feedforward_layernorm.weight", (d,))})
+        else:
+            block["ffn_norm.weight"] = ("post_attention_layernorm.weight", (d,))
+        if model_type in ("qwen3", "gemma3_text"):
+            block["attn_q_norm.weight"] = ("self_attn.q_norm.weight", (hd,))
+            block["attn_k_norm.weight"] = ("self_attn.k_norm.weight", (hd,))
+        if model_type == "qwen2" or config["attention_bias"]:
+            block["attn_q.bias"] = ("self_attn.q_proj.bias", (q,))
+            block["attn_k.bias"] = ("self_attn.k_proj.bias", (kv,))
+            block["attn_v.bias"] = ("self_attn.v_proj.bias", (kv,))
+        if model_type != "qwen2" and config["attention_bias"]:
+            block["attn_output.bias"] = ("self_attn.o_proj.bias", (d,))
+        for i in range(config["num_hidden_layers"]):
+            for name, (hf, shape) in block.items():
+                plan[f"blk.{i}.{name}"] = (f"model.layers.{i}.{hf}", shape)
+    if not config["tie_word_embeddings"]:
+        plan["output.weight"] = ("lm_head.weight", (vocab, plan["token_embd.weight"][1][1]))
+    return plan
+
+
+def _check_tensors(header: GGUFHeader, plan: dict[str, tuple[str, tuple[int, ...]]],
+                   model_type: str) -> None:
+    """The header lists exactly the planned tensors, each of its planned shape."""
+    for name, (hf_name, shape) in plan.items():
+        info = header.tensors.get(name)
+        if info is None:
+            raise ValueError(f"{header.path}: has no tensor {name}, which its metadata "
+                             f"implies ({hf_name} of a {model_type} model)")
+        if info.shape != shape:
+            raise ValueError(f"{header.path}: tensor {name} has shape {list(info.shape)}; "
+                             f"its metadata implies {list(shape)}")
+    extra = [name for name in header.tensors if name not in plan]
+    if extra:
+        raise ValueError(f"{header.path}: tensor {extra[0]} is not part of a {model_type} "
+                         f"model of its metadata ({len(extra)} such tensor(s))")
+
+
+def _shifted(model_type: str, name: str) -> bool:
+    """Whether llama.cpp stored this tensor as ``1 + w``: Gemma's norms."""
+    return model_type == "gemma3_text" and name.endswith("norm.weight")
+
+
+def _to_hf(name: str, tensor: Tensor, config: dict[str, Any]) -> Tensor:
+    """One tensor as llama.cpp stores it -> as Hugging Face holds it."""
+    model_type, kind = config["model_type"], name.split(".")[-2]
+    if model_type in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
+        return unpermute_rope(tensor, config["num_attention_heads" if kind == "attn_q"
+                                             else "num_key_value_heads"])
+    if _shifted(model_type, name):
+        return tensor - 1
+    if model_type == "gpt2" and name.startswith("blk.") and tensor.dim() == 2:
+        return tensor.t().contiguous()  # nn.Linear's (out, in) -> Conv1D's (in, out)
+    return tensor
+
+
+def gguf_state_dict(
+    path: str | os.PathLike[str],
+    header: GGUFHeader,
+    config: dict[str, Any],
+    dtype: torch.dtype = torch.float32,
+    max_bytes: int | None = None,
+) -> dict[str, Tensor]:
+    """The GGUF file's tensors under Hugging Face's names, in Hugging Face's conventions.
+
+    Before any tensor is read, the header must list exactly the tensors ``config``
+    implies, each of the shape it implies.
+
+    Args:
+        path: the ``.gguf`` file.
+        header: its :func:`~qkv.models.gguf_weights.read_gguf_header`.
+        config: its :func:`gguf_config`.
+        dtype: ``torch.float32`` or ``torch.bfloat16`` (quantized weights are expanded in
+            float32, then rounded; Gemma's norms have 1 subtracted before rounding).
+        max_bytes: refuse before expanding if the tensors would take more than this
+            (see :func:`~qkv.models.gguf_weights.read_gguf_tensors`).
+
+    Returns:
+        Hugging Face name -> tensor: ``model.embed_tokens.weight`` ``(vocab, hidden)``,
+        ``model.layers.{i}.self_attn.q_proj.weight`` ``(heads * head_dim, hidden)``, ...,
+        ``lm_head.weight`` only when untied; for GPT-2 ``transformer.wte.weight``,
+        ``transformer.h.{i}.attn.c_attn.weight`` ``(n_embd, 3 * n_embd)`` (``Conv1D``'s
+        ``(in, out)``), .... Everything the matching ``*ForCausalLM`` holds, its tied
+        ``lm_head.weight`` aside.
+
+    Raises:
+        ValueError: one line: a tensor missing, of another shape or not part of the
+            model; as :func:`~qkv.models.gguf_weights.read_gguf_tensors`.
+    """
+    model_type = config["model_type"]
+    plan = _plan(config)
+    _check_tensors(header, plan, model_type)
+    # Gemma's norms come as 1 + w; w keeps its precision only if 1 is subtracted before
+    # rounding to bfloat16. They are a few KiB, read first, and counted in the budget.
+    wide = [n for n in plan if dtype != torch.float32 and _shifted(model_type, n)]
+    tensors = read_gguf_tensors(path, wide, torch.float32, max_bytes=max_bytes, header=header)
+    if max_bytes is not None:
+        max_bytes -= sum(t.numel() * t.element_size() for t in tensors.values())
+    tensors.update(read_gguf_tensors(path, [n for n in plan if n not in tensors], dtype,
+                                     max_bytes=max_bytes, header=header))
+    return {hf_name: _to_hf(name, tensors.pop(name), config).to(dtype)
+            for name, (hf_name, _) in plan.items()}
+
+
+def read_gguf_model(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    max_bytes: int | None = None,
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A GGUF file's Hugging Face config and state dict: :func:`gguf_config` and
+    :func:`gguf_state_dict` of its header (every check done before a tensor is read)."""
+    header = read_gguf_header(path)
+    config = gguf_config(header)
+    return config, gguf_state_dict(path, header, config, dtype, max_bytes)

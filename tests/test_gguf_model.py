@@ -1,0 +1,423 @@
+"""qkv.models.gguf_model: a GGUF file read back as a Hugging Face config and state dict.
+
+Each family's tiny model is built with transformers' own classes, written as llama.cpp's
+converter writes it (the gguf package's tensor names and metadata writers, q/k rows
+permuted for ``llama``, Gemma's norms as ``1 + w``, GPT-2's ``Conv1D`` weights
+transposed), then read back: the state dict must equal the original, the config must
+give transformers the original's config, and a model built from them the same logits.
+transformers' own GGUF reader checks independently that the files are written as
+llama.cpp writes them.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from qkv.models import gguf_model  # noqa: E402
+from qkv.models.gguf_model import gguf_config, gguf_state_dict, read_gguf_model  # noqa: E402
+from qkv.models.gguf_weights import read_gguf_header  # noqa: E402
+
+ARCHES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
+          "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3": gguf.MODEL_ARCH.GEMMA3,
+          "gpt2": gguf.MODEL_ARCH.GPT2}
+VOCAB = 48
+
+
+def tiny(family: str):
+    """A small random transformers model of ``family`` and the GGUF architecture that
+    llama.cpp gives it."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "llama":
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=False, attention_bias=True,
+                                          rms_norm_eps=1e-5, rope_theta=50000.0,
+                                          rope_scaling={"rope_type": "linear", "factor": 2.0})
+        cls, arch = transformers.LlamaForCausalLM, "llama"
+    elif family == "mistral":
+        config = transformers.MistralConfig(**common, head_dim=16, sliding_window=None,
+                                            tie_word_embeddings=True)
+        cls, arch = transformers.MistralForCausalLM, "llama"
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=True,
+                                          rope_theta=1_000_000.0)
+        cls, arch = transformers.Qwen2ForCausalLM, "qwen2"
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False,
+                                          attention_bias=True)
+        cls, arch = transformers.Qwen3ForCausalLM, "qwen3"
+    elif family == "gemma3":
+        # llama.cpp scales queries by head_dim ** -0.5 (below 62 layers), so the original
+        # must too; every 6th layer global, a window of 8 tokens.
+        config = transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 7}, head_dim=8, query_pre_attn_scalar=8,
+            sliding_window=8)
+        cls, arch = transformers.Gemma3ForCausalLM, "gemma3"
+    else:
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32,
+                                         n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2)
+        cls, arch = transformers.GPT2LMHeadModel, "gpt2"
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if arch == "gemma3" and "norm" in name:
+                # Multiples of 1/256: 1 + w is exact in float32, w exact in bfloat16, but
+                # bfloat16(1 + w) is not: 1 must be subtracted before rounding.
+                p.copy_(torch.randint(-200, 200, p.shape) / 256)
+            else:
+                p.copy_(torch.randn(p.shape))
+    return model, arch
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's permutation of q/k rows (LlamaModel.permute)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def convert(model, arch: str, f16: bool = False):
+    """The tensors and metadata llama.cpp's converter writes for ``model``:
+    (llama.cpp name -> array, writer method or raw key -> value)."""
+    c = model.config
+    names = gguf.get_tensor_name_map(ARCHES[arch], c.num_hidden_layers)
+    tied = c.tie_word_embeddings
+    arrays = {}
+    for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":  # not saved: the embedding serves
+            continue
+        array = tensor.numpy().copy()
+        kind = hf_name.split(".")[-2]
+        if arch == "llama" and kind in ("q_proj", "k_proj"):
+            array = llama_cpp_permute(array, c.num_attention_heads if kind == "q_proj"
+                                      else c.num_key_value_heads)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            array = array + 1
+        if arch == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight",
+                                                "c_fc.weight")):
+            array = array.T
+        if f16 and array.ndim == 2:  # llama.cpp keeps 1-D tensors in F32
+            array = array.astype(np.float16)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        arrays[name] = np.ascontiguousarray(array)
+    meta = {"add_name": type(model).__name__.removesuffix("ForCausalLM"),
+            "add_block_count": c.num_hidden_layers,
+            "add_embedding_length": c.hidden_size,
+            "add_head_count": c.num_attention_heads,
+            "tokenizer.ggml.tokens": [f"t{i}" for i in range(VOCAB)]}
+    if arch == "gpt2":
+        meta.update(add_context_length=c.n_positions, add_feed_forward_length=4 * c.n_embd,
+                    add_layer_norm_eps=c.layer_norm_epsilon)
+        return arrays, meta
+    meta.update(add_context_length=c.max_position_embeddings,
+                add_feed_forward_length=c.intermediate_size,
+                add_head_count_kv=c.num_key_value_heads, add_layer_norm_rms_eps=c.rms_norm_eps)
+    head_dim = getattr(c, "head_dim", None)  # Qwen2's config.json has none
+    if head_dim is not None:
+        meta.update(add_key_length=head_dim, add_value_length=head_dim)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    meta["add_rope_freq_base"] = rope["rope_theta"]
+    if rope["rope_type"] == "linear":
+        meta.update(add_rope_scaling_type=gguf.RopeScalingType.LINEAR,
+                    add_rope_scaling_factor=rope["factor"])
+    if arch == "llama":
+        meta.update(add_vocab_size=c.vocab_size, add_rope_dimension_count=head_dim)
+    if arch == "gemma3":
+        meta["add_sliding_window"] = c.sliding_window
+    return arrays, meta
+
+
+def write(path, arch: str, arrays: dict, meta: dict):
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        if key.startswith("add_"):
+            getattr(writer, key)(value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_float32(key, value)
+    for name, array in arrays.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def expected_state(model) -> dict:
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    return state
+
+
+# Config fields compared between the original and transformers' reading of ours.
+FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+          "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "attention_bias",
+          "sliding_window", "layer_types", "query_pre_attn_scalar", "final_logit_softcapping",
+          "hidden_act", "hidden_activation", "n_positions", "n_embd", "n_layer", "n_head",
+          "n_inner", "layer_norm_epsilon", "activation_function", "model_type")
+
+
+def check_config(config: dict, original) -> None:
+    ours = transformers.AutoConfig.for_model(**config).to_dict()
+    want = original.to_dict()
+    compared = [k for k in FIELDS if k in want]
+    assert len(compared) >= 10
+    for key in compared:
+        assert ours[key] == want[key], key
+
+
+def logits(model, config: dict | None = None, state: dict | None = None) -> torch.Tensor:
+    if config is not None:
+        hf_config = transformers.AutoConfig.for_model(**config)
+        model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        assert unexpected == [] and missing == (["lm_head.weight"] if
+                                                hf_config.tie_word_embeddings else [])
+        model.tie_weights()
+    ids = torch.arange(20).remainder(VOCAB).reshape(1, 20)  # past gemma's window of 8
+    with torch.no_grad():
+        return model(ids).logits
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_equals_transformers_model(tmp_path, family):
+    model, arch = tiny(family)
+    path = write(tmp_path / f"{family}.gguf", arch, *convert(model, arch))
+    config, state = read_gguf_model(path)
+    want = expected_state(model)
+    assert list(state) and set(state) == set(want)
+    for name, tensor in want.items():
+        assert state[name].dtype == torch.float32
+        assert torch.equal(state[name], tensor), name
+    check_config(config, model.config)
+    assert config["model_type"] == model.config.model_type
+    torch.testing.assert_close(logits(model, config, state), logits(model), rtol=0, atol=0)
+
+
+def test_config_fields(tmp_path):
+    model, arch = tiny("gemma3")
+    config = gguf_config(read_gguf_header(write(tmp_path / "g.gguf", arch,
+                                                *convert(model, arch))))
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention",
+                                                                 "sliding_attention"]
+    assert config["sliding_window"] == 8 and config["rope_local_base_freq"] == 10000.0
+    assert config["rope_theta"] == 1_000_000.0 and config["rms_norm_eps"] == 1e-6
+    assert config["query_pre_attn_scalar"] == 8 and config["tie_word_embeddings"] is True
+    model, arch = tiny("llama")
+    config = gguf_config(read_gguf_header(write(tmp_path / "l.gguf", arch,
+                                                *convert(model, arch))))
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    assert config["rms_norm_eps"] == 1e-5  # float32 in the file, 1e-05 here
+    assert config["tie_word_embeddings"] is False and config["attention_bias"] is True
+    model, arch = tiny("qwen2")
+    config = gguf_config(read_gguf_header(write(tmp_path / "q.gguf", arch,
+                                                *convert(model, arch))))
+    assert "attention_bias" not in config and config["rope_scaling"] is None
+    arrays, meta = convert(model, arch)
+    meta.update(add_rope_scaling_type=gguf.RopeScalingType.YARN, add_rope_scaling_factor=4.0,
+                add_rope_scaling_orig_ctx_len=16)
+    config = gguf_config(read_gguf_header(write(tmp_path / "y.gguf", arch, arrays, meta)))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    assert config["rope_scaling"] == yarn
+    want = transformers.Qwen2Config(**{**model.config.to_dict(), "rope_parameters": None},
+                                    rope_theta=1_000_000.0, rope_scaling=yarn)
+    assert (transformers.AutoConfig.for_model(**config).rope_parameters
+            == want.rope_parameters)
+    meta["add_rope_scaling_type"] = gguf.RopeScalingType.NONE
+    config = gguf_config(read_gguf_header(write(tmp_path / "n.gguf", arch, arrays, meta)))
+    assert config["rope_scaling"] is None
+    model, arch = tiny("gpt2")
+    config = gguf_config(read_gguf_header(write(tmp_path / "g2.gguf", arch,
+                                                *convert(model, arch))))
+    assert config["n_inner"] is None and config["n_positions"] == 64  # 4 * n_embd
+
+
+def test_f16_file(tmp_path):
+    model, arch = tiny("llama")
+    path = write(tmp_path / "f16.gguf", arch, *convert(model, arch, f16=True))
+    assert read_gguf_header(path).tensors["blk.0.attn_q.weight"].type_name == "F16"
+    config, state = read_gguf_model(path)
+    for name, tensor in expected_state(model).items():
+        want = tensor.half().float() if tensor.dim() == 2 else tensor
+        assert torch.equal(state[name], want), name
+
+
+def test_bfloat16_keeps_gemma_norms(tmp_path):
+    model, arch = tiny("gemma3")
+    path = write(tmp_path / "g.gguf", arch, *convert(model, arch))
+    _, state = read_gguf_model(path, dtype=torch.bfloat16)
+    norm = "model.layers.0.post_feedforward_layernorm.weight"
+    original = model.state_dict()
+    assert not torch.equal((original[norm] + 1).bfloat16() - 1, original[norm].bfloat16())
+    for name, tensor in expected_state(model).items():
+        assert state[name].dtype == torch.bfloat16
+        assert torch.equal(state[name], tensor.bfloat16()), name
+
+
+def test_max_bytes_passed_through(tmp_path):
+    model, arch = tiny("qwen3")
+    path = write(tmp_path / "q.gguf", arch, *convert(model, arch))
+    total = sum(t.numel() * 4 for t in expected_state(model).values())
+    with pytest.raises(ValueError) as error:
+        read_gguf_model(path, max_bytes=total - 1)
+    one_line(error, f"{total:,} bytes", f"{total - 1:,}")
+    assert len(read_gguf_model(path, max_bytes=total)[1]) == len(expected_state(model))
+    model, arch = tiny("gemma3")  # bfloat16: the norms are read in float32 first
+    path = write(tmp_path / "g.gguf", arch, *convert(model, arch))
+    with pytest.raises(ValueError):
+        read_gguf_model(path, dtype=torch.bfloat16, max_bytes=1000)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "gemma3", "gpt2"])
+def test_files_read_by_transformers_gguf_loader(tmp_path, family):
+    """transformers' own GGUF reader (which undoes llama.cpp's conventions itself) gives
+    the original weights back from these files: they are written as llama.cpp writes.
+    (``from_pretrained(gguf_file=...)`` needs accelerate, not installed here; this is the
+    function it calls.)"""
+    loader = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    model, arch = tiny(family)
+    path = write(tmp_path / f"{family}.gguf", arch, *convert(model, arch))
+    theirs = loader.load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
+    want = expected_state(model)
+    tensors = {k: v for k, v in theirs["tensors"].items() if k in want}
+    assert set(tensors) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(tensors[name], tensor), name
+    ours = read_gguf_model(path)[0]
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "n_embd", "n_layer", "n_head", "tie_word_embeddings",
+                "sliding_window"):
+        if key in theirs["config"]:
+            assert ours[key] == theirs["config"][key], key
+
+
+def test_real_file_shape_of_config(tmp_path):
+    """The SmolLM2-135M layout (tied, 9 heads of 64, 3 KV heads): no key_length, the heads'
+    size from rope.dimension_count, as llama.cpp writes llama files."""
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=36, intermediate_size=16,
+                                      num_hidden_layers=1, num_attention_heads=9,
+                                      num_key_value_heads=3, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    arrays, meta = convert(model, "llama")
+    del meta["add_key_length"], meta["add_value_length"]
+    config, state = read_gguf_model(write(tmp_path / "s.gguf", "llama", arrays, meta))
+    assert config["head_dim"] == 4 and config["tie_word_embeddings"]
+    for name, tensor in expected_state(model).items():
+        assert torch.equal(state[name], tensor), name
+
+
+# ---------------------------------------------------------------------------
+# Refusals: one line each, before a tensor is read.
+
+def one_line(error: pytest.ExceptionInfo, *parts: str) -> None:
+    text = str(error.value)
+    assert "\n" not in text, text
+    for part in parts:
+        assert part in text, text
+
+
+@pytest.fixture
+def no_reads(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read before the file was checked")
+    monkeypatch.setattr(gguf_model, "read_gguf_tensors", refuse)
+
+
+def refused(path, *parts: str) -> None:
+    with pytest.raises(ValueError) as error:
+        read_gguf_model(path)
+    one_line(error, str(path), *parts)
+
+
+def test_refuses_unknown_architecture(tmp_path, no_reads):
+    path = write(tmp_path / "phi.gguf", "phi3",
+                 {"token_embd.weight": np.ones((4, 8), np.float32)},
+                 {"add_block_count": 1})
+    refused(path, "'phi3'", "llama, qwen2, qwen3, gemma3, gpt2")
+
+
+def test_refuses_missing_extra_and_misshapen_tensors(tmp_path, no_reads):
+    model, arch = tiny("llama")
+    arrays, meta = convert(model, arch)
+    missing = dict(arrays)
+    del missing["blk.1.ffn_up.weight"]
+    refused(write(tmp_path / "missing.gguf", arch, missing, meta),
+            "has no tensor blk.1.ffn_up.weight", "model.layers.1.mlp.up_proj.weight")
+    extra = {**arrays, "blk.0.ffn_up.bias": np.zeros(40, np.float32)}
+    refused(write(tmp_path / "extra.gguf", arch, extra, meta),
+            "tensor blk.0.ffn_up.bias is not part of a llama model")
+    refused(write(tmp_path / "shape.gguf", arch, arrays, {**meta, "add_feed_forward_length": 41}),
+            "tensor blk.0.ffn_gate.weight has shape [40, 32]", "implies [41, 32]")
+    gpt2, _ = tiny("gpt2")
+    g_arrays, g_meta = convert(gpt2, "gpt2")
+    g_arrays["blk.0.attn_qkv.weight"] = g_arrays["blk.0.attn_qkv.weight"].T.copy()
+    refused(write(tmp_path / "conv1d.gguf", "gpt2", g_arrays, g_meta),
+            "tensor blk.0.attn_qkv.weight has shape [32, 96]", "implies [96, 32]")
+    rope = {**arrays, "rope_freqs.weight": np.ones(4, np.float32)}
+    refused(write(tmp_path / "rope.gguf", arch, rope, meta),
+            "rope_freqs tensor (llama3 rope scaling) is not supported yet")
+
+
+def test_refuses_lying_counts(tmp_path, no_reads):
+    model, arch = tiny("llama")
+    arrays, meta = convert(model, arch)
+    refused(write(tmp_path / "huge.gguf", arch, arrays, {**meta, "add_block_count": 10**9}),
+            "block_count is 1,000,000,000", f"only {len(arrays)} tensors")
+    refused(write(tmp_path / "more.gguf", arch, arrays, {**meta, "add_block_count": 3}),
+            "has no tensor blk.2.attn_norm.weight")
+    refused(write(tmp_path / "fewer.gguf", arch, arrays, {**meta, "add_block_count": 1}),
+            "tensor blk.1.attn_q.weight is not part of", "(13 such")
+    refused(write(tmp_path / "vocab.gguf", arch, arrays, {**meta, "add_vocab_size": 50}),
+            "vocab_size is 50", "48 rows")
+    good = write(tmp_path / "good.gguf", arch, arrays, meta)
+    data = bytearray(good.read_bytes())
+    struct.pack_into("<Q", data, 8, 2**40)  # the header's tensor count
+    (tmp_path / "count.gguf").write_bytes(bytes(data))
+    refused(tmp_path / "count.gguf", "tensor count")
+
+
+def test_refuses_bad_metadata(tmp_path, no_reads):
+    model, arch = tiny("llama")
+    arrays, meta = convert(model, arch)
+    no_eps = {k: v for k, v in meta.items() if k != "add_layer_norm_rms_eps"}
+    refused(write(tmp_path / "eps.gguf", arch, arrays, no_eps),
+            "llama.attention.layer_norm_rms_epsilon is missing")
+    refused(write(tmp_path / "kv.gguf", arch, arrays, {**meta, "add_head_count_kv": 3}),
+            "attention.head_count 4 is not a multiple of attention.head_count_kv 3")
+    refused(write(tmp_path / "rot.gguf", arch, arrays, {**meta, "add_rope_dimension_count": 4}),
+            "rope.dimension_count is 4", "partial rotary")
+    refused(write(tmp_path / "yarn.gguf", arch, arrays,
+                  {**meta, "llama.rope.scaling.mystery": 1.5}),
+            "rope.scaling.mystery is not understood")
+    refused(write(tmp_path / "zero.gguf", arch, arrays, {**meta, "add_head_count": 0}),
+            "llama.attention.head_count must be an integer")
+
+
+def test_state_dict_checks_config_against_header(tmp_path, no_reads):
+    """A config that is not the file's (another family's) is refused by name."""
+    model, arch = tiny("qwen3")
+    path = write(tmp_path / "q.gguf", arch, *convert(model, arch))
+    header = read_gguf_header(path)
+    config = {**gguf_config(header), "model_type": "gemma3_text"}
+    with pytest.raises(ValueError) as error:
+        gguf_state_dict(path, header, config)
+    one_line(error, "has no tensor blk.0.post_attention_norm.weight", "gemma3_text")
