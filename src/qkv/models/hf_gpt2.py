@@ -32,6 +32,7 @@ from torch import Tensor
 from ..checks import MAX_SIZE, check_int, parse_json, show
 
 __all__ = ["HF_CONFIG", "HF_SAFETENSORS", "HF_PYTORCH_BIN", "gpt2_fields", "read_config",
+           "to_qkv",
            "read_weights", "weights_file"]
 
 HF_CONFIG = "config.json"
@@ -186,7 +187,7 @@ def read_weights(
         raw = {_strip(k): v for k, v in loaded.items() if _strip(k) in expected}
         _check_dtypes(path, {k: v.dtype for k, v in raw.items()})
     _check_finite(path, raw)
-    return _to_qkv(raw, fields)
+    return to_qkv(raw, fields)
 
 
 # safetensors' names of the floating-point dtypes (its header's "dtype" field).
@@ -237,8 +238,11 @@ def _check_names(path: Path, shapes: Mapping[str, tuple[int, ...]],
                              f"{list(shape)} from {HF_CONFIG}")
 
 
-def _to_qkv(raw: Mapping[str, Tensor], fields: Mapping[str, Any]) -> dict[str, Tensor]:
-    """Hugging Face names and layouts -> ``GPTModel``'s (float32, contiguous)."""
+def to_qkv(raw: Mapping[str, Tensor], fields: Mapping[str, Any]) -> dict[str, Tensor]:
+    """Hugging Face GPT-2 names and layouts (``Conv1D``'s ``(in, out)`` weights, the fused
+    ``c_attn``; with or without the ``transformer.`` prefix) -> ``GPTModel``'s state dict
+    (float32, contiguous). ``fields``: the :func:`gpt2_fields` of the model."""
+    raw = {_strip(k): v for k, v in raw.items()}
     d = fields["emb_dim"]
 
     def t(name: str) -> Tensor:

@@ -48,6 +48,7 @@ from ..checks import (
     fields_from_dict,
     show,
 )
+from ..data.gguf_tokenizer import tokenizer_from_gguf
 from ..data.lm import GPTDataset, create_dataloader, generated_corpus
 from ..data.tokenfile import TokenFile, prepare_token_file
 from ..data.tokenizers import (
@@ -59,6 +60,8 @@ from ..data.tokenizers import (
     load_hf_tokenizer,
     tokenizer_from_dict,
 )
+from ..models.gguf_model import gguf_config, gguf_state_dict
+from ..models.gguf_weights import read_gguf_header
 from ..models.gpt import (
     PRESETS,
     GPTConfig,
@@ -67,6 +70,9 @@ from ..models.gpt import (
     check_sampling,
     generate,
 )
+from ..models.hf_gpt2 import to_qkv as gpt2_to_qkv
+from ..models.hf_open import config_fields, read_open_config, read_open_weights, to_qkv
+from ..models.hub import fetch_model, is_repo_id
 from ..training import (
     DECAYS,
     DTYPES,
@@ -380,6 +386,16 @@ class LanguageModel:
         return cls(model.to(resolve_device(device)), tokenizer, settings)
 
     @property
+    def title(self) -> str:
+        """What the model is, for a page or a log: ``"GPT 'mini'"``, or an imported
+        model's type and source (``"llama from SmolLM2-135M-Instruct.Q4_1.gguf"``)."""
+        if self.settings.architecture is None:
+            return f"GPT '{self.settings.preset}'"
+        kind = str(self.settings.extra.get("model_type", "open model"))
+        source = self.settings.extra.get("source")
+        return kind if source is None else f"{kind} from {Path(str(source)).name}"
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
@@ -527,7 +543,7 @@ def _token_ids(settings: LMSettings, tokenizer: Tokenizer, run_dir: Path, progre
 
 def _model_name(settings: LMSettings, num_params: int) -> str:
     if settings.architecture is not None:
-        return f"this {num_params:,}-parameter imported model"
+        return f"this {num_params:,}-parameter open model"
     resized = any(getattr(settings, k) is not None for k in _SIZES)
     return (f"this {num_params:,}-parameter GPT ('{settings.preset}' preset"
             f"{', resized' if resized else ''})")
@@ -848,9 +864,6 @@ def import_model(
     anything is allocated; the run directory follows the usual rules (one writer, an
     existing checkpoint replaced only with ``overwrite``).
     """
-    from ..models.hf_open import config_fields, read_open_config, read_open_weights
-    from ..models.hub import fetch_model, is_repo_id
-
     if dtype not in IMPORT_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(IMPORT_DTYPES)}, got {show(dtype)}")
     run_dir = Path(run_dir)
@@ -875,31 +888,30 @@ def import_model(
         return import_gpt2(path, run_dir, bpe_dir=bpe_dir, overwrite=overwrite, log=log)
     cfg = GPTConfig(**config_fields(config, str(path / "config.json")))
     tokenizer = _fit_tokenizer(load_hf_tokenizer(path), cfg, path)
-    return _save_import(
-        cfg, tokenizer, lambda budget: read_open_weights(path, dataclasses.asdict(cfg),
-                                                         torch_dtype, max_bytes=budget),
-        torch_dtype, path, run_dir, overwrite, log)
+    fields = dataclasses.asdict(cfg)
+
+    def read(budget: int | None) -> dict[str, Tensor]:
+        return read_open_weights(path, fields, torch_dtype, max_bytes=budget)
+
+    return _save_import(cfg, str(config["model_type"]), tokenizer, read, torch_dtype, path,
+                        run_dir, overwrite, log)
 
 
 def _import_gguf(path: Path, run_dir: Path, dtype: torch.dtype, overwrite: bool,
                  log: Callable[[str], None] | None) -> LanguageModel:
-    from ..data.gguf_tokenizer import tokenizer_from_gguf
-    from ..models.gguf_model import gguf_config, gguf_state_dict, read_gguf_header
-    from ..models.hf_open import config_fields, to_qkv
-
     header = read_gguf_header(path)
-    config = gguf_config(header)
-    if config.get("model_type") == "gpt2":
-        raise ValueError(f"{path}: a GPT-2 GGUF; import GPT-2 from its Hugging Face folder "
-                         "(config.json, model.safetensors, vocab.json, merges.txt)")
+    config = gguf_config(header)  # what a Hugging Face folder's config.json would say
     fields = config_fields(config, str(path))
     cfg = GPTConfig(**fields)
     tokenizer = _fit_tokenizer(tokenizer_from_gguf(path), cfg, path)
+    convert = gpt2_to_qkv if config.get("model_type") == "gpt2" else to_qkv
 
     def read(budget: int | None) -> dict[str, Tensor]:
-        return to_qkv(gguf_state_dict(path, header, config, dtype, max_bytes=budget), fields)
+        raw = gguf_state_dict(path, header, config, dtype, max_bytes=budget)
+        return {name: t.to(dtype) for name, t in convert(raw, fields).items()}
 
-    return _save_import(cfg, tokenizer, read, dtype, path, run_dir, overwrite, log)
+    return _save_import(cfg, str(config.get("model_type")), tokenizer, read, dtype, path,
+                        run_dir, overwrite, log)
 
 
 def _fit_tokenizer(tokenizer: HFTokenizer, cfg: GPTConfig, source: Path) -> HFTokenizer:
@@ -918,6 +930,7 @@ def _fit_tokenizer(tokenizer: HFTokenizer, cfg: GPTConfig, source: Path) -> HFTo
 
 def _save_import(
     cfg: GPTConfig,
+    model_type: str,
     tokenizer: HFTokenizer,
     read: Callable[[int | None], dict[str, Tensor]],
     dtype: torch.dtype,
@@ -931,7 +944,8 @@ def _save_import(
     n = cfg.num_parameters()
     item = torch.empty((), dtype=dtype).element_size()
     settings = LMSettings(tokenizer=HF_TOKENIZER_NAME, architecture=cfg.to_dict(), epochs=0,
-                          lr=1e-3, drop_rate=cfg.drop_rate)
+                          lr=1e-3, drop_rate=cfg.drop_rate,
+                          extra={"model_type": model_type, "source": str(source)})
     settings.validate()
     what = f"importing {_model_name(settings, n)} as {str(dtype).removeprefix('torch.')}"
     # the weights, plus one tensor's float32 expansion at a time (a bounded extra)

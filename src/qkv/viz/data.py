@@ -237,7 +237,7 @@ def describe(target: Target, run_dir: str | Path | None = None) -> dict[str, Any
     if isinstance(target, LanguageModel):
         cfg = target.model.cfg
         return {"kind": "lm", "run": None if run_dir is None else str(run_dir),
-                "name": f"GPT '{target.settings.preset}', {cfg.n_layers} layers x "
+                "name": f"{target.title}, {cfg.n_layers} layers x "
                         f"{cfg.n_heads} heads, tokenizer {target.tokenizer.name}"}
     if isinstance(target, Translator):
         kind = "transformer" if isinstance(target.model, TransformerSeq2Seq) else "bahdanau"
