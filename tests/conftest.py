@@ -1,3 +1,4 @@
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,12 +49,32 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+# huggingface_hub's module-level settings, read from the environment when it is imported.
+HF_CONSTANTS = {"HF_HOME": "", "HF_HUB_CACHE": "hub", "HF_ASSETS_CACHE": "assets",
+                "HF_XET_CACHE": "xet", "HF_TOKEN_PATH": "token",
+                "HF_STORED_TOKENS_PATH": "stored_tokens"}
+
+
 @pytest.fixture(autouse=True)
-def no_downloads(monkeypatch):
+def no_downloads(monkeypatch, tmp_path_factory):
     """Nothing may download at test time: fail any attempt to fetch a tiktoken encoding,
-    and keep tiktoken's file cache and $QKV_BPE_DIR out of the tests."""
+    keep tiktoken's file cache and $QKV_BPE_DIR out of the tests, and hold the Hugging
+    Face Hub offline with its cache and token in an empty temporary folder (a repo id
+    given to ``qkv lm import`` then fails as offline; tests/test_hub.py's fake Hub on
+    127.0.0.1 lifts this for its own server)."""
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
     monkeypatch.delenv(BPE_DIR_ENV, raising=False)
+    home = tmp_path_factory.getbasetemp() / "hf-home"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(home / "hub"))
+    for name in ("HF_ENDPOINT", "HF_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+        for name, under in HF_CONSTANTS.items():
+            monkeypatch.setattr(constants, name, str(home / under) if under else str(home))
     try:
         import tiktoken
     except ImportError:

@@ -5,8 +5,15 @@ model listing ``GET /api/models/{repo}/revision/{rev}?blobs=true`` and the file
 resolution ``HEAD``/``GET /{repo}/resolve/{rev}/{name}``, with the headers the Hub sends
 (``X-Repo-Commit``, ``ETag``, ``Content-Length``; ``X-Linked-Size``, ``X-Linked-Etag`` and
 a ``Location`` redirect for LFS files), and records every request. ``HF_ENDPOINT`` points
-at it and ``HF_HOME``/``HF_HUB_CACHE`` at a temporary folder in every test, so nothing
-reaches the internet or the real cache.
+at it and ``HF_HOME``/``HF_HUB_CACHE`` at a temporary folder in every test (and
+conftest's ``no_downloads`` keeps huggingface_hub's token and cache paths in another), and
+a socket may connect to the loopback address only, so nothing reaches the internet or the
+real cache.
+
+The end-to-end tests serve a real tiny model, a transformers ``LlamaForCausalLM`` saved
+with ``save_pretrained`` beside a byte-level BPE tokenizer, and run ``qkv lm import
+owner/tiny`` on it: the run must compute transformers' logits and tokenize as
+transformers does, from files the server sent, and again offline from the cache.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,9 +37,13 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from huggingface_hub import constants  # noqa: E402
 
+from qkv.cli import main  # noqa: E402
 from qkv.models.hub import fetch_model, is_repo_id  # noqa: E402
 
 REPO = "owner/tiny"
+# How an offline error without a cached copy ends: the import's other forms.
+OTHER_FORMS = ("download it elsewhere and pass its local folder or a .gguf file instead: "
+               "qkv lm import FOLDER or qkv lm import FILE.gguf")
 NEEDED = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "model.safetensors"}
 
@@ -61,7 +73,11 @@ def tiny_files() -> dict[str, bytes]:
 
 
 class FakeHub:
-    """The repositories the server knows and the requests it received."""
+    """The repositories the server knows and the requests it received.
+
+    A repository is a set of commits (each any files) and refs (branches, tags) naming
+    them; its ``status``/``error_code``, when set, answer every request for it.
+    """
 
     def __init__(self) -> None:
         self.repos: dict[str, dict] = {}
@@ -72,11 +88,21 @@ class FakeHub:
 
     def add(self, repo: str, files: dict[str, bytes], *, lfs=("model.safetensors",),
             status: int | None = None, error_code: str | None = None,
-            extra: list[dict] | None = None, sizes: dict[str, int] | None = None) -> str:
-        sha = hashlib.sha1(repo.encode()).hexdigest()
-        self.repos[repo] = {"files": files, "lfs": set(lfs), "sha": sha, "status": status,
-                            "error_code": error_code, "extra": extra or [],
-                            "sizes": sizes or {}}
+            extra: list[dict] | None = None, sizes: dict[str, int] | None = None,
+            refs: tuple[str, ...] = ("main",)) -> str:
+        """Serve ``files`` as a commit of ``repo`` that ``refs`` then name (earlier commits
+        stay, by their hash and the refs not moved); return the commit hash. ``lfs``: the
+        files stored in LFS (a redirect to the CDN); ``extra``: more listing entries;
+        ``sizes``: sizes the listing gives instead of the true ones."""
+        digest = hashlib.sha1(repo.encode())
+        for name in sorted(files):
+            digest.update(name.encode() + b"\0" + hashlib.sha1(files[name]).digest())
+        sha = digest.hexdigest()
+        entry = self.repos.setdefault(repo, {"commits": {}, "refs": {}})
+        entry["commits"][sha] = {"files": files, "lfs": set(lfs), "sha": sha,
+                                 "extra": extra or [], "sizes": sizes or {}}
+        entry["refs"].update(dict.fromkeys(refs, sha))
+        entry.update(status=status, error_code=error_code)
         return sha
 
     def fetched(self) -> set[str]:
@@ -132,10 +158,11 @@ class Handler(BaseHTTPRequestHandler):
             return
         if path.startswith("/cdn/"):
             for repo in hub.repos.values():
-                for name, data in repo["files"].items():
-                    if hashlib.sha256(data).hexdigest() == path[len("/cdn/"):]:
-                        self.file(hub, name, data, {"ETag": f'"{path[5:]}"'}, body)
-                        return
+                for commit in repo["commits"].values():
+                    for name, data in commit["files"].items():
+                        if hashlib.sha256(data).hexdigest() == path[len("/cdn/"):]:
+                            self.file(hub, name, data, {"ETag": f'"{path[5:]}"'}, body)
+                            return
             self.error(404, None, body)
             return
         parts = path.strip("/").split("/")
@@ -183,6 +210,7 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
 
     def repo(self, hub: FakeHub, repo_id: str, revision: str, body: bool) -> dict | None:
+        """The commit ``revision`` (a ref or a commit hash) names, or ``None`` answered."""
         repo = hub.repos.get(repo_id)
         if repo is None:
             self.error(404, "RepoNotFound", body)
@@ -190,10 +218,11 @@ class Handler(BaseHTTPRequestHandler):
         if repo["status"] is not None:
             self.error(repo["status"], repo["error_code"], body)
             return None
-        if revision not in ("main", repo["sha"]):
+        sha = repo["refs"].get(revision, revision)
+        if sha not in repo["commits"]:
             self.error(404, "RevisionNotFound", body)
             return None
-        return repo
+        return repo["commits"][sha]
 
     def listing(self, hub: FakeHub, repo_id: str, revision: str, body: bool) -> None:
         repo = self.repo(hub, repo_id, revision, body)
@@ -213,6 +242,16 @@ class Handler(BaseHTTPRequestHandler):
         self.send(200, {"Content-Type": "application/json"}, json.dumps(info).encode(), body)
 
 
+def loopback_only(connect):
+    """``socket.connect`` refusing any internet address but 127.0.0.1 and ::1."""
+    def guarded(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in (
+                "127.0.0.1", "::1"):
+            raise AssertionError(f"a test tried to connect to {address}")
+        return connect(sock, address)
+    return guarded
+
+
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     """A running fake Hub with ``HF_ENDPOINT`` and the caches pointed at it and tmp_path."""
@@ -230,6 +269,8 @@ def hub(tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     # huggingface_hub read HF_HUB_OFFLINE when it was imported.
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket.socket, "connect", loopback_only(socket.socket.connect))
+    monkeypatch.setattr(socket.socket, "connect_ex", loopback_only(socket.socket.connect_ex))
 
     def stop() -> None:
         if fake.server is not None:
@@ -307,7 +348,7 @@ def test_second_fetch_works_from_the_cache_offline(hub, monkeypatch, offline):
     assert len(lines) == 1 and "cached" in lines[0]
     # By the commit hash too; a revision never fetched is not in the cache.
     assert fetch_model(REPO, revision=sha) == first
-    with pytest.raises(ConnectionError, match="cannot reach"):
+    with pytest.raises(ConnectionError, match="offline"):
         fetch_model(REPO, revision="v2")
 
 
@@ -322,8 +363,9 @@ def test_offline_with_an_empty_cache_is_one_line_naming_the_folder_form(hub, mon
     with pytest.raises(ConnectionError) as caught:
         fetch_model(REPO)
     text = one_line(caught.value)
-    assert text.startswith(f"cannot reach the Hugging Face Hub to download {REPO} (")
-    assert text.endswith("download it elsewhere and pass the folder: qkv lm import FOLDER")
+    assert text.startswith(f"cannot download {REPO}: offline, or the Hugging Face Hub is "
+                           "unreachable (")
+    assert text.endswith(OTHER_FORMS)
     if offline == "HF_HUB_OFFLINE=1":
         assert "HF_HUB_OFFLINE" in text and hub.requests == []
     if offline == "hub down":
@@ -433,7 +475,7 @@ def test_ctrl_c_mid_download_leaves_no_half_file(hub, monkeypatch):
     assert not any(p.name == "model.safetensors" for p in cache.rglob("*"))
     # Offline, the half-fetched snapshot is not taken for a model.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConnectionError, match="cannot reach"):
+    with pytest.raises(ConnectionError, match="offline"):
         fetch_model(REPO)
     # Online again, the fetch completes and the weights are whole.
     monkeypatch.delenv("HF_HUB_OFFLINE")
@@ -475,4 +517,195 @@ def test_without_huggingface_hub_the_error_names_the_extra_and_the_folder_form(m
     with pytest.raises(ImportError) as caught:
         fetch_model(REPO)
     text = one_line(caught.value)
-    assert "qkv[hf]" in text and "qkv lm import FOLDER" in text
+    assert "qkv[hf]" in text and "qkv lm import FOLDER or qkv lm import FILE.gguf" in text
+
+
+def test_the_tests_connect_to_the_loopback_address_only(hub, monkeypatch):
+    # 192.0.2.1 is reserved for documentation: the guard refuses it before a packet leaves.
+    monkeypatch.setenv("HF_ENDPOINT", "http://192.0.2.1")
+    with pytest.raises(AssertionError, match="192.0.2.1"):
+        fetch_model(REPO)
+
+
+# ---------------------------------------------------------------------------------------
+# qkv lm import owner/tiny, end to end: a real tiny model served by the fake Hub.
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ["The quick brown fox jumps over the lazy dog. " * 3,
+          "Attention is all you need; queries, keys and values. " * 3]
+VOCAB = 300
+# What the import reads of the served repository; it serves more (UNREAD) too.
+MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+               "tokenizer_config.json"}
+UNREAD = {"pytorch_model.bin": b"\x80\x04 a pickle", "model.gguf": b"GGUF....",
+          "onnx/model.onnx": b"onnx", "README.md": b"# tiny", ".gitattributes": b"*"}
+
+
+class Tiny:
+    """A transformers model and the files of its repository."""
+
+    def __init__(self, model, files: dict[str, bytes], tokenizer_file: Path) -> None:
+        self.model = model
+        self.files = files
+        self.tokenizer_file = tokenizer_file
+
+    def logits(self, ids):
+        with torch.no_grad():
+            return self.model(ids).logits
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[int, Tiny]:
+    """Two tiny Llama models (seeds 0 and 1) sharing one byte-level BPE tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.train_from_iterator(CORPUS, trainer=trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    out = {}
+    for seed in (0, 1):
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            bos_token_id=None, eos_token_id=SPECIALS.index("<|im_end|>"))
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(config).eval()
+        with torch.no_grad():  # norms off their initial ones, as a trained model's are
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(0.1 * torch.randn_like(p))
+        folder = tmp_path_factory.mktemp(f"tiny{seed}")
+        model.save_pretrained(folder)
+        tok.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}))
+        files = {p.name: p.read_bytes() for p in folder.iterdir()}
+        assert set(files) == MODEL_FILES
+        out[seed] = Tiny(model, files, folder / "tokenizer.json")
+    return out
+
+
+def ids(seed: int = 0):
+    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def import_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["lm", "import", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qkv lm: error: "), err
+    return lines[0]
+
+
+def test_import_of_a_repo_id_runs_like_transformers_and_again_offline(hub, tiny, tmp_path,
+                                                                      monkeypatch, capsys):
+    from transformers import PreTrainedTokenizerFast
+
+    from qkv.tasks.lm import LanguageModel
+
+    model = tiny[0]
+    sha = hub.add(REPO, {**model.files, **UNREAD})
+    run = tmp_path / "run"
+    code, out, err = import_cli(capsys, REPO, "--run-dir", str(run))
+    assert code == 0, err
+    assert f"{REPO} at {sha[:12]}: 5 files" in out
+    # Every file came from the server, and only the ones the import reads.
+    assert hub.fetched() == MODEL_FILES
+    assert hub.requests[0] == ("GET", f"/api/models/{REPO}")  # the listing, then files
+    weights_sha256 = hashlib.sha256(model.files["model.safetensors"]).hexdigest()
+    assert ("GET", f"/cdn/{weights_sha256}") in hub.requests  # the LFS weights' redirect
+    cache = (tmp_path / "hf" / "hub").resolve()
+    lm = LanguageModel.load(run)
+    assert Path(lm.settings.extra["source"]).resolve().is_relative_to(cache)
+
+    torch.testing.assert_close(lm.model(ids()), model.logits(ids()), atol=1e-4, rtol=0)
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(model.tokenizer_file),
+                                        chat_template=CHATML)
+    for text in ("The quick brown fox <|im_end|> ünïcode", "queries, keys and values"):
+        assert lm.tokenizer.encode(text) == reference.encode(text)
+    chat = reference.apply_chat_template([{"role": "user", "content": "Hi fox"}],
+                                         add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+    assert lm.encode_prompt("Hi fox", chat=True).tolist() == [chat]
+    assert lm.tokenizer.eos_token_ids == [reference.convert_tokens_to_ids("<|im_end|>")]
+
+    # Offline, the same repo id imports from the cache: the server stopped, then
+    # HF_HUB_OFFLINE as well.
+    hub.stop()
+    for i, offline in enumerate(("server stopped", "HF_HUB_OFFLINE=1")):
+        if offline == "HF_HUB_OFFLINE=1":
+            monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        again = tmp_path / f"offline{i}"
+        code, out, err = import_cli(capsys, REPO, "--run-dir", str(again))
+        assert code == 0, err
+        assert "using the cached" in out and sha in out
+        lm = LanguageModel.load(again)
+        torch.testing.assert_close(lm.model(ids(1)), model.logits(ids(1)), atol=1e-4, rtol=0)
+    assert hub.fetched() == MODEL_FILES
+
+
+def test_revision_pins_a_commit_and_an_unknown_one_is_one_line(hub, tiny, tmp_path, capsys):
+    from qkv.tasks.lm import LanguageModel
+
+    old = hub.add(REPO, tiny[0].files, refs=("main", "v1"))
+    new = hub.add(REPO, tiny[1].files)  # main moves on; v1 and the old commit stay
+    assert old != new
+    assert not torch.allclose(tiny[0].logits(ids()), tiny[1].logits(ids()), atol=1e-2)
+    for revision, want in ((old, 0), ("v1", 0), (None, 1)):
+        run = tmp_path / f"run-{revision}"
+        pin = [] if revision is None else ["--revision", revision]
+        code, out, err = import_cli(capsys, REPO, "--run-dir", str(run), *pin)
+        assert code == 0, err
+        lm = LanguageModel.load(run)
+        assert Path(lm.settings.extra["source"]).name == (new if want else old)
+        torch.testing.assert_close(lm.model(ids()), tiny[want].logits(ids()), atol=1e-4,
+                                   rtol=0)
+    hub.requests.clear()
+    run = tmp_path / "unknown"
+    code, out, err = import_cli(capsys, REPO, "--run-dir", str(run), "--revision", "v9")
+    assert code == 2
+    line = one_error_line(err)
+    assert REPO in line and "'v9'" in line and "revision" in line
+    assert hub.fetched() == set() and not run.exists()
+
+
+@pytest.mark.parametrize("offline", ["server stopped", "HF_HUB_OFFLINE=1"])
+def test_import_offline_with_an_empty_cache_is_one_line_naming_the_other_forms(
+        hub, tiny, tmp_path, monkeypatch, capsys, offline):
+    hub.add(REPO, tiny[0].files)
+    if offline == "server stopped":
+        hub.stop()
+    else:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = tmp_path / "run"
+    code, out, err = import_cli(capsys, REPO, "--run-dir", str(run))
+    assert code == 2
+    line = one_error_line(err)
+    assert f"cannot download {REPO}: offline" in line and line.endswith(OTHER_FORMS)
+    if offline == "HF_HUB_OFFLINE=1":
+        assert "HF_HUB_OFFLINE is set" in line and hub.requests == []
+    assert not run.exists()
+    assert not any(p.is_file() for p in (tmp_path / "hf").rglob("*"))
+
+
+def test_import_of_a_missing_repo_is_one_line(hub, tiny, tmp_path, capsys):
+    hub.add(REPO, tiny[0].files)
+    run = tmp_path / "run"
+    code, out, err = import_cli(capsys, "owner/missing", "--run-dir", str(run))
+    assert code == 2
+    line = one_error_line(err)
+    assert "owner/missing" in line and "no such model repository" in line and "404" in line
+    assert hub.requests == [("GET", "/api/models/owner/missing")]
+    assert not run.exists()

@@ -32,7 +32,8 @@ moves it into place whole, and a snapshot whose weights are missing is never ret
 
 Offline (``HF_HUB_OFFLINE=1``, no network, connection refused, DNS failure), a snapshot
 already in the cache with ``config.json`` and all its weights is used as it is;
-otherwise the error is one line naming the folder form of the import.
+otherwise the error is one line saying so and naming the other forms of the import (a
+local folder or a .gguf file).
 """
 
 from __future__ import annotations
@@ -142,8 +143,10 @@ def _unreachable(repo_id: str, why: str) -> OSError:
     why = " ".join(why.split())
     if len(why) > 160:
         why = why[:157] + "..."
-    return ConnectionError(f"cannot reach the Hugging Face Hub to download {repo_id} ({why}); "
-                           f"download it elsewhere and pass the folder: qkv lm import FOLDER")
+    return ConnectionError(f"cannot download {repo_id}: offline, or the Hugging Face Hub is "
+                           f"unreachable ({why}), and the cache holds no complete copy; "
+                           f"download it elsewhere and pass its local folder or a .gguf file "
+                           f"instead: qkv lm import FOLDER or qkv lm import FILE.gguf")
 
 
 def _network_errors() -> tuple[type[BaseException], ...]:
@@ -307,8 +310,8 @@ def fetch_model(
         from huggingface_hub.errors import HfHubHTTPError
     except ImportError:
         raise ImportError("downloading a Hugging Face repo id needs huggingface_hub "
-                          "(pip install 'qkv[hf]'), or pass a downloaded folder: "
-                          "qkv lm import FOLDER") from None
+                          "(pip install 'qkv[hf]'), or pass a downloaded folder or a .gguf "
+                          "file: qkv lm import FOLDER or qkv lm import FILE.gguf") from None
     say = log if log is not None else (lambda line: None)
     cache = _cache_dir(cache_dir)
     endpoint = os.environ.get("HF_ENDPOINT") or None
