@@ -3,14 +3,16 @@
 Each family's tiny model is built with transformers' own classes, written as llama.cpp's
 converter writes it (the gguf package's tensor names and metadata writers, q/k rows
 permuted for ``llama``, Gemma's norms as ``1 + w``, GPT-2's ``Conv1D`` weights
-transposed), then read back: the state dict must equal the original, the config must
-give transformers the original's config, and a model built from them the same logits.
+transposed, Llama 3's RoPE scaling as a ``rope_freqs`` tensor of divisors), then read
+back: the state dict must equal the original, the config must give transformers the
+original's config, and a model built from them the same logits.
 transformers' own GGUF reader checks independently that the files are written as
 llama.cpp writes them.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -23,6 +25,8 @@ transformers = pytest.importorskip("transformers")
 from qkv.models import gguf_model  # noqa: E402
 from qkv.models.gguf_model import gguf_config, gguf_state_dict, read_gguf_model  # noqa: E402
 from qkv.models.gguf_weights import read_gguf_header  # noqa: E402
+from qkv.models.gpt import GPTConfig, GPTModel  # noqa: E402
+from qkv.models.hf_open import config_fields, to_qkv  # noqa: E402
 
 ARCHES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
           "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3": gguf.MODEL_ARCH.GEMMA3,
@@ -40,6 +44,18 @@ def tiny(family: str):
         config = transformers.LlamaConfig(**common, tie_word_embeddings=False, attention_bias=True,
                                           rms_norm_eps=1e-5, rope_theta=50000.0,
                                           rope_scaling={"rope_type": "linear", "factor": 2.0})
+        cls, arch = transformers.LlamaForCausalLM, "llama"
+    elif family.startswith("llama3-"):
+        # Llama 3.1/3.2's RoPE scaling: (factor, original context, heads' size, base) give
+        # divisors in the blend: three of 16 / 2 (original 16, 40 tokens run past it), or
+        # as Llama 3.2 1B's three of 64 / 2 with 1s and factors around them.
+        factor, original, head_dim, theta = LLAMA3[family]
+        config = transformers.LlamaConfig(**{**common, "max_position_embeddings": 16 * original},
+                                          head_dim=head_dim, rope_theta=theta,
+                                          tie_word_embeddings=True, rope_scaling={
+                                              "rope_type": "llama3", "factor": factor,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": original})
         cls, arch = transformers.LlamaForCausalLM, "llama"
     elif family == "mistral":
         config = transformers.MistralConfig(**common, head_dim=16, sliding_window=None,
@@ -75,6 +91,25 @@ def tiny(family: str):
             else:
                 p.copy_(torch.randn(p.shape))
     return model, arch
+
+
+LLAMA3 = {"llama3-16": (8.0, 16, 16, 20.0), "llama3-8192": (32.0, 8192, 64, 500_000.0)}
+
+
+def llama3_divisors(rope: dict, head_dim: int, dtype=torch.float64) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's converter writes for Llama 3's RoPE scaling: per
+    frequency, the divisor the scaling applies, computed in ``dtype`` (the converter's
+    own arithmetic is float32), stored as float32."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    exponents = torch.arange(0, head_dim, 2, dtype=dtype) / head_dim
+    wavelength = 2 * math.pi / (1.0 / rope["rope_theta"] ** exponents)
+    smooth = (original / wavelength - low) / (high - low)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    divisors = torch.where(wavelength < original / high, torch.ones_like(blend),
+                           torch.where(wavelength > original / low,
+                                       torch.full_like(blend, factor), blend))
+    return divisors.to(torch.float32).numpy()
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -127,6 +162,8 @@ def convert(model, arch: str, f16: bool = False):
     if rope["rope_type"] == "linear":
         meta.update(add_rope_scaling_type=gguf.RopeScalingType.LINEAR,
                     add_rope_scaling_factor=rope["factor"])
+    if rope["rope_type"] == "llama3":  # no metadata: a tensor of divisors
+        arrays["rope_freqs.weight"] = llama3_divisors(rope, head_dim)
     if arch == "llama":
         meta.update(add_vocab_size=c.vocab_size, add_rope_dimension_count=head_dim)
     if arch == "gemma3":
@@ -194,7 +231,7 @@ def logits(model, config: dict | None = None, state: dict | None = None) -> torc
         return model(ids).logits
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", *LLAMA3)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -286,7 +323,7 @@ def test_max_bytes_passed_through(tmp_path):
         read_gguf_model(path, dtype=torch.bfloat16, max_bytes=1000)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "gemma3", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "gemma3", "gpt2", "llama3-16"])
 def test_files_read_by_transformers_gguf_loader(tmp_path, family):
     """transformers' own GGUF reader (which undoes llama.cpp's conventions itself) gives
     the original weights back from these files: they are written as llama.cpp writes.
@@ -323,6 +360,120 @@ def test_real_file_shape_of_config(tmp_path):
     assert config["head_dim"] == 4 and config["tie_word_embeddings"]
     for name, tensor in expected_state(model).items():
         assert torch.equal(state[name], tensor), name
+
+
+# ---------------------------------------------------------------------------
+# Llama 3's RoPE scaling, stored as a rope_freqs tensor
+
+
+def tamed(family: str):
+    """``tiny(family)`` with its matrices scaled by 0.3: logits of about 24 (unit normal
+    weights) differ by float32 noise over 1e-4 between any two implementations."""
+    model, arch = tiny(family)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(0.3)
+    return model, arch
+
+
+def qkv_logits(config: dict, state: dict, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of qkv's GPTModel built from a Hugging Face config and state dict."""
+    fields = config_fields(config, "gguf")
+    model = GPTModel(GPTConfig(**fields)).eval()
+    model.load_state_dict(to_qkv(state, fields))
+    with torch.no_grad():
+        return model(ids)
+
+
+@pytest.mark.parametrize("family", list(LLAMA3))
+def test_llama3_scaling_from_rope_freqs(tmp_path, family):
+    model, arch = tamed(family)
+    rope = model.config.rope_parameters
+    arrays, meta = convert(model, arch)
+    divisors = arrays["rope_freqs.weight"]
+    factor = rope["factor"]
+    assert divisors.max() == factor and ((divisors > 1) & (divisors < factor)).sum() == 3
+    assert (divisors == 1).any() == (family == "llama3-8192")
+    config, state = read_gguf_model(write(tmp_path / "l3.gguf", arch, arrays, meta))
+    assert config["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
+    assert set(state) == set(expected_state(model))  # rope_freqs is the config's now
+    # qkv's decoder gives transformers' logits, 40 tokens (past an original 16).
+    ids = torch.arange(40).mul(7).remainder(VOCAB).reshape(1, 40)
+    with torch.no_grad():
+        want = model(ids).logits
+    torch.testing.assert_close(qkv_logits(config, state, ids), want, atol=1e-4, rtol=0)
+    # which unscaled RoPE would not give
+    unscaled = qkv_logits({**config, "rope_scaling": None}, state, ids)
+    assert (unscaled - want).abs().max() > 1e-2
+    # llama.cpp's converter computes the divisors in float32 arithmetic: the same config.
+    f32 = llama3_divisors(rope, config["head_dim"], torch.float32)
+    if family == "llama3-8192":
+        assert not np.array_equal(f32, divisors)
+    path = write(tmp_path / "f32.gguf", arch, {**arrays, "rope_freqs.weight": f32}, meta)
+    assert read_gguf_model(path)[0] == config
+
+
+def test_llama3_rope_freqs_refused_unless_llama3(tmp_path):
+    model, arch = tiny("llama3-8192")
+    arrays, meta = convert(model, arch)
+    divisors = arrays["rope_freqs.weight"]
+    blend = int(np.flatnonzero((divisors > 1) & (divisors < 32))[1])
+    for i, value in ((blend, divisors[blend] * 1.001), (0, 1.01), (31, 31.0)):
+        tampered = divisors.copy()
+        tampered[i] = value
+        path = write(tmp_path / f"t{i}.gguf", arch, {**arrays, "rope_freqs.weight": tampered},
+                     meta)
+        refused(path, "tensor rope_freqs.weight holds RoPE divisors from 1 to 32",
+                "no llama3 scaling")
+    # another high_freq_factor (llama.cpp would run it; qkv recognises Llama 3.x's 4)
+    other = llama3_divisors({**model.config.rope_parameters, "high_freq_factor": 8.0}, 64)
+    refused(write(tmp_path / "h8.gguf", arch, {**arrays, "rope_freqs.weight": other}, meta),
+            "no llama3 scaling", "high_freq_factor 4")
+
+
+def test_llama3_rope_freqs_header_refusals(tmp_path, no_reads):
+    model, arch = tiny("llama3-16")
+    arrays, meta = convert(model, arch)
+    short = {**arrays, "rope_freqs.weight": arrays["rope_freqs.weight"][:4].copy()}
+    refused(write(tmp_path / "s.gguf", arch, short, meta),
+            "tensor rope_freqs.weight has shape [4]", "heads of 16 imply [8]")
+    linear = {**meta, "add_rope_scaling_type": gguf.RopeScalingType.LINEAR,
+              "add_rope_scaling_factor": 2.0}
+    refused(write(tmp_path / "two.gguf", arch, arrays, linear),
+            "rope.scaling.type is 'linear'", "rope_freqs.weight tensor too")
+    # a config saying llama3 needs the tensor; one that does not refuses it
+    plain = {k: v for k, v in arrays.items() if k != "rope_freqs.weight"}
+    path = write(tmp_path / "plain.gguf", arch, plain, meta)
+    header = read_gguf_header(path)
+    scaling = dict(model.config.rope_parameters)
+    del scaling["rope_theta"]
+    with pytest.raises(ValueError) as error:
+        gguf_state_dict(path, header, {**gguf_config(header), "rope_scaling": scaling})
+    one_line(error, "has no tensor rope_freqs.weight", "rope_scaling (llama3)")
+    qwen, _ = tiny("qwen2")
+    q_arrays, q_meta = convert(qwen, "qwen2")
+    q_arrays["rope_freqs.weight"] = np.ones(4, np.float32)
+    refused(write(tmp_path / "q.gguf", "qwen2", q_arrays, q_meta),
+            "tensor rope_freqs.weight is not part of a qwen2 model")
+
+
+def test_lm_import_of_a_llama3_gguf(tmp_path):
+    """``qkv lm import`` of such a file: the run gives transformers' logits."""
+    from qkv.cli import main
+    from qkv.tasks.lm import LanguageModel
+
+    model, arch = tamed("llama3-16")
+    arrays, meta = convert(model, arch)
+    meta.update({"tokenizer.ggml.model": "gpt2", "add_eos_token_id": 2})
+    path = write(tmp_path / "llama3.gguf", arch, arrays, meta)
+    run = tmp_path / "run"
+    assert main(["lm", "import", str(path), "--run-dir", str(run)]) == 0
+    lm = LanguageModel.load(run)
+    assert lm.model.cfg.rope_scaling["original_max_position_embeddings"] == 16
+    ids = torch.arange(40).mul(5).remainder(VOCAB).reshape(1, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(ids), model(ids).logits, atol=1e-4, rtol=0)
 
 
 # ---------------------------------------------------------------------------
@@ -372,9 +523,6 @@ def test_refuses_missing_extra_and_misshapen_tensors(tmp_path, no_reads):
     g_arrays["blk.0.attn_qkv.weight"] = g_arrays["blk.0.attn_qkv.weight"].T.copy()
     refused(write(tmp_path / "conv1d.gguf", "gpt2", g_arrays, g_meta),
             "tensor blk.0.attn_qkv.weight has shape [32, 96]", "implies [96, 32]")
-    rope = {**arrays, "rope_freqs.weight": np.ones(4, np.float32)}
-    refused(write(tmp_path / "rope.gguf", arch, rope, meta),
-            "rope_freqs tensor (llama3 rope scaling) is not supported yet")
 
 
 def test_refuses_lying_counts(tmp_path, no_reads):

@@ -24,8 +24,11 @@ The configuration says what llama.cpp would run, which is not always what the or
   every layer otherwise; the sliding layers' RoPE base is 10000; the query scale is
   ``head_dim ** -0.5``, except for 62-layer models (Gemma 3 27B), where it is
   ``(hidden_size / num_attention_heads) ** -0.5`` (``query_pre_attn_scalar``).
-- Llama 3's RoPE scaling is stored as a ``rope_freqs.weight`` tensor of per-frequency
-  factors, not as metadata; such a file is refused (one line) for now.
+- Llama 3's RoPE scaling (``rope_type`` ``"llama3"``) is stored as a ``rope_freqs.weight``
+  tensor, not as metadata: per RoPE frequency, the divisor the scaling applies (its
+  ``factor`` for the low frequencies, 1 for the high ones, a blend between).
+  :func:`gguf_config` reads that small tensor and gives back the ``rope_scaling`` whose
+  divisors it holds (:func:`llama3_scaling`); :func:`gguf_state_dict` leaves it out.
 - ``tie_word_embeddings`` is True when the file has no ``output.weight``. GPT-2 files from
   older converters hold a copy of the embedding there: they come back untied, with
   ``lm_head.weight`` equal to ``transformer.wte.weight``.
@@ -39,6 +42,7 @@ shortest decimal that rounds to the same float32 (``1e-05``), as ``config.json``
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -47,9 +51,11 @@ import torch
 from torch import Tensor
 
 from ..checks import MAX_SIZE, check_float, check_int, show
+from ..positional import rope_frequencies
 from .gguf_weights import GGUFHeader, read_gguf_header, read_gguf_tensors, unpermute_rope
 
-__all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "read_gguf_model"]
+__all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "llama3_scaling",
+           "read_gguf_model"]
 
 # general.architecture -> Hugging Face's model_type
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
@@ -65,6 +71,13 @@ _GEMMA3_27B_LAYERS = 62
 _ROPE_SCALING_KEYS = {"original_context_length": "original_max_position_embeddings",
                       "attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast",
                       "yarn_beta_slow": "beta_slow"}
+_ROPE_FREQS = "rope_freqs.weight"
+# Every Llama 3.x (3.1: factor 8, 3.2: factor 32) scales RoPE with these.
+_LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR, _LLAMA3_ORIGINAL = 1.0, 4.0, 8192
+# llama.cpp's converter computes the divisors in float32 arithmetic: the fraction of each
+# frequency kept (1 / divisor) comes out within 6e-7 of the exact value whatever the
+# factor (the divisor itself is off by up to factor * 1e-7, relatively).
+_ROPE_FREQS_ATOL = 2e-6
 
 
 def _decimal(value: float) -> float:
@@ -74,7 +87,9 @@ def _decimal(value: float) -> float:
 
 
 def gguf_config(header: GGUFHeader) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of the model in a GGUF file, from its header.
+    """The Hugging Face ``config.json`` of the model in a GGUF file, from its header (and,
+    in a ``llama`` file holding one, its ``rope_freqs.weight``: ``head_dim / 2`` floats,
+    read once the header is checked).
 
     Args:
         header: :func:`~qkv.models.gguf_weights.read_gguf_header` of the file.
@@ -96,7 +111,8 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
         ValueError: one line naming the file and the key: an architecture other than
             :data:`GGUF_ARCHITECTURES`, a missing or out-of-range size, sizes that do not
             divide, a ``block_count`` beyond the file's tensors, partial rotary
-            embeddings, unknown RoPE scaling keys, a ``rope_freqs`` tensor.
+            embeddings, unknown RoPE scaling keys, a ``rope_freqs`` tensor that is no
+            llama3 scaling's (:func:`llama3_scaling`).
     """
     arch, meta, tensors, path = (header.architecture, header.config, header.tensors,
                                  header.path)
@@ -159,9 +175,6 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
             raise ValueError(f"{where}{key} is {meta[key]}, not the heads' size {head_dim}; "
                              "qkv supports neither values of another size nor partial "
                              "rotary embeddings")
-    if "rope_freqs.weight" in tensors:
-        raise ValueError(f"{path}: rope_freqs tensor (llama3 rope scaling) is not supported "
-                         "yet")
     config = {
         "model_type": _MODEL_TYPES[arch], **common, "hidden_size": hidden,
         "intermediate_size": integer("feed_forward_length"), "num_hidden_layers": layers,
@@ -172,6 +185,12 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
         "rope_scaling": _rope_scaling(meta, where), "hidden_act": "silu",
         "sliding_window": None,
     }
+    if arch == "llama" and _ROPE_FREQS in tensors:  # read now that the header is checked
+        if config["rope_scaling"] is not None:
+            raise ValueError(f"{where}rope.scaling.type is "
+                             f"{config['rope_scaling']['rope_type']!r} and the file holds a "
+                             f"{_ROPE_FREQS} tensor too: two RoPE scalings, qkv reads one")
+        config["rope_scaling"] = llama3_scaling(header, head_dim, config["rope_theta"])
     if arch != "qwen2":
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "llama" and "mistral" in str(header.general.get("name", "")).lower():
@@ -217,6 +236,65 @@ def _rope_scaling(meta: dict[str, Any], where: str) -> dict[str, Any] | None:
         scaling[_ROPE_SCALING_KEYS[key]] = value if isinstance(value, int) else _decimal(
             check_float(f"{where}rope.scaling.{key}", value))
     return scaling
+
+
+def llama3_scaling(header: GGUFHeader, head_dim: int, rope_theta: float) -> dict[str, Any]:
+    """The llama3 ``rope_scaling`` whose divisors a file's ``rope_freqs.weight`` holds.
+
+    llama.cpp's converter stores Llama 3's RoPE scaling as, for each of the ``head_dim /
+    2`` frequencies, the divisor the scaling applies to it: ``factor`` for wavelengths
+    over ``original_max_position_embeddings / low_freq_factor``, 1 for those under
+    ``original_max_position_embeddings / high_freq_factor``, a blend between. Only
+    ``original / low`` and ``original / high`` shape the divisors, so ``low_freq_factor``
+    is taken as 1 and ``high_freq_factor`` as 4, every Llama 3.x's (a file of another
+    ratio is refused); ``factor`` is the largest divisor, and
+    ``original_max_position_embeddings`` follows from a divisor in the blend (8192,
+    Llama 3's, when none is). They are accepted only if
+    :func:`~qkv.positional.rope_frequencies` gives every divisor back: the fraction of
+    each frequency kept, ``1 / divisor``, within 2e-6 (float32 arithmetic's error).
+
+    Args:
+        header: the file's checked :func:`~qkv.models.gguf_weights.read_gguf_header`; the
+            tensor (``head_dim / 2`` values) is read from ``header.path``.
+        head_dim: the heads' size.
+        rope_theta: the RoPE base.
+
+    Returns:
+        ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+        "original_max_position_embeddings"}``, as ``config.json`` holds it.
+
+    Raises:
+        ValueError: one line naming the file: the tensor is not of shape ``[head_dim /
+            2]``, or no such llama3 scaling gives its divisors (their range is named).
+    """
+    where = f"{header.path}: tensor {_ROPE_FREQS}"
+    shape = header.tensors[_ROPE_FREQS].shape
+    if shape != (head_dim // 2,):
+        raise ValueError(f"{where} has shape {list(shape)}; heads of {head_dim} imply "
+                         f"[{head_dim // 2}]")
+    divisors = read_gguf_tensors(header.path, [_ROPE_FREQS], header=header)[_ROPE_FREQS]
+    divisors = divisors.double()
+    factor = _decimal(float(divisors.max()))
+    low, high = _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR
+    inv_freq = rope_frequencies(head_dim, rope_theta)
+    # A divisor d in the blend, at wavelength w: 1 / d = (1 - s) / factor + s, where
+    # s = (original / w - low) / (high - low), which gives original.
+    original = _LLAMA3_ORIGINAL
+    blend = ((divisors > 1) & (divisors < factor)).nonzero().flatten()
+    if len(blend):
+        i = int(blend[0])
+        s = (1 / float(divisors[i]) - 1 / factor) / (1 - 1 / factor)
+        original = round(2 * math.pi / float(inv_freq[i]) * (low + s * (high - low)))
+    if factor > 0 and 1 <= original <= MAX_SIZE:
+        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                   "high_freq_factor": high, "original_max_position_embeddings": original}
+        kept = rope_frequencies(head_dim, rope_theta, scaling) / inv_freq
+        if float((kept - 1 / divisors).abs().max()) <= _ROPE_FREQS_ATOL:
+            return scaling
+    raise ValueError(f"{where} holds RoPE divisors from {float(divisors.min()):.7g} to "
+                     f"{float(divisors.max()):.7g} that no llama3 scaling gives (qkv reads "
+                     f"Llama 3.x's: low_freq_factor {low:g}, high_freq_factor {high:g}; tried "
+                     f"factor {factor:.7g}, original_max_position_embeddings {original})")
 
 
 def _plan(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -277,6 +355,15 @@ def _plan(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
     return plan
 
 
+def _kept_out(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensors a file of this configuration holds that the configuration stands for:
+    llama3 RoPE scaling's ``rope_freqs``, in :func:`_plan`'s form."""
+    scaling = config.get("rope_scaling") or {}
+    if config["model_type"] in ("llama", "mistral") and scaling.get("rope_type") == "llama3":
+        return {_ROPE_FREQS: ("rope_scaling (llama3)", (config["head_dim"] // 2,))}
+    return {}
+
+
 def _check_tensors(header: GGUFHeader, plan: dict[str, tuple[str, tuple[int, ...]]],
                    model_type: str) -> None:
     """The header lists exactly the planned tensors, each of its planned shape."""
@@ -322,7 +409,8 @@ def gguf_state_dict(
     """The GGUF file's tensors under Hugging Face's names, in Hugging Face's conventions.
 
     Before any tensor is read, the header must list exactly the tensors ``config``
-    implies, each of the shape it implies.
+    implies, each of the shape it implies: ``rope_freqs.weight`` too when ``config``'s
+    ``rope_scaling`` is llama3's (which stands for it; it is not returned).
 
     Args:
         path: the ``.gguf`` file.
@@ -347,7 +435,7 @@ def gguf_state_dict(
     """
     model_type = config["model_type"]
     plan = _plan(config)
-    _check_tensors(header, plan, model_type)
+    _check_tensors(header, {**plan, **_kept_out(config)}, model_type)
     # Gemma's norms come as 1 + w; w keeps its precision only if 1 is subtracted before
     # rounding to bfloat16. They are a few KiB, read first, and counted in the budget.
     wide = [n for n in plan if dtype != torch.float32 and _shifted(model_type, n)]
