@@ -628,7 +628,9 @@ def test_import_of_a_repo_id_runs_like_transformers_and_again_offline(hub, tiny,
     assert ("GET", f"/cdn/{weights_sha256}") in hub.requests  # the LFS weights' redirect
     cache = (tmp_path / "hf" / "hub").resolve()
     lm = LanguageModel.load(run)
-    assert Path(lm.settings.extra["source"]).resolve().is_relative_to(cache)
+    assert lm.settings.extra["repo_id"] == REPO and "source" not in lm.settings.extra
+    assert lm.title == f"llama from {REPO}"
+    assert any(cache in p.parents for p in cache.rglob("model.safetensors"))
 
     torch.testing.assert_close(lm.model(ids()), model.logits(ids()), atol=1e-4, rtol=0)
     reference = PreTrainedTokenizerFast(tokenizer_file=str(model.tokenizer_file),
@@ -669,7 +671,7 @@ def test_revision_pins_a_commit_and_an_unknown_one_is_one_line(hub, tiny, tmp_pa
         code, out, err = import_cli(capsys, REPO, "--run-dir", str(run), *pin)
         assert code == 0, err
         lm = LanguageModel.load(run)
-        assert Path(lm.settings.extra["source"]).name == (new if want else old)
+        assert lm.settings.extra["revision"] == (new if want else old)
         torch.testing.assert_close(lm.model(ids()), tiny[want].logits(ids()), atol=1e-4,
                                    rtol=0)
     hub.requests.clear()

@@ -388,12 +388,15 @@ class LanguageModel:
     @property
     def title(self) -> str:
         """What the model is, for a page or a log: ``"GPT 'mini'"``, or an imported
-        model's type and source (``"llama from SmolLM2-135M-Instruct.Q4_1.gguf"``)."""
+        model's type and source (``"llama from SmolLM2-135M-Instruct.Q4_1.gguf"``,
+        ``"llama from HuggingFaceTB/SmolLM2-135M-Instruct"``)."""
         if self.settings.architecture is None:
             return f"GPT '{self.settings.preset}'"
-        kind = str(self.settings.extra.get("model_type", "open model"))
-        source = self.settings.extra.get("source")
-        return kind if source is None else f"{kind} from {Path(str(source)).name}"
+        extra = self.settings.extra
+        kind = str(extra.get("model_type", "open model"))
+        source = extra.get("repo_id") or (Path(str(extra["source"])).name
+                                          if "source" in extra else None)
+        return kind if source is None else f"{kind} from {source}"
 
     @property
     def device(self) -> torch.device:
@@ -869,15 +872,18 @@ def import_model(
     run_dir = Path(run_dir)
     text = str(source)
     path = Path(text).expanduser()
+    origin = {"source": str(path)}  # what the run records it was made of
     if not os.path.lexists(path):
         if not is_repo_id(text):
             raise FileNotFoundError(f"{text}: no such file or folder (give a Hugging Face "
                                     "folder, a .gguf file or a repo id such as "
                                     "HuggingFaceTB/SmolLM2-135M-Instruct)")
         path = fetch_model(text, revision=revision, cache_dir=cache_dir, log=log)
+        # the snapshot's folder is named for the commit it holds: the exact revision
+        origin = {"repo_id": text, "revision": path.name}
     torch_dtype = IMPORT_DTYPES[dtype]
     if path.is_file():
-        return _import_gguf(path, run_dir, torch_dtype, overwrite, log)
+        return _import_gguf(path, origin, run_dir, torch_dtype, overwrite, log)
     if not path.is_dir():
         raise ValueError(f"{path}: not a folder or a .gguf file")
     config = read_open_config(path)
@@ -893,12 +899,12 @@ def import_model(
     def read(budget: int | None) -> dict[str, Tensor]:
         return read_open_weights(path, fields, torch_dtype, max_bytes=budget)
 
-    return _save_import(cfg, str(config["model_type"]), tokenizer, read, torch_dtype, path,
-                        run_dir, overwrite, log)
+    return _save_import(cfg, {"model_type": str(config["model_type"]), **origin}, tokenizer,
+                        read, torch_dtype, run_dir, overwrite, log)
 
 
-def _import_gguf(path: Path, run_dir: Path, dtype: torch.dtype, overwrite: bool,
-                 log: Callable[[str], None] | None) -> LanguageModel:
+def _import_gguf(path: Path, origin: dict[str, str], run_dir: Path, dtype: torch.dtype,
+                 overwrite: bool, log: Callable[[str], None] | None) -> LanguageModel:
     header = read_gguf_header(path)
     config = gguf_config(header)  # what a Hugging Face folder's config.json would say
     fields = config_fields(config, str(path))
@@ -910,8 +916,8 @@ def _import_gguf(path: Path, run_dir: Path, dtype: torch.dtype, overwrite: bool,
         raw = gguf_state_dict(path, header, config, dtype, max_bytes=budget)
         return {name: t.to(dtype) for name, t in convert(raw, fields).items()}
 
-    return _save_import(cfg, str(config.get("model_type")), tokenizer, read, dtype, path,
-                        run_dir, overwrite, log)
+    return _save_import(cfg, {"model_type": str(config.get("model_type")), **origin},
+                        tokenizer, read, dtype, run_dir, overwrite, log)
 
 
 def _fit_tokenizer(tokenizer: HFTokenizer, cfg: GPTConfig, source: Path) -> HFTokenizer:
@@ -930,22 +936,23 @@ def _fit_tokenizer(tokenizer: HFTokenizer, cfg: GPTConfig, source: Path) -> HFTo
 
 def _save_import(
     cfg: GPTConfig,
-    model_type: str,
+    origin: dict[str, str],
     tokenizer: HFTokenizer,
     read: Callable[[int | None], dict[str, Tensor]],
     dtype: torch.dtype,
-    source: Path,
     run_dir: Path,
     overwrite: bool,
     log: Callable[[str], None] | None,
 ) -> LanguageModel:
     """Check memory, read the weights (``read(budget in bytes)``, qkv's names) into a
-    model built without allocating its own, and save the run."""
+    model built without allocating its own, and save the run; ``origin`` (the model
+    type, and the source path or the repo id) is kept in the settings' ``extra``."""
+    source = origin.get("repo_id") or origin.get("source")
     n = cfg.num_parameters()
     item = torch.empty((), dtype=dtype).element_size()
     settings = LMSettings(tokenizer=HF_TOKENIZER_NAME, architecture=cfg.to_dict(), epochs=0,
                           lr=1e-3, drop_rate=cfg.drop_rate,
-                          extra={"model_type": model_type, "source": str(source)})
+                          extra=origin)
     settings.validate()
     what = f"importing {_model_name(settings, n)} as {str(dtype).removeprefix('torch.')}"
     # the weights, plus one tensor's float32 expansion at a time (a bounded extra)
