@@ -214,9 +214,6 @@ def layouts(model) -> dict[str, tuple]:
             for name, p in model.named_parameters()}
 
 
-WIDE = {"out_head.weight"} | {f"trf_blocks.{i}.ff.layers.0.weight" for i in range(2)}
-
-
 def test_train_and_eval_only_switch_modes(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -255,22 +252,6 @@ def test_train_and_eval_only_switch_modes(tmp_path):
     load_weights(tmp_path / "ckpt", fresh)
     for name, p in fresh.named_parameters():
         assert torch.equal(p, before[name])
-
-
-def test_decoding_weights_are_copies_and_leave_the_model_alone():
-    model = tiny()
-    stored = layouts(model)
-    weights = model.decoding_weights()
-    assert set(weights) == WIDE  # more outputs than inputs
-    params = dict(model.named_parameters())
-    for name, w in weights.items():
-        assert torch.equal(w, params[name]) and w.shape == params[name].shape
-        assert w.t().is_contiguous() and not w.is_contiguous()  # stored (in, out)
-        assert w.data_ptr() != params[name].data_ptr()
-    assert layouts(model) == stored
-    assert all(t.is_contiguous() for t in model.state_dict().values())
-    tied = tiny(tie_weights=True)  # the tied head is the embedding table: left out
-    assert set(tied.decoding_weights()) == WIDE - {"out_head.weight"}
 
 
 def naive_greedy(model, idx: torch.Tensor, steps: int, context: int) -> torch.Tensor:

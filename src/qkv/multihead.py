@@ -179,6 +179,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(self.inner_dim, d_out, bias=out_bias)
         self.dropout = nn.Dropout(dropout)
         self.q_norm, self.k_norm = q_norm, k_norm
+        self._rope_cache: tuple[Tensor, Tensor] | None = None
 
     def _split_heads(self, x: Tensor) -> Tensor:
         # (b, T, heads * head_dim) -> (b, heads, T, head_dim): heads become a batch axis
@@ -288,9 +289,8 @@ class MultiHeadAttention(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         if self.rope:  # rotated at their absolute positions, before they are cached
-            positions = torch.arange(past, past + num_queries, device=x.device)
-            cos, sin = rope_angles(positions, self.head_dim, self.rope_base,
-                                   self.rope_scaling)
+            cos, sin = self._rope_table(past + num_queries, q.dtype, q.device)
+            cos, sin = cos[past:], sin[past:]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)
@@ -313,6 +313,23 @@ class MultiHeadAttention(nn.Module):
         # (b, heads, T, head_dim) -> (b, T, heads * head_dim) -> (b, T, d_out)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, num_queries, self.inner_dim))
         return (out, weights) if need_weights else out
+
+    def _rope_table(self, length: int, dtype: torch.dtype, device: torch.device
+                    ) -> tuple[Tensor, Tensor]:
+        """RoPE's ``cos, sin`` for positions ``0 .. length - 1`` or more, ``(n, head_dim)``
+        in ``dtype``. Kept between calls (not a buffer: it is derived, never saved) and
+        recomputed in float64 only when a longer one is needed: a decoding step then
+        slices two rows instead of recomputing its angles in every layer."""
+        table = self._rope_cache
+        if table is None or table[0].shape[0] < length or table[0].dtype != dtype or \
+                table[0].device != device:
+            # double on growth, so a long generation recomputes a few times, not each step
+            have = 0 if table is None else table[0].shape[0]
+            n = max(length, min(2 * have, self.context_length or 2 * have), 256)
+            cos, sin = rope_angles(torch.arange(n, device=device), self.head_dim,
+                                   self.rope_base, self.rope_scaling)
+            table = self._rope_cache = (cos.to(dtype), sin.to(dtype))
+        return table[0][:length], table[1][:length]
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """A :class:`KVCache` for this layer: its ``num_kv_groups`` heads, and

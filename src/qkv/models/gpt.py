@@ -32,7 +32,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from ..checks import (
     MAX_SIZE,
@@ -712,35 +711,6 @@ class GPTModel(nn.Module):
         logits = self.out_head(self.final_norm(x))
         return (logits, all_weights) if need_weights else logits
 
-    def decoding_weights(self) -> dict[str, Tensor]:
-        """Copies of the wide layers' weights, laid out for CPU decoding; the model is untouched.
-
-        Wide layers have more outputs than inputs: the output head (unless it is the tied
-        token embedding, whose rows must stay contiguous for lookups) and each
-        feed-forward's first layer. Each copy has the weight's values and shape
-        ``(out, in)`` but is stored transposed in memory (``(in, out)`` row-major). Decoding
-        with a KV cache multiplies one token at a time by every weight matrix, so it is
-        bound by how fast weights stream from memory, and the CPU's matrix-vector kernel
-        streams these layers about 1.5x faster in that layout (``docs/benchmarks.md``,
-        "Generation"). Training's matrix products run best on ``nn.Linear``'s own layout,
-        so the parameters keep it: :func:`generate` passes these copies to the forward
-        pass (:func:`torch.func.functional_call`) for its duration and drops them after.
-
-        Returns ``{state_dict name: tensor}``; empty off the CPU (the layout was measured
-        only for the CPU's kernel). The copies cost the wide layers' memory again (267 MB
-        of GPT-2 small's 650) and the time to copy them (about 0.3 s for GPT-2 small).
-        """
-        if self.out_head.weight.device.type != "cpu":
-            return {}
-        with torch.no_grad():
-            return {
-                f"{name}.weight": m.weight.detach().t().contiguous().t()
-                for name, m in self.named_modules()
-                if isinstance(m, nn.Linear)
-                and m.out_features > m.in_features
-                and m.weight is not self.tok_emb.weight
-            }
-
     def new_caches(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
         """One empty :class:`KVCache` per layer, on the model's device and dtype.
 
@@ -966,11 +936,8 @@ def generate(
     each layer's window reaches one window further back, which the re-read of the last
     ``context_size`` tokens cuts off.
 
-    Runs in eval mode (dropout off) and restores the model's mode afterwards. With the
-    cache on the CPU and the model's forward doing the steps (``native`` off or not
-    possible), a :class:`GPTModel` decodes with :meth:`GPTModel.decoding_weights`, a
-    faster layout of some weights, made for this call and dropped after it. Either way
-    the model's parameters are never changed.
+    Runs in eval mode (dropout off) and restores the model's mode afterwards; the
+    model's parameters are never changed.
     """
     if idx.dim() != 2 or idx.shape[1] == 0 or idx.is_floating_point():
         raise ValueError(
@@ -1000,18 +967,8 @@ def generate(
         use_native = reason is None
         if native and not use_native:
             raise ValueError(f"native=True, but the kernels cannot decode here: {reason}")
-    if use_cache and isinstance(model, GPTModel) and max_new_tokens > 0 and not use_native:
-        # one token per step: the matrix-vector products stream weights faster in this
-        # layout (GPTModel.decoding_weights); the parameters themselves are not touched
-        layout = model.decoding_weights()
-    else:
-        layout = {}
-
     def forward(ids: Tensor, caches: list[KVCache] | None = None) -> Tensor:
-        kwargs = {} if caches is None else {"caches": caches}
-        if not layout:
-            return model(ids, **kwargs)
-        return functional_call(model, layout, (ids,), kwargs)
+        return model(ids) if caches is None else model(ids, caches=caches)
 
     was_training = model.training
     model.eval()
