@@ -113,7 +113,7 @@ def test_greedy_tokens_equal_transformers_cached_or_not(imported, family):
     hf, _, run = imported[family]
     model = LanguageModel.load(run).model
     prompt = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(2))
-    want = hf.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+    want = hf.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None,
                        pad_token_id=0, attention_mask=torch.ones_like(prompt))
     for use_cache in (True, False):
         assert generate(model, prompt, 20, use_cache=use_cache).tolist() == want.tolist()
@@ -130,7 +130,7 @@ def test_gemma_sliding_layers_past_their_window(imported):
     bases = [block.att.rope_base for block in model.trf_blocks]
     assert bases == [10_000.0, 10_000.0, 1_000_000.0]
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
-    want = hf.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+    want = hf.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None,
                        pad_token_id=0, attention_mask=torch.ones_like(prompt))
     cached = generate(model, prompt, 40, use_cache=True)
     assert cached.tolist() == want.tolist()
