@@ -559,3 +559,34 @@ def test_init_distributed_rejects_a_partial_launch_environment(monkeypatch):
     with pytest.raises(RuntimeError, match="RANK is not set: launch with torchrun"):
         init_distributed("cpu")
     assert not dist.is_initialized()
+
+
+@needs_gloo
+def test_torchrun_fine_tunes_an_imported_open_model(tmp_path):
+    """An open model (a tiny Qwen3 folder, imported) fine-tuned by two processes: the
+    run keeps its architecture and tokenizer, and one process loads it."""
+    import json
+
+    from qkv.cli import main
+    from qkv.tasks.lm import LanguageModel
+    from test_open_models import CHATML, byte_level_tokenizer, hf_model
+
+    folder = tmp_path / "hf"
+    hf_model("qwen3").save_pretrained(folder)
+    byte_level_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "chat_template": CHATML}))
+    imported = tmp_path / "imported"
+    assert main(["lm", "import", str(folder), "--run-dir", str(imported)]) == 0
+    text = tmp_path / "story.txt"
+    text.write_text("the cat sat on the mat and the dog sat on the log. " * 60)
+    run = tmp_path / "run"
+    output = _torchrun("-m", tmp_path, "qkv", "lm", "train", "--init", str(imported),
+                       "--device", "cpu", "--run-dir", str(run), "--text", str(text),
+                       "--context-length", "32", "--batch-size", "4", "--epochs", "1",
+                       "--no-progress", "--sample", "")
+    assert "epoch 1/1: loss" in output and "on 2 x cpu" in output
+    tuned, base = LanguageModel.load(run), LanguageModel.load(imported)
+    assert tuned.model.cfg == base.model.cfg and tuned.title == "qwen3 from hf, fine-tuned"
+    assert tuned.tokenizer.to_dict() == base.tokenizer.to_dict()
+    assert tuned.generate("the cat", max_new_tokens=3).new_tokens >= 1

@@ -396,7 +396,8 @@ class LanguageModel:
         kind = str(extra.get("model_type", "open model"))
         source = extra.get("repo_id") or (Path(str(extra["source"])).name
                                           if "source" in extra else None)
-        return kind if source is None else f"{kind} from {source}"
+        title = kind if source is None else f"{kind} from {source}"
+        return title if self.settings.init is None else f"{title}, fine-tuned"
 
     @property
     def device(self) -> torch.device:
@@ -550,6 +551,10 @@ def _model_name(settings: LMSettings, num_params: int) -> str:
     resized = any(getattr(settings, k) is not None for k in _SIZES)
     return (f"this {num_params:,}-parameter GPT ('{settings.preset}' preset"
             f"{', resized' if resized else ''})")
+
+
+# What LMSettings.extra says of an imported model's origin (qkv lm import writes them).
+_ORIGIN_KEYS = ("model_type", "source", "repo_id", "revision")
 
 
 # The weight dtypes a run may store (safetensors' names): float32, or bfloat16 for an
@@ -780,8 +785,11 @@ def _settings_from_init(settings: LMSettings) -> tuple[LMSettings, dict[str, Any
         if ours != getattr(defaults, name) and ours != wanted:
             raise ValueError(f"{name} {show(ours)} conflicts with the run it starts from "
                              f"({init}: {show(wanted)}); leave it out")
+    # an imported model's origin (its type and source) stays with its fine-tuned runs
+    origin = {k: v for k, v in theirs.extra.items() if k in _ORIGIN_KEYS}
     return dataclasses.replace(
         settings, **arch, bpe_dir=settings.bpe_dir or theirs.bpe_dir,
+        extra={**origin, **settings.extra},
         drop_rate=cfg.drop_rate if settings.drop_rate is None else settings.drop_rate,
     ), tokenizer
 
