@@ -32,9 +32,7 @@ pytest.importorskip("jinja2")
 
 from test_open_tokenizers import (  # noqa: E402  (after the importorskips it needs)
     LLAMA3,
-    LLAMA3_SPECIALS,
-    LLAMA3_SPLIT,
-    byte_level_tokenizer,
+    llama3_tokenizer,
     write_folder,
 )
 
@@ -221,13 +219,8 @@ def test_sliding_window_layers_keep_their_rings(monkeypatch):
 def llama_folder(tmp_path_factory):
     """A Llama-3-style tokenizer folder: BOS added to a plain text, a chat template, two
     end ids."""
-    tok = byte_level_tokenizer(LLAMA3_SPECIALS, split=LLAMA3_SPLIT)
+    tok = llama3_tokenizer()
     bos = tok.token_to_id("<|begin_of_text|>")
-    tok.post_processor = tokenizers.processors.Sequence([
-        tokenizers.processors.ByteLevel(trim_offsets=False),
-        tokenizers.processors.TemplateProcessing(
-            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
-            special_tokens=[("<|begin_of_text|>", bos)])])
     return write_folder(tmp_path_factory.mktemp("llama3"), tok, {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
         "eos_token": "<|eot_id|>", "chat_template": LLAMA3},

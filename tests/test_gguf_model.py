@@ -22,6 +22,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+from gguf_files import one_line, write_gguf  # noqa: E402
 from qkv.models import gguf_model  # noqa: E402
 from qkv.models.gguf_model import gguf_config, gguf_state_dict, read_gguf_model  # noqa: E402
 from qkv.models.gguf_weights import read_gguf_header  # noqa: E402
@@ -172,25 +173,7 @@ def convert(model, arch: str, f16: bool = False):
 
 
 def write(path, arch: str, arrays: dict, meta: dict):
-    writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in meta.items():
-        if key.startswith("add_"):
-            getattr(writer, key)(value)
-        elif isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_float32(key, value)
-    for name, array in arrays.items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_gguf(path, arrays, arch, meta)
 
 
 def expected_state(model) -> dict:
@@ -479,11 +462,6 @@ def test_lm_import_of_a_llama3_gguf(tmp_path):
 # ---------------------------------------------------------------------------
 # Refusals: one line each, before a tensor is read.
 
-def one_line(error: pytest.ExceptionInfo, *parts: str) -> None:
-    text = str(error.value)
-    assert "\n" not in text, text
-    for part in parts:
-        assert part in text, text
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from gguf_files import one_line, write_gguf  # noqa: E402
 from qkv.models.gguf_weights import (  # noqa: E402
     GGUF_WEIGHT_TYPES,
     open_gguf_reader,
@@ -27,33 +28,6 @@ from qkv.models.gguf_weights import (  # noqa: E402
 )
 
 Q = gguf.GGMLQuantizationType
-
-
-def write_gguf(path, tensors, architecture="llama", metadata=None):
-    """A GGUF file: ``tensors`` maps a name to a float array (F32/F16 by its dtype) or
-    to ``(bytes array, GGML type)``."""
-    writer = gguf.GGUFWriter(str(path), architecture)
-    for key, value in (metadata or {}).items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
-    for name, value in tensors.items():
-        if isinstance(value, tuple):
-            writer.add_tensor(name, value[0], raw_dtype=value[1])
-        else:
-            writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 LLAMA_META = {
@@ -66,11 +40,6 @@ LLAMA_META = {
 }
 
 
-def one_line(error: pytest.ExceptionInfo, *parts: str) -> None:
-    text = str(error.value)
-    assert "\n" not in text, text
-    for part in parts:
-        assert part in text, text
 
 
 @pytest.fixture

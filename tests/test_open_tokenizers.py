@@ -161,6 +161,18 @@ def byte_level_tokenizer(specials: list[str], split: str | None = None):
     return tok
 
 
+def llama3_tokenizer():
+    """Llama 3's form: its split pattern, and a BOS added before every encoded text."""
+    tok = byte_level_tokenizer(LLAMA3_SPECIALS, split=LLAMA3_SPLIT)
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = tokenizers.processors.Sequence([
+        tokenizers.processors.ByteLevel(trim_offsets=False),
+        tokenizers.processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
+            special_tokens=[("<|begin_of_text|>", bos)])])
+    return tok
+
+
 def sentencepiece_tokenizer(prefix_space: bool = False, specials: list[str] = SP_SPECIALS):
     """A SentencePiece-style BPE as Gemma (and, with ``prefix_space``, Llama 2) has it:
     spaces as U+2581, unknown characters as <0xNN> byte tokens, specials first (Gemma's
@@ -203,13 +215,8 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     # Qwen's tokenizer.json: NFC, then its own split pattern (digits one by one).
     qwen = byte_level_tokenizer(BYTE_LEVEL_SPECIALS, split=QWEN2_SPLIT)
     qwen.normalizer = tokenizers.normalizers.NFC()
-    llama3 = byte_level_tokenizer(LLAMA3_SPECIALS, split=LLAMA3_SPLIT)
+    llama3 = llama3_tokenizer()
     bos = llama3.token_to_id("<|begin_of_text|>")
-    llama3.post_processor = tokenizers.processors.Sequence([
-        tokenizers.processors.ByteLevel(trim_offsets=False),
-        tokenizers.processors.TemplateProcessing(
-            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
-            special_tokens=[("<|begin_of_text|>", bos)])])
     gemma2 = sentencepiece_tokenizer()
     gemma3 = sentencepiece_tokenizer()
     gemma3.post_processor = tokenizers.processors.TemplateProcessing(
