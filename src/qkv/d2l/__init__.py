@@ -75,15 +75,15 @@ from matplotlib import pyplot as plt
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from . import multihead, scoring
-from .checks import check_dropout, check_positive_int
-from .data import translate
-from .data.loading import batch_loader
-from .functional import masked_softmax
-from .models import bahdanau, seq2seq
-from .positional import PositionalEncoding
-from .training.losses import valid_mask
-from .training.metrics import bleu
+from .. import multihead, scoring
+from ..checks import check_dropout, check_positive_int
+from ..data import translate
+from ..data.loading import batch_loader
+from ..functional import masked_softmax
+from ..models import bahdanau, seq2seq
+from ..positional import PositionalEncoding
+from ..training.losses import valid_mask
+from ..training.metrics import bleu
 
 __all__ = [
     # attention
