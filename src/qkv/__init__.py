@@ -7,6 +7,7 @@ books use the same name for different signatures.
 """
 
 from . import functional
+from .book.efficient_attention import PyTorchMultiHeadAttention
 from .book.self_attention import (
     CausalAttention,
     MultiHeadAttentionWrapper,
@@ -61,6 +62,7 @@ __all__ = [
     "DotProductAttention",
     "CausalAttention",
     "MultiHeadAttentionWrapper",
+    "PyTorchMultiHeadAttention",
     "SelfAttention_v1",
     "SelfAttention_v2",
     "SelfAttentionV1",

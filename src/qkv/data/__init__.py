@@ -1,5 +1,6 @@
 """Data: translation pairs and vocabularies, the dates corpus, tokenizers (GPT-2's, bytes,
-open models' from tokenizer.json or a GGUF file), chat templates and GPT windows."""
+open models' from tokenizer.json or a GGUF file, the book's ch. 2 word-level ones), chat
+templates and GPT windows."""
 
 # The book's ch. 2 ends with the input embeddings; they are a model's first layer and
 # live in qkv.models.gpt, re-exported here beside the data pipeline that feeds them.
@@ -13,6 +14,7 @@ from .lm import (
     create_dataloader_v1,
     generated_corpus,
 )
+from .simple_tokenizers import SimpleTokenizerV1, SimpleTokenizerV2, simple_split
 from .tokenizers import (
     BPE_DIR_ENV,
     ENDOFTEXT,
@@ -38,11 +40,14 @@ __all__ = [
     "ByteTokenizer",
     "GPT2Tokenizer",
     "HFTokenizer",
+    "SimpleTokenizerV1",
+    "SimpleTokenizerV2",
     "Tokenizer",
     "chat_messages",
     "get_tokenizer",
     "load_hf_tokenizer",
     "render_chat_template",
+    "simple_split",
     "tokenizer_from_dict",
     "tokenizer_from_gguf",
 ]

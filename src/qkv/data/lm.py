@@ -4,6 +4,7 @@ From text to batches:
 
     ids = get_tokenizer("gpt2").encode(text)          # [40, 367, 2885, 1464, ...]
     loader = create_dataloader(ids, batch_size=8, max_length=4, stride=4)
+    loader = create_dataloader(text, batch_size=8, max_length=4, stride=4)   # the same
     x, y = next(iter(loader))                         # (8, 4) int64 each, y is x shifted by 1
     emb = GPTEmbedding(50257, 256, context_length=4)
     emb(x).shape                                      # (8, 4, 256)
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -135,13 +137,24 @@ class GPTDatasetV1(GPTDataset):
     """The book's ``GPTDatasetV1(txt, tokenizer, max_length, stride)``: tokenize, then window.
 
     ``tokenizer`` is a qkv :class:`~qkv.data.tokenizers.Tokenizer` or, as in the book, a
-    ``tiktoken`` encoding (called with ``allowed_special={"<|endoftext|>"}``). Unlike the
-    book's class, windows are views cut on demand rather than the lists ``input_ids`` /
-    ``target_ids`` built up front; indexing gives the same pairs.
+    ``tiktoken`` encoding (called with ``allowed_special={"<|endoftext|>"}``). Indexing cuts
+    the windows as views on demand; the book's lists ``input_ids`` and ``target_ids`` (one
+    ``(max_length,)`` tensor per window) are there too, built on first use, as views of
+    the same ids.
     """
 
     def __init__(self, txt: str, tokenizer: Any, max_length: int, stride: int) -> None:
         super().__init__(_encode(tokenizer, txt), max_length, stride)
+
+    @cached_property
+    def input_ids(self) -> list[Tensor]:
+        """The input windows, ``input_ids[n] == self[n][0]``."""
+        return [self[n][0] for n in range(len(self))]
+
+    @cached_property
+    def target_ids(self) -> list[Tensor]:
+        """The target windows, ``target_ids[n] == self[n][1]``."""
+        return [self[n][1] for n in range(len(self))]
 
 
 # ----------------------------------------------------------------------------
@@ -149,7 +162,7 @@ class GPTDatasetV1(GPTDataset):
 
 
 def create_dataloader(
-    token_ids: Tensor | Sequence[int] | GPTDataset,
+    token_ids: str | Tensor | Sequence[int] | GPTDataset,
     batch_size: int = 4,
     max_length: int = 256,
     stride: int = 128,
@@ -160,12 +173,17 @@ def create_dataloader(
     sampler: Sampler | None = None,
     generator: torch.Generator | None = None,
     pin_memory: bool = False,
+    tokenizer: Any = None,
 ) -> DataLoader:
     """A ``DataLoader`` of ``(inputs, targets)``, each ``(batch_size, max_length)`` int64.
 
     Args:
-        token_ids: the ids, or a ready :class:`GPTDataset` (then ``max_length`` and
-            ``stride`` are the dataset's own and these arguments are ignored).
+        token_ids: the ids; or a text (a ``str``), tokenized first into a
+            :class:`GPTDatasetV1` as the book's ``create_dataloader(txt, ...)`` does; or a
+            ready :class:`GPTDataset` (then ``max_length`` and ``stride`` are the
+            dataset's own and these arguments are ignored).
+        tokenizer: for a text: a qkv tokenizer or a tiktoken encoding; default
+            ``get_tokenizer("gpt2")``, which reads ``$QKV_BPE_DIR`` to work offline.
         shuffle: reshuffle windows every epoch. Ignored when a ``sampler`` is given: the
             sampler decides the order (a ``DistributedSampler`` shuffles by itself).
         sampler: e.g. ``DistributedSampler(loader_dataset)`` for multi-process training.
@@ -177,11 +195,16 @@ def create_dataloader(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    dataset = (
-        token_ids
-        if isinstance(token_ids, GPTDataset)
-        else GPTDataset(token_ids, max_length, stride)
-    )
+    if tokenizer is not None and not isinstance(token_ids, str):
+        raise ValueError(f"tokenizer is for a text, but the data is a {type(token_ids).__name__}"
+                         "; pass the text, or the ids without a tokenizer")
+    if isinstance(token_ids, GPTDataset):
+        dataset = token_ids
+    elif isinstance(token_ids, str):
+        tokenizer = get_tokenizer("gpt2") if tokenizer is None else tokenizer
+        dataset = GPTDatasetV1(token_ids, tokenizer, max_length, stride)
+    else:
+        dataset = GPTDataset(token_ids, max_length, stride)
     per_loader = len(sampler) if sampler is not None and hasattr(sampler, "__len__") else None
     windows = len(dataset) if per_loader is None else per_loader
     if drop_last and windows < batch_size:
@@ -215,18 +238,15 @@ def create_dataloader_v1(
 ) -> DataLoader:
     """The book's loader: tokenize ``txt`` (GPT-2 BPE unless ``tokenizer`` is given), window it.
 
-    Same defaults as the book. ``tokenizer`` is a qkv tokenizer or a tiktoken encoding; the
-    default is ``get_tokenizer("gpt2")``, which honours ``$QKV_BPE_DIR`` for offline use.
+    Same signature and defaults as the book; :func:`create_dataloader` given a text.
+    ``tokenizer`` is a qkv tokenizer or a tiktoken encoding; the default is
+    ``get_tokenizer("gpt2")``, which honours ``$QKV_BPE_DIR`` for offline use.
     """
-    tokenizer = get_tokenizer("gpt2") if tokenizer is None else tokenizer
-    dataset = GPTDatasetV1(txt, tokenizer, max_length, stride)
-    return create_dataloader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        drop_last=drop_last,
-        num_workers=num_workers,
-    )
+    if not isinstance(txt, str):
+        raise ValueError(f"txt must be the text to tokenize (a str), got {type(txt).__name__}; "
+                         "create_dataloader takes token ids")
+    return create_dataloader(txt, batch_size, max_length, stride, shuffle, drop_last,
+                             num_workers, tokenizer=tokenizer)
 
 
 # ----------------------------------------------------------------------------

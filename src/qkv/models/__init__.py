@@ -2,6 +2,7 @@
 
 Both share one interface (:class:`EncoderDecoder`), built from a :class:`Seq2SeqConfig`
 by :func:`build_model`; :func:`greedy_decode` and :func:`beam_search` work with either.
+The GPT is :class:`GPTModel`; :class:`GPTModelFast` is the book's fused-attention form of it.
 """
 
 from .bahdanau import BahdanauSeq2Seq, BahdanauState, Seq2SeqAttentionDecoder, Seq2SeqEncoder
@@ -20,6 +21,7 @@ from .gpt import (
     generate_text_simple,
 )
 from .gpt import PRESETS as GPT_PRESETS
+from .gpt_fast import GPTModelFast, TransformerBlockFast
 from .seq2seq import (
     MODEL_NAMES,
     EncoderDecoder,
@@ -62,6 +64,8 @@ __all__ = [
     "GPTEmbedding",
     "embed_tokens",
     "GPTModel",
+    "GPTModelFast",
+    "TransformerBlockFast",
     "TransformerBlock",
     "LayerNorm",
     "FeedForward",
