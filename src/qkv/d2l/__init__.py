@@ -49,10 +49,16 @@ at 0, then the reserved tokens, then by frequency), so ``<unk>`` is not always i
 by name. Unlike ``qkv.data.translate.Vocab``, a reserved ``<unk>`` or a token reserved
 twice is accepted and gets one id, as in 1.0.3.
 
-Plots: ``plt`` is matplotlib's pyplot. ``train_seq2seq`` draws its loss curve on a
-figure without showing it, so a later ``plt.show()`` displays it on a desktop; with a
-non-interactive backend (Agg, which matplotlib picks when there is no display) it saves
-the curve to ``seq2seq_loss.png`` in the working directory instead. Nothing here blocks.
+Tensors: d2l's framework-neutral names (``d2l.reshape``, ``ones``, ``concat``,
+``normal``, ``check_shape``, ...) are in :mod:`qkv.d2l.tensors`, re-exported here.
+
+Plots: ``plt`` is matplotlib's pyplot. ``plot``, ``set_axes``, ``set_figsize`` and
+``show_heatmaps`` (:mod:`qkv.d2l.plotting`) draw on pyplot figures as d2l's do;
+``train_seq2seq`` draws its loss curve on a figure without showing it, so a later
+``plt.show()`` displays it on a desktop; with a non-interactive backend (Agg, which
+matplotlib picks when there is no display) it saves the curve to ``seq2seq_loss.png``
+in the working directory instead, and the plotting helpers save theirs by the same rule
+(see :mod:`qkv.d2l.plotting`). Nothing here blocks.
 """
 
 from __future__ import annotations
@@ -84,6 +90,8 @@ from ..models import bahdanau, seq2seq
 from ..positional import PositionalEncoding
 from ..training.losses import valid_mask
 from ..training.metrics import bleu
+from . import tensors
+from .plotting import plot, save_if_headless, set_axes, set_figsize, show_heatmaps, use_svg_display
 
 __all__ = [
     # attention
@@ -128,9 +136,29 @@ __all__ = [
     "Animator",
     "plt",
     "use_svg_display",
+    # plotting
+    "plot",
+    "set_axes",
+    "set_figsize",
+    "show_heatmaps",
+    # tensors: d2l's names for torch's functions and tensor methods
+    *tensors.__all__,
 ]
 
 FRA_ENG_ENV = "QKV_FRA_ENG"
+
+
+def __getattr__(name: str) -> Any:
+    # d2l's tensor names (abs, size, to, numpy, tensor, ...) are looked up in .tensors
+    # only when asked for as `d2l.<name>`: as globals here they would shadow builtins
+    # and everyday words in this module's own code.
+    if name in tensors.__all__:
+        return getattr(tensors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *tensors.__all__})
 
 
 # ----------------------------------------------------------------------------
@@ -746,8 +774,7 @@ def train_seq2seq(
             animator.add(epoch + 1, (metric[0] / metric[1],))
     print(f"loss {metric[0] / metric[1]:.3f}, {metric[1] / timer.stop():.1f} "
           f"tokens/sec on {device}")
-    if not _interactive_backend():
-        animator.fig.savefig("seq2seq_loss.png")
+    save_if_headless(animator.fig, "seq2seq_loss.png")
 
 
 def predict_seq2seq(
@@ -854,16 +881,13 @@ class Accumulator:
         return self.data[idx]
 
 
-def _interactive_backend() -> bool:
-    """Whether pyplot can show windows (False for Agg and the file-only backends)."""
-    return plt.get_backend().lower() not in {"agg", "cairo", "pdf", "pgf", "ps", "svg",
-                                             "template"}
-
-
 class Animator:
     """Points added during training, drawn as lines on one figure (never shown here).
 
-    ``add(x, y)`` appends a point to each of ``len(y)`` lines; the figure is ``fig``
+    d2l's signature: the labels, limits, scales and legend as in :func:`set_axes`, one
+    format per line, and ``nrows x ncols`` panels of which the lines go on the first,
+    ``axes[0]``. ``add(x, y)`` appends a point to each of ``len(y)`` lines (``y`` a
+    number, a list or a 1-D tensor; one ``x`` serves them all); the figure is ``fig``
     and ``plt.show()`` displays it.
     """
 
@@ -871,17 +895,20 @@ class Animator:
         self, xlabel: str | None = None, ylabel: str | None = None,
         legend: Sequence[str] | None = None, xlim: Sequence[float] | None = None,
         ylim: Sequence[float] | None = None, xscale: str = "linear", yscale: str = "linear",
-        fmts: Sequence[str] = ("-", "m--", "g-.", "r:"), figsize: tuple[float, float] = (3.5, 2.5),
+        fmts: Sequence[str] = ("-", "m--", "g-.", "r:"), nrows: int = 1, ncols: int = 1,
+        figsize: tuple[float, float] = (3.5, 2.5),
     ) -> None:
-        self.fig, self.axes = plt.subplots(figsize=figsize)
-        self.labels = (xlabel, ylabel, legend or [], xlim, ylim, xscale, yscale)
+        use_svg_display()
+        self.fig, axes = plt.subplots(nrows, ncols, figsize=figsize, squeeze=False)
+        self.axes = list(axes.ravel())
+        self.labels = (xlabel, ylabel, xlim, ylim, xscale, yscale, legend or [])
         self.fmts = fmts
         self.X: list[list[float]] = []
         self.Y: list[list[float]] = []
 
-    def add(self, x: float | Sequence[float], y: float | Sequence[float]) -> None:
-        ys = list(y) if isinstance(y, Sequence) else [y]
-        xs = list(x) if isinstance(x, Sequence) else [x] * len(ys)
+    def add(self, x: Any, y: Any) -> None:
+        ys = list(y) if _is_series(y) else [y]
+        xs = list(x) if _is_series(x) else [x] * len(ys)
         if not self.X:
             self.X = [[] for _ in ys]
             self.Y = [[] for _ in ys]
@@ -889,28 +916,13 @@ class Animator:
             if a is not None and b is not None:
                 self.X[i].append(float(a))
                 self.Y[i].append(float(b))
-        ax = self.axes
+        ax = self.axes[0]
         ax.cla()
         for xs_i, ys_i, fmt in zip(self.X, self.Y, self.fmts, strict=False):
             ax.plot(xs_i, ys_i, fmt)
-        xlabel, ylabel, legend, xlim, ylim, xscale, yscale = self.labels
-        ax.set_xlabel(xlabel or "")
-        ax.set_ylabel(ylabel or "")
-        ax.set_xscale(xscale)
-        ax.set_yscale(yscale)
-        if xlim:
-            ax.set_xlim(*xlim)
-        if ylim:
-            ax.set_ylim(*ylim)
-        if legend:
-            ax.legend(legend)
-        ax.grid()
+        set_axes(ax, *self.labels)
 
 
-def use_svg_display() -> None:
-    """Draw inline notebook figures as SVG; a no-op outside a notebook."""
-    try:
-        from matplotlib_inline import backend_inline
-    except ImportError:
-        return
-    backend_inline.set_matplotlib_formats("svg")
+def _is_series(v: Any) -> bool:
+    """A list, tuple, array or tensor of values rather than one value (a 0-d tensor)."""
+    return hasattr(v, "__len__") and getattr(v, "ndim", 1) > 0

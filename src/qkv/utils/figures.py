@@ -1,10 +1,13 @@
 """Heatmaps of attention weights.
 
-Two helpers cover every picture qkv draws:
+Three helpers cover every heatmap qkv draws:
 
 - :func:`plot_attention` draws one ``(num_queries, num_keys)`` matrix;
 - :func:`plot_attention_grid` draws several side by side (one per head, per
-  layer, per decoding step, ...).
+  layer, per decoding step, ...), each with its own colour bar and labels;
+- :func:`heatmap_grid` draws a ``(rows, cols, num_queries, num_keys)`` stack on a
+  figure it is given, as the books' ``show_heatmaps`` lays it out: panels sharing
+  their axes, one colour scale and one colour bar.
 
 The convention is the one both books use: each **row** is a query (y axis,
 top to bottom) and each **column** a key it may attend to (x axis), so a row of
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = [
     "plot_attention",
     "plot_attention_grid",
+    "heatmap_grid",
+    "heatmap_stack",
     "check_image_path",
     "new_figure",
     "save_figure",
@@ -223,27 +228,17 @@ def _draw(
     width: float,
 ) -> None:
     """One heatmap with its colour bar on ``ax``, in a panel ``width`` inches wide."""
-    import matplotlib
     from matplotlib.ticker import MaxNLocator
 
-    # -inf (masked scores) and nan cannot be coloured: show them as grey cells
-    # and keep them out of the colour scale.
+    # -inf (masked scores) and nan cannot be coloured: shown as grey cells.
     data = np.ma.masked_invalid(m)
-    finite = m[np.isfinite(m)]
-    vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
-    # Anchor non-negative data (attention weights) at 0 so "no attention" is white.
-    if vmin > 0:
-        vmin = 0.0
-    if vmax <= vmin:
-        vmax = vmin + 1.0
-    colormap = matplotlib.colormaps[cmap] if isinstance(cmap, str) else cmap
-    colormap = colormap.with_extremes(bad="0.85")
-
+    vmin, vmax = _color_scale(m)
     num_rows, num_cols = m.shape
     # Square cells unless the matrix is very elongated (e.g. 1 x 60).
     aspect = "equal" if max(num_rows, num_cols) <= 8 * min(num_rows, num_cols) else "auto"
     image = ax.imshow(
-        data, cmap=colormap, vmin=vmin, vmax=vmax, aspect=aspect, interpolation="nearest"
+        data, cmap=_colormap(cmap), vmin=vmin, vmax=vmax, aspect=aspect,
+        interpolation="nearest"
     )
     fig.colorbar(image, ax=ax, shrink=0.8 if num_rows >= num_cols else 0.5)
 
@@ -273,6 +268,26 @@ def _draw(
         annotate = num_rows <= ANNOTATE_MAX and num_cols <= ANNOTATE_MAX
     if annotate:
         _annotate(ax, m, image, cell)
+
+
+def _color_scale(m: np.ndarray) -> tuple[float, float]:
+    """``(vmin, vmax)`` of the finite values of ``m`` (non-finite ones stay off the scale)."""
+    finite = m[np.isfinite(m)]
+    vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    # Anchor non-negative data (attention weights) at 0 so "no attention" is white.
+    if vmin > 0:
+        vmin = 0.0
+    if vmax <= vmin:
+        vmax = vmin + 1.0
+    return vmin, vmax
+
+
+def _colormap(cmap: Any) -> Any:
+    """The colour map named (or given) by ``cmap``, drawing non-finite cells grey."""
+    import matplotlib
+
+    colormap = matplotlib.colormaps[cmap] if isinstance(cmap, str) else cmap
+    return colormap.with_extremes(bad="0.85")
 
 
 def _annotate(ax: Axes, m: np.ndarray, image: Any, cell: float) -> None:
@@ -332,12 +347,18 @@ def new_figure(width: float, height: float) -> Figure:
     return fig
 
 
-def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = _DPI) -> Path:
+def save_figure(
+    fig: Figure, path: str | os.PathLike[str], dpi: int = _DPI, tight: bool = False
+) -> Path:
     """Write ``fig`` to ``path`` (PNG, PDF or SVG by its extension) atomically: a reader
-    never sees half a file. Returns ``path`` as a Path."""
+    never sees half a file. Returns ``path`` as a Path.
+
+    ``tight`` crops the image to what is drawn, as notebooks show figures, so that the
+    labels of a figure without a layout engine are not cut at its edges."""
     path = check_image_path(path)
     buffer = io.BytesIO()
-    fig.savefig(buffer, format=path.suffix[1:].lower(), dpi=dpi)
+    fig.savefig(buffer, format=path.suffix[1:].lower(), dpi=dpi,
+                bbox_inches="tight" if tight else None)
     return write_atomic(path, buffer.getvalue())
 
 
@@ -507,3 +528,78 @@ def plot_attention_grid(
         suptitle = _fit(fig, _printable(suptitle), fig.get_figwidth(), 12)
         fig.suptitle(suptitle, fontsize=12, parse_math=False)
     return fig if target is None else save_figure(fig, target)
+
+
+def heatmap_stack(matrices: Any) -> np.ndarray:
+    """``matrices`` as a float64 ``(rows, cols, num_queries, num_keys)`` numpy array.
+
+    Takes a 4-D torch tensor (detached, moved to the CPU), numpy array or nested list;
+    raises a one-line ``ValueError`` for any other shape or an empty one.
+    """
+    if hasattr(matrices, "detach"):  # a torch.Tensor: may need grad, live on a GPU, be bf16
+        matrices = matrices.detach().to("cpu").float().numpy()
+    stack = np.asarray(matrices, dtype=np.float64)
+    if stack.ndim != 4:
+        raise ValueError(
+            "matrices must be a 4-D (rows, cols, num_queries, num_keys) stack, "
+            f"got shape {stack.shape}"
+        )
+    if stack.size == 0:
+        raise ValueError(f"matrices is empty (shape {stack.shape}); nothing to plot")
+    return stack
+
+
+def heatmap_grid(
+    fig: Figure,
+    matrices: Any,
+    *,
+    xlabel: str | None = None,
+    ylabel: str | None = None,
+    titles: Sequence[str] | None = None,
+    cmap: Any = "Reds",
+    shrink: float = 0.6,
+) -> np.ndarray:
+    """Draw a stack of matrices on ``fig`` as a grid of heatmaps with one colour bar.
+
+    The books' layout (d2l's ``show_heatmaps``): matrix ``[i, j]`` in row ``i``, column
+    ``j``; the panels share their axes; ``xlabel`` under the bottom row, ``ylabel`` left
+    of the first column, ``titles[j]`` over every panel of column ``j``; one colour bar,
+    ``shrink`` times the grid's height, beside the grid. All panels share one colour
+    scale, so that one bar reads right for each of them (non-negative data starts at 0).
+
+    Args:
+        fig: an empty figure, from :func:`new_figure` or pyplot.
+        matrices: ``(rows, cols, num_queries, num_keys)`` tensor, array or nested list.
+        xlabel, ylabel: axis titles; None leaves an axis untitled.
+        titles: at least ``cols`` column titles (extra ones are unused), or None.
+        cmap: matplotlib colour map name or object; non-finite cells are grey.
+        shrink: colour bar length as a fraction of the grid's height.
+
+    Returns:
+        the ``(rows, cols)`` numpy array of the panels' ``Axes``.
+    """
+    from matplotlib.colors import Normalize
+    from matplotlib.ticker import MaxNLocator
+
+    stack = heatmap_stack(matrices)
+    num_rows, num_cols = stack.shape[:2]
+    titles = list(titles) if titles else None  # d2l's test: an empty list means none
+    if titles is not None and len(titles) < num_cols:
+        raise ValueError(f"titles has {len(titles)} entries for {num_cols} columns of matrices")
+    norm = Normalize(*_color_scale(stack))
+    colormap = _colormap(cmap)
+    axes = fig.subplots(num_rows, num_cols, sharex=True, sharey=True, squeeze=False)
+    for (i, j), ax in np.ndenumerate(axes):
+        image = ax.imshow(np.ma.masked_invalid(stack[i, j]), cmap=colormap, norm=norm,
+                          interpolation="nearest")
+        # Positions are whole numbers; parse_math=False: "$" or "_" in a label is text.
+        ax.xaxis.set_major_locator(MaxNLocator(nbins="auto", integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(nbins="auto", integer=True))
+        if i == num_rows - 1 and xlabel:
+            ax.set_xlabel(_printable(xlabel), parse_math=False)
+        if j == 0 and ylabel:
+            ax.set_ylabel(_printable(ylabel), parse_math=False)
+        if titles is not None:
+            ax.set_title(_printable(titles[j]), parse_math=False)
+    fig.colorbar(image, ax=axes, shrink=shrink)
+    return axes
