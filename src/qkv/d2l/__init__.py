@@ -17,14 +17,25 @@ Where qkv departs from d2l on purpose, the names here follow d2l:
 - ``EncoderDecoder.forward`` returns the decoder's output only (d2l 1.0.3); callers that
   unpack ``Y_hat, state`` get both from ``decoder(...)`` directly.
 
+d2l 1.0's object-oriented framework, which the English edition is written in, is here
+too: ``HyperParameters``, ``add_to_class``, ``ProgressBoard``, ``Module``,
+``DataModule``, ``Trainer``, ``Classifier``, ``RNN``, ``GRU``, ``init_seq2seq`` (all
+from :mod:`qkv.d2l.v2`, which says where it departs from 1.0.3), and on it
+``EncoderDecoder`` (a ``Classifier``, with ``predict_step``), ``Seq2Seq`` and
+``MTFraEng``. The two editions share no name whose meanings clash: the Chinese edition's
+``EncoderDecoder`` + ``train_seq2seq`` and the English ``Seq2Seq`` + ``Trainer`` both
+run on the same classes, so there is no separate import for either. ``Seq2Seq``'s loss
+leaves the padding out, as the book's seq2seq section defines it (the 1.0.3 package
+does not carry that definition and averages over the padding too).
+
 Where it departs from d2l:
 
-- ``read_data_nmt`` reads the file named by ``$QKV_FRA_ENG`` when that is set; otherwise,
-  while ``download`` and ``download_extract`` are this module's own, it takes the corpus
-  from qkv's SHA-1-verified cache (``$QKV_CACHE`` or ``~/.cache/qkv``) instead of d2l's
-  ``../data``. Once a script replaces either (``d2l.download = my_download``), it goes
-  through them as d2l does: ``download_extract('fra-eng')`` calling ``download``, both
-  looked up at call time;
+- ``read_data_nmt`` (and so ``MTFraEng``) reads the file named by ``$QKV_FRA_ENG`` when
+  that is set; otherwise, while ``download`` and ``download_extract`` are this module's
+  own, it takes the corpus from qkv's SHA-1-verified cache (``$QKV_CACHE`` or
+  ``~/.cache/qkv``) instead of d2l's ``../data``. Once a script replaces either
+  (``d2l.download = my_download``), it goes through them as d2l does:
+  ``download_extract('fra-eng')`` calling ``download``, both looked up at call time;
 - ``download_extract`` refuses archive members whose path would leave the extraction
   folder, and ``download`` never leaves a partial or unverified file behind;
 - ``MultiHeadAttention`` sizes its projections when built (``query_size``, ``key_size``,
@@ -58,7 +69,9 @@ Plots: ``plt`` is matplotlib's pyplot. ``plot``, ``set_axes``, ``set_figsize`` a
 ``plt.show()`` displays it on a desktop; with a non-interactive backend (Agg, which
 matplotlib picks when there is no display) it saves the curve to ``seq2seq_loss.png``
 in the working directory instead, and the plotting helpers save theirs by the same rule
-(see :mod:`qkv.d2l.plotting`). Nothing here blocks.
+(see :mod:`qkv.d2l.plotting`). ``Trainer.fit`` draws on its model's ``ProgressBoard``,
+which shows each redraw in a Jupyter cell and elsewhere writes it to ``progress.png`` in
+the working directory. Nothing here blocks.
 """
 
 from __future__ import annotations
@@ -89,9 +102,22 @@ from ..functional import masked_softmax
 from ..models import bahdanau, seq2seq
 from ..positional import PositionalEncoding
 from ..training.losses import valid_mask
-from ..training.metrics import bleu
 from . import tensors
 from .plotting import plot, save_if_headless, set_axes, set_figsize, show_heatmaps, use_svg_display
+from .v2 import (
+    GRU,
+    RNN,
+    Classifier,
+    DataModule,
+    HyperParameters,
+    Module,
+    ProgressBoard,
+    Trainer,
+    add_to_class,
+    bleu,
+    grad_clipping,
+    init_seq2seq,
+)
 
 __all__ = [
     # attention
@@ -106,6 +132,18 @@ __all__ = [
     "AttentionDecoder",
     "EncoderDecoder",
     "Seq2SeqEncoder",
+    "Seq2Seq",
+    "init_seq2seq",
+    # d2l 1.0's framework (qkv.d2l.v2)
+    "HyperParameters",
+    "add_to_class",
+    "ProgressBoard",
+    "Module",
+    "DataModule",
+    "Trainer",
+    "Classifier",
+    "RNN",
+    "GRU",
     # data
     "DATA_HUB",
     "DATA_URL",
@@ -119,6 +157,7 @@ __all__ = [
     "build_array_nmt",
     "load_data_nmt",
     "load_array",
+    "MTFraEng",
     # training and inference
     "sequence_mask",
     "MaskedSoftmaxCELoss",
@@ -364,11 +403,14 @@ class AttentionDecoder(Decoder):
         raise NotImplementedError
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(Classifier):
     """``forward(enc_X, dec_X, *args) -> Y_hat``: encode, ``init_state``, decode.
 
     ``*args`` (typically ``enc_valid_len (batch,)``) go to both the encoder and the
-    decoder's ``init_state``. Returns the decoder's first output only, as d2l 1.0.3 does.
+    decoder's ``init_state``. Returns the decoder's first output only, as d2l 1.0.3 does
+    (d2l-zh's returned ``(Y_hat, state)``; ``train_seq2seq`` takes either). A
+    :class:`Classifier`, as in 1.0.3, so a :class:`Trainer` fits it with
+    cross-entropy and ``predict_step`` decodes greedily.
     """
 
     def __init__(self, encoder: nn.Module, decoder: nn.Module, **kwargs: Any) -> None:
@@ -380,6 +422,57 @@ class EncoderDecoder(nn.Module):
         enc_all_outputs = self.encoder(enc_X, *args)
         dec_state = self.decoder.init_state(enc_all_outputs, *args)
         return self.decoder(dec_X, dec_state)[0]
+
+    def predict_step(
+        self, batch: Sequence[Tensor], device: torch.device | str, num_steps: int,
+        save_attention_weights: bool = False,
+    ) -> tuple[Tensor, list[Any]]:
+        """Greedy decoding of a batch ``(src, tgt, src_valid_len, label)`` (as
+        ``MTFraEng.build`` gives it): ``(outputs (batch, num_steps), attention_weights)``.
+
+        Decoding starts from ``tgt[:, 0]`` (``<bos>``) and feeds each argmax back for
+        ``num_steps`` steps, past ``<eos>`` too (cut the rows there yourself). With
+        ``save_attention_weights``, ``decoder.attention_weights`` is kept after every
+        step. As in d2l, the model's train/eval mode and autograd are left as they are.
+        """
+        check_positive_int("num_steps", num_steps)
+        src, tgt, src_valid_len, _ = (a.to(device) for a in batch)
+        enc_all_outputs = self.encoder(src, src_valid_len)
+        dec_state = self.decoder.init_state(enc_all_outputs, src_valid_len)
+        outputs, attention_weights = [tgt[:, :1]], []
+        for _ in range(num_steps):
+            Y, dec_state = self.decoder(outputs[-1], dec_state)
+            outputs.append(Y.argmax(dim=2))
+            if save_attention_weights:
+                attention_weights.append(self.decoder.attention_weights)
+        return torch.cat(outputs[1:], dim=1), attention_weights
+
+
+class Seq2Seq(EncoderDecoder):
+    """d2l 1.0's sequence-to-sequence model: ``Seq2Seq(encoder, decoder, tgt_pad, lr)``.
+
+    Trained by a :class:`Trainer` on batches ``(src, dec_input, src_valid_len, label)``
+    with Adam at ``lr``. The loss is the cross-entropy averaged over the label tokens
+    that are not ``tgt_pad``, the loss the book's seq2seq section adds to the class
+    (d2l 1.0.3's package leaves it out, and so averages over the padding too).
+    """
+
+    def __init__(self, encoder: nn.Module, decoder: nn.Module, tgt_pad: int, lr: float) -> None:
+        super().__init__(encoder, decoder)
+        self.save_hyperparameters()
+
+    def loss(self, Y_hat: Tensor, Y: Tensor) -> Tensor:  # type: ignore[override]
+        """``Y_hat (batch, num_steps, vocab)``, ``Y (batch, num_steps)`` -> a scalar."""
+        per_token = super().loss(Y_hat, Y, averaged=False)
+        mask = (Y.reshape(-1) != self.tgt_pad).type(torch.float32)
+        return (per_token * mask).sum() / mask.sum()
+
+    def validation_step(self, batch: Sequence[Tensor]) -> None:
+        Y_hat = self(*batch[:-1])
+        self.plot("loss", self.loss(Y_hat, batch[-1]), train=False)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
 class Seq2SeqEncoder(bahdanau.Seq2SeqEncoder, Encoder):
@@ -678,6 +771,99 @@ def load_data_nmt(
     return data_iter, src_vocab, tgt_vocab
 
 
+class MTFraEng(DataModule):
+    """d2l 1.0's English-French data: ``MTFraEng(batch_size, num_steps=9, num_train=512,
+    num_val=128)``.
+
+    The first ``num_train + num_val + 1`` lines of :func:`read_data_nmt`'s text (so
+    ``$QKV_FRA_ENG``, a replaced ``download``, or qkv's cache, as there; not d2l's
+    ``root``), each side tokenized with ``<eos>``, cut or padded with ``<pad>`` to
+    ``num_steps`` tokens, the target prefixed with ``<bos>``. ``src_vocab`` and
+    ``tgt_vocab`` keep the tokens seen at least twice (the special ones among them).
+
+    ``arrays`` is ``(src (n, num_steps), dec_input (n, num_steps), src_valid_len (n,),
+    label (n, num_steps))``, int64: ``dec_input`` is the target without its last
+    token, ``label`` without its ``<bos>``, ``src_valid_len`` counts the non-``<pad>``
+    source tokens. Rows ``:num_train`` are for training (shuffled batches), the rest for
+    validation; ``build(src_sentences, tgt_sentences)`` makes the same arrays for new
+    sentences with these vocabularies.
+    """
+
+    def __init__(self, batch_size: int, num_steps: int = 9, num_train: int = 512,
+                 num_val: int = 128) -> None:
+        for name, value in (("batch_size", batch_size), ("num_steps", num_steps),
+                            ("num_train", num_train)):
+            check_positive_int(name, value)
+        if isinstance(num_val, bool) or not isinstance(num_val, int) or num_val < 0:
+            raise ValueError(f"num_val must be an integer >= 0, got {num_val!r}")
+        super().__init__()
+        self.save_hyperparameters()
+        self.arrays, self.src_vocab, self.tgt_vocab = self._build_arrays(self._download())
+
+    def _download(self) -> str:
+        return read_data_nmt()
+
+    def _preprocess(self, text: str) -> str:
+        return preprocess_nmt(text)
+
+    def _tokenize(
+        self, text: str, max_examples: int | None = None
+    ) -> tuple[list[list[str]], list[list[str]]]:
+        """``(src, tgt)`` token lists, each ending in ``<eos>``, of the tab-separated
+        pairs among lines ``0 .. max_examples`` (inclusive, as d2l counts; all lines when
+        ``max_examples`` is None or 0). Lines that are not one pair are skipped."""
+        src, tgt = [], []
+        for i, line in enumerate(text.split("\n")):
+            if max_examples and i > max_examples:
+                break
+            parts = line.split("\t")
+            if len(parts) == 2:
+                src.append([t for t in f"{parts[0]} <eos>".split(" ") if t])
+                tgt.append([t for t in f"{parts[1]} <eos>".split(" ") if t])
+        return src, tgt
+
+    def _build_arrays(
+        self, raw_text: str, src_vocab: Vocab | None = None, tgt_vocab: Vocab | None = None
+    ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], Vocab, Vocab]:
+        """``(arrays, src_vocab, tgt_vocab)`` of ``raw_text`` (see the class); new
+        vocabularies unless given."""
+
+        def build(sentences: list[list[str]], vocab: Vocab | None, is_tgt: bool = False,
+                  ) -> tuple[Tensor, Vocab, Tensor]:
+            t = self.num_steps
+            sentences = [s[:t] + ["<pad>"] * (t - len(s)) for s in sentences]
+            if is_tgt:
+                sentences = [["<bos>", *s] for s in sentences]
+            if vocab is None:
+                vocab = Vocab(sentences, min_freq=2)
+            array = torch.tensor([vocab[s] for s in sentences], dtype=torch.long)
+            array = array.reshape(len(sentences), t + is_tgt)  # (0, t) when no pairs
+            return array, vocab, (array != vocab["<pad>"]).sum(dim=1)
+
+        src, tgt = self._tokenize(self._preprocess(raw_text), self.num_train + self.num_val)
+        src_array, src_vocab, src_valid_len = build(src, src_vocab)
+        tgt_array, tgt_vocab, _ = build(tgt, tgt_vocab, is_tgt=True)
+        arrays = (src_array, tgt_array[:, :-1], src_valid_len, tgt_array[:, 1:])
+        return arrays, src_vocab, tgt_vocab
+
+    def get_dataloader(self, train: bool) -> DataLoader:
+        idx = slice(0, self.num_train) if train else slice(self.num_train, None)
+        return self.get_tensorloader(self.arrays, train, idx)
+
+    def build(
+        self, src_sentences: Sequence[str], tgt_sentences: Sequence[str]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The ``arrays`` of these sentence pairs (preprocessed and tokenized as the
+        corpus), with this data set's vocabularies; unknown tokens become ``<unk>``."""
+        if len(src_sentences) != len(tgt_sentences):
+            raise ValueError(f"build needs one target per source sentence, got "
+                             f"{len(src_sentences)} and {len(tgt_sentences)}")
+        pairs = zip(src_sentences, tgt_sentences, strict=True)
+        raw_text = "\n".join(f"{src}\t{tgt}" for src, tgt in pairs)
+        arrays, _, _ = self._build_arrays(raw_text, self.src_vocab, self.tgt_vocab)
+        return arrays
+
+
 # ----------------------------------------------------------------------------
 # Training and inference
 
@@ -709,25 +895,6 @@ class MaskedSoftmaxCELoss(nn.CrossEntropyLoss):
         return (unweighted * weights).mean(dim=1)
 
 
-def grad_clipping(net: nn.Module | Any, theta: float) -> None:
-    """Scale all gradients by ``theta / norm`` when their global L2 norm exceeds ``theta``.
-
-    ``net`` is a module (its trainable parameters) or an object with a ``params`` list.
-    """
-    params = (
-        [p for p in net.parameters() if p.requires_grad]
-        if isinstance(net, nn.Module)
-        else list(net.params)
-    )
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    norm = torch.sqrt(sum(torch.sum(g**2) for g in grads))
-    if norm > theta:
-        for g in grads:
-            g.mul_(theta / norm)
-
-
 def train_seq2seq(
     net: nn.Module, data_iter: Iterable[Sequence[Tensor]], lr: float, num_epochs: int,
     tgt_vocab: Vocab, device: torch.device | str,
@@ -744,9 +911,7 @@ def train_seq2seq(
     loss curve (see the module docstring for where it ends up); at the end one line,
     ``loss X, Y tokens/sec on DEVICE``, is printed for the last epoch.
     """
-    for module in net.modules():
-        if type(module) in (nn.Linear, nn.GRU):
-            seq2seq.init_seq2seq(module)
+    net.apply(init_seq2seq)
     net.to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=lr)
     loss = MaskedSoftmaxCELoss()
