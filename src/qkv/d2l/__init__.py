@@ -97,6 +97,16 @@ from .attention import (
     transpose_qkv,
 )
 from .encoder_decoder import AttentionDecoder, Decoder, Encoder, EncoderDecoder
+from .transformer import (
+    AddNorm,
+    DecoderBlock,
+    EncoderBlock,
+    PositionWiseFFN,
+    TransformerDecoder,
+    TransformerDecoderBlock,
+    TransformerEncoder,
+    TransformerEncoderBlock,
+)
 
 __all__ = [
     # attention
@@ -107,6 +117,15 @@ __all__ = [
     "transpose_qkv",
     "transpose_output",
     "PositionalEncoding",
+    # Transformer
+    "PositionWiseFFN",
+    "AddNorm",
+    "TransformerEncoderBlock",
+    "EncoderBlock",
+    "TransformerEncoder",
+    "TransformerDecoderBlock",
+    "DecoderBlock",
+    "TransformerDecoder",
     # encoder-decoder
     "Encoder",
     "Decoder",
