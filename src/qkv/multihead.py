@@ -193,13 +193,17 @@ class MultiHeadAttention(nn.Module):
         batch: int,
         num_queries: int,
         num_keys: int,
+        device: torch.device,
     ) -> Tensor | None:
-        """Keep mask ``(batch, 1, 1 or T_q, T_k)`` from either padding form."""
+        """Keep mask ``(batch, 1, 1 or T_q, T_k)`` on ``device`` (the queries'), from either
+        padding form."""
         if valid_lens is not None and key_padding_mask is not None:
             raise ValueError("pass valid_lens or key_padding_mask, not both")
         if valid_lens is not None:
             check_valid_lens(valid_lens, batch, num_queries, num_keys)
-            valid_lens = valid_lens.to(self.W_query.weight.device)
+            # The queries' device, not a weight's: a lazy projection (d2l's, in qkv.d2l)
+            # has no device until the first call sizes it.
+            valid_lens = valid_lens.to(device)
             return lengths_to_mask(valid_lens, num_keys).unsqueeze(1)
         if key_padding_mask is not None:
             if not isinstance(key_padding_mask, Tensor):
@@ -280,7 +284,7 @@ class MultiHeadAttention(nn.Module):
         # The padding is checked before any projection runs; with a cache the keys are
         # the stored ones followed by the new.
         mask = self._key_mask(valid_lens, key_padding_mask, batch, num_queries,
-                              past + key.shape[1])
+                              past + key.shape[1], x.device)
         q = self._split_heads(self.W_query(x))
         k = self._split_heads(self.W_key(key))
         v = self._split_heads(self.W_value(value))

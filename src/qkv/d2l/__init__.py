@@ -3,7 +3,9 @@
 A script written against ``from d2l import torch as d2l`` for the attention chapter and
 the Bahdanau seq2seq translator runs with that one line replaced. Each name has d2l's
 signature, return shapes and conventions, and is a thin front on qkv's own code where
-qkv has it (vocabulary, padding, BLEU, the GRU encoder, the attention modules).
+qkv has it (vocabulary, padding, BLEU, the GRU encoder, the attention modules, the
+sinusoidal positional encoding); the d2l-zh Transformer section trains and translates
+with its ``train_seq2seq`` and ``predict_seq2seq``.
 
 Where qkv departs from d2l on purpose, the names here follow d2l:
 
@@ -38,18 +40,24 @@ Where it departs from d2l:
   ``download_extract('fra-eng')`` calling ``download``, both looked up at call time;
 - ``download_extract`` refuses archive members whose path would leave the extraction
   folder, and ``download`` never leaves a partial or unverified file behind;
-- ``MultiHeadAttention`` sizes its projections when built (``query_size``, ``key_size``,
-  ``value_size``, default ``num_hiddens``) where d2l 1.0.3's are lazy, and keeps its
-  weights in ``attention_weights`` as ``(batch, num_heads, n_q, n_k)`` where d2l's sit
-  on its inner ``attention`` module folded to ``(batch * num_heads, n_q, n_k)``.
+- ``MultiHeadAttention`` also keeps its weights in ``attention_weights`` as ``(batch,
+  num_heads, n_q, n_k)``, next to d2l's folded ``attention.attention_weights``, and
+  takes keyword-only ``query_size``, ``key_size``, ``value_size`` that size d2l 1.0.3's
+  lazy projections when built.
 
-Versions: d2l 1.0.3's forms where the versions differ and 1.0.3 has the name
-(``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)``,
-``download(url, folder, sha1_hash)``, ``EncoderDecoder``); the d2l 0.17/2.0 functions
-the translator chapter used (``load_data_nmt``, ``train_seq2seq``, ``predict_seq2seq``)
-otherwise. ``AdditiveAttention`` takes both forms: 1.0.3's ``(num_hiddens, dropout)``,
-whose ``W_k``, ``W_q``, ``w_v`` are ``nn.LazyLinear`` sized by the first call, and
-0.17's ``(key_size, query_size, num_hiddens, dropout)``. As in d2l, ``train_seq2seq``
+Versions: the attention and Transformer classes (:mod:`qkv.d2l.attention`,
+:mod:`qkv.d2l.transformer`) take both books' forms and tell them apart by signature:
+d2l 1.0.3's (``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)``,
+``AdditiveAttention(num_hiddens, dropout)``, ``PositionWiseFFN(ffn_num_hiddens,
+ffn_num_outputs)``, ``TransformerEncoder(vocab_size, num_hiddens, ...)``), whose layers
+are ``nn.LazyLinear`` sized by the first call as in 1.0.3, and d2l-zh 2.0's (d2l 0.17's)
+``MultiHeadAttention(key_size, query_size, value_size, num_hiddens, num_heads, dropout,
+bias=False)``, ``AdditiveAttention(key_size, query_size, num_hiddens, dropout)``,
+``EncoderBlock``, ``DecoderBlock`` and the encoder and decoder with ``key_size, ...,
+norm_shape, ffn_num_input`` widths. Elsewhere, 1.0.3's forms where the versions differ
+and 1.0.3 has the name (``download(url, folder, sha1_hash)``, ``EncoderDecoder``); the
+d2l 0.17/2.0 functions the translator chapters use (``load_data_nmt``,
+``train_seq2seq``, ``predict_seq2seq``) otherwise. As in d2l, ``train_seq2seq``
 Xavier-initialises exact ``nn.Linear``/``nn.GRU`` modules only, so lazy layers not yet
 sized keep PyTorch's init.
 
@@ -78,7 +86,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import math
 import os
 import tarfile
 import tempfile
@@ -94,8 +101,7 @@ from matplotlib import pyplot as plt
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from .. import multihead, scoring
-from ..checks import check_dropout, check_positive_int
+from ..checks import check_positive_int
 from ..data import translate
 from ..data.loading import batch_loader
 from ..functional import masked_softmax
@@ -103,7 +109,25 @@ from ..models import bahdanau, seq2seq
 from ..positional import PositionalEncoding
 from ..training.losses import valid_mask
 from . import tensors
+from .attention import (
+    AdditiveAttention,
+    DotProductAttention,
+    MultiHeadAttention,
+    transpose_output,
+    transpose_qkv,
+)
+from .encoder_decoder import AttentionDecoder, Decoder, Encoder, EncoderDecoder
 from .plotting import plot, save_if_headless, set_axes, set_figsize, show_heatmaps, use_svg_display
+from .transformer import (
+    AddNorm,
+    DecoderBlock,
+    EncoderBlock,
+    PositionWiseFFN,
+    TransformerDecoder,
+    TransformerDecoderBlock,
+    TransformerEncoder,
+    TransformerEncoderBlock,
+)
 from .v2 import (
     GRU,
     RNN,
@@ -125,7 +149,18 @@ __all__ = [
     "DotProductAttention",
     "AdditiveAttention",
     "MultiHeadAttention",
+    "transpose_qkv",
+    "transpose_output",
     "PositionalEncoding",
+    # Transformer
+    "PositionWiseFFN",
+    "AddNorm",
+    "TransformerEncoderBlock",
+    "EncoderBlock",
+    "TransformerEncoder",
+    "TransformerDecoderBlock",
+    "DecoderBlock",
+    "TransformerDecoder",
     # encoder-decoder
     "Encoder",
     "Decoder",
@@ -201,251 +236,7 @@ def __dir__() -> list[str]:
 
 
 # ----------------------------------------------------------------------------
-# Attention
-
-
-class DotProductAttention(scoring.DotProductAttention):
-    """d2l's scaled dot-product attention.
-
-    ``queries (batch, n_q, d)``, ``keys (batch, n_k, d)``, ``values (batch, n_k, d_v)``,
-    ``valid_lens`` None, ``(batch,)`` or ``(batch, n_q)`` ``-> (batch, n_q, d_v)``;
-    ``attention_weights (batch, n_q, n_k)`` from the last call, before dropout. A query
-    with ``valid_len == 0`` attends uniformly to all keys, as in d2l.
-    """
-
-    def forward(
-        self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
-    ) -> Tensor:
-        scoring.check_same_width(queries, keys)
-        scores = queries @ keys.transpose(1, 2) / math.sqrt(queries.shape[-1])
-        self.attention_weights = masked_softmax(scores, valid_lens)
-        return self.dropout(self.attention_weights) @ values
-
-
-class AdditiveAttention(scoring.AdditiveAttention):
-    """d2l's additive (Bahdanau) attention, in either of d2l's two forms.
-
-    - ``AdditiveAttention(num_hiddens, dropout)`` (d2l 1.0.3): ``W_k``, ``W_q`` and
-      ``w_v`` are bias-free :class:`torch.nn.LazyLinear` layers whose input widths are
-      taken from the first call (or from a loaded ``state_dict``);
-    - ``AdditiveAttention(key_size, query_size, num_hiddens, dropout)`` (d2l 0.17): the
-      widths are given, the layers are ordinary bias-free ``nn.Linear``.
-
-    The form is told by the arguments: three or more positional ones, or ``key_size`` /
-    ``query_size`` by keyword, select the second; anything else the first. ``dropout``
-    defaults to 0 in both.
-
-    ``queries (batch, n_q, query_size)``, ``keys (batch, n_k, key_size)``,
-    ``values (batch, n_k, d_v)``, ``valid_lens`` None, ``(batch,)`` or ``(batch, n_q)``
-    ``-> (batch, n_q, d_v)``; ``attention_weights (batch, n_q, n_k)``. A query with
-    ``valid_len == 0`` attends uniformly, as in d2l.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if len(args) >= 3 or "key_size" in kwargs or "query_size" in kwargs:
-            super().__init__(*args, **kwargs)
-            return
-        try:
-            num_hiddens, dropout = _lazy_additive_args(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(str(e).replace("_lazy_additive_args", "AdditiveAttention")) from None
-        nn.Module.__init__(self)  # the parent's __init__ needs the widths up front
-        check_positive_int("num_hiddens", num_hiddens)
-        check_dropout(dropout)
-        # Created in d2l's order; sized (and initialised) on the first call.
-        self.W_k = nn.LazyLinear(num_hiddens, bias=False)
-        self.W_q = nn.LazyLinear(num_hiddens, bias=False)
-        self.w_v = nn.LazyLinear(1, bias=False)
-        self.dropout = nn.Dropout(dropout)
-        self.attention_weights = None
-
-    def forward(  # type: ignore[override]
-        self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
-    ) -> Tensor:
-        # (batch, n_q, 1, h) + (batch, 1, n_k, h): every query meets every key
-        features = torch.tanh(self.W_q(queries).unsqueeze(2) + self.W_k(keys).unsqueeze(1))
-        scores = self.w_v(features).squeeze(-1)
-        self.attention_weights = masked_softmax(scores, valid_lens)
-        return self.dropout(self.attention_weights) @ values
-
-
-def _lazy_additive_args(num_hiddens: int, dropout: float = 0.0) -> tuple[int, float]:
-    """``AdditiveAttention(num_hiddens, dropout)``'s arguments, bound as Python binds them
-    (so a wrong call is the usual ``TypeError``)."""
-    return num_hiddens, dropout
-
-
-class MultiHeadAttention(multihead.MultiHeadAttention):
-    """d2l's multi-head attention.
-
-    A thin front on the one :class:`qkv.MultiHeadAttention` (non-causal, cross-attention
-    capable), not a second implementation: heads run in parallel on a head axis rather
-    than being folded into the batch, and ``valid_lens`` is broadcast over that axis,
-    which is what d2l's ``repeat_interleave`` over the folded batch computes. A query
-    with ``valid_len == 0`` attends uniformly to all keys, as in d2l (the parent gives it
-    zero weights; the difference is added back for those rows only).
-
-    Args:
-        num_hiddens: width of every projection and of the output.
-        num_heads: heads; ``num_hiddens % num_heads`` must be 0.
-        dropout: on the attention weights.
-        bias: bias on all four projections (d2l default: none).
-        query_size, key_size, value_size: input widths, default ``num_hiddens``
-            (d2l infers them lazily on the first call).
-
-    ``queries (batch, n_q, query_size)``, ``keys (batch, n_k, key_size)``,
-    ``values (batch, n_k, value_size)`` ``-> (batch, n_q, num_hiddens)``.
-    ``attention_weights`` holds ``(batch, num_heads, n_q, n_k)`` from the last call;
-    ``.reshape(batch * num_heads, n_q, n_k)`` gives d2l's folded layout.
-    """
-
-    def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        query_size: int | None = None,
-        key_size: int | None = None,
-        value_size: int | None = None,
-    ) -> None:
-        # d2l's names in the messages: the parent would call them d_out, d_in, kdim, vdim.
-        multihead.check_heads(num_hiddens, num_heads, name="num_hiddens")
-        for name, size in (("query_size", query_size), ("key_size", key_size),
-                           ("value_size", value_size)):
-            if size is not None:
-                check_positive_int(name, size)
-        super().__init__(
-            num_hiddens if query_size is None else query_size,
-            num_hiddens,
-            None,
-            dropout,
-            num_heads,
-            qkv_bias=bias,
-            causal=False,
-            kdim=key_size if key_size is not None else num_hiddens,
-            vdim=value_size if value_size is not None else num_hiddens,
-            out_bias=bias,
-        )
-        self.num_hiddens = num_hiddens
-        self.attention_weights: Tensor | None = None
-
-    def forward(  # type: ignore[override]
-        self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
-    ) -> Tensor:
-        out, weights = super().forward(
-            queries, keys, values, valid_lens=valid_lens, need_weights=True
-        )
-        if valid_lens is not None:  # checked by the parent
-            empty = (valid_lens.to(out.device) == 0)
-            if empty.dim() == 1:
-                empty = empty[:, None].expand(out.shape[0], out.shape[1])
-            if bool(empty.any()):
-                out, weights = self._uniform_empty_rows(out, weights, values, empty)
-        self.attention_weights = weights
-        return out
-
-    def _uniform_empty_rows(
-        self, out: Tensor, weights: Tensor, values: Tensor, empty: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """d2l's result for the queries with ``valid_len == 0`` (``empty (batch, n_q)``).
-
-        The parent gives those rows zero weights, so their output is ``out_proj``'s bias
-        alone. d2l gives them weight ``1 / n_k`` on every key; this adds what those
-        weights contribute, ``W_o (dropout(uniform) @ V)`` per head, to those rows only
-        (zero weights elsewhere add exactly zero), and puts the uniform rows in the weights.
-        """
-        batch, num_queries, _ = out.shape
-        num_keys = values.shape[1]
-        uniform = empty[:, None, :, None].to(weights.dtype) / num_keys  # (b, 1, n_q, 1)
-        uniform = uniform.expand(batch, self.num_heads, num_queries, num_keys)
-        v = self._split_heads(self.W_value(values))  # (b, heads, n_k, head_dim)
-        heads = (self.dropout(uniform) @ v).transpose(1, 2).reshape(batch, num_queries, -1)
-        out = out + nn.functional.linear(heads, self.out_proj.weight)
-        return out, weights + uniform
-
-
-# ----------------------------------------------------------------------------
-# The encoder-decoder interface
-
-
-class Encoder(nn.Module):
-    """Base encoder: ``forward(X, *args)`` returns whatever the decoder's ``init_state``
-    takes."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-
-    def forward(self, X: Tensor, *args: Any) -> Any:
-        raise NotImplementedError
-
-
-class Decoder(nn.Module):
-    """Base decoder: ``init_state(enc_all_outputs, *args)`` builds the state that
-    ``forward(X, state)`` consumes and returns, updated, next to its output."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-
-    def init_state(self, enc_all_outputs: Any, *args: Any) -> Any:
-        raise NotImplementedError
-
-    def forward(self, X: Tensor, state: Any) -> tuple[Tensor, Any]:
-        raise NotImplementedError
-
-
-class AttentionDecoder(Decoder):
-    """Base of decoders with attention: they also expose ``attention_weights``."""
-
-    @property
-    def attention_weights(self) -> Any:
-        raise NotImplementedError
-
-
-class EncoderDecoder(Classifier):
-    """``forward(enc_X, dec_X, *args) -> Y_hat``: encode, ``init_state``, decode.
-
-    ``*args`` (typically ``enc_valid_len (batch,)``) go to both the encoder and the
-    decoder's ``init_state``. Returns the decoder's first output only, as d2l 1.0.3 does
-    (d2l-zh's returned ``(Y_hat, state)``; ``train_seq2seq`` takes either). A
-    :class:`Classifier`, as in 1.0.3, so a :class:`Trainer` fits it with
-    cross-entropy and ``predict_step`` decodes greedily.
-    """
-
-    def __init__(self, encoder: nn.Module, decoder: nn.Module, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.encoder = encoder
-        self.decoder = decoder
-
-    def forward(self, enc_X: Tensor, dec_X: Tensor, *args: Any) -> Tensor:
-        enc_all_outputs = self.encoder(enc_X, *args)
-        dec_state = self.decoder.init_state(enc_all_outputs, *args)
-        return self.decoder(dec_X, dec_state)[0]
-
-    def predict_step(
-        self, batch: Sequence[Tensor], device: torch.device | str, num_steps: int,
-        save_attention_weights: bool = False,
-    ) -> tuple[Tensor, list[Any]]:
-        """Greedy decoding of a batch ``(src, tgt, src_valid_len, label)`` (as
-        ``MTFraEng.build`` gives it): ``(outputs (batch, num_steps), attention_weights)``.
-
-        Decoding starts from ``tgt[:, 0]`` (``<bos>``) and feeds each argmax back for
-        ``num_steps`` steps, past ``<eos>`` too (cut the rows there yourself). With
-        ``save_attention_weights``, ``decoder.attention_weights`` is kept after every
-        step. As in d2l, the model's train/eval mode and autograd are left as they are.
-        """
-        check_positive_int("num_steps", num_steps)
-        src, tgt, src_valid_len, _ = (a.to(device) for a in batch)
-        enc_all_outputs = self.encoder(src, src_valid_len)
-        dec_state = self.decoder.init_state(enc_all_outputs, src_valid_len)
-        outputs, attention_weights = [tgt[:, :1]], []
-        for _ in range(num_steps):
-            Y, dec_state = self.decoder(outputs[-1], dec_state)
-            outputs.append(Y.argmax(dim=2))
-            if save_attention_weights:
-                attention_weights.append(self.decoder.attention_weights)
-        return torch.cat(outputs[1:], dim=1), attention_weights
+# The 1.0 sequence-to-sequence model
 
 
 class Seq2Seq(EncoderDecoder):
