@@ -108,7 +108,7 @@ from ..functional import masked_softmax
 from ..models import bahdanau, seq2seq
 from ..positional import PositionalEncoding
 from ..training.losses import valid_mask
-from . import tensors
+from . import encoder_decoder, tensors, transformer, v2
 from .attention import (
     AdditiveAttention,
     DotProductAttention,
@@ -116,32 +116,12 @@ from .attention import (
     transpose_output,
     transpose_qkv,
 )
-from .encoder_decoder import AttentionDecoder, Decoder, Encoder, EncoderDecoder
+
+# Whole modules of d2l's names, re-exported: their __all__ is part of this one's.
+from .encoder_decoder import *  # noqa: F403
 from .plotting import plot, save_if_headless, set_axes, set_figsize, show_heatmaps, use_svg_display
-from .transformer import (
-    AddNorm,
-    DecoderBlock,
-    EncoderBlock,
-    PositionWiseFFN,
-    TransformerDecoder,
-    TransformerDecoderBlock,
-    TransformerEncoder,
-    TransformerEncoderBlock,
-)
-from .v2 import (
-    GRU,
-    RNN,
-    Classifier,
-    DataModule,
-    HyperParameters,
-    Module,
-    ProgressBoard,
-    Trainer,
-    add_to_class,
-    bleu,
-    grad_clipping,
-    init_seq2seq,
-)
+from .transformer import *  # noqa: F403
+from .v2 import *  # noqa: F403
 
 __all__ = [
     # attention
@@ -152,33 +132,9 @@ __all__ = [
     "transpose_qkv",
     "transpose_output",
     "PositionalEncoding",
-    # Transformer
-    "PositionWiseFFN",
-    "AddNorm",
-    "TransformerEncoderBlock",
-    "EncoderBlock",
-    "TransformerEncoder",
-    "TransformerDecoderBlock",
-    "DecoderBlock",
-    "TransformerDecoder",
-    # encoder-decoder
-    "Encoder",
-    "Decoder",
-    "AttentionDecoder",
-    "EncoderDecoder",
+    # encoder-decoder (with the bases of qkv.d2l.encoder_decoder)
     "Seq2SeqEncoder",
     "Seq2Seq",
-    "init_seq2seq",
-    # d2l 1.0's framework (qkv.d2l.v2)
-    "HyperParameters",
-    "add_to_class",
-    "ProgressBoard",
-    "Module",
-    "DataModule",
-    "Trainer",
-    "Classifier",
-    "RNN",
-    "GRU",
     # data
     "DATA_HUB",
     "DATA_URL",
@@ -196,10 +152,8 @@ __all__ = [
     # training and inference
     "sequence_mask",
     "MaskedSoftmaxCELoss",
-    "grad_clipping",
     "train_seq2seq",
     "predict_seq2seq",
-    "bleu",
     # utilities
     "cpu",
     "gpu",
@@ -217,6 +171,9 @@ __all__ = [
     "show_heatmaps",
     # tensors: d2l's names for torch's functions and tensor methods
     *tensors.__all__,
+    *encoder_decoder.__all__,
+    *transformer.__all__,
+    *v2.__all__,
 ]
 
 FRA_ENG_ENV = "QKV_FRA_ENG"
@@ -239,7 +196,7 @@ def __dir__() -> list[str]:
 # The 1.0 sequence-to-sequence model
 
 
-class Seq2Seq(EncoderDecoder):
+class Seq2Seq(encoder_decoder.EncoderDecoder):
     """d2l 1.0's sequence-to-sequence model: ``Seq2Seq(encoder, decoder, tgt_pad, lr)``.
 
     Trained by a :class:`Trainer` on batches ``(src, dec_input, src_valid_len, label)``
@@ -266,7 +223,7 @@ class Seq2Seq(EncoderDecoder):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
-class Seq2SeqEncoder(bahdanau.Seq2SeqEncoder, Encoder):
+class Seq2SeqEncoder(bahdanau.Seq2SeqEncoder, encoder_decoder.Encoder):
     """d2l's GRU encoder: an embedding, then ``num_layers`` GRU layers.
 
     ``X (batch, num_steps)`` int ``-> (outputs (num_steps, batch, num_hiddens),
@@ -562,7 +519,7 @@ def load_data_nmt(
     return data_iter, src_vocab, tgt_vocab
 
 
-class MTFraEng(DataModule):
+class MTFraEng(v2.DataModule):
     """d2l 1.0's English-French data: ``MTFraEng(batch_size, num_steps=9, num_train=512,
     num_val=128)``.
 
@@ -702,7 +659,7 @@ def train_seq2seq(
     loss curve (see the module docstring for where it ends up); at the end one line,
     ``loss X, Y tokens/sec on DEVICE``, is printed for the last epoch.
     """
-    net.apply(init_seq2seq)
+    net.apply(v2.init_seq2seq)
     net.to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=lr)
     loss = MaskedSoftmaxCELoss()
@@ -722,7 +679,7 @@ def train_seq2seq(
             Y_hat = out[0] if isinstance(out, tuple) else out
             losses = loss(Y_hat, Y, Y_valid_len)
             losses.sum().backward()
-            grad_clipping(net, 1)
+            v2.grad_clipping(net, 1)
             optimizer.step()
             with torch.no_grad():
                 metric.add(losses.sum(), Y_valid_len.sum())
