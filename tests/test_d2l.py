@@ -119,15 +119,17 @@ def test_d2l_multihead_example_and_reference():
     assert isinstance(m, qkv.MultiHeadAttention)  # one implementation, not two
 
 
+@pytest.mark.parametrize("backend", ["d2l", "qkv"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(
     "valid_lens", [[0, 3], [[0, 6, 2, 0], [1, 0, 6, 3]], [0, 0]], ids=["1d", "2d", "all-empty"]
 )
-def test_d2l_multihead_zero_valid_len_is_uniform_as_d2l(bias, valid_lens):
+def test_d2l_multihead_zero_valid_len_is_uniform_as_d2l(bias, valid_lens, backend):
     """A query with valid length 0 attends uniformly to all keys (d2l's -1e6 fill), in
-    float64 against the folded-heads reference."""
+    float64 against the folded-heads reference, on both backends."""
     torch.manual_seed(3)
     m = d2l.MultiHeadAttention(12, 3, 0.0, bias=bias).double().eval()
+    m.backend = backend
     queries = torch.randn(2, 4, 12, dtype=torch.float64)
     keys, values = torch.randn(2, 6, 12, dtype=torch.float64), torch.randn(2, 6, 12,
                                                                          dtype=torch.float64)
@@ -151,6 +153,31 @@ def test_d2l_multihead_zero_valid_len_gradients_and_training_dropout():
     assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
     # the weights are kept before dropout, as d2l keeps them
     torch.testing.assert_close(m.attention_weights[0], torch.full((2, 3, 3), 1 / 3))
+
+
+@pytest.mark.parametrize("form", ["d2l", "zh"])
+def test_d2l_multihead_backends_agree_and_draw_the_same_dropout(form):
+    torch.manual_seed(5)
+    m = d2l.MultiHeadAttention(12, 3, 0.3) if form == "d2l" else \
+        d2l.MultiHeadAttention(5, 7, 9, 12, 3, 0.3, True)
+    q, k, v = torch.randn(2, 4, 7 if form == "zh" else 12), torch.randn(
+        2, 6, 5 if form == "zh" else 12), torch.randn(2, 6, 9 if form == "zh" else 12)
+    for train in (False, True):
+        # (the qkv backend draws its own dropout for rows of valid length 0: none here
+        # in training)
+        lens = torch.tensor([[int(train), 6, 2, 1], [3, 1, 6, 5]])
+        m.train(train)
+        outs = {}
+        for backend in ("d2l", "qkv"):
+            m.backend = backend
+            torch.manual_seed(9)
+            outs[backend] = (m(q, k, v, lens), m.attention_weights,
+                             m.attention.attention_weights)
+        for a, b in zip(outs["d2l"], outs["qkv"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    m.backend = "fast"
+    with pytest.raises(ValueError, match="backend must be 'd2l' or 'qkv', got 'fast'"):
+        m(q, k, v, lens)
 
 
 def test_d2l_multihead_other_widths():
@@ -345,12 +372,14 @@ def test_load_data_nmt_from_env_file_and_replaced_reader(tmp_path, monkeypatch):
     X, X_valid_len, Y, Y_valid_len = batches[0]
     assert X.shape == Y.shape == (2, 5) and X.dtype == torch.int64
     assert X_valid_len.shape == Y_valid_len.shape == (2,)
-    assert src_vocab.idx_to_token == ["!", ".", "<bos>", "<eos>", "<pad>", "<unk>", "run"]
-    assert tgt_vocab.idx_to_token == ["!", "<bos>", "<eos>", "<pad>", "<unk>"]
+    # d2l-zh's order: <unk>, the reserved tokens, then by count (ties as first seen)
+    assert src_vocab.idx_to_token == ["<unk>", "<pad>", "<bos>", "<eos>", ".", "run", "!"]
+    assert tgt_vocab.idx_to_token == ["<unk>", "<pad>", "<bos>", "<eos>", "!"]
+    assert type(src_vocab) is d2l.Vocab and src_vocab.unk == 0 and src_vocab["hi"] == 0
     # a replaced reader is what load_data_nmt reads, as with d2l
     monkeypatch.setattr(d2l, "read_data_nmt", lambda: "A.\tB.\nA.\tB.\n")
     _, src_vocab, _ = d2l.load_data_nmt(2, 5)
-    assert src_vocab.idx_to_token == [".", "<bos>", "<eos>", "<pad>", "<unk>", "a"]
+    assert src_vocab.idx_to_token == ["<unk>", "<pad>", "<bos>", "<eos>", "a", "."]
 
 
 def test_read_data_nmt_from_qkv_cache_without_network(tmp_path, monkeypatch):

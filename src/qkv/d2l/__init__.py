@@ -24,11 +24,21 @@ too: ``HyperParameters``, ``add_to_class``, ``ProgressBoard``, ``Module``,
 ``DataModule``, ``Trainer``, ``Classifier``, ``RNN``, ``GRU``, ``init_seq2seq`` (all
 from :mod:`qkv.d2l.v2`, which says where it departs from 1.0.3), and on it
 ``EncoderDecoder`` (a ``Classifier``, with ``predict_step``), ``Seq2Seq`` and
-``MTFraEng``. The two editions share no name whose meanings clash: the Chinese edition's
-``EncoderDecoder`` + ``train_seq2seq`` and the English ``Seq2Seq`` + ``Trainer`` both
-run on the same classes, so there is no separate import for either. ``Seq2Seq``'s loss
-leaves the padding out, as the book's seq2seq section defines it (the 1.0.3 package
-does not carry that definition and averages over the padding too).
+``MTFraEng``. The Chinese edition's ``EncoderDecoder`` + ``train_seq2seq`` and the
+English ``Seq2Seq`` + ``Trainer`` run on the same classes, so there is no separate
+import for either, with one exception: ``Seq2SeqEncoder``. Both editions build it with
+the same arguments, but d2l 1.0.3 draws its Xavier weights when it is built and d2l-zh
+when ``train_seq2seq`` starts, and every random number after that depends on which. Here
+it is d2l-zh's; ``qkv.d2l.v2.Seq2SeqEncoder`` is 1.0.3's (a run of the English chapter
+follows the book's random stream with ``d2l.Seq2SeqEncoder = d2l.v2.Seq2SeqEncoder``,
+and trains to the same kind of result without it). ``Seq2Seq``'s loss averages over
+every label token, the padding too, as the 1.0.3 package does; the book's seq2seq
+section replaces it with a masked one by ``add_to_class``, which works here as there.
+
+Same seeds, same numbers: where the books draw random numbers (weights, shuffling,
+dropout), the classes here draw the same ones in the same order, and
+``MultiHeadAttention`` computes in d2l's order of operations (its ``backend``), so the
+chapters' training cells print the books' losses and translations.
 
 Where it departs from d2l:
 
@@ -62,11 +72,12 @@ Xavier-initialises exact ``nn.Linear``/``nn.GRU`` modules only, so lazy layers n
 sized keep PyTorch's init.
 
 ``Vocab`` numbers its tokens as d2l 1.0.3 does: ``idx_to_token`` is the sorted set of
-``<unk>``, the reserved tokens and the tokens kept by ``min_freq`` (0.17 put ``<unk>``
-at 0, then the reserved tokens, then by frequency), so ``<unk>`` is not always id 0;
-``vocab.unk`` is its id, and the functions here look ``<pad>``, ``<bos>``, ``<eos>`` up
-by name. Unlike ``qkv.data.translate.Vocab``, a reserved ``<unk>`` or a token reserved
-twice is accepted and gets one id, as in 1.0.3.
+``<unk>``, the reserved tokens and the tokens kept by ``min_freq``, so ``<unk>`` is not
+always id 0; ``vocab.unk`` is its id, and the functions here look ``<pad>``, ``<bos>``,
+``<eos>`` up by name. ``Vocab.by_frequency`` numbers them as d2l-zh does (``<unk>`` at
+0, then the reserved tokens, then by frequency), and ``load_data_nmt``, d2l-zh's
+function, builds its vocabularies so. Unlike ``qkv.data.translate.Vocab``, a reserved
+``<unk>`` or a token reserved twice is accepted and gets one id, as in 1.0.3.
 
 Tensors: d2l's framework-neutral names (``d2l.reshape``, ``ones``, ``concat``,
 ``normal``, ``check_shape``, ...) are in :mod:`qkv.d2l.tensors`, re-exported here.
@@ -105,7 +116,7 @@ from ..checks import check_positive_int
 from ..data import translate
 from ..data.loading import batch_loader
 from ..functional import masked_softmax
-from ..models import bahdanau, seq2seq
+from ..models import seq2seq
 from ..positional import PositionalEncoding
 from ..training.losses import valid_mask
 from . import encoder_decoder, tensors, transformer, v2
@@ -132,8 +143,7 @@ __all__ = [
     "transpose_qkv",
     "transpose_output",
     "PositionalEncoding",
-    # encoder-decoder (with the bases of qkv.d2l.encoder_decoder)
-    "Seq2SeqEncoder",
+    # encoder-decoder (with the bases of qkv.d2l.encoder_decoder; Seq2SeqEncoder: below)
     "Seq2Seq",
     # data
     "DATA_HUB",
@@ -200,20 +210,16 @@ class Seq2Seq(encoder_decoder.EncoderDecoder):
     """d2l 1.0's sequence-to-sequence model: ``Seq2Seq(encoder, decoder, tgt_pad, lr)``.
 
     Trained by a :class:`Trainer` on batches ``(src, dec_input, src_valid_len, label)``
-    with Adam at ``lr``. The loss is the cross-entropy averaged over the label tokens
-    that are not ``tgt_pad``, the loss the book's seq2seq section adds to the class
-    (d2l 1.0.3's package leaves it out, and so averages over the padding too).
+    with Adam at ``lr``. The loss is :class:`Classifier`'s cross-entropy averaged over
+    every label token, padding included, as in d2l 1.0.3's package, whose numbers the
+    English chapter prints. The book's seq2seq section adds a loss that leaves ``tgt_pad``
+    out (``@d2l.add_to_class(d2l.Seq2Seq) def loss``); run that cell and it replaces this
+    one here as it does in d2l.
     """
 
     def __init__(self, encoder: nn.Module, decoder: nn.Module, tgt_pad: int, lr: float) -> None:
         super().__init__(encoder, decoder)
         self.save_hyperparameters()
-
-    def loss(self, Y_hat: Tensor, Y: Tensor) -> Tensor:  # type: ignore[override]
-        """``Y_hat (batch, num_steps, vocab)``, ``Y (batch, num_steps)`` -> a scalar."""
-        per_token = super().loss(Y_hat, Y, averaged=False)
-        mask = (Y.reshape(-1) != self.tgt_pad).type(torch.float32)
-        return (per_token * mask).sum() / mask.sum()
 
     def validation_step(self, batch: Sequence[Tensor]) -> None:
         Y_hat = self(*batch[:-1])
@@ -223,28 +229,22 @@ class Seq2Seq(encoder_decoder.EncoderDecoder):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
-class Seq2SeqEncoder(bahdanau.Seq2SeqEncoder, encoder_decoder.Encoder):
-    """d2l's GRU encoder: an embedding, then ``num_layers`` GRU layers.
+class Seq2SeqEncoder(v2.Seq2SeqEncoder, encoder_decoder.Encoder):
+    """d2l-zh's GRU encoder: an embedding, then ``num_layers`` GRU layers.
 
     ``X (batch, num_steps)`` int ``-> (outputs (num_steps, batch, num_hiddens),
     state (num_layers, batch, num_hiddens))``, time-major as d2l returns them; extra
-    arguments (the valid lengths) are accepted and ignored. Weights start Xavier-uniform,
-    as d2l 1.0.3 initialises them.
+    arguments (the valid lengths) are accepted and ignored.
+
+    The two editions build this class with the same signature but draw its first
+    weights at different moments: d2l-zh leaves PyTorch's initialisation in place and
+    :func:`train_seq2seq` draws Xavier weights for the whole model, while d2l 1.0.3 draws
+    them when the encoder is built. Which one runs decides every random number after it,
+    so this one is d2l-zh's, as the rest of ``qkv.d2l``'s ``train_seq2seq`` API is, and
+    :class:`qkv.d2l.v2.Seq2SeqEncoder` is 1.0.3's.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        embed_size: int,
-        num_hiddens: int,
-        num_layers: int,
-        dropout: float = 0,
-    ) -> None:
-        super().__init__(vocab_size, embed_size, num_hiddens, num_layers, dropout)
-        seq2seq.init_seq2seq(self)
-
-    def forward(self, X: Tensor, *args: Any) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        return super().forward(X.long())
+    init_when_built = False
 
 
 # ----------------------------------------------------------------------------
@@ -433,6 +433,24 @@ class Vocab(translate.Vocab):
         # The parent's __init__ (which puts <unk> at 0) is not called: _set is all it needs.
         self._set(idx_to_token, token_freqs)
 
+    @classmethod
+    def by_frequency(
+        cls,
+        tokens: Sequence[Any] | None = None,
+        min_freq: int = 0,
+        reserved_tokens: Sequence[str] | None = None,
+    ) -> Vocab:
+        """d2l-zh 2.0's order instead of 1.0.3's: ``<unk>`` (id 0), ``reserved_tokens``,
+        then the tokens seen at least ``min_freq`` times, most frequent first (ties in
+        first-seen order). ``load_data_nmt`` builds its vocabularies so, as d2l-zh does.
+
+        Raises:
+            ValueError: ``reserved_tokens`` holding ``<unk>`` or a token twice.
+        """
+        tokens = [] if tokens is None else tokens
+        by_count = translate.Vocab(tokens, min_freq, list(reserved_tokens or []))
+        return cls.from_dict(by_count.to_dict())
+
     @property
     def unk(self) -> int:
         """Id of ``<unk>`` (where sorting put it; not always 0)."""
@@ -505,14 +523,15 @@ def load_data_nmt(
     """``(train_iter, src_vocab, tgt_vocab)`` for the first pairs of :func:`read_data_nmt`.
 
     Vocabularies keep tokens seen at least twice, with ``<pad>``, ``<bos>``, ``<eos>``
-    reserved. Batches are ``(X, X_valid_len, Y, Y_valid_len)``: ``X, Y (batch_size,
+    reserved, in d2l-zh's order (:meth:`Vocab.by_frequency`: ``<unk>`` is 0, ``<pad>``
+    1). Batches are ``(X, X_valid_len, Y, Y_valid_len)``: ``X, Y (batch_size,
     num_steps)`` int64 ids, valid lengths ``(batch_size,)`` int64, shuffled.
     """
     text = preprocess_nmt(read_data_nmt())
     source, target = tokenize_nmt(text, num_examples)
     reserved = ["<pad>", "<bos>", "<eos>"]
-    src_vocab = Vocab(source, min_freq=2, reserved_tokens=reserved)
-    tgt_vocab = Vocab(target, min_freq=2, reserved_tokens=reserved)
+    src_vocab = Vocab.by_frequency(source, min_freq=2, reserved_tokens=reserved)
+    tgt_vocab = Vocab.by_frequency(target, min_freq=2, reserved_tokens=reserved)
     src_array, src_valid_len = build_array_nmt(source, src_vocab, num_steps)
     tgt_array, tgt_valid_len = build_array_nmt(target, tgt_vocab, num_steps)
     data_iter = load_array((src_array, src_valid_len, tgt_array, tgt_valid_len), batch_size)

@@ -190,17 +190,25 @@ class MultiHeadAttention(multihead.MultiHeadAttention):
     d2l 1.0.3's, five or more d2l-zh's. ``dropout`` defaults to 0 in both; ``bias`` is on
     all four projections.
 
-    A thin front on the one :class:`qkv.MultiHeadAttention` (non-causal,
-    cross-attention capable), not a second implementation. Its modules carry d2l's names
-    in d2l's order, ``attention`` (a :class:`DotProductAttention`, whose ``dropout`` is
-    the layer's), ``W_q``, ``W_k``, ``W_v``, ``W_o``, so it prints, saves and loads as
-    d2l's; ``W_query``, ``W_key``, ``W_value``, ``out_proj`` and ``dropout`` name the same
-    modules for the parent. The projections are created (or, lazy, initialised on the
-    first call) in d2l's order with d2l's shapes, so a seed gives d2l's weights. Heads
-    run on their own axis rather than folded into the batch, and ``valid_lens`` is
-    broadcast over it, which is what d2l's ``repeat_interleave`` over the folded batch
-    computes. A query with ``valid_len == 0`` attends uniformly to all keys, as in d2l
-    (the parent gives it zero weights; the difference is added back for those rows only).
+    Built on the one :class:`qkv.MultiHeadAttention` (non-causal, cross-attention
+    capable), whose modules it names as d2l does, in d2l's order: ``attention`` (a
+    :class:`DotProductAttention`, whose ``dropout`` is the layer's), ``W_q``, ``W_k``,
+    ``W_v``, ``W_o``, so it prints, saves and loads as d2l's; ``W_query``, ``W_key``,
+    ``W_value``, ``out_proj`` and ``dropout`` name the same modules for the parent. The
+    projections are created (or, lazy, initialised on the first call) in d2l's order with
+    d2l's shapes, so a seed gives d2l's weights.
+
+    ``backend`` (an attribute, default ``"d2l"``) picks the arithmetic:
+
+    - ``"d2l"``: the book's, step for step: heads folded into the batch
+      (:func:`transpose_qkv`), ``valid_lens`` repeated per head, :class:`DotProductAttention`,
+      :func:`transpose_output`, ``W_o``. The same operations in the same order give the
+      same floats as d2l's package, so training follows the book's numbers bit for bit;
+    - ``"qkv"``: the parent's forward, heads on their own axis and ``valid_lens``
+      broadcast over it, which computes the same function to rounding (a test checks
+      they agree) and draws the same dropout. A query with ``valid_len == 0`` attends
+      uniformly to all keys there too (the parent gives it zero weights; the difference
+      is added back for those rows only).
 
     ``queries (batch, n_q, query_size)``, ``keys (batch, n_k, key_size)``,
     ``values (batch, n_k, value_size)`` ``-> (batch, n_q, num_hiddens)``. Every call
@@ -240,6 +248,7 @@ class MultiHeadAttention(multihead.MultiHeadAttention):
             setattr(self, name, nn.LazyLinear(num_hiddens, bias=a["bias"]) if lazy else layer)
         self.num_hiddens = num_hiddens
         self.attention_weights: Tensor | None = None
+        self.backend = "d2l"
 
     # qkv.MultiHeadAttention's names for d2l's layers.
     W_query = property(lambda self: self.W_q)
@@ -260,6 +269,10 @@ class MultiHeadAttention(multihead.MultiHeadAttention):
                                ("vdim", self.W_value, values)):
             if isinstance(x, Tensor) and is_lazy(layer.weight):
                 setattr(self, attr, x.shape[-1])
+        if self.backend == "d2l":
+            return self._forward_d2l(queries, keys, values, valid_lens)
+        if self.backend != "qkv":
+            raise ValueError(f"backend must be 'd2l' or 'qkv', got {self.backend!r}")
         out, weights = super().forward(
             queries, keys, values, valid_lens=valid_lens, need_weights=True
         )
@@ -272,6 +285,27 @@ class MultiHeadAttention(multihead.MultiHeadAttention):
         self.attention_weights = weights
         self.attention.attention_weights = weights.reshape(-1, *weights.shape[2:])
         return out
+
+    def _forward_d2l(
+        self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None
+    ) -> Tensor:
+        for name, x in (("queries", queries), ("keys", keys), ("values", values)):
+            if not isinstance(x, Tensor) or x.dim() != 3:
+                raise ValueError(f"{name} must be a 3-D tensor (batch, n, width), got "
+                                 f"{tuple(x.shape) if isinstance(x, Tensor) else type(x)}")
+        if keys.shape[:2] != values.shape[:2] or queries.shape[0] != keys.shape[0]:
+            raise ValueError(f"queries {tuple(queries.shape)}, keys {tuple(keys.shape)} and "
+                             f"values {tuple(values.shape)} must share the batch, and keys "
+                             "and values the number of keys")
+        q = transpose_qkv(self.W_q(queries), self.num_heads)  # (batch * heads, n_q, d)
+        k = transpose_qkv(self.W_k(keys), self.num_heads)
+        v = transpose_qkv(self.W_v(values), self.num_heads)
+        if valid_lens is not None:
+            valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)
+        out = transpose_output(self.attention(q, k, v, valid_lens), self.num_heads)
+        weights = self.attention.attention_weights
+        self.attention_weights = weights.reshape(-1, self.num_heads, *weights.shape[1:])
+        return self.W_o(out)
 
     def transpose_qkv(self, X: Tensor) -> Tensor:
         """d2l 1.0.3's method: :func:`transpose_qkv` with this layer's ``num_heads``."""

@@ -11,10 +11,12 @@ on their own: :class:`HyperParameters`, :func:`add_to_class`, :class:`ProgressBo
 1.0's translation pieces on them (``EncoderDecoder`` is a :class:`Classifier`; ``Seq2Seq``,
 ``MTFraEng``), so ``from qkv import d2l`` runs the English chapters.
 
-The two editions do not clash here: d2l-zh 2.0 has none of these classes, and the names
-both have (``Encoder``, ``Decoder``, ``AttentionDecoder``, ``EncoderDecoder``,
-``Seq2SeqEncoder``, ``bleu``) are one object in ``qkv.d2l`` serving both (see its
-docstring), so ``qkv.d2l.v2.X`` and ``qkv.d2l.X`` are the same object.
+The two editions clash in one name: both build ``Seq2SeqEncoder`` with the same
+signature, but 1.0.3 draws its weights when it is built and d2l-zh when it is trained, so
+this module's :class:`Seq2SeqEncoder` is 1.0.3's and ``qkv.d2l.Seq2SeqEncoder`` is
+d2l-zh's. Everything else here is one object with ``qkv.d2l``'s (d2l-zh 2.0 has none of
+these classes, and ``Encoder``, ``Decoder``, ``AttentionDecoder``, ``EncoderDecoder``
+and ``bleu`` serve both editions; see its docstring).
 
 As in d2l 1.0.3, except:
 
@@ -45,6 +47,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..checks import check_positive_int
 from ..data.loading import batch_loader
+from ..models import bahdanau
 from ..utils import figures
 
 __all__ = [
@@ -58,6 +61,7 @@ __all__ = [
     "RNN",
     "GRU",
     "init_seq2seq",
+    "Seq2SeqEncoder",
     "grad_clipping",
     "bleu",
 ]
@@ -408,6 +412,40 @@ def init_seq2seq(module: nn.Module) -> None:
         for name, param in module.named_parameters(recurse=False):
             if "weight" in name:
                 nn.init.xavier_uniform_(param)
+
+
+class Seq2SeqEncoder(bahdanau.Seq2SeqEncoder):
+    """d2l 1.0.3's GRU encoder: ``Seq2SeqEncoder(vocab_size, embed_size, num_hiddens,
+    num_layers, dropout=0)``, its weights drawn by :func:`init_seq2seq` when it is built.
+
+    ``X (batch, num_steps)`` int ``-> (outputs (num_steps, batch, num_hiddens),
+    state (num_layers, batch, num_hiddens))``, time-major; extra arguments (the valid
+    lengths) are accepted and ignored. The GRU runs through ``nn.GRU``'s own forward
+    (``backend="eager"``), so dropout between layers draws the random numbers d2l's does.
+    ``qkv.d2l.Seq2SeqEncoder`` is d2l-zh's, which leaves the drawing to ``train_seq2seq``.
+    """
+
+    # Whether __init__ draws Xavier weights (1.0.3) or leaves PyTorch's (d2l-zh).
+    init_when_built = True
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embed_size: int,
+        num_hiddens: int,
+        num_layers: int,
+        dropout: float = 0,
+    ) -> None:
+        super().__init__(vocab_size, embed_size, num_hiddens, num_layers, dropout,
+                         backend="eager")
+        if self.init_when_built:
+            self.apply(init_seq2seq)
+
+    def forward(self, X: Tensor, *args: Any) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        # Embedded, then made time-major, as d2l does it: the parent transposes the ids
+        # instead, which sums the embedding's gradient in another order, and the books'
+        # printed numbers drift from there in the last bits.
+        return self.rnn(self.embedding(X.long()).permute(1, 0, 2))
 
 
 def grad_clipping(net: nn.Module | Any, theta: float) -> None:
