@@ -1,8 +1,9 @@
 """Native CPU kernels: C source shipped with qkv, compiled on first use, loaded with ctypes.
 
-:func:`decode_kernels` returns the library built from ``decode.c`` (one-token decoding:
-linear layers that read float32 or bfloat16 weights in place, LayerNorm, attention over
-a KV cache; see the file), or None when it cannot be had here; :func:`unavailable_reason`
+:func:`decode_kernels` returns the library built from ``decode.c`` (one-token decoding
+of every model :mod:`qkv.models.gpt` builds: linear layers and gated MLPs that read
+float32 or bfloat16 weights in place, LayerNorm and RMSNorm, RoPE, grouped-query
+attention over a full or ring KV cache; see the file), or None when it cannot be had here; :func:`unavailable_reason`
 then says why. It needs an x86-64 CPU with AVX2 and FMA (the same check as PyTorch's
 own kernel dispatch), a C compiler with OpenMP (``$CC``, else ``cc``), and is switched
 off by ``QKV_NATIVE=0``. Nothing else in qkv needs it: every caller has a PyTorch path
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FLAGS", "Layer", "Model", "decode_kernels", "unavailable_reason"]
+__all__ = ["ACT_GELU", "ACT_SILU", "FLAGS", "Layer", "Model", "NORM_LAYER", "NORM_NONE",
+           "NORM_RMS", "Norm", "decode_kernels", "unavailable_reason"]
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 _SOURCE = Path(__file__).with_name("decode.c")
@@ -74,37 +76,54 @@ def _build(compiler: str, target: Path) -> None:
 _P, _I, _N, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 
 
-class Layer(ctypes.Structure):
-    """``qkv_layer`` of decode.c: one block's parameters and KV cache (addresses)."""
+class Norm(ctypes.Structure):
+    """``qkv_norm`` of decode.c: ``kind`` 0 (none), 1 (LayerNorm: ``scale``, ``shift``)
+    or 2 (RMSNorm: ``scale``), float32 vectors, and ``eps``."""
 
-    _fields_ = [("w", _P * 6), ("b", _P * 6),
-                ("norm1_scale", _P), ("norm1_shift", _P), ("norm2_scale", _P),
-                ("norm2_shift", _P), ("norm1_eps", _F), ("norm2_eps", _F),
-                ("keys", _P), ("values", _P)]
+    _fields_ = [("kind", _I), ("eps", _F), ("scale", _P), ("shift", _P)]
+
+
+NORM_NONE, NORM_LAYER, NORM_RMS = 0, 1, 2
+ACT_GELU, ACT_SILU = 0, 1
+
+
+class Layer(ctypes.Structure):
+    """``qkv_layer`` of decode.c: one block's parameters, norms, RoPE table and KV cache
+    (addresses)."""
+
+    _fields_ = [*((name, _P) for name in ("wq", "wk", "wv", "wo", "w1", "w2", "w3",
+                                          "bq", "bk", "bv", "bo", "b1", "b2", "b3")),
+                *((name, Norm) for name in ("norm1", "norm2", "post_norm1", "post_norm2",
+                                            "q_norm", "k_norm")),
+                ("rope_cos", _P), ("rope_sin", _P), ("keys", _P), ("values", _P),
+                ("cache_len", _N), ("ring", _I)]
 
 
 class Model(ctypes.Structure):
     """``qkv_model`` of decode.c: sizes, embeddings, head, layers and work buffers."""
 
-    _fields_ = [("dt", _I), ("n_layers", _I),
-                ("dim", _N), ("hidden", _N), ("heads", _N), ("head_dim", _N),
-                ("vocab", _N), ("max_len", _N), ("scale", _F),
-                ("tok_emb", _P), ("pos_emb", _P), ("head", _P),
-                ("final_scale", _P), ("final_shift", _P), ("final_eps", _F),
+    _fields_ = [("dt", _I), ("n_layers", _I), ("act", _I),
+                *((name, _N) for name in ("dim", "hidden", "heads", "kv_heads", "head_dim",
+                                          "vocab")),
+                ("scale", _F), ("embed_scale", _F),
+                ("tok_emb", _P), ("pos_emb", _P), ("head", _P), ("final_norm", Norm),
                 ("layers", ctypes.POINTER(Layer)),
-                *((name, _P) for name in ("x", "h", "q", "k", "v", "a", "f", "logits",
+                *((name, _P) for name in ("x", "o", "h", "q", "k", "v", "a", "f", "logits",
                                           "scores"))]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, n, f = _P, _I, _N, _F
     lib.qkv_linear.argtypes = [p, i, p, p, p, n, n, i, i]
+    lib.qkv_gated.argtypes = [p, p, p, p, i, p, p, n, n, i, i]
     lib.qkv_layer_norm.argtypes = [p, p, p, p, n, f]
-    lib.qkv_embed.argtypes = [p, p, i, p, n]
-    lib.qkv_attend.argtypes = [p, p, p, p, p, i, p, n, n, n, n, f, p, i]
+    lib.qkv_rms_norm.argtypes = [p, p, p, n, f]
+    lib.qkv_embed.argtypes = [p, p, i, f, p, n]
+    lib.qkv_rope.argtypes = [p, p, p, n, n]
+    lib.qkv_attend.argtypes = [p, p, p, p, p, i, p, n, n, n, n, n, n, f, p, i]
     lib.qkv_step.argtypes = [ctypes.POINTER(Model), n, n, i]
-    for fn in (lib.qkv_linear, lib.qkv_layer_norm, lib.qkv_embed, lib.qkv_attend,
-               lib.qkv_step):
+    for fn in (lib.qkv_linear, lib.qkv_gated, lib.qkv_layer_norm, lib.qkv_rms_norm,
+               lib.qkv_embed, lib.qkv_rope, lib.qkv_attend, lib.qkv_step):
         fn.restype = None
 
 

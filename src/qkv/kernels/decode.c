@@ -7,17 +7,21 @@
    keep the activations in float32. A bfloat16 weight is the top half of a float32, so
    it widens with a shift, in registers: memory traffic is the weights' own 2 bytes.
 
-   qkv_step runs a whole GPT step (embedding, every block, final norm, output head) in
-   one OpenMP parallel region: the pieces below are work-shared loops (`omp for`) and
+   qkv_step runs a whole decoder step (embedding, every block, final norm, output head)
+   in one OpenMP parallel region: the pieces below are work-shared loops (`omp for`) and
    `omp single` sections, each ending in the barrier its successor needs. Opening a
    parallel region per layer and per matrix from Python cost about 5 % of a step. The
-   pieces are also exported one by one (qkv_linear and qkv_attend each open a region
-   of their own; qkv_layer_norm and qkv_embed are serial), so that
+   pieces are also exported one by one (qkv_linear, qkv_gated and qkv_attend each open a
+   region of their own; the norms, qkv_rope and qkv_embed are serial), so that
    tests/test_native_decode.py can check each against its definition.
+
+   One step serves every model qkv.models.gpt builds: GPT-2 (LayerNorm, learned
+   positions, GELU MLP) and the open families (RMSNorm, Gemma's 1 + w norms given here
+   as their float32 scale, rotary positions, grouped-query attention, QK-norm, gated
+   SiLU/GELU MLPs, post-norms, sliding-window layers on ring caches, scaled embeddings).
 
    The caller (Python, through ctypes) owns every buffer. dtype codes: 0 = float32,
    1 = bfloat16. */
-
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -68,6 +72,13 @@ static inline float gelu_tanh(float x) { /* GPT-2's approximation, as F.gelu(app
     const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
     return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
 }
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+#define ACT_GELU 0 /* tanh-approximated GELU: GPT-2's MLP, Gemma's GeGLU */
+#define ACT_SILU 1 /* SiLU: Llama's, Qwen's SwiGLU */
+
+static inline float activate(float x, int act) { return act == ACT_SILU ? silu(x) : gelu_tanh(x); }
 
 /* ---------------------------------------------------------------------------------
    The dot product of one weight row with x.
@@ -129,33 +140,37 @@ static float dot_row_bf16(const uint16_t *w, long n, const float *x, const float
 /* ---------------------------------------------------------------------------------
    Linear layer for one token: y = W x + b, W (rows, n) row-major.
 
-   mode 0: y = W x + b;  mode 1: y += W x + b (a residual connection);
-   mode 2: y = gelu(W x + b).  bias may be NULL. x, y, bias: float32; W: dt.
+   mode 0: y = W x + b;  mode 1: y += W x + b (a residual connection).
+   bias may be NULL. x, y, bias: float32; W: dt.
    Called by every thread of a parallel region; the rows are shared out in one
    contiguous range per thread. For bfloat16 each thread de-interleaves x itself
    (n floats: cheaper than a barrier). */
 
 #define STORE 0
 #define ADD 1
-#define GELU 2
+
+#define DEINTERLEAVE(x, n, dt)                                                            \
+    float xe[dt == QKV_BF16 ? n / 2 + 1 : 1], xo[dt == QKV_BF16 ? n / 2 + 1 : 1];      \
+    if (dt == QKV_BF16)                                                                   \
+        for (long k_ = 0; k_ + 1 < n; k_ += 2) {                                          \
+            xe[k_ / 2] = x[k_];                                                           \
+            xo[k_ / 2] = x[k_ + 1];                                                       \
+        }
+
+static inline float dot_row(const void *W, int dt, long r, long n, const float *x,
+                            const float *xe, const float *xo) {
+    return dt == QKV_BF16 ? dot_row_bf16((const uint16_t *)W + r * n, n, x, xe, xo)
+                          : dot_row_f32((const float *)W + r * n, n, x);
+}
 
 static void linear_shared(const void *W, int dt, const float *x, const float *bias, float *y,
                           long rows, long n, int mode) {
-    float xe[dt == QKV_BF16 ? n / 2 + 1 : 1], xo[dt == QKV_BF16 ? n / 2 + 1 : 1];
-    if (dt == QKV_BF16)
-        for (long k = 0; k + 1 < n; k += 2) {
-            xe[k / 2] = x[k];
-            xo[k / 2] = x[k + 1];
-        }
+    DEINTERLEAVE(x, n, dt)
 #pragma omp for schedule(static)
     for (long r = 0; r < rows; r++) {
-        float v = dt == QKV_BF16 ? dot_row_bf16((const uint16_t *)W + r * n, n, x, xe, xo)
-                                 : dot_row_f32((const float *)W + r * n, n, x);
-        v += bias ? bias[r] : 0.0f;
+        float v = dot_row(W, dt, r, n, x, xe, xo) + (bias ? bias[r] : 0.0f);
         if (mode == ADD)
             y[r] += v;
-        else if (mode == GELU)
-            y[r] = gelu_tanh(v);
         else
             y[r] = v;
     }
@@ -167,8 +182,38 @@ void qkv_linear(const void *W, int dt, const float *x, const float *bias, float 
     linear_shared(W, dt, x, bias, y, rows, n, mode);
 }
 
+/* The MLP's first half for one token, f (rows) from x (n):
+     act(W_1 x + b_1)                      without W_2 (GPT-2's MLP)
+     act(W_1 x + b_1) * (W_2 x + b_2)      with W_2 (gated: SwiGLU, GeGLU)
+   Row r of both matrices is read in the same pass, so each thread streams its share of
+   the two once. */
+static void gated_shared(const void *W1, const float *b1, const void *W2, const float *b2,
+                         int dt, const float *x, float *f, long rows, long n, int act) {
+    DEINTERLEAVE(x, n, dt)
+#pragma omp for schedule(static)
+    for (long r = 0; r < rows; r++) {
+        float g = activate(dot_row(W1, dt, r, n, x, xe, xo) + (b1 ? b1[r] : 0.0f), act);
+        if (W2) g *= dot_row(W2, dt, r, n, x, xe, xo) + (b2 ? b2[r] : 0.0f);
+        f[r] = g;
+    }
+}
+
+void qkv_gated(const void *W1, const float *b1, const void *W2, const float *b2, int dt,
+               const float *x, float *f, long rows, long n, int act, int threads) {
+#pragma omp parallel num_threads(threads)
+    gated_shared(W1, b1, W2, b2, dt, x, f, rows, n, act);
+}
+
 /* ---------------------------------------------------------------------------------
-   LayerNorm of one vector (biased variance, as F.layer_norm), float32 throughout. */
+   Norms of one vector, float32 throughout (sums in double), y may be x.
+
+   LayerNorm: (x - mean) / sqrt(var + eps) * scale + shift (biased variance, as
+   F.layer_norm). RMSNorm: x / sqrt(mean(x^2) + eps) * scale; Gemma's 1 + w is passed in
+   as its scale. */
+
+#define NORM_NONE 0
+#define NORM_LAYER 1
+#define NORM_RMS 2
 
 void qkv_layer_norm(const float *x, const float *scale, const float *shift, float *y, long n,
                     float eps) {
@@ -181,18 +226,60 @@ void qkv_layer_norm(const float *x, const float *scale, const float *shift, floa
     for (long i = 0; i < n; i++) y[i] = (x[i] - m) * inv * scale[i] + shift[i];
 }
 
-/* Token plus position embedding rows (dt) -> float32. */
-void qkv_embed(const void *tok_row, const void *pos_row, int dt, float *y, long n) {
-    for (long i = 0; i < n; i++) y[i] = load1(tok_row, i, dt) + load1(pos_row, i, dt);
+void qkv_rms_norm(const float *x, const float *scale, float *y, long n, float eps) {
+    double squares = 0.0;
+    for (long i = 0; i < n; i++) squares += (double)x[i] * x[i];
+    float inv = (float)(1.0 / sqrt(squares / (double)n + (double)eps));
+    for (long i = 0; i < n; i++) y[i] = x[i] * inv * scale[i];
+}
+
+typedef struct {
+    int kind; /* NORM_NONE, NORM_LAYER, NORM_RMS */
+    float eps;
+    const float *scale, *shift; /* float32; shift for LayerNorm only */
+} qkv_norm;
+
+static void norm(const qkv_norm *nm, const float *x, float *y, long n) {
+    if (nm->kind == NORM_LAYER)
+        qkv_layer_norm(x, nm->scale, nm->shift, y, n, nm->eps);
+    else if (nm->kind == NORM_RMS)
+        qkv_rms_norm(x, nm->scale, y, n, nm->eps);
+    else if (x != y)
+        memcpy(y, x, (size_t)n * sizeof *y);
+}
+
+/* Token (times scale) plus, where the model has them, position embedding rows (dt)
+   -> float32. pos_row may be NULL. */
+void qkv_embed(const void *tok_row, const void *pos_row, int dt, float scale, float *y,
+               long n) {
+    for (long i = 0; i < n; i++)
+        y[i] = load1(tok_row, i, dt) * scale + (pos_row ? load1(pos_row, i, dt) : 0.0f);
+}
+
+/* Rotary position embedding, "rotate half" layout, in place on `heads` vectors of hd:
+   dimension i pairs with i + hd / 2; cos, sin: the position's row (hd) of the table. */
+void qkv_rope(float *x, const float *cos, const float *sin, long heads, long hd) {
+    const long half = hd / 2;
+    for (long h = 0; h < heads; h++) {
+        float *v = x + h * hd;
+        for (long i = 0; i < half; i++) {
+            float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] - b * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
 }
 
 /* ---------------------------------------------------------------------------------
-   Causal attention of one new token.
+   Attention of one new token over a layer's cache.
 
-   q, k, v: the new token's (heads * head_dim) float32 projections. K, V: the layer's
-   cache, (heads, max_len, head_dim) of dt, head h's row p at h * head_stride + p *
-   head_dim. Writes k and v at position pos (rounded to dt), then for each head:
-   out_h = softmax(q_h . K_h[0..pos] * scale) V_h[0..pos]. */
+   q: heads * hd; k, v: kv_heads * hd (float32). K, V: the cache, (kv_heads, cache_len,
+   hd) of dt. The new key and value go to `slot` (rounded to dt); query head h then
+   attends, through key/value head h / (heads / kv_heads), to slots 0 .. n - 1:
+   out_h = softmax(q_h . K[0..n) * scale) V[0..n). A full cache has slot = pos and
+   n = pos + 1; a ring of W slots (a sliding window of W) has slot = pos % W and
+   n = min(pos + 1, W): every slot it holds is in the new token's window, and attention
+   does not care in which order they come. */
 
 static float dot_hd(const float *q, const void *K, long off, long hd, int dt) {
     __m256 acc = _mm256_setzero_ps();
@@ -212,105 +299,145 @@ static void axpy_hd(float a, const void *V, long off, float *out, long hd, int d
 }
 
 static void attend_shared(const float *q, const float *k, const float *v, void *K, void *V,
-                          int dt, float *out, long heads, long head_dim, long head_stride,
-                          long pos, float scale, float *scores) {
+                          int dt, float *out, long heads, long kv_heads, long hd,
+                          long cache_len, long slot, long n, float scale, float *scores) {
+    const long group = heads / kv_heads, stride = cache_len * hd;
 #pragma omp single
-    for (long h = 0; h < heads; h++)
-        for (long d = 0; d < head_dim; d++) {
-            long i = h * head_stride + pos * head_dim + d;
+    for (long g = 0; g < kv_heads; g++)
+        for (long d = 0; d < hd; d++) {
+            long i = g * stride + slot * hd + d;
             if (dt == QKV_BF16) {
-                ((uint16_t *)K)[i] = f32_to_bf16(k[h * head_dim + d]);
-                ((uint16_t *)V)[i] = f32_to_bf16(v[h * head_dim + d]);
+                ((uint16_t *)K)[i] = f32_to_bf16(k[g * hd + d]);
+                ((uint16_t *)V)[i] = f32_to_bf16(v[g * hd + d]);
             } else {
-                ((float *)K)[i] = k[h * head_dim + d];
-                ((float *)V)[i] = v[h * head_dim + d];
+                ((float *)K)[i] = k[g * hd + d];
+                ((float *)V)[i] = v[g * hd + d];
             }
         }
-    long len = pos + 1;
 #pragma omp for schedule(static)
     for (long h = 0; h < heads; h++) {
-        float *s = scores + h * len, *o = out + h * head_dim;
-        const float *qh = q + h * head_dim;
+        const long base = (h / group) * stride;
+        float *s = scores + h * n, *o = out + h * hd;
+        const float *qh = q + h * hd;
         float m = -INFINITY;
-        for (long p = 0; p < len; p++) {
-            s[p] = dot_hd(qh, K, h * head_stride + p * head_dim, head_dim, dt) * scale;
+        for (long p = 0; p < n; p++) {
+            s[p] = dot_hd(qh, K, base + p * hd, hd, dt) * scale;
             if (s[p] > m) m = s[p];
         }
         float total = 0.0f;
-        for (long p = 0; p < len; p++) {
+        for (long p = 0; p < n; p++) {
             s[p] = expf(s[p] - m);
             total += s[p];
         }
-        for (long d = 0; d < head_dim; d++) o[d] = 0.0f;
-        for (long p = 0; p < len; p++)
-            axpy_hd(s[p] / total, V, h * head_stride + p * head_dim, o, head_dim, dt);
+        for (long d = 0; d < hd; d++) o[d] = 0.0f;
+        for (long p = 0; p < n; p++) axpy_hd(s[p] / total, V, base + p * hd, o, hd, dt);
     }
 }
 
 void qkv_attend(const float *q, const float *k, const float *v, void *K, void *V, int dt,
-                float *out, long heads, long head_dim, long head_stride, long pos, float scale,
-                float *scores, int threads) {
+                float *out, long heads, long kv_heads, long head_dim, long cache_len,
+                long slot, long n, float scale, float *scores, int threads) {
 #pragma omp parallel num_threads(threads)
-    attend_shared(q, k, v, K, V, dt, out, heads, head_dim, head_stride, pos, scale, scores);
+    attend_shared(q, k, v, K, V, dt, out, heads, kv_heads, head_dim, cache_len, slot, n, scale,
+                  scores);
 }
 
 /* ---------------------------------------------------------------------------------
-   A whole step of a GPT-2 style model (qkv.models.gpt.GPTModel), per layer:
+   A whole step of a qkv.models.gpt.GPTModel. With x the residual stream (float32):
 
-     h = LayerNorm1(x);  q, k, v = W_q h + b_q, W_k h + b_k, W_v h + b_v
-     write k, v at `pos` in the layer's cache;  a = softmax(q K^T * scale) V (per head)
-     x += W_o a + b_o;  h = LayerNorm2(x);  f = gelu(W_1 h + b_1);  x += W_2 f + b_2
+     x = tok_emb[token] * embed_scale (+ pos_emb[pos])
+     per layer:
+       h = norm1(x);  q, k, v = W_q h (+b), W_k h (+b), W_v h (+b)
+       q, k = q_norm, k_norm per head (QK-norm);  rotate q, k at pos (RoPE)
+       write k, v into the cache;  a = attention over the cache (GQA: see above)
+       o = W_o a (+b);  o = post_norm1(o);  x += o
+       h = norm2(x);  f = act(W_1 h (+b)) [* (W_2 h (+b))];  o = W_3 f (+b)
+       o = post_norm2(o);  x += o
+     logits = W_head final_norm(x)
 
-   then logits = W_head LayerNorm_f(x). The structs mirror qkv.models.native_decode's
-   ctypes declarations field for field. */
+   Each optional piece is absent when its pointer is NULL or its norm kind NORM_NONE.
+   The structs mirror qkv.kernels' ctypes declarations field for field. */
 
 typedef struct {
-    const void *w[6];  /* W_query, W_key, W_value, out_proj, ff[0], ff[2] (dt, (out, in)) */
-    const float *b[6]; /* their biases, float32, or NULL */
-    const float *norm1_scale, *norm1_shift, *norm2_scale, *norm2_shift;
-    float norm1_eps, norm2_eps;
-    void *keys, *values; /* the layer's KVCache buffers (dt, (heads, max_len, head_dim)) */
+    const void *wq, *wk, *wv, *wo, *w1, *w2, *w3; /* dt, (out, in); w2 NULL: no gate */
+    const float *bq, *bk, *bv, *bo, *b1, *b2, *b3; /* float32 or NULL */
+    qkv_norm norm1, norm2, post_norm1, post_norm2, q_norm, k_norm;
+    const float *rope_cos, *rope_sin; /* (rope_len, head_dim) float32, or NULL */
+    void *keys, *values;              /* the layer's cache (dt, (kv_heads, cache_len, hd)) */
+    long cache_len;
+    int ring; /* the cache is a ring of cache_len slots (a sliding window) */
 } qkv_layer;
 
 typedef struct {
-    int dt, n_layers;
-    long dim, hidden, heads, head_dim, vocab, max_len;
-    float scale;
-    const void *tok_emb, *pos_emb, *head; /* (vocab, dim), (context, dim), (vocab, dim) */
-    const float *final_scale, *final_shift;
-    float final_eps;
+    int dt, n_layers, act;
+    long dim, hidden, heads, kv_heads, head_dim, vocab;
+    float scale, embed_scale;
+    const void *tok_emb, *pos_emb, *head; /* (vocab, dim), (context, dim) or NULL, (vocab, dim) */
+    qkv_norm final_norm;
     const qkv_layer *layers;
-    /* float32 work buffers: x, h, q, k, v, a (dim); f (hidden); logits (vocab);
-       scores (heads * max_len) */
-    float *x, *h, *q, *k, *v, *a, *f, *logits, *scores;
+    /* float32 work buffers: x, o (dim); h (dim); q, a (heads * hd); k, v (kv_heads * hd);
+       f (hidden); logits (vocab); scores (heads * the longest cache) */
+    float *x, *o, *h, *q, *k, *v, *a, *f, *logits, *scores;
 } qkv_model;
 
+/* x += o, through norm first when there is one (Gemma's post-norms). */
+static void add_branch(const qkv_norm *post, float *o, float *x, long n) {
+    norm(post, o, o, n);
+    for (long i = 0; i < n; i++) x[i] += o[i];
+}
+
 void qkv_step(const qkv_model *m, long token, long pos, int threads) {
-    const long d = m->dim, hd = m->head_dim, stride = m->max_len * m->head_dim;
+    const long d = m->dim, hd = m->head_dim, qd = m->heads * hd, kvd = m->kv_heads * hd;
     const int dt = m->dt;
     const size_t row = (size_t)d * (dt == QKV_BF16 ? 2 : 4);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp single
-        qkv_embed((const char *)m->tok_emb + token * row, (const char *)m->pos_emb + pos * row,
-                  dt, m->x, d);
+        qkv_embed((const char *)m->tok_emb + token * row,
+                  m->pos_emb ? (const char *)m->pos_emb + pos * row : NULL, dt, m->embed_scale,
+                  m->x, d);
         for (int l = 0; l < m->n_layers; l++) {
             const qkv_layer *L = &m->layers[l];
 #pragma omp single
-            qkv_layer_norm(m->x, L->norm1_scale, L->norm1_shift, m->h, d, L->norm1_eps);
-            linear_shared(L->w[0], dt, m->h, L->b[0], m->q, d, d, STORE);
-            linear_shared(L->w[1], dt, m->h, L->b[1], m->k, d, d, STORE);
-            linear_shared(L->w[2], dt, m->h, L->b[2], m->v, d, d, STORE);
-            attend_shared(m->q, m->k, m->v, L->keys, L->values, dt, m->a, m->heads, hd, stride,
-                          pos, m->scale, m->scores);
-            linear_shared(L->w[3], dt, m->a, L->b[3], m->x, d, d, ADD);
+            norm(&L->norm1, m->x, m->h, d);
+            linear_shared(L->wq, dt, m->h, L->bq, m->q, qd, d, STORE);
+            linear_shared(L->wk, dt, m->h, L->bk, m->k, kvd, d, STORE);
+            linear_shared(L->wv, dt, m->h, L->bv, m->v, kvd, d, STORE);
 #pragma omp single
-            qkv_layer_norm(m->x, L->norm2_scale, L->norm2_shift, m->h, d, L->norm2_eps);
-            linear_shared(L->w[4], dt, m->h, L->b[4], m->f, m->hidden, d, GELU);
-            linear_shared(L->w[5], dt, m->f, L->b[5], m->x, d, m->hidden, ADD);
+            {
+                if (L->q_norm.kind != NORM_NONE)
+                    for (long h = 0; h < m->heads; h++) norm(&L->q_norm, m->q + h * hd, m->q + h * hd, hd);
+                if (L->k_norm.kind != NORM_NONE)
+                    for (long h = 0; h < m->kv_heads; h++) norm(&L->k_norm, m->k + h * hd, m->k + h * hd, hd);
+                if (L->rope_cos) {
+                    qkv_rope(m->q, L->rope_cos + pos * hd, L->rope_sin + pos * hd, m->heads, hd);
+                    qkv_rope(m->k, L->rope_cos + pos * hd, L->rope_sin + pos * hd, m->kv_heads, hd);
+                }
+            }
+            const long slot = L->ring ? pos % L->cache_len : pos;
+            const long n = L->ring && pos + 1 > L->cache_len ? L->cache_len : pos + 1;
+            attend_shared(m->q, m->k, m->v, L->keys, L->values, dt, m->a, m->heads, m->kv_heads,
+                          hd, L->cache_len, slot, n, m->scale, m->scores);
+            if (L->post_norm1.kind == NORM_NONE) {
+                linear_shared(L->wo, dt, m->a, L->bo, m->x, d, qd, ADD);
+            } else {
+                linear_shared(L->wo, dt, m->a, L->bo, m->o, d, qd, STORE);
+#pragma omp single
+                add_branch(&L->post_norm1, m->o, m->x, d);
+            }
+#pragma omp single
+            norm(&L->norm2, m->x, m->h, d);
+            gated_shared(L->w1, L->b1, L->w2, L->b2, dt, m->h, m->f, m->hidden, d, m->act);
+            if (L->post_norm2.kind == NORM_NONE) {
+                linear_shared(L->w3, dt, m->f, L->b3, m->x, d, m->hidden, ADD);
+            } else {
+                linear_shared(L->w3, dt, m->f, L->b3, m->o, d, m->hidden, STORE);
+#pragma omp single
+                add_branch(&L->post_norm2, m->o, m->x, d);
+            }
         }
 #pragma omp single
-        qkv_layer_norm(m->x, m->final_scale, m->final_shift, m->h, d, m->final_eps);
+        norm(&m->final_norm, m->x, m->h, d);
         linear_shared(m->head, dt, m->h, NULL, m->logits, m->vocab, d, STORE);
     }
 }

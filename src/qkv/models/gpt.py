@@ -746,6 +746,10 @@ class GPTModel(nn.Module):
 # Decoding
 
 
+def _mlp_kind(ff: nn.Module) -> tuple[type, type]:
+    return type(ff), type(getattr(ff, "act", None))
+
+
 def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
     """Why :class:`~qkv.models.native_decode.NativeDecoder` (``generate``'s ``native``
     steps) cannot decode ``model`` at ``batch_size`` (None when it can)."""
@@ -759,26 +763,35 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         return f"float32 or bfloat16 parameters are needed, got {sorted(map(str, dtypes))}"
     if batch_size != 1:
         return f"one sequence at a time, got a batch of {batch_size}"
+    norms = (LayerNorm, RMSNorm)
     for block in model.trf_blocks:
         if type(block) is not TransformerBlock:
             return f"a block of type {type(block).__name__}"
         att, ff = block.att, block.ff
-        if type(att) is not MultiHeadAttention or type(ff) is not FeedForward:
-            return "attention and feed-forward must be qkv's MultiHeadAttention and FeedForward"
-        if (att.num_kv_groups != att.num_heads or att.window_size is not None or att.rope
-                or not att.causal or att.d_in != att.d_out or att.inner_dim != att.d_out
-                or att.q_norm is not None or att.k_norm is not None or att.scale is not None
-                or att.out_proj.bias is None):
-            return ("plain causal multi-head attention is needed (no GQA, window, RoPE, "
-                    "QK-norm, other head size or scale)")
-        if [type(m) for m in ff.layers] != [nn.Linear, GELU, nn.Linear] or \
-                ff.layers[0].bias is None:
-            return "the feed-forward must be Linear, GELU, Linear, with biases"
-        if type(block.norm1) is not LayerNorm or type(block.norm2) is not LayerNorm or \
-                block.post_norm1 is not None:
-            return "the norms must be qkv's LayerNorm, before each sub-layer only"
-    if type(model.final_norm) is not LayerNorm or model.cfg.embed_scale:
-        return "the final norm must be qkv's LayerNorm, the embeddings unscaled"
+        if type(att) is not MultiHeadAttention or type(ff) not in (FeedForward,
+                                                                   GatedFeedForward):
+            return ("attention and feed-forward must be qkv's MultiHeadAttention and "
+                    "FeedForward or GatedFeedForward")
+        if (not att.causal or att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim
+                or att.kdim != att.d_in or att.vdim != att.d_in):
+            return "causal self-attention over the residual stream is needed"
+        if any(getattr(att, n) != getattr(model.trf_blocks[0].att, n) for n in
+               ("num_heads", "num_kv_groups", "head_dim", "scale")):
+            return "every layer must have the same heads, head size and scale"
+        if any(m is not None and type(m) not in norms for m in (att.q_norm, att.k_norm)):
+            return "QK-norms must be qkv's LayerNorm or RMSNorm"
+        if type(ff) is FeedForward and \
+                [type(m) for m in ff.layers] != [nn.Linear, GELU, nn.Linear]:
+            return "the feed-forward must be Linear, GELU, Linear"
+        if type(ff) is GatedFeedForward and type(ff.act) not in (nn.SiLU, GELU):
+            return "the gated feed-forward's activation must be SiLU or GELU"
+        if _mlp_kind(ff) != _mlp_kind(model.trf_blocks[0].ff):
+            return "every layer must have the same kind of feed-forward"
+        if any(m is not None and type(m) not in norms for m in
+               (block.norm1, block.norm2, block.post_norm1, block.post_norm2)):
+            return "the norms must be qkv's LayerNorm or RMSNorm"
+    if type(model.final_norm) not in norms:
+        return "the final norm must be qkv's LayerNorm or RMSNorm"
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return "forward hooks are registered, and only the model's forward runs them"
     return unavailable_reason()
