@@ -50,7 +50,8 @@ class AttentionGRUDecoder(d2l.AttentionDecoder):
         return outputs.permute(1, 0, 2), [enc_outputs, hidden_state, enc_valid_lens]
 
 
-def test_bahdanau_cell_trains_to_the_books_weights(shared_data, monkeypatch, capsys):
+def test_bahdanau_cell_trains_to_the_books_weights(shared_data, monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)  # train_seq2seq saves its loss curve here, headless
     monkeypatch.setenv("QKV_FRA_ENG", str(shared_data / "fra-eng" / "fra.txt"))
     torch.manual_seed(0)
     embed_size, num_hiddens, num_layers, dropout = 32, 32, 2, 0.1
