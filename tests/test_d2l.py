@@ -715,3 +715,14 @@ def test_d2l_vocab_flat_tokens_defaults_and_reserved():
     assert own.idx_to_token == ["<unk>", "<pad>", "x", "!"] and own.unk == 0
     with pytest.raises(ValueError, match="<unk>"):
         qkv.data.translate.Vocab([["a"]], reserved_tokens=["<unk>"])
+
+
+def test_d2l_multihead_refuses_other_widths_in_one_line():
+    m = d2l.MultiHeadAttention(5, 7, 9, 12, 3, 0.0)
+    with pytest.raises(ValueError, match=r"^query vectors must be 7 wide \(this layer's "
+                                         r"query_size\), got shape \(2, 4, 5\)$"):
+        m(torch.rand(2, 4, 5), torch.rand(2, 3, 5), torch.rand(2, 3, 9))
+    lazy = d2l.MultiHeadAttention(12, 3, 0.0)
+    lazy(torch.rand(2, 4, 5), torch.rand(2, 3, 6), torch.rand(2, 3, 9))  # sized by this call
+    with pytest.raises(ValueError, match=r"^key vectors must be 6 wide"):
+        lazy(torch.rand(2, 4, 5), torch.rand(2, 3, 7), torch.rand(2, 3, 9))

@@ -27,7 +27,7 @@ from torch.nn.parameter import is_lazy
 
 from .. import multihead, scoring
 from ..checks import check_dropout, check_positive_int
-from ..functional import masked_softmax
+from ..functional import check_valid_lens, masked_softmax
 
 __all__ = [
     "DotProductAttention",
@@ -293,6 +293,11 @@ class MultiHeadAttention(multihead.MultiHeadAttention):
             if not isinstance(x, Tensor) or x.dim() != 3:
                 raise ValueError(f"{name} must be a 3-D tensor (batch, n, width), got "
                                  f"{tuple(x.shape) if isinstance(x, Tensor) else type(x)}")
+        for name, x, width in (("query", queries, self.d_in), ("key", keys, self.kdim),
+                               ("value", values, self.vdim)):
+            if x.shape[-1] != width:
+                raise ValueError(f"{name} vectors must be {width} wide (this layer's "
+                                 f"{name}_size), got shape {tuple(x.shape)}")
         if keys.shape[:2] != values.shape[:2] or queries.shape[0] != keys.shape[0]:
             raise ValueError(f"queries {tuple(queries.shape)}, keys {tuple(keys.shape)} and "
                              f"values {tuple(values.shape)} must share the batch, and keys "
@@ -301,6 +306,9 @@ class MultiHeadAttention(multihead.MultiHeadAttention):
         k = transpose_qkv(self.W_k(keys), self.num_heads)
         v = transpose_qkv(self.W_v(values), self.num_heads)
         if valid_lens is not None:
+            # checked against the batch before it is repeated per head, so that a wrong
+            # shape is named as the caller gave it
+            check_valid_lens(valid_lens, queries.shape[0], queries.shape[1], keys.shape[1])
             valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)
         out = transpose_output(self.attention(q, k, v, valid_lens), self.num_heads)
         weights = self.attention.attention_weights
