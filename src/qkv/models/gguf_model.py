@@ -65,7 +65,7 @@ from .gguf_weights import (
     read_gguf_tensors,
     unpermute_rope,
 )
-from .hf_open import config_fields, hf_config, to_qkv
+from .hf_open import config_fields, field_difference, hf_config, to_qkv
 
 __all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "llama3_scaling",
            "read_gguf_model", "write_gguf"]
@@ -610,11 +610,10 @@ def write_gguf(
     if rope_freqs is not None:  # the tensor is not in the header above: read it here
         back["rope_scaling"] = _llama3_from_divisors(rope_freqs, full["head_dim"],
                                                      back["rope_theta"], f"{path}: rope")
-    for key, value in config_fields(back, str(path)).items():
-        if value != fields[key]:
-            raise ValueError(f"config: {key}={show(fields[key])} (GPTConfig's) cannot be "
-                             f"written to a GGUF {arch} file (llama.cpp would run "
-                             f"{key}={show(value)})")
+    difference = field_difference(fields, config_fields(back, str(path)), "llama.cpp")
+    if difference:
+        raise ValueError(f"config: the model cannot be written to a GGUF {arch} file: "
+                         f"{difference} (GPTConfig's fields)")
     tokens = _tokenizer(tokenizer, full["vocab_size"], gguf)
     if os.path.lexists(path):
         raise FileExistsError(f"{path}: exists; name a new file (nothing is overwritten)")

@@ -58,8 +58,8 @@ from .hf_gpt2 import HF_CONFIG, HF_SAFETENSORS, gpt2_fields
 from .hub import WEIGHTS_INDEX
 
 __all__ = ["SUPPORTED_TYPES", "config_fields", "expected_tensors", "to_qkv",
-           "read_open_config", "read_open_weights", "hf_config", "from_qkv",
-           "write_hf_folder"]
+           "read_open_config", "read_open_weights", "hf_config", "field_difference",
+           "from_qkv", "write_hf_folder"]
 
 SUPPORTED_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 _MAX_CONFIG_BYTES = 1 << 20
@@ -355,13 +355,30 @@ def hf_config(fields: Mapping[str, Any], model_type: str) -> dict[str, Any]:
                       rope_local_base_freq=local["rope_theta"],
                       rope_parameters={"full_attention": full, "sliding_attention": local},
                       attn_logit_softcapping=None, final_logit_softcapping=None)
-    back, want = (_resolved(x) for x in (config_fields(config, f"{model_type} config"), f))
-    for key, value in back.items():
-        if value != want[key]:
-            raise ValueError(f"fields: {key}={show(f[key])} cannot be written as a "
-                             f"{model_type} config.json (transformers would run "
-                             f"{key}={show(value)})")
+    difference = field_difference(f, config_fields(config, f"{model_type} config"),
+                                  "transformers")
+    if difference:
+        raise ValueError(f"fields cannot be written as a {model_type} config.json: "
+                         f"{difference}")
     return config
+
+
+def field_difference(fields: Mapping[str, Any], back: Mapping[str, Any],
+                     runner: str) -> str | None:
+    """None if two sets of every ``GPTConfig`` field build models that compute the same
+    (``drop_rate``, a training setting, aside; a size left ``None`` equal to its
+    default); else their first difference, in words: ``"window_size is 16; transformers
+    would run None"`` (``runner`` runs ``back``)."""
+    want, got = _resolved(fields), _resolved(back)
+    for key, theirs in got.items():
+        ours = want[key]
+        if ours == theirs:
+            continue
+        if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+            i = next(i for i in range(len(ours)) if ours[i] != theirs[i])  # layer_types
+            return f"{key}[{i}] is {ours[i]!r}; {runner} would run {theirs[i]!r}"
+        return f"{key} is {show(fields[key])}; {runner} would run {show(back[key])}"
+    return None
 
 
 def _complete(fields: Mapping[str, Any]) -> dict[str, Any]:
