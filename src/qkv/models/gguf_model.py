@@ -521,10 +521,9 @@ def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[A
 def _rope_freqs(config: dict[str, Any]) -> Tensor | None:
     """The ``rope_freqs.weight`` llama.cpp reads llama3 RoPE scaling from (``llama`` files):
     per frequency, the divisor the scaling applies, float32; None without that scaling."""
-    scaling = config["rope_scaling"]
     if not _kept_out(config):
         return None
-    head_dim, base = config["head_dim"], config["rope_theta"]
+    head_dim, base, scaling = config["head_dim"], config["rope_theta"], config["rope_scaling"]
     return (rope_frequencies(head_dim, base) / rope_frequencies(head_dim, base, scaling)
             ).float()
 
@@ -533,7 +532,7 @@ def _to_gguf(name: str, tensor: Tensor, config: dict[str, Any]) -> Tensor:
     """One tensor as Hugging Face holds it -> as llama.cpp stores it (:func:`_to_hf`'s
     inverse), float32."""
     model_type, kind = config["model_type"], name.split(".")[-2]
-    tensor = tensor.float()
+    tensor = tensor.detach().cpu().float()
     if model_type in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
         return permute_rope(tensor, config["num_attention_heads" if kind == "attn_q"
                                            else "num_key_value_heads"])

@@ -653,7 +653,8 @@ def write_hf_folder(
     from safetensors.torch import save_file
 
     config = hf_config(fields, model_type)
-    tensors = {k: v.detach().contiguous() for k, v in from_qkv(state_dict, fields).items()}
+    tensors = {k: v.detach().cpu().contiguous()
+               for k, v in from_qkv(state_dict, fields).items()}
     dtypes = {v.dtype for v in tensors.values()}
     if not dtypes <= set(_DTYPES.values()):
         raise ValueError(f"state dict: holds {', '.join(sorted(map(str, dtypes)))} tensors; "
