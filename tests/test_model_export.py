@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -192,6 +194,20 @@ def test_write_hf_folder_never_overwrites_nor_leaves_a_half_folder(tmp_path, mon
 # GGUF files
 
 
+def gguf_model(family: str):
+    """``test_gguf_model``'s tiny model of ``family``, the Qwen3 one without its biases
+    (llama.cpp's qwen3 has no attn_output.bias: write_gguf refuses it)."""
+    model, arch = tiny(family)
+    if family == "qwen3":
+        model.config.attention_bias = False
+        torch.manual_seed(0)
+        model = transformers.Qwen3ForCausalLM(model.config).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape))
+    return model, arch
+
+
 def fields_of(config: dict) -> dict:
     return config_fields(config, "config")
 
@@ -210,7 +226,7 @@ def read_tensors(path) -> dict:
 
 @pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_gguf_file_is_what_llama_cpp_converter_writes(tmp_path, family):
-    model, arch = tiny(family)
+    model, arch = gguf_model(family)
     ours = write_gguf(tmp_path / "ours.gguf", model.config.to_dict(), model.state_dict())
     arrays, meta = convert(model, arch)
     theirs = reference_gguf(tmp_path / "theirs.gguf", arrays, arch, meta)
@@ -247,7 +263,7 @@ def test_gguf_half_precision_weights_and_f32_vectors(tmp_path, dtype):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_gguf_reads_back_as_the_model(tmp_path, family, dtype):
-    model, _ = tiny(family)
+    model, _ = gguf_model(family)
     config = model.config.to_dict()
     path = write_gguf(tmp_path / "m.gguf", config, model.state_dict(), dtype)
     back, state = read_gguf_model(path)
@@ -264,7 +280,7 @@ def test_transformers_gguf_loader_undoes_the_conventions(tmp_path, family):
     """transformers' GGUF reader undoes the q/k permutation and Gemma's ``1 + w`` itself.
     (Given a Mistral model, it looks for a gguf-py architecture "mistral", which has none.)"""
     loader = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
-    model, _ = tiny(family)
+    model, _ = gguf_model(family)
     path = write_gguf(tmp_path / "m.gguf", model.config.to_dict(), model.state_dict())
     theirs = loader.load_gguf_checkpoint(str(path), return_tensors=True,
                                          model_to_load=model)["tensors"]
@@ -315,7 +331,7 @@ def tokenizer_source(path, n_tokens: int):
 
 
 def test_gguf_carries_a_source_files_tokenizer(tmp_path):
-    model, _ = tiny("qwen3")
+    model, _ = gguf_model("qwen3")
     source = tokenizer_source(tmp_path / "source.gguf", VOCAB)
     path = write_gguf(tmp_path / "m.gguf", model.config.to_dict(), model.state_dict(),
                       tokenizer=source)
@@ -343,10 +359,11 @@ def gemma_types(config):
                                  layer_types=["sliding_attention"] * 2), "window_size is 8"),
     ("gemma3", gemma_types, "layer_types[1] is 'full'; llama.cpp would run 'sliding'"),
     ("gemma3", lambda c: c.update(query_pre_attn_scalar=24), "query_scale is 0.2041"),
-    ("qwen3", lambda c: c.update(rope_parameters={
+    ("qwen3", lambda c: c.update(attention_bias=False, rope_parameters={
         "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}), "rope_scaling is"),
     ("llama", lambda c: c.update(mlp_bias=True), "mlp_bias is True"),
+    ("qwen3", lambda c: None, "attention_bias=True cannot be written to a GGUF qwen3 file"),
     ("llama", lambda c: c.update(model_type="gpt2"), "model_type 'gpt2' cannot be written"),
     ("llama", lambda c: c.update(model_type="phi3"), "model_type 'phi3'"),
 ])
@@ -355,8 +372,9 @@ def test_write_gguf_refuses_what_llama_cpp_cannot_run(tmp_path, family, change, 
     config = model.config.to_dict()
     change(config)
     state = model.state_dict()
-    if config.get("mlp_bias"):
-        state = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).state_dict()
+    if config.get("mlp_bias") or config.get("attention_bias") is False:  # tensors to match
+        state = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**config)).state_dict()
     with pytest.raises(ValueError) as error:
         write_gguf(tmp_path / "m.gguf", config, state)
     one_line(error, match)
@@ -388,13 +406,51 @@ def test_write_gguf_refuses_bad_arguments(tmp_path):
 @pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_llama_cpp_runs_the_gguf_file(tmp_path, family):
     llama_cpp = pytest.importorskip("llama_cpp")
-    model, _ = tiny(family)
+    model, _ = gguf_model(family)
     path = write_gguf(tmp_path / "m.gguf", model.config.to_dict(), model.state_dict())
+    # a float32 KV cache (llama.cpp's default is float16): float32 all through
+    f32 = llama_cpp.GGML_TYPE_F32
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True,
-                          verbose=False)
+                          type_k=f32, type_v=f32, verbose=False)
     ids = [i % VOCAB for i in range(3, 23)]  # past gemma's window of 8
     llm.eval(ids)
     theirs = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
     want = run(model, torch.tensor([ids]))[0]
+    scale = float(want.abs().max())  # float32 sums in another order
+    torch.testing.assert_close(theirs, want, rtol=1e-4, atol=1e-4 * scale)
+
+
+SMOLLM2 = os.environ.get("QKV_SMOLLM2_GGUF")  # .ci/run fetches it; see test_real_models
+
+
+@pytest.mark.skipif(not SMOLLM2 or not Path(SMOLLM2).is_file(),
+                    reason="set QKV_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf")
+def test_a_real_model_written_both_ways(tmp_path):
+    """SmolLM2-135M from its Q4_1 GGUF, dequantized: written as a folder, transformers
+    runs it as the model built from the same weights; written as an F32 GGUF with the
+    source's tokenizer, llama.cpp tokenizes the question as the source file does and
+    gives the same logits."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    config, state = read_gguf_model(SMOLLM2)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**config)).eval()
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    fields = config_fields(config, "smollm2")
+    folder = write_hf_folder(tmp_path / "hf", fields, "llama", to_qkv(state, fields))
+    path = write_gguf(tmp_path / "smol.gguf", config, state, tokenizer=SMOLLM2)
+    del state
+    source = llama_cpp.Llama(model_path=SMOLLM2, vocab_only=True, verbose=False)
+    f32 = llama_cpp.GGML_TYPE_F32
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True,
+                          type_k=f32, type_v=f32, verbose=False)
+    question = b"What is the capital of France?"
+    ids = llm.tokenize(question)
+    assert ids == source.tokenize(question) and llm.detokenize(ids) == question
+    want = run(model, torch.tensor([ids]))[0]
+    llm.eval(ids)
+    theirs = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
     scale = float(want.abs().max())
-    torch.testing.assert_close(theirs, want, rtol=1e-3, atol=1e-3 * scale)
+    torch.testing.assert_close(theirs, want, rtol=1e-4, atol=1e-4 * scale)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    torch.testing.assert_close(run(loaded, torch.tensor([ids]))[0], want, rtol=0, atol=0)

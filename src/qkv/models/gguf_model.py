@@ -562,7 +562,9 @@ def write_gguf(
     will have, read by :func:`gguf_config`, must give ``config``'s ``GPTConfig`` fields
     (:func:`~qkv.models.hf_open.config_fields`). What llama.cpp's format cannot say (a
     window on a Llama or Qwen model, Gemma 3 layers other than five sliding to one full,
-    RoPE scaling other than linear and Llama 3's, ...) is a one-line ``ValueError``.
+    RoPE scaling other than linear and Llama 3's, ...) is a one-line ``ValueError``; so
+    are biases on a Qwen3 or Gemma 3 model's projections, which llama.cpp's
+    ``attn_output`` lacks there.
 
     Args:
         path: the ``.gguf`` file to write; it must not exist. It is written under a
@@ -594,6 +596,9 @@ def write_gguf(
     to_qkv(state_dict, fields)  # checks every name and shape, in one line each
     full = hf_config(fields, model_type)  # every size spelled out
     arch, plan, rope_freqs = _WRITTEN[model_type], _plan(full), _rope_freqs(full)
+    if arch in ("qwen3", "gemma3") and fields["out_bias"]:
+        raise ValueError(f"config: attention_bias=True cannot be written to a GGUF {arch} "
+                         f"file: llama.cpp's {arch} loads no attn_output.bias")
     meta = _metadata(full, arch, gguf)
     general = {"name": arch}
 
