@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,10 +54,21 @@ from torch import Tensor
 
 from ..checks import MAX_SIZE, check_float, check_int, show
 from ..positional import rope_frequencies
-from .gguf_weights import GGUFHeader, read_gguf_header, read_gguf_tensors, unpermute_rope
+from ..utils.fileio import fsync_dir, temp_path
+from .gguf_weights import (
+    GGUFHeader,
+    GGUFTensorInfo,
+    import_gguf,
+    open_gguf_reader,
+    permute_rope,
+    read_gguf_header,
+    read_gguf_tensors,
+    unpermute_rope,
+)
+from .hf_open import config_fields, field_difference, hf_config, to_qkv
 
 __all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "llama3_scaling",
-           "read_gguf_model"]
+           "read_gguf_model", "write_gguf"]
 
 # general.architecture -> Hugging Face's model_type
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
@@ -273,6 +286,12 @@ def llama3_scaling(header: GGUFHeader, head_dim: int, rope_theta: float) -> dict
         raise ValueError(f"{where} has shape {list(shape)}; heads of {head_dim} imply "
                          f"[{head_dim // 2}]")
     divisors = read_gguf_tensors(header.path, [_ROPE_FREQS], header=header)[_ROPE_FREQS]
+    return _llama3_from_divisors(divisors, head_dim, rope_theta, where)
+
+
+def _llama3_from_divisors(divisors: Tensor, head_dim: int, rope_theta: float,
+                          where: str) -> dict[str, Any]:
+    """:func:`llama3_scaling` of the ``head_dim / 2`` divisors a ``rope_freqs`` holds."""
     divisors = divisors.double()
     factor = _decimal(float(divisors.max()))
     low, high = _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR
@@ -341,11 +360,11 @@ def _plan(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
         if model_type in ("qwen3", "gemma3_text"):
             block["attn_q_norm.weight"] = ("self_attn.q_norm.weight", (hd,))
             block["attn_k_norm.weight"] = ("self_attn.k_norm.weight", (hd,))
-        if model_type == "qwen2" or config["attention_bias"]:
+        if model_type == "qwen2" or config.get("attention_bias", False):  # Mistral: none
             block["attn_q.bias"] = ("self_attn.q_proj.bias", (q,))
             block["attn_k.bias"] = ("self_attn.k_proj.bias", (kv,))
             block["attn_v.bias"] = ("self_attn.v_proj.bias", (kv,))
-        if model_type != "qwen2" and config["attention_bias"]:
+        if model_type != "qwen2" and config.get("attention_bias", False):
             block["attn_output.bias"] = ("self_attn.o_proj.bias", (d,))
         for i in range(config["num_hidden_layers"]):
             for name, (hf, shape) in block.items():
@@ -458,3 +477,210 @@ def read_gguf_model(
     header = read_gguf_header(path)
     config = gguf_config(header)
     return config, gguf_state_dict(path, header, config, dtype, max_bytes)
+
+
+# model_type -> the general.architecture write_gguf gives it (llama.cpp runs Mistral as
+# llama).
+_WRITTEN = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+            "gemma3_text": "gemma3"}
+# write_gguf's types of the 2-D weights -> general.file_type (llama.cpp's LlamaFileType).
+_FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16"}
+
+
+def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[Any, Any]]:
+    """The ``{arch}.*`` metadata of a model of ``config`` (:func:`hf_config`'s form, every
+    size spelled out), key (prefix removed) -> (value, GGUF value type): what
+    :func:`gguf_config` reads, typed as llama.cpp's converter types it."""
+    u32, f32, string = (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32,
+                        gguf.GGUFValueType.STRING)
+    head_dim = config["head_dim"]
+    meta = {
+        "vocab_size": (config["vocab_size"], u32),
+        "context_length": (config["max_position_embeddings"], u32),
+        "embedding_length": (config["hidden_size"], u32),
+        "block_count": (config["num_hidden_layers"], u32),
+        "feed_forward_length": (config["intermediate_size"], u32),
+        "attention.head_count": (config["num_attention_heads"], u32),
+        "attention.head_count_kv": (config["num_key_value_heads"], u32),
+        "attention.key_length": (head_dim, u32), "attention.value_length": (head_dim, u32),
+        "rope.dimension_count": (head_dim, u32),
+        "attention.layer_norm_rms_epsilon": (config["rms_norm_eps"], f32),
+        "rope.freq_base": (config["rope_theta"], f32),
+    }
+    scaling = config["rope_scaling"] or {}
+    if scaling.get("rope_type") == "linear":  # llama3's is a tensor (_rope_freqs)
+        meta["rope.scaling.type"] = ("linear", string)
+        meta["rope.scaling.factor"] = (scaling["factor"], f32)
+    if arch == "gemma3":
+        if config["sliding_window"] is not None:
+            meta["attention.sliding_window"] = (config["sliding_window"], u32)
+        meta["rope.freq_base_swa"] = (config["rope_local_base_freq"], f32)
+    return meta
+
+
+def _rope_freqs(config: dict[str, Any]) -> Tensor | None:
+    """The ``rope_freqs.weight`` llama.cpp reads llama3 RoPE scaling from (``llama`` files):
+    per frequency, the divisor the scaling applies, float32; None without that scaling."""
+    if not _kept_out(config):
+        return None
+    head_dim, base, scaling = config["head_dim"], config["rope_theta"], config["rope_scaling"]
+    return (rope_frequencies(head_dim, base) / rope_frequencies(head_dim, base, scaling)
+            ).float()
+
+
+def _to_gguf(name: str, tensor: Tensor, config: dict[str, Any]) -> Tensor:
+    """One tensor as Hugging Face holds it -> as llama.cpp stores it (:func:`_to_hf`'s
+    inverse), float32."""
+    model_type, kind = config["model_type"], name.split(".")[-2]
+    tensor = tensor.detach().cpu().float()
+    if model_type in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
+        return permute_rope(tensor, config["num_attention_heads" if kind == "attn_q"
+                                           else "num_key_value_heads"])
+    if _shifted(model_type, name):
+        return tensor + 1
+    return tensor
+
+
+def write_gguf(
+    path: str | os.PathLike[str],
+    config: Mapping[str, Any],
+    state_dict: Mapping[str, Tensor],
+    dtype: str = "F32",
+    tokenizer: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write a Hugging Face model as a GGUF file that llama.cpp runs: the inverse of
+    :func:`read_gguf_model`.
+
+    The metadata holds exactly what :func:`gguf_config` reads (typed as llama.cpp's
+    converter types it); the tensors go under llama.cpp's names (:func:`_plan`) in its
+    conventions: ``llama`` files' q/k rows permuted for llama.cpp's RoPE, Gemma's norms
+    as ``1 + w``, Llama 3's RoPE scaling as a ``rope_freqs.weight`` tensor. Norms and
+    other 1-D tensors are F32, as llama.cpp's converter writes them; 2-D weights
+    ``dtype``.
+
+    Before anything is written the model must read back as itself: the header the file
+    will have, read by :func:`gguf_config`, must give ``config``'s ``GPTConfig`` fields
+    (:func:`~qkv.models.hf_open.config_fields`). What llama.cpp's format cannot say (a
+    window on a Llama or Qwen model, Gemma 3 layers other than five sliding to one full,
+    RoPE scaling other than linear and Llama 3's, ...) is a one-line ``ValueError``; so
+    are biases on a Qwen3 or Gemma 3 model's projections, which llama.cpp's
+    ``attn_output`` lacks there.
+
+    Args:
+        path: the ``.gguf`` file to write; it must not exist. It is written under a
+            temporary name beside it, then renamed: it appears whole or not at all.
+        config: the model's ``config.json`` (``model_type`` ``"llama"``, ``"mistral"``,
+            ``"qwen2"``, ``"qwen3"`` or ``"gemma3_text"``).
+        state_dict: Hugging Face name -> tensor, as :func:`read_gguf_model` or
+            ``*ForCausalLM.state_dict()`` give it (a tied ``lm_head.weight`` may be
+            there; it is not written).
+        dtype: ``"F32"``, ``"F16"`` or ``"BF16"``: the type of the 2-D weights.
+        tokenizer: a GGUF file whose ``tokenizer.*`` metadata is copied (the file a
+            model was imported from); its token list must be as long as the
+            vocabulary. None: ``tokenizer.ggml.model = "none"``, which llama.cpp loads
+            with ``vocab_size`` placeholder tokens: token ids in, logits out, no text.
+
+    Returns:
+        ``path``.
+    """
+    gguf = import_gguf()
+    path = Path(path)
+    if dtype not in _FILE_TYPES:
+        raise ValueError(f"dtype {show(dtype)} is not written; choose "
+                         f"{', '.join(_FILE_TYPES)}")
+    model_type = config.get("model_type") if isinstance(config, Mapping) else None
+    if model_type not in _WRITTEN:
+        raise ValueError(f"config: model_type {show(model_type)} cannot be written to GGUF; "
+                         f"qkv writes {', '.join(_WRITTEN)}")
+    fields = config_fields(config, "config")
+    to_qkv(state_dict, fields)  # checks every name and shape, in one line each
+    full = hf_config(fields, model_type)  # every size spelled out
+    arch, plan, rope_freqs = _WRITTEN[model_type], _plan(full), _rope_freqs(full)
+    if arch in ("qwen3", "gemma3") and fields["out_bias"]:
+        raise ValueError(f"config: attention_bias=True cannot be written to a GGUF {arch} "
+                         f"file: llama.cpp's {arch} loads no attn_output.bias")
+    meta = _metadata(full, arch, gguf)
+    general = {"name": arch}
+
+    # What gguf_config will read: the header, in memory (floats rounded to float32).
+    f32 = gguf.GGUFValueType.FLOAT32
+    header = GGUFHeader(
+        path=path, version=3, architecture=arch,
+        config={k: float(np.float32(v)) if t == f32 else v for k, (v, t) in meta.items()},
+        general=general, file_size=0,
+        tensors={name: GGUFTensorInfo(name, "F32", shape, 0, 0)
+                 for name, (_, shape) in plan.items()})
+    back = gguf_config(header)
+    if rope_freqs is not None:  # the tensor is not in the header above: read it here
+        back["rope_scaling"] = _llama3_from_divisors(rope_freqs, full["head_dim"],
+                                                     back["rope_theta"], f"{path}: rope")
+    difference = field_difference(fields, config_fields(back, str(path)), "llama.cpp")
+    if difference:
+        raise ValueError(f"config: the model cannot be written to a GGUF {arch} file: "
+                         f"{difference} (GPTConfig's fields)")
+    tokens = _tokenizer(tokenizer, full["vocab_size"], gguf)
+    if os.path.lexists(path):
+        raise FileExistsError(f"{path}: exists; name a new file (nothing is overwritten)")
+
+    weight = gguf.GGMLQuantizationType[dtype]
+    tensors = {_ROPE_FREQS: rope_freqs} if rope_freqs is not None else {}
+    tensors.update((name, hf) for name, (hf, _) in plan.items())
+    tmp = temp_path(path)
+    writer = gguf.GGUFWriter(tmp, arch)
+    try:
+        writer.add_name(general["name"])
+        writer.add_file_type(gguf.LlamaFileType[_FILE_TYPES[dtype]])
+        for key, (value, vtype) in meta.items():
+            writer.add_key_value(f"{arch}.{key}", value, vtype)
+        for key, (value, vtype, sub_type) in tokens.items():
+            writer.add_key_value(key, value, vtype, sub_type)
+        for name, source in tensors.items():
+            shape = source.shape if isinstance(source, Tensor) else plan[name][1]
+            kind = weight if len(shape) == 2 else gguf.GGMLQuantizationType.F32
+            nbytes = math.prod(shape) * (4 if kind == gguf.GGMLQuantizationType.F32 else 2)
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for name, source in tensors.items():  # one tensor converted at a time
+            tensor = source if isinstance(source, Tensor) else _to_gguf(
+                name, state_dict[source], full)
+            writer.write_tensor_data(_ggml_bytes(tensor, dtype if tensor.dim() == 2 else "F32"))
+        writer.close()
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def _ggml_bytes(tensor: Tensor, dtype: str) -> np.ndarray:
+    """A float32 tensor's values as GGML type ``dtype`` stores them, a NumPy array."""
+    if dtype == "BF16":  # NumPy has no bfloat16: its bits
+        return tensor.to(torch.bfloat16).view(torch.int16).numpy()
+    return tensor.to(torch.float16 if dtype == "F16" else torch.float32).numpy()
+
+
+def _tokenizer(source: str | os.PathLike[str] | None, vocab_size: int,
+               gguf: Any) -> dict[str, tuple[Any, Any, Any]]:
+    """The ``tokenizer.*`` metadata to write, key -> (value, type, array element type):
+    ``source``'s, types kept, or llama.cpp's "no vocabulary"."""
+    if source is None:
+        return {"tokenizer.ggml.model": ("none", gguf.GGUFValueType.STRING, None)}
+    _, reader = open_gguf_reader(source)
+    out = {}
+    for field in reader.fields.values():
+        if field.name.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            out[field.name] = field.contents(), vtype, sub
+    tokens = out.get("tokenizer.ggml.tokens", (None,))[0]
+    if not isinstance(tokens, list) or len(tokens) != vocab_size:
+        raise ValueError(f"{source}: its tokenizer.ggml.tokens lists "
+                         f"{show(None if tokens is None else len(tokens))} tokens; the "
+                         f"model has {vocab_size:,} (llama.cpp needs one per embedding row)")
+    return out

@@ -59,6 +59,7 @@ __all__ = [
     "GGUFHeader",
     "GGUFTensorInfo",
     "open_gguf_reader",
+    "permute_rope",
     "read_gguf_header",
     "read_gguf_tensors",
     "unpermute_rope",
@@ -557,4 +558,23 @@ def unpermute_rope(weight: Tensor, n_heads: int) -> Tensor:
                          "size")
     rest = weight.shape[1:]
     return (weight.reshape(n_heads, rows // n_heads // 2, 2, *rest)
+            .transpose(1, 2).reshape(weight.shape).contiguous())
+
+
+def permute_rope(weight: Tensor, n_heads: int) -> Tensor:
+    """llama.cpp's RoPE row order of a query or key projection (the inverse of
+    :func:`unpermute_rope`): each head's rows ``(2, d/2)`` stored as ``(d/2, 2)``.
+
+    Args:
+        weight: ``(n_heads * head_dim, ...)``, rows in Hugging Face's order.
+        n_heads: query heads for ``q_proj``, key/value heads for ``k_proj``.
+
+    Returns:
+        The same values, rows as llama.cpp's ``llama`` files store them, a new tensor.
+    """
+    rows = weight.shape[0]
+    if n_heads < 1 or rows % (2 * n_heads):
+        raise ValueError(f"permute_rope: {rows} rows are not {n_heads} heads of an even size")
+    rest = weight.shape[1:]
+    return (weight.reshape(n_heads, 2, rows // n_heads // 2, *rest)
             .transpose(1, 2).reshape(weight.shape).contiguous())

@@ -27,15 +27,25 @@ Anything qkv's ``GPTModel`` cannot reproduce is a one-line ``ValueError``.
 ``model.safetensors.index.json`` names; every shard's header (names, shapes, dtypes)
 and the total size are checked before a tensor's data is read. No pickles.
 
+The other direction writes a model out for the Hugging Face tools:
+:func:`hf_config` is the ``config.json`` of a model of ``GPTConfig`` fields (both RoPE
+layouts, so that transformers 4 and 5 read it), :func:`from_qkv` renames a state dict
+back, and :func:`write_hf_folder` writes both as a folder. A field a family cannot
+express is refused: the config must read back (:func:`config_fields`) as the same fields.
+
 GPT-2 folders keep their own reader (:mod:`.hf_gpt2`); :func:`config_fields` hands a
-GPT-2 config to it. This module does not import :mod:`qkv.models.gpt`.
+GPT-2 config to it. This module imports :mod:`qkv.models.gpt` only for
+:func:`hf_config`'s check of the fields.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 from collections.abc import Iterator, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +53,13 @@ import torch
 from torch import Tensor
 
 from ..checks import MAX_SIZE, check_bool, check_float, check_int, parse_json, show
-from ..utils.fileio import read_regular
+from ..utils.fileio import fsync_dir, read_regular, temp_path
 from .hf_gpt2 import HF_CONFIG, HF_SAFETENSORS, gpt2_fields
 from .hub import WEIGHTS_INDEX
 
 __all__ = ["SUPPORTED_TYPES", "config_fields", "expected_tensors", "to_qkv",
-           "read_open_config", "read_open_weights"]
+           "read_open_config", "read_open_weights", "hf_config", "field_difference",
+           "from_qkv", "write_hf_folder"]
 
 SUPPORTED_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 _MAX_CONFIG_BYTES = 1 << 20
@@ -58,8 +69,13 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # Hugging Face activation name -> GPTConfig.mlp (the gate's activation).
 _MLPS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu"}
 _ROPE_TYPES = ("default", "linear", "llama3")
-# transformers' layer kinds -> GPTConfig.layer_types'.
+# transformers' layer kinds -> GPTConfig.layer_types', and back.
 _LAYER_KINDS = {"sliding_attention": "sliding", "full_attention": "full"}
+_LAYER_TYPES = {ours: theirs for theirs, ours in _LAYER_KINDS.items()}
+# The model_types hf_config writes -> transformers' class (config.json's "architectures").
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "gemma3_text": "Gemma3ForCausalLM"}
 
 # What transformers assumes for a key config.json leaves out: each family's config class.
 _COMMON_DEFAULTS: dict[str, Any] = {
@@ -282,6 +298,106 @@ def _rope_fields(rope: Mapping[str, Any], context: int, where: str) -> _Rope:
                   "original_max_position_embeddings": original}
 
 
+def hf_config(fields: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face folder holding a model of ``GPTConfig``
+    ``fields`` (:func:`config_fields`' output, a run's ``config.json``: a field left out
+    takes ``GPTConfig``'s default) as ``model_type`` (``"llama"``, ``"mistral"``,
+    ``"qwen2"``, ``"qwen3"`` or ``"gemma3_text"``).
+
+    RoPE is written in both layouts: transformers 5's ``rope_parameters`` (for Gemma 3
+    one per layer type) and the older ``rope_theta`` / ``rope_scaling`` /
+    ``rope_local_base_freq``. The config must read back as ``fields``
+    (:func:`config_fields`; ``drop_rate``, a training setting, aside, and a size left
+    ``None`` equal to its default): a field the family cannot express (Qwen2 without
+    query biases, a window on a Llama, ...) is a one-line ``ValueError`` naming it.
+    """
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(f"model_type {show(model_type)} cannot be written; qkv writes "
+                         f"{', '.join(_ARCHITECTURES)}")
+    f, gemma = _complete(fields), model_type == "gemma3_text"
+    acts = {mlp: act for act, mlp in _MLPS.items()}
+    if f["mlp"] not in acts:
+        raise ValueError(f"fields: mlp={show(f['mlp'])} cannot be written as a {model_type} "
+                         f"config.json; it holds {', '.join(map(repr, acts))} MLPs")
+    d, n_heads, n_layers, window = f["emb_dim"], f["n_heads"], f["n_layers"], f["window_size"]
+    head_dim = f["head_dim"] or d // n_heads
+    kinds = [_LAYER_TYPES["sliding" if window is not None and (
+        f["layer_types"] is None or f["layer_types"][i] == "sliding") else "full"]
+        for i in range(n_layers)]
+    full = {"rope_type": "default", **(f["rope_scaling"] or {}), "rope_theta": f["rope_base"]}
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
+        "vocab_size": f["vocab_size"], "hidden_size": d,
+        "intermediate_size": f["hidden_dim"] or 4 * d, "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads, "num_key_value_heads": f["n_kv_groups"] or n_heads,
+        "head_dim": head_dim, "max_position_embeddings": f["context_length"],
+        "rms_norm_eps": f["norm_eps"], "tie_word_embeddings": f["tie_weights"],
+        "hidden_activation" if gemma else "hidden_act": acts[f["mlp"]],
+        "rope_theta": f["rope_base"],
+        "rope_scaling": None if f["rope_scaling"] is None else dict(f["rope_scaling"]),
+        "rope_parameters": full,
+    }
+    if model_type in ("llama", "qwen3", "gemma3_text"):  # Qwen2 always has q/k/v biases
+        config["attention_bias"] = f["qkv_bias"]
+    if model_type == "llama":
+        config["mlp_bias"] = f["mlp_bias"]
+    if model_type != "llama":
+        config["sliding_window"] = window
+    if model_type in ("qwen2", "qwen3"):
+        config.update(use_sliding_window=window is not None, layer_types=kinds)
+    if gemma:
+        local = full if f["rope_local_base"] is None else {
+            "rope_type": "default", "rope_theta": f["rope_local_base"]}
+        # transformers computes query_pre_attn_scalar ** -0.5: an integer where one fits
+        scale = f["query_scale"] or head_dim ** -0.5
+        scalar = round(scale ** -2) if round(scale ** -2) ** -0.5 == scale else scale ** -2
+        config.update(layer_types=kinds, query_pre_attn_scalar=scalar,
+                      rope_local_base_freq=local["rope_theta"],
+                      rope_parameters={"full_attention": full, "sliding_attention": local},
+                      attn_logit_softcapping=None, final_logit_softcapping=None)
+    difference = field_difference(f, config_fields(config, f"{model_type} config"),
+                                  "transformers")
+    if difference:
+        raise ValueError(f"fields cannot be written as a {model_type} config.json: "
+                         f"{difference}")
+    return config
+
+
+def field_difference(fields: Mapping[str, Any], back: Mapping[str, Any],
+                     runner: str) -> str | None:
+    """None if two sets of every ``GPTConfig`` field build models that compute the same
+    (``drop_rate``, a training setting, aside; a size left ``None`` equal to its
+    default); else their first difference, in words: ``"window_size is 16; transformers
+    would run None"`` (``runner`` runs ``back``)."""
+    want, got = _resolved(fields), _resolved(back)
+    for key, theirs in got.items():
+        ours = want[key]
+        if ours == theirs:
+            continue
+        if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+            i = next(i for i in range(len(ours)) if ours[i] != theirs[i])  # layer_types
+            return f"{key}[{i}] is {ours[i]!r}; {runner} would run {theirs[i]!r}"
+        return f"{key} is {show(fields[key])}; {runner} would run {show(back[key])}"
+    return None
+
+
+def _complete(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Every ``GPTConfig`` field, checked: ``fields`` with those left out at their default."""
+    from .gpt import GPTConfig
+
+    return asdict(GPTConfig.from_dict(fields))
+
+
+def _resolved(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """``fields`` with each size left ``None`` spelled out and ``drop_rate`` (training
+    only) set to 0: two of them build models that compute the same iff they are equal."""
+    head_dim = fields["head_dim"] or fields["emb_dim"] // fields["n_heads"]
+    return {**fields, "drop_rate": 0.0, "head_dim": head_dim,
+            "n_kv_groups": fields["n_kv_groups"] or fields["n_heads"],
+            "hidden_dim": fields["hidden_dim"] or 4 * fields["emb_dim"],
+            "query_scale": fields["query_scale"] or head_dim ** -0.5}
+
+
 def _names(fields: Mapping[str, Any]) -> Iterator[tuple[str, str, tuple[int, ...]]]:
     """``(Hugging Face name, qkv name, shape)`` of every tensor a model of ``fields``
     holds; ``lm_head`` only when untied."""
@@ -332,24 +448,25 @@ def expected_tensors(fields: Mapping[str, Any]) -> Iterator[tuple[str, tuple[int
 
 
 def _check_names(where: str, shapes: Mapping[str, tuple[int, ...]],
-                 fields: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The expected names and shapes, after a one-line ``ValueError`` for a missing,
-    unexpected or misshapen tensor in ``shapes``."""
-    expected = dict(expected_tensors(fields))
+                 fields: Mapping[str, Any], ours: bool = False) -> dict[str, tuple[int, ...]]:
+    """The expected names (Hugging Face's, or qkv's if ``ours``) and shapes, after a
+    one-line ``ValueError`` for a missing, unexpected or misshapen tensor in ``shapes``."""
+    expected = {(q if ours else hf): shape for hf, q, shape in _names(fields)}
     missing = [k for k in expected if k not in shapes]
     if missing:
         raise ValueError(f"{where}: missing {len(missing)} tensors, e.g. {missing[0]!r}")
-    # A tied model's lm_head is the embedding again; transformers saves it or not.
+    # A tied model's head is the embedding again; transformers saves it or not.
+    head_name = "out_head.weight" if ours else "lm_head.weight"
     head = (fields["vocab_size"], fields["emb_dim"])
     extra = [k for k in shapes if k not in expected
-             and not (k == "lm_head.weight" and tuple(shapes[k]) == head)]
+             and not (k == head_name and tuple(shapes[k]) == head)]
     if extra:
         raise ValueError(f"{where}: {len(extra)} unexpected tensors for this config, e.g. "
                          f"{extra[0]!r} of shape {list(shapes[extra[0]])}")
     for name, shape in expected.items():
         if tuple(shapes[name]) != shape:
             raise ValueError(f"{where}: {name} has shape {list(shapes[name])}, expected "
-                             f"{list(shape)} from {HF_CONFIG}")
+                             f"{list(shape)} from {'the fields' if ours else HF_CONFIG}")
     return expected
 
 
@@ -361,6 +478,22 @@ def to_qkv(raw: Mapping[str, Tensor], fields: Mapping[str, Any]) -> dict[str, Te
     if fields["tie_weights"]:
         out["out_head.weight"] = out["tok_emb.weight"]
     return out
+
+
+def from_qkv(state: Mapping[str, Tensor], fields: Mapping[str, Any]) -> dict[str, Tensor]:
+    """``GPTModel``'s names -> Hugging Face's, the inverse of :func:`to_qkv`; the tensors
+    themselves are unchanged. A tied model's ``out_head.weight`` (the embedding again)
+    is left out, as transformers saves it; one that differs from the embedding is
+    refused."""
+    fields = _complete(fields)
+    _check_names("state dict", {k: tuple(v.shape) for k, v in state.items()}, fields,
+                 ours=True)
+    head, emb = state.get("out_head.weight"), state["tok_emb.weight"]
+    if fields["tie_weights"] and head is not None and head.data_ptr() != emb.data_ptr() \
+            and not torch.equal(head, emb):
+        raise ValueError("state dict: out_head.weight differs from tok_emb.weight, but "
+                         "tie_weights=True says they are one matrix")
+    return {theirs: state[ours] for theirs, ours, _ in _names(fields)}
 
 
 def _inside(folder: Path, name: str) -> Path:
@@ -501,3 +634,51 @@ def read_open_weights(
                                      "damaged or do not fit the dtype")
                 raw[name] = tensor
     return to_qkv(raw, fields)
+
+
+def write_hf_folder(
+    folder: str | os.PathLike[str],
+    fields: Mapping[str, Any],
+    model_type: str,
+    state_dict: Mapping[str, Tensor],
+) -> Path:
+    """Write a model as a Hugging Face folder: ``config.json`` (:func:`hf_config`) and
+    ``model.safetensors`` (:func:`from_qkv` of ``state_dict``, a ``GPTModel``'s, in its
+    dtypes: F32, F16 or BF16; a tied head once), which ``from_pretrained`` loads.
+
+    ``folder`` must not exist, or be empty: nothing is overwritten. Everything is checked
+    before a byte is written, and the files are written into a temporary folder beside it
+    that is then renamed: ``folder`` appears whole or not at all. Returns ``folder``.
+    """
+    from safetensors.torch import save_file
+
+    config = hf_config(fields, model_type)
+    tensors = {k: v.detach().cpu().contiguous()
+               for k, v in from_qkv(state_dict, fields).items()}
+    dtypes = {v.dtype for v in tensors.values()}
+    if not dtypes <= set(_DTYPES.values()):
+        raise ValueError(f"state dict: holds {', '.join(sorted(map(str, dtypes)))} tensors; "
+                         "Hugging Face folders hold float32, float16 or bfloat16 weights")
+    if len(dtypes) == 1:  # what from_pretrained(dtype="auto") builds the model in
+        config["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+    folder = Path(folder)
+    if os.path.lexists(folder) and (folder.is_symlink() or not folder.is_dir()
+                                    or any(folder.iterdir())):
+        raise FileExistsError(f"{folder}: exists and is not an empty folder; name a new "
+                              "one (nothing is overwritten)")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(folder)
+    tmp.mkdir()
+    try:
+        (tmp / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, tmp / HF_SAFETENSORS, metadata={"format": "pt"})
+        for name in (HF_CONFIG, HF_SAFETENSORS):
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(tmp)
+        os.replace(tmp, folder)  # an empty folder is replaced; a non-empty one refuses
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(folder.parent)
+    return folder
