@@ -151,10 +151,11 @@ def decode_bytes_per_token(model: GPTModel, prompt_len: int, new_tokens: int,
     """Bytes one cached decoding step reads from memory, per token generated.
 
     ``weights``: every parameter the forward touches, once, in its dtype: the blocks,
-    the final norm and the output head in full; one row of the token and of the
-    position embedding (a lookup; a head tied to the token table reads the table once,
-    as the head). ``kv_cache``: the keys and values each new token attends to (itself
-    included), at their average number over the ``new_tokens`` steps after a
+    the final norm and the output head in full; one row of the token and (where the
+    model has one) of the position embedding (a lookup; a head tied to the token table
+    reads the table once, as the head). ``kv_cache``: the keys and values each new token
+    attends to (itself included; a sliding-window layer's at most its window), at their
+    average number over the ``new_tokens`` steps after a
     ``prompt_len``-token prompt (capped at the context length). With ``batch`` rows a
     step reads the weights once for all rows and a cache per row.
 
@@ -163,17 +164,23 @@ def decode_bytes_per_token(model: GPTModel, prompt_len: int, new_tokens: int,
     """
     cfg = model.cfg
     # A tied head is the token table: the head reads all of it, the lookup one row of it.
-    lookups = [model.pos_emb.weight]
+    lookups = [] if model.pos_emb is None else [model.pos_emb.weight]  # (RoPE: no table)
     if model.tok_emb.weight is not model.out_head.weight:
         lookups.append(model.tok_emb.weight)
     weights = 0
     for p in model.parameters():  # each tensor once, tied or not
         values = p[0].numel() if any(p is t for t in lookups) else p.numel()  # a row
         weights += values * p.element_size()
-    positions = [min(prompt_len + i, cfg.context_length) for i in range(new_tokens)]
-    kv_positions = sum(positions) / len(positions)
-    per_position = sum(2 * b.att.num_kv_groups * b.att.head_dim for b in model.trf_blocks)
-    kv = per_position * kv_positions * model.out_head.weight.element_size()
+    # the positions each step attends to, per layer: a sliding-window layer's ring at most
+    # its window
+    kv = 0.0
+    for b in model.trf_blocks:
+        limit = min(cfg.context_length, b.att.window_size or cfg.context_length)
+        positions = [min(prompt_len + i, limit) for i in range(new_tokens)]
+        kv += 2 * b.att.num_kv_groups * b.att.head_dim * sum(positions) / len(positions)
+    kv_positions = kv / sum(2 * b.att.num_kv_groups * b.att.head_dim
+                            for b in model.trf_blocks)
+    kv *= model.out_head.weight.element_size()
     return {"weights": float(weights), "kv_cache": kv, "kv_positions": kv_positions,
             "total": (weights + batch * kv) / batch}
 

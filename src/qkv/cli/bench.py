@@ -74,6 +74,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     generate_flags.add_argument("--no-native", action="store_true",
                                 help="run the cached steps through the model's forward "
                                      "(the readable path) instead of qkv's C kernels")
+    generate_flags.add_argument("--ckpt", metavar="RUN", default=None,
+                                help="decode this run's model (an imported open model or a "
+                                     "trained GPT) with qkv in float32 and bfloat16 and with "
+                                     "its peers, transformers and llama.cpp, where installed "
+                                     "(default: the book's untrained GPT-2 small)")
+    generate_flags.add_argument("--no-peers", action="store_true",
+                                help="with --ckpt: time qkv's paths only")
+    generate_flags.add_argument("--new-tokens", type=int, default=None, metavar="N",
+                                help="tokens per timed call (default: 128 with --ckpt, "
+                                     "200 without)")
     train_flags = argparse.ArgumentParser(add_help=False)
     train_flags.add_argument("--presets", nargs="+", metavar="NAME", default=None,
                              help="GPT presets to train (default: tiny mini gpt2-small on "
@@ -100,8 +110,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     suites = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
     helps = {
         "attention": "ten attention paths: forward and forward+backward time, peak memory",
-        "generate": "greedy GPT-2 small generation with and without the KV cache, "
-                    "float32 and bfloat16, against the memory-bandwidth ceiling",
+        "generate": "greedy decoding against the memory-bandwidth ceiling: GPT-2 small "
+                    "with and without the KV cache, float32 and bfloat16; with --ckpt RUN, "
+                    "the run's model beside transformers and llama.cpp",
         "translate": "Bahdanau translator training tokens/s against d2l's algorithm",
         "data": "sliding-window GPT dataset against a list of tensors: build time, memory",
         "flops": "attention TFLOP/s (SDPA backends, FlexAttention, qkv) at 8,192 tokens, "
@@ -154,10 +165,22 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
                   "compile_flex": not args.no_compile}
         config = AttentionConfig.quick(**kwargs) if args.quick else AttentionConfig(**kwargs)
         return run_attention(config, args.out)
+    if name == "generate" and getattr(args, "ckpt", None):
+        from ..bench.generate_run import RunGenerateConfig, run_generate_run
+
+        if args.device not in ("auto", "cpu") or args.dtype != "auto":
+            raise ValueError("--ckpt decodes on the CPU in float32 and bfloat16 (both, beside "
+                             "the peers): leave --device and --dtype out")
+        kwargs = {**_overrides(args), "ckpt": args.ckpt, "peers": not args.no_peers}
+        if args.new_tokens is not None:
+            kwargs["new_tokens"] = args.new_tokens
+        return run_generate_run(RunGenerateConfig(**kwargs), args.out)
     if name == "generate":
         from ..bench.lm import GenerateConfig, run_generate
 
         kwargs = {**_overrides(args), "device": args.device, "dtype": args.dtype}
+        if getattr(args, "new_tokens", None) is not None:
+            kwargs["new_tokens"] = args.new_tokens
         if getattr(args, "no_native", False):  # (absent under "all")
             kwargs["native"] = False
         config = GenerateConfig.quick(**kwargs) if args.quick else GenerateConfig(**kwargs)

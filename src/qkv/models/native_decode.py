@@ -180,10 +180,9 @@ class NativeDecoder:
 
     def _layer(self, block: nn.Module, cache: KVCache) -> Layer:
         att, ff = block.att, block.ff
-        if hasattr(ff, "fc1"):  # gated: act(fc1 h) * fc2 h, then fc3
-            mlp = (ff.fc1, ff.fc2, ff.fc3)
-        else:  # GPT-2's: act(layers[0] h), then layers[2]
-            mlp = (ff.layers[0], None, ff.layers[2])
+        # gated: act(fc1 h) * fc2 h, then fc3; GPT-2's: act(layers[0] h), then layers[2]
+        mlp = (ff.fc1, ff.fc2, ff.fc3) if hasattr(ff, "fc1") else \
+            (ff.layers[0], None, ff.layers[2])
         linears = dict(zip(("q", "k", "v", "o", "1", "2", "3"),
                            (att.W_query, att.W_key, att.W_value, att.out_proj, *mlp),
                            strict=True))
