@@ -53,7 +53,7 @@ from ..checks import (
     fields_from_dict,
     show,
 )
-from ..data.dates import DATES_NUM_STEPS, join_date_tokens, make_date_pairs, normalize_date_text
+from ..data.dates import join_date_tokens, make_date_pairs, normalize_date_text
 from ..data.loading import batch_loader
 from ..data.translate import (
     BOS,
@@ -107,6 +107,16 @@ from ..training import (
 from ..training.metrics import bleu, corpus_bleu, exact_match, has_sacrebleu
 from ..utils.fileio import regular_file_stat
 from . import pipeline
+from .settings import (
+    CORPUS_EPOCHS,
+    CORPUS_HELD_OUT,
+    CORPUS_STEPS,
+    D2L_RECIPE,
+    MAX_NUM_EXAMPLES,
+    MAX_NUM_STEPS,
+    PRESET_NAMES,
+    PRESETS,
+)
 
 __all__ = [
     "TranslateSettings",
@@ -124,46 +134,6 @@ logger = logging.getLogger(__name__)
 TASK = "translate"
 ATTENTION_PLOT = "attention.png"
 
-# d2l's recipe for its 600 fra-eng pairs: the model's sizes, Adam at 0.005 for 250
-# epochs, no schedule, no smoothing, no early stopping, greedy decoding.
-_D2L = {"num_examples": 600, "num_steps": 10, "epochs": 250, "held_out": 0.0, "lr": 0.005,
-        "embed_size": 32, "num_hiddens": 32, "num_layers": 2, "dropout": 0.1, "num_heads": 4,
-        "ffn_num_hiddens": 64, "batch_size": 64, "warmup_steps": 0, "decay": "constant",
-        "label_smoothing": 0.0, "patience": 0, "beam": 1, "split_by": "pair",
-        "dtype": "float32", "compile": False, "skip_padding": False, "ban_unk": False}
-# Named recipes (--preset). "d2l" and "dates" are fixed; "corpus" is for a user's own
-# sentence pairs: every pair read, 5 % held out, a wider model, warm-up + cosine decay,
-# label smoothing, early stopping on the held-out loss and beam search in the final
-# report, with the epochs (and the held-out count and sentence length) chosen from the
-# corpus once it is read (see TranslateSettings.for_corpus).
-PRESETS: dict[str, dict[str, Any]] = {
-    "d2l": _D2L,
-    # The dates corpus is larger and its sentences longer; it needs far fewer epochs.
-    "dates": {**_D2L, "num_examples": 10_000, "num_steps": DATES_NUM_STEPS, "epochs": 10,
-              "held_out": 0.1},
-    "corpus": {
-        "bahdanau": {"embed_size": 128, "num_hiddens": 256, "num_layers": 2,
-                     "dropout": 0.2, "batch_size": 128, "lr": 0.005, "warmup_steps": 200,
-                     "decay": "cosine", "label_smoothing": 0.1, "patience": 4, "beam": 4},
-        "transformer": {"num_hiddens": 128, "num_layers": 2, "num_heads": 4,
-                        "ffn_num_hiddens": 512, "dropout": 0.2, "batch_size": 128,
-                        "lr": 0.002, "warmup_steps": 300, "decay": "cosine",
-                        "label_smoothing": 0.1, "patience": 4, "beam": 4},
-    },
-}
-PRESET_NAMES = tuple(PRESETS)
-# The corpus recipe's training length: about this many optimizer steps per model
-# (epochs are rounded up), between these bounds. At its model sizes on 2 CPU cores
-# either takes under ten minutes on an 18k-pair corpus; see docs/benchmarks.md.
-CORPUS_STEPS = {"transformer": 2_700, "bahdanau": 1_600}
-CORPUS_EPOCHS = (3, 100)
-# The corpus recipe's held-out split: 5 % of the pairs, at least one batch, at most 5,000.
-CORPUS_HELD_OUT = (0.05, 5_000)
-# Bounds on settings that size work rather than the model (which is bounded by memory):
-# sentences are decoded token by token up to num_steps, and the dates corpus is generated
-# num_examples pairs at a time.
-MAX_NUM_STEPS = 100_000
-MAX_NUM_EXAMPLES = 10_000_000
 
 
 @dataclass
@@ -251,7 +221,7 @@ class TranslateSettings:
         check_str("model", self.model, choices=MODEL_NAMES)
         defaults = PRESETS[self.recipe]
         if self.recipe == "corpus":
-            defaults = {**_D2L, "num_examples": None, "num_steps": None, "held_out": None,
+            defaults = {**D2L_RECIPE, "num_examples": None, "num_steps": None, "held_out": None,
                         "epochs": None, "split_by": "source", "skip_padding": True,
                         "ban_unk": True, **defaults[self.model]}
         values = {k: (defaults[k] if v is None and k in defaults else v)

@@ -78,6 +78,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from ..checks import MAX_COUNT, check_bool, check_float, check_int, check_str, show
+from ..options import DTYPES, SAVE_EVERY_MINUTES, check_save_every
 from ..utils.figures import new_figure, save_figure
 from ..utils.fileio import deferred_signals
 from ..utils.testing import pause_point
@@ -129,15 +130,11 @@ LOSS_PLOT = "loss.png"
 # The sub-directory of run_dir that holds the best weights seen by early stopping: a
 # checkpoint of its own (weights and config, no trainer state), loadable as any other.
 BEST_DIR = "best"
-DTYPES = ("float32", "bfloat16")
 # Seconds between progress-bar refreshes; each refresh reads the loss from the device.
 _PROGRESS_INTERVAL = 0.5
-# The clock behind periodic checkpoints. A SIGKILL, the OOM killer or a power cut
-# loses at most SAVE_EVERY_MINUTES of training by default; and a run expected to last
+# The clock behind periodic checkpoints (SAVE_EVERY_MINUTES): a run expected to last
 # longer than FIRST_SAVE_SECONDS saves its first epoch whatever the interval, so that
 # a kill early in a long run does not lose it all.
-SAVE_EVERY_MINUTES = 10.0
-MAX_SAVE_EVERY_MINUTES = 10.0**6
 FIRST_SAVE_SECONDS = 180.0
 
 
@@ -248,13 +245,6 @@ class TrainConfig:
         if self.log_every < 0 or self.checkpoint_every < 0:
             raise ValueError("log_every and checkpoint_every must be >= 0")
         check_save_every(self.save_every)
-
-
-def check_save_every(minutes: float, name: str = "save_every") -> float:
-    """``minutes`` if it is a valid :attr:`TrainConfig.save_every`, else a one-line
-    ``ValueError`` naming ``name`` and the range."""
-    check_float(name, minutes, 0.0, MAX_SAVE_EVERY_MINUTES)
-    return minutes
 
 
 def seed_everything(seed: int) -> None:
