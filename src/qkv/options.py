@@ -16,11 +16,11 @@ configuration and the checkpoint reader's checks all derive from these declarati
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import MAX_SIZE, check_bool, check_float, check_int, check_str
+from .checks import MAX_COUNT, MAX_SIZE, check_bool, check_float, check_int, check_str, show
 
 # How attention computes (qkv.functional.attention): fused kernels or explicit weights.
 BACKENDS = ("fused", "eager")
@@ -84,13 +84,6 @@ SAVE_EVERY_MINUTES = 10.0
 MAX_SAVE_EVERY_MINUTES = 10.0**6
 
 
-def check_save_every(minutes: float, name: str = "save_every") -> float:
-    """``minutes`` if it is a valid :attr:`qkv.training.TrainConfig.save_every`, else a
-    one-line ``ValueError`` naming ``name`` and the range."""
-    check_float(name, minutes, 0.0, MAX_SAVE_EVERY_MINUTES)
-    return minutes
-
-
 # qkv bench: dtypes a suite runs in ("auto": bfloat16 on CUDA, float32 on the CPU) and how
 # CPU peak memory is measured: in a fresh interpreter per case (exact), in this process
 # (fast, may under-count memory an earlier case left in the C allocator), or not.
@@ -148,14 +141,24 @@ class Setting:
         """The command-line flag, ``""`` for none."""
         return f"--{self.name.replace('_', '-')}" if self.flag is None else self.flag
 
-    def validate(self, value: Any, name: str | None = None) -> Any:
+    @property
+    def annotation(self) -> str:
+        """The type of the settings dataclass's field, as an annotation."""
+        kind = "dict[str, Any]" if self.kind is dict else self.kind.__name__
+        return f"{kind} | None" if self.optional else kind
+
+    def validate(self, value: Any, name: str | None = None, *, required: bool = False) -> Any:
         """``value`` if it is valid for this setting, else a one-line ``ValueError``
-        naming ``name`` (default: the setting's)."""
+        naming ``name`` (default: the setting's). None is valid if the setting is
+        ``optional`` and the value not ``required`` (a resolved run's)."""
         name = name or self.name
-        if value is None and self.optional:
+        if value is None and self.optional and not required:
             return None
         if self.check is not None:
             self.check(name, value)
+        elif self.kind is dict:
+            if not isinstance(value, dict):
+                raise ValueError(f"{name} must be an object, got {show(value)}")
         elif self.kind is bool:
             check_bool(name, value)
         elif self.kind is int:
@@ -231,3 +234,47 @@ TRAINING: dict[str, Setting] = {s.name: s for s in (
     Setting("device", str, "where to train: auto (CUDA if available), cpu, cuda or cuda:N",
             max_len=64, range_text="", resumable=True),
 )}
+
+# The training loop's own settings, beside TRAINING's: how it reports and saves, not
+# what it trains (qkv.training.TrainConfig; the command line's --save-every).
+LOOP: dict[str, Setting] = {s.name: s for s in (
+    _count("log_every", 0, "log a line every this many epochs, and after the last (0: "
+           "never)", hi=MAX_COUNT, flag=""),
+    _count("checkpoint_every", 0, "save every this many epochs (0: by the clock only, "
+           "save_every)", hi=MAX_COUNT, flag=""),
+    Setting("save_every", float, "minutes between periodic checkpoints", lo=0.0,
+            hi=MAX_SAVE_EVERY_MINUTES, flag=""),
+    Setting("progress", bool, "show a progress bar on stderr", flag=""),
+    Setting("flops_per_token", float, "the model's floating-point operations per training "
+            "token, to report model FLOPs utilisation", lo=0.0, lo_open=True, optional=True,
+            flag=""),
+)}
+
+
+def check_save_every(minutes: float, name: str = "save_every") -> float:
+    """``minutes`` if it is a valid :attr:`qkv.training.TrainConfig.save_every`, else a
+    one-line ``ValueError`` naming ``name`` and the range."""
+    return LOOP["save_every"].validate(minutes, name)
+
+
+def settings_class(declared: Mapping[str, Setting], defaults: Mapping[str, Any]
+                   ) -> Callable[[type], type]:
+    """Make the decorated class a dataclass whose fields are ``declared``, in order: each
+    annotated with its setting's type and defaulting to ``defaults[name]``, or None
+    where it has none (the recipe's value, or not set). ``cls.DECLARED`` is
+    ``declared``; the class adds what its task does with them (methods only)."""
+
+    def make(cls: type) -> type:
+        own = cls.__dict__.get("__annotations__", {})
+        if own:
+            raise TypeError(f"{cls.__name__}'s fields are its declarations; it declares "
+                            f"{sorted(own)} itself")
+        cls.__annotations__ = {name: s.annotation for name, s in declared.items()}
+        for name in declared:
+            default = defaults.get(name)
+            setattr(cls, name, dataclasses.field(default_factory=lambda d=default: dict(d))
+                    if isinstance(default, dict) else default)
+        cls.DECLARED = declared  # type: ignore[attr-defined]
+        return dataclasses.dataclass(cls)
+
+    return make

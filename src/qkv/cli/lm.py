@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ..options import GPT_PRESETS, MAX_NEW_TOKENS, Setting
-from ..tasks.settings import LM, LM_DEFAULTS
+from ..tasks.settings import LM, LM_DEFAULTS, LM_UNSET
 from .runs import (
     add_save_every,
     add_settings_flags,
@@ -154,7 +154,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 _DEFAULT_WORDS = {
     "text": "a corpus qkv generates itself", "init": "none, from scratch",
     "bpe_dir": "$QKV_BPE_DIR", "stride": "half the window", "batch_tokens": "none",
-    "eval_every": "none", "dtype": "float32", "compile": "off", "strategy": "ddp"}
+    "eval_every": "none"}
 
 
 def _default_text(setting: Setting) -> str:
@@ -165,8 +165,8 @@ def _default_text(setting: Setting) -> str:
         own = ", ".join(f"{p} {show_value(v[name])}" for p, v in GPT_PRESETS.items()
                         if name in v)
         return f"the preset's: {own}; GPT-2's for the gpt2 sizes"
-    if name in LM_DEFAULTS:
-        return show_value(LM_DEFAULTS[name])
+    if name in LM_DEFAULTS or name in LM_UNSET:
+        return show_value({**LM_DEFAULTS, **LM_UNSET}[name])
     return _DEFAULT_WORDS[name]
 
 
@@ -184,7 +184,8 @@ def run_train(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} comes from the run --init starts from "
                              f"({args.init}); leave it out")
     if args.resume:
-        check_resume_flags(args.run_dir, "lm", given, args.settings_flags)
+        check_resume_flags(args.run_dir, "lm", given, args.settings_flags,
+                           LM)
     settings = LMSettings(**given)
     if not args.resume:
         settings.resolved()  # refuse bad values before the run directory is touched

@@ -1,11 +1,12 @@
 """What ``qkv translate train`` and ``qkv lm train`` share: the rules of ``--resume`` and
 an honest report when a run stops early.
 
-- The settings flags default to None, so a flag the user gave can be told from one
-  left alone: a new run fills the rest from the settings' own defaults, and a resume
-  takes the run's saved settings and refuses a flag that would change one of them
-  (except the total ``--epochs``, ``--lr``, ``--device``, ``--bpe-dir``,
-  ``--backend``, ``--dtype`` and ``--compile``, which a resume may set).
+- The settings flags come from the settings' declarations (:func:`add_settings_flags`)
+  and default to None, so a flag the user gave can be told from one left alone: a new
+  run fills the rest from the settings' own defaults, and a resume takes the run's saved
+  settings and refuses a flag that would change one of them, except those declared
+  ``resumable`` (the total ``--epochs``, ``--lr``, ``--device``, ``--bpe-dir``,
+  ``--backend``, ``--dtype``, ``--compile`` and ``--strategy``).
 - When a run stops (Ctrl-C, SIGTERM, SIGHUP, a diverging loss) the message says what the run
   directory holds, read back from disk, and the exact command that continues it.
 """
@@ -138,9 +139,10 @@ def _same(field: str, given: Any, saved: Any) -> bool:
 
 
 def check_resume_flags(run_dir: Path, task: str, given: Mapping[str, Any],
-                       flags: Mapping[str, str]) -> None:
-    """Refuse flags that a resume of ``run_dir`` would otherwise silently ignore."""
-    from ..training import RESUMABLE, load_config
+                       flags: Mapping[str, str], declared: Mapping[str, Setting]) -> None:
+    """Refuse flags that a resume of ``run_dir`` would otherwise silently ignore: those of
+    the ``declared`` settings a resume may not change."""
+    from ..training import load_config
     from ..training.lock import busy_error, running_holder
 
     try:
@@ -154,7 +156,7 @@ def check_resume_flags(run_dir: Path, task: str, given: Mapping[str, Any],
     saved = saved if isinstance(saved, dict) else {}
     changed = [f"--{flags[field].replace('_', '-')} {value} (the run has {saved.get(field)})"
                for field, value in given.items()
-               if field not in RESUMABLE and not _same(field, value, saved.get(field))]
+               if not declared[field].resumable and not _same(field, value, saved.get(field))]
     if changed:
         raise ValueError(f"--resume continues {run_dir} as it was set up, so "
                          f"{'; '.join(changed)} cannot change; drop "

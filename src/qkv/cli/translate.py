@@ -25,6 +25,7 @@ from ..tasks.settings import (
     PRESET_NAMES,
     TRANSLATE,
     TRANSLATE_DEFAULTS,
+    TRANSLATE_UNSET,
     recipe_values,
 )
 from .runs import (
@@ -165,8 +166,8 @@ def _default_text(setting: Setting) -> str:
     name = setting.name
     if name == "preset":
         return "follows --data: dates for dates, d2l for fra-eng, corpus for a file"
-    if name in TRANSLATE_DEFAULTS:
-        return show_value(TRANSLATE_DEFAULTS[name])
+    if name in TRANSLATE_DEFAULTS or name in TRANSLATE_UNSET:
+        return show_value({**TRANSLATE_DEFAULTS, **TRANSLATE_UNSET}[name])
     models = [MODEL_ONLY[name]] if name in MODEL_ONLY else list(MODEL_NAMES)
     per_recipe = {}
     for recipe in PRESET_NAMES:
@@ -229,7 +230,8 @@ def run_train(args: argparse.Namespace) -> int:
     check_threads(threads, "--threads")
     torch.set_num_threads(threads)
     if args.resume:
-        check_resume_flags(run_dir, "translate", given, args.settings_flags)
+        check_resume_flags(run_dir, "translate", given, args.settings_flags,
+                           TRANSLATE)
     settings = TranslateSettings(**given)
     if not args.resume:
         settings.resolved()  # refuse bad values before the run directory is touched

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..checks import MAX_COUNT, check_float, check_int, show
+from ..checks import MAX_COUNT, MAX_SIZE, check_float, check_int, check_sha256, show
 from ..options import (
     BACKENDS,
     DATES_NUM_STEPS,
@@ -113,7 +113,9 @@ def _beam(name: str, value: Any) -> None:
 
 
 def _size(name: str, help: str, **more: Any) -> Setting:
-    return Setting(name, int, help, lo=1, **more)
+    """A size: an integer >= 1, at most MAX_SIZE unless ``more`` says otherwise (memory
+    refuses a model long before)."""
+    return Setting(name, int, help, **{"lo": 1, "hi": MAX_SIZE, **more})
 
 
 # The translator's settings, in the order TranslateSettings has them.
@@ -170,6 +172,10 @@ TRANSLATE: dict[str, Setting] = {s.name: s for s in (
     TRAINING["compile"].replace(optional=True),
     TRAINING["seed"],
     TRAINING["device"],
+    Setting("extra", dict, "anything a caller keeps with the run", flag=""),
+    Setting("data_sha256", str, "SHA-256 of the corpus file trained on (none: generated "
+            "data, or a run saved before qkv recorded it); evaluating or resuming the run "
+            "checks the file against it", check=check_sha256, optional=True, flag=""),
 )}
 
 # Settings that only one of the translator models has.
@@ -178,8 +184,23 @@ MODEL_ONLY = {"embed_size": "bahdanau", "skip_padding": "bahdanau",
 
 # The translator's defaults outside its recipes.
 TRANSLATE_DEFAULTS: dict[str, Any] = {
-    "data": "dates", "model": MODEL_NAMES[0], "min_freq": 2, "backend": BACKENDS[0],
-    "clip_norm": 1.0, "accumulate": 1, "seed": 0, "device": "auto"}
+    "data": "dates", "model": MODEL_NAMES[0], "min_freq": 2, "clip_norm": 1.0,
+    "accumulate": 1, "seed": 0, "device": "auto", "extra": {}}
+# What a setting left unset (None) that no recipe sets becomes when a new run is
+# resolved; a resume keeps the run's own.
+TRANSLATE_UNSET: dict[str, Any] = {"backend": BACKENDS[0]}
+
+
+def _architecture(name: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object, got {show(value)}")
+    from ..models.gpt import GPTConfig  # torch: only to check a saved or imported model
+
+    GPTConfig.from_dict(value)  # its own checks, one line each
+
+
+# Most characters of the generated corpus a run may ask for (it is built in memory).
+MAX_CORPUS_CHARS = 100_000_000
 
 
 def _gpt_preset(name: str, value: Any) -> None:
@@ -214,6 +235,10 @@ LM: dict[str, Setting] = {s.name: s for s in (
     _size("n_layers", "transformer blocks, where they differ from the preset's",
           optional=True, flag=""),
     Setting("qkv_bias", bool, "biases on the query, key and value projections", flag=""),
+    Setting("architecture", dict, "an imported open model's whole architecture "
+            "(GPTConfig's fields, written by qkv lm import): it replaces the preset and the "
+            "sizes above, and context_length is then the training window",
+            check=_architecture, optional=True, flag=""),
     TRAINING["batch_size"],
     TRAINING["epochs"].replace(optional=True),
     TRAINING["lr"].replace(optional=True),
@@ -235,15 +260,23 @@ LM: dict[str, Setting] = {s.name: s for s in (
     Setting("val_fraction", float, "share of the token ids, from the end, held out for "
             "validation", **FRACTION),
     _size("corpus_chars", "characters of the generated corpus (without --text)",
-          hi=100_000_000, flag=""),
+          hi=MAX_CORPUS_CHARS, flag=""),
     TRAINING["seed"],
     TRAINING["device"],
+    Setting("extra", dict, "anything a caller keeps with the run; qkv lm import keeps the "
+            "model's origin there", flag=""),
+    Setting("text_sha256", str, "SHA-256 of the text file trained on (none: the generated "
+            "corpus, or a run saved before qkv recorded it); resuming the run checks the "
+            "file against it", check=check_sha256, optional=True, flag=""),
 )}
-
 # The language model's defaults; a preset's own context_length and drop_rate come from
 # its GPT preset (qkv.options.GPT_PRESETS).
 LM_DEFAULTS: dict[str, Any] = {
     "tokenizer": "bytes", "preset": "tiny", "tie_weights": False, "qkv_bias": False,
-    "batch_size": 16, "epochs": 10, "lr": 1e-3, "weight_decay": 0.1, "clip_norm": 1.0,
-    "warmup_steps": 0, "decay": "constant", "accumulate": 1, "patience": 0,
-    "val_fraction": 0.1, "corpus_chars": 60_000, "seed": 0, "device": "auto"}
+    "batch_size": 16, "weight_decay": 0.1, "clip_norm": 1.0, "warmup_steps": 0,
+    "decay": "constant", "accumulate": 1, "patience": 0, "val_fraction": 0.1,
+    "corpus_chars": 60_000, "seed": 0, "device": "auto", "extra": {}}
+# What a setting left unset (None) becomes when a new run is resolved; a resume keeps
+# the run's own.
+LM_UNSET: dict[str, Any] = {"epochs": 10, "lr": 1e-3, "dtype": "float32", "compile": False,
+                            "strategy": "ddp"}

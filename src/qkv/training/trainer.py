@@ -77,8 +77,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from ..checks import MAX_COUNT, check_bool, check_float, check_int, check_str, show
-from ..options import DTYPES, SAVE_EVERY_MINUTES, check_save_every
+from ..checks import MAX_COUNT, check_float, check_int, check_str, show
+from ..options import DTYPES, LOOP, SAVE_EVERY_MINUTES, TRAINING, check_save_every
 from ..utils.figures import new_figure, save_figure
 from ..utils.fileio import deferred_signals
 from ..utils.testing import pause_point
@@ -92,7 +92,6 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .distributed import (
-    STRATEGIES,
     fully_shard_model,
     gather_model_state,
     gather_optimizer_state,
@@ -107,6 +106,7 @@ from .speed import matmul_rate, model_flops_utilisation
 
 __all__ = [
     "BEST_DIR",
+    "DTYPES",
     "LOSS_PLOT",
     "SAVE_EVERY_MINUTES",
     "check_save_every",
@@ -231,20 +231,17 @@ class TrainConfig:
     flops_per_token: float | None = None
 
     def __post_init__(self) -> None:
-        check_int("accumulate", self.accumulate, 1, MAX_COUNT)
-        check_str("dtype", self.dtype, choices=DTYPES)
-        check_bool("compile", self.compile)
-        check_str("strategy", self.strategy, choices=STRATEGIES)
-        if self.flops_per_token is not None:
-            check_float("flops_per_token", self.flops_per_token, 0.0, lo_open=True)
-        if self.epochs < 0:
-            raise ValueError(f"epochs must be >= 0, got {self.epochs}")
-        check_float("lr", self.lr, 0.0, lo_open=True)
-        if self.clip_norm is not None:
-            check_float("clip_norm", self.clip_norm, 0.0, lo_open=True)
-        if self.log_every < 0 or self.checkpoint_every < 0:
-            raise ValueError("log_every and checkpoint_every must be >= 0")
-        check_save_every(self.save_every)
+        # Each field that is a declared setting is checked as declared (qkv.options):
+        # the same check as the run's settings and a saved checkpoint's train_config.
+        for name, setting in TRAIN_CONFIG_SETTINGS.items():
+            setting.validate(getattr(self, name))
+
+
+# TrainConfig's fields that are declared settings: the run's training settings
+# (qkv.options.TRAINING) and the loop's own (qkv.options.LOOP).
+TRAIN_CONFIG_SETTINGS = {f.name: {**TRAINING, **LOOP}[f.name]
+                         for f in dataclasses.fields(TrainConfig)
+                         if f.name in TRAINING or f.name in LOOP}
 
 
 def seed_everything(seed: int) -> None:
