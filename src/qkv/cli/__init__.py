@@ -82,9 +82,14 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line, exit status 2."""
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Examples keep their lines; a flag's help that does not say its default ends with
-    it, where it has one."""
+class _HelpFormatter(argparse.HelpFormatter):
+    """Examples keep their lines (descriptions are wrapped); a flag's help that does not
+    say its default ends with it, where it has one."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("example"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..checks import MAX_COUNT, MAX_SIZE, check_float, check_int, check_sha256, show
+from ..checks import MAX_COUNT, MAX_SIZE, check_float, check_int, check_sha256, check_str, show
 from ..options import (
     BACKENDS,
     DATES_NUM_STEPS,
@@ -203,6 +203,12 @@ def _architecture(name: str, value: Any) -> None:
 MAX_CORPUS_CHARS = 100_000_000
 
 
+def _tokenizer(name: str, value: Any) -> None:
+    # "hf": an open model's own tokenizer, which the run's config holds whole; a run gets
+    # it from the model it was made of (qkv lm import, --init), never by name.
+    check_str(name, value, choices=(*TOKENIZER_NAMES, HF_TOKENIZER_NAME))
+
+
 def _gpt_preset(name: str, value: Any) -> None:
     if value not in GPT_PRESETS:
         raise ValueError(f"unknown preset {show(value)}; choose one of {sorted(GPT_PRESETS)}")
@@ -215,9 +221,8 @@ LM: dict[str, Setting] = {s.name: s for s in (
     Setting("init", str, "start from the weights of this run (trained here, or made by "
             "qkv lm import); its tokenizer, context length and architecture are kept",
             optional=True, metavar="RUN", range_text=""),
-    Setting("tokenizer", str, "bytes: 256 byte symbols, no download; gpt2: GPT-2's BPE "
-            "('hf', an open model's own, comes with --init)",
-            choices=(*TOKENIZER_NAMES, HF_TOKENIZER_NAME)),
+    Setting("tokenizer", str, "bytes: 256 byte symbols, no download; gpt2: GPT-2's BPE",
+            choices=TOKENIZER_NAMES, check=_tokenizer),
     Setting("bpe_dir", str, "folder with GPT-2's encoder.json and vocab.bpe, for the "
             "gpt2 tokenizer offline (or set QKV_BPE_DIR)", optional=True, range_text="",
             resumable=True),
