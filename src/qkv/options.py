@@ -7,7 +7,8 @@ from here under the same name (``qkv.functional.BACKENDS`` is this ``BACKENDS``)
 
 A setting of a training run is one :class:`Setting`: its name, type, valid range or
 choices, help and whether a resume may change it. :data:`TRAINING` declares the ones
-every task shares (epochs, learning rate and schedule, batch, precision, ...);
+every task shares (epochs, learning rate and schedule, batch, precision, ...),
+:data:`LOOP` the training loop's own (logging, saving);
 ``qkv.tasks.settings`` adds each task's own and their defaults, per recipe. The
 settings dataclasses' checks, the command line's flags and their help, the trainer's
 configuration and the checkpoint reader's checks all derive from these declarations.
@@ -104,7 +105,8 @@ MAX_WALKTHROUGH_TOKENS = 64
 class Setting:
     """One setting of a training run, declared once.
 
-    ``kind`` is ``int``, ``float``, ``str`` or ``bool``; a number lies in ``[lo, hi]``
+    ``kind`` is ``int``, ``float``, ``str``, ``bool`` or ``dict`` (a JSON object); a
+    number lies in ``[lo, hi]``
     (``lo_open``/``hi_open`` exclude the bound), a string is one of ``choices`` (or any
     string of at most ``max_len`` characters). ``optional``: None is a valid value too
     (it then means what ``help`` says). ``check`` replaces the check the rest implies,
