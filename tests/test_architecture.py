@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "qkv"
 # Layer of each top-level module or subpackage, lowest first. A module may import from
 # its own layer or below, never above. The same table is drawn in docs/architecture.md.
 LAYERS = {
-    "utils": 0, "checks": 0, "kernels": 0,
+    "utils": 0, "checks": 0, "kernels": 0, "options": 0,
     "functional": 1, "kv_cache": 1, "multihead": 1, "positional": 1, "scoring": 1,
     "book": 2,
     "models": 3,

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_positive_int
+from .options import BACKENDS
 
 __all__ = [
     "attention_scores",
@@ -55,8 +56,6 @@ __all__ = [
     "attention",
     "BACKENDS",
 ]
-
-BACKENDS = ("fused", "eager")
 
 
 # ---------------------------------------------------------------------------

@@ -56,6 +56,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..options import BENCH_DTYPES as DTYPE_NAMES
+from ..options import MEMORY_MODES
 from ..utils.fileio import write_atomic
 
 if TYPE_CHECKING:
@@ -84,10 +86,6 @@ __all__ = [
     "write_json",
 ]
 
-# How CPU peak memory is measured: in a fresh interpreter per case (exact), in this
-# process (fast, may under-count memory an earlier case left in the C allocator), or not.
-MEMORY_MODES = ("isolated", "in-process", "off")
-
 _MIB = 2**20
 # Printed by a child of run_isolated before its JSON result, so that anything else the
 # child prints (warnings, library banners) cannot be mistaken for the result.
@@ -107,8 +105,7 @@ def resolve_device(name: str) -> torch.device:
     return resolve(name)
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_NAMES = ("auto", *_DTYPES)
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

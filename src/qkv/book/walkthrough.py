@@ -48,6 +48,8 @@ from ..functional import (
     softmax_with_mask,
 )
 from ..multihead import MultiHeadAttention
+from ..options import BOOK_TEXT
+from ..options import MAX_WALKTHROUGH_TOKENS as MAX_TOKENS
 from .self_attention import (
     CausalAttention,
     MultiHeadAttentionWrapper,
@@ -68,7 +70,6 @@ __all__ = [
     "MAX_TOKENS",
 ]
 
-BOOK_TEXT = "Your journey starts with one step"
 # The book's hand-picked 3-d embeddings of BOOK_TEXT, one row per token (§3.3).
 BOOK_INPUTS = (
     (0.43, 0.15, 0.89),  # Your
@@ -79,8 +80,6 @@ BOOK_INPUTS = (
     (0.05, 0.80, 0.55),  # step
 )
 EMBED_DIM = 3
-# Every step prints T x T matrices; beyond this they stop being readable.
-MAX_TOKENS = 64
 SECTIONS = ("3.3.1", "3.3.2", "3.4.1", "3.4.2", "3.5.1", "3.5.2", "3.5.3", "3.6.1", "3.6.2")
 # Added to one query's scores in §3.3.1 to show softmax_naive overflowing (exp(x) is
 # inf in float32 above about 88.7) where softmax_stable does not.

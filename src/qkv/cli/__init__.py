@@ -1,3 +1,4 @@
+# ruff: noqa: E402 (the signal handlers come before the imports, on purpose)
 """The ``qkv`` command line: a thin shell over the library.
 
 Each sub-command lives in its own module with two functions:
@@ -21,11 +22,49 @@ qkv or any library, are one line each, cut to a bounded length.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import os
 import signal
 import sys
+
+# The signals that stop a command as Ctrl-C does (a checkpoint of the last completed
+# epoch is kept): what schedulers and ``kill`` send, and a closed terminal.
+TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP")
+                    if hasattr(signal, name))
+STOPPING = (signal.SIGINT, *TERMINATING)
+
+
+def _stop_now(signum: int, _frame: object) -> None:
+    """Before main() runs (its imports) and after it returns, nothing is under way that a
+    stop must report or clean up: say so in one line and exit as a shell reports the
+    signal (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)."""
+    os.write(2, b"qkv: interrupted\n")
+    os._exit(128 + signum)
+
+
+def _started_as_program() -> bool:
+    """Whether this import is the ``qkv`` program starting (its script, ``python -m qkv``),
+    rather than a library or a test importing the module."""
+    main_module = sys.modules.get("__main__")
+    spec = getattr(main_module, "__spec__", None)
+    if spec is not None:
+        return spec.name == "qkv.__main__"
+    return os.path.basename(getattr(main_module, "__file__", "") or "") == "qkv"
+
+
+# First of all, before the imports below: a Ctrl-C from the program's first instant is
+# one line, never a traceback from inside an import. (A signal that the process was
+# started ignoring stays ignored: `nohup qkv ...` must survive its terminal closing.)
+if _started_as_program():
+    for _signum in STOPPING:
+        if signal.getsignal(_signum) is not signal.SIG_IGN:
+            signal.signal(_signum, _stop_now)
+
+from ..utils.testing import pause_point
+
+pause_point("cli-import")  # a test's Ctrl-C here lands among the command line's imports
+
+import argparse
+import contextlib
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -35,11 +74,6 @@ from .. import __version__
 from . import bench, lm, translate, view, walkthrough
 from .runs import RunStoppedError, Terminated
 
-# The signals that stop a command as Ctrl-C does (a checkpoint of the last completed
-# epoch is kept): what schedulers and ``kill`` send, and a closed terminal.
-TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP")
-                    if hasattr(signal, name))
-
 # Sub-command modules, in the order ``qkv --help`` lists them.
 COMMANDS = [translate, lm, view, bench, walkthrough]
 
@@ -48,8 +82,30 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line, exit status 2."""
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Examples keep their lines (descriptions are wrapped); a flag's help that does not
+    say its default ends with it, where it has one."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("example"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS)
+        if shown and action.option_strings and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line naming the fix."""
+    """argparse, but a usage error is one line naming the fix, and help shows defaults
+    and keeps the examples' lines."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
@@ -59,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="qkv",
         description="Attention mechanisms: learn them, train them, look inside them.",
+        epilog="examples:\n  qkv walkthrough              # self-attention step by step\n"
+               "  qkv translate train          # a translator of dates, in a minute\n"
+               "  qkv lm train && qkv lm generate --ckpt runs/lm --prompt \"The \"\n"
+               "  qkv COMMAND --help           # each command's flags, defaults and examples",
     )
     parser.add_argument("--version", action="version", version=f"qkv {__version__}")
     parser.add_argument(
@@ -133,27 +193,43 @@ def _point_at_devnull(fd: int) -> None:
         os.close(devnull)
 
 
-def _terminate(signum: int, _frame: object) -> None:
+def _raise_stop(signum: int, _frame: object) -> None:
+    """While main() runs: Ctrl-C is a ``KeyboardInterrupt``, SIGTERM and SIGHUP are
+    :class:`Terminated`, so that a training run saves and reports what is on disk."""
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise Terminated(signal.Signals(signum).name)
 
 
 @contextlib.contextmanager
-def _guarded_process() -> Iterator[_OutputGuard]:
-    """SIGTERM and SIGHUP raise :class:`Terminated`; stdout and stderr survive a closed
-    pipe, a full disk or being closed from the start."""
+def _stop_signals_raise() -> Iterator[None]:
+    """Within the block, the stopping signals raise (:func:`_raise_stop`); after it, the
+    program stops at once (:func:`_stop_now`), and a library caller gets its own handlers
+    back. Only the main thread can handle signals: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    program = _started_as_program()
+    # A signal the process was started ignoring stays ignored.
+    previous = {signum: signal.signal(signum, _raise_stop) for signum in STOPPING
+                if signal.getsignal(signum) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, _stop_now if program else handler)
+
+
+@contextlib.contextmanager
+def _guarded_output() -> Iterator[_OutputGuard]:
+    """stdout and stderr survive a closed pipe, a full disk or being closed from the
+    start."""
     out, err = _OutputGuard(sys.stdout, 1), _OutputGuard(sys.stderr, 2)
     previous_streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = out, err  # type: ignore[assignment]
-    main_thread = threading.current_thread() is threading.main_thread()
-    # A signal the process was started ignoring stays ignored: `nohup qkv ...` must
-    # survive its terminal closing.
-    previous = {signum: signal.signal(signum, _terminate) for signum in TERMINATING
-                if main_thread and signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         yield out
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
         with contextlib.suppress(Exception):
             out.flush()
             err.flush()
@@ -161,12 +237,25 @@ def _guarded_process() -> Iterator[_OutputGuard]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``qkv`` command line on ``argv`` (default: ``sys.argv[1:]``); the exit
+    status. A Ctrl-C at any moment, from the parsing of the flags to the last line of
+    output, is one line on stderr and status 130 (SIGTERM: 143, SIGHUP: 129)."""
+    with _stop_signals_raise():
+        try:
+            return _main(argv)
+        except KeyboardInterrupt as stop:  # outside a command: nothing ran to report on
+            print("qkv: interrupted", file=sys.stderr)
+            return stop.exit_code if isinstance(stop, Terminated) else 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    pause_point("cli-start")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    with _guarded_process() as out:
+    with _guarded_output() as out:
         where = f"qkv {args.command}"
         # Commands whose product is what they print (a translation, generated text).
         printing = getattr(args, "prints_result", False)

@@ -22,9 +22,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..checks import check_threads, show
+from ..options import BENCH_DTYPES, MEMORY_MODES
 from ..utils.fileio import check_writable
 
 SUITES = ("attention", "generate", "translate", "data", "flops", "train", "save")
@@ -34,14 +33,14 @@ MAX_REPEATS = 10_000
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from ..bench.timing import DTYPE_NAMES, MEMORY_MODES
-
     parser = sub.add_parser(
         "bench",
         help="benchmark attention paths, KV-cache generation, translator and GPT training, "
              "datasets",
         description="Time (median, min-max over interleaved repeats) and measure the peak "
                     "memory of qkv against its peers; write JSON and PNG files.",
+        epilog="examples:\n" + "\n".join("  " + line.strip() for line in __doc__.splitlines()
+                                          if line.strip().startswith("qkv bench")),
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--quick", action="store_true",
@@ -53,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="untimed runs per case first (default: the suite's)")
     common.add_argument("--device", default="auto",
                         help="auto (CUDA if available), cpu, cuda or cuda:N")
-    common.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
+    common.add_argument("--dtype", choices=BENCH_DTYPES, default="auto",
                         help="auto: bfloat16 on CUDA, float32 on the CPU")
     common.add_argument("--memory", choices=MEMORY_MODES, default="isolated",
                         help="CPU peak memory: one fresh process per case (default, exact), "
@@ -129,7 +128,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "generate": [generate_flags]}
     for name, text in helps.items():
         parents = [common, *extra_flags.get(name, [])]
-        suite = suites.add_parser(name, parents=parents, help=text, description=text)
+        suite = suites.add_parser(name, parents=parents, help=text, description=text,
+                                  epilog=f"example:\n  qkv bench {name} --quick")
         suite.set_defaults(run=run)
 
 
@@ -235,6 +235,8 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     _check(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -13,108 +13,59 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from ..models.gpt import MAX_NEW_TOKENS, check_max_new_tokens, check_sampling
-from ..training import DECAYS, DTYPES, STRATEGIES
-from .runs import add_save_every, check_resume_flags, given_settings, reporting_stops
-
-# LMSettings field -> the argparse destination of its flag.
-SETTINGS_FLAGS = {
-    "text": "text", "tokenizer": "tokenizer", "bpe_dir": "bpe_dir", "preset": "preset",
-    "context_length": "context_length", "stride": "stride", "drop_rate": "dropout",
-    "tie_weights": "tie_weights", "batch_size": "batch_size", "epochs": "epochs", "lr": "lr",
-    "weight_decay": "weight_decay", "clip_norm": "clip_norm", "val_fraction": "val_fraction",
-    "seed": "seed", "device": "device", "init": "init", "warmup_steps": "warmup_steps",
-    "decay": "decay", "accumulate": "accumulate", "batch_tokens": "batch_tokens",
-    "patience": "patience", "dtype": "dtype", "compile": "compile", "strategy": "strategy",
-    "eval_every": "eval_every",
-}
+from ..options import GPT_PRESETS, MAX_NEW_TOKENS, Setting
+from ..tasks.settings import LM, LM_DEFAULTS, LM_UNSET
+from .runs import (
+    add_save_every,
+    add_settings_flags,
+    check_resume_flags,
+    given_settings,
+    reporting_stops,
+    show_value,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from ..models.gpt import PRESETS
-
     parser = sub.add_parser(
         "lm",
         help="train a small GPT language model, generate text, draw its attention",
         description="A GPT-2 style causal language model built on qkv's multi-head attention.",
+        epilog="examples:\n" + "\n".join("  " + line.strip() for line in __doc__.splitlines()
+                                          if line.strip().startswith("qkv lm")),
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    # Settings flags default to None: a new run takes LMSettings' defaults (shown in the
-    # help), and --resume can tell a flag the user gave from one left alone.
-    train = actions.add_parser("train", help="train a GPT on a text file (or a built-in one)")
-    train.add_argument("--text", default=None,
-                       help="UTF-8 text file of any size, tokenized once, streaming, into "
-                            "RUN_DIR/tokens.bin, which --resume reuses (default: a corpus "
-                            "qkv generates itself)")
-    train.add_argument("--init", default=None, metavar="RUN",
-                       help="start from the weights of this run (trained here, or made by "
-                            "qkv lm import); its tokenizer, context length and "
-                            "architecture are kept")
-    train.add_argument("--tokenizer", choices=["bytes", "gpt2"], default=None,
-                       help="bytes: 256 byte symbols, no download (default); gpt2: GPT-2 BPE")
-    train.add_argument("--bpe-dir", default=None,
-                       help="folder with GPT-2's encoder.json and vocab.bpe, for offline gpt2 "
-                            "(or set QKV_BPE_DIR)")
-    train.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                       help="model size (default: tiny)")
-    train.add_argument("--context-length", type=int, default=None,
-                       help="window length (default: the preset's)")
-    train.add_argument("--stride", type=int, default=None,
-                       help="step between windows (default: half the window length)")
-    train.add_argument("--dropout", type=float, default=None, help="default: the preset's")
-    train.add_argument("--tie-weights", action="store_true", default=None,
-                       help="share the token embedding with the output head")
-    train.add_argument("--batch-size", type=int, default=None, help="default: 16")
-    train.add_argument("--epochs", type=int, default=None,
-                       help="total epochs (default: 10; with --resume, the run's own)")
-    train.add_argument("--lr", type=float, default=None,
-                       help="learning rate (default: 0.001; with --resume, the run's own)")
-    train.add_argument("--weight-decay", type=float, default=None,
-                       help="AdamW's decoupled decay of the linear layers' matrices (not "
-                            "biases, norms or embeddings); default: 0.1")
-    train.add_argument("--warmup-steps", type=int, default=None,
-                       help="learning-rate warm-up, in optimizer steps (default: 0)")
-    train.add_argument("--decay", choices=DECAYS, default=None,
-                       help="learning-rate decay after the warm-up (default: constant)")
-    train.add_argument("--accumulate", type=int, default=None,
-                       help="micro-batches per optimizer step (default: 1)")
-    train.add_argument("--batch-tokens", type=int, default=None,
-                       help="tokens per optimizer step: --accumulate chosen to reach it")
-    train.add_argument("--patience", type=int, default=None,
-                       help="stop after this many epochs without a better validation loss, "
-                            "keeping the best weights (default: 0, never)")
-    train.add_argument("--eval-every", type=int, default=None, metavar="STEPS",
-                       help="validate, save and keep the best every STEPS optimizer steps: "
-                            "an epoch becomes STEPS steps on windows drawn at random "
-                            "(default: an epoch is one pass over the windows)")
-    train.add_argument("--dtype", choices=DTYPES, default=None,
-                       help="forward precision: float32 (default) or bfloat16 autocast")
-    train.add_argument("--compile", action="store_const", const=True, default=None,
-                       help="train through torch.compile")
-    train.add_argument("--strategy", choices=STRATEGIES, default=None,
-                       help="under torchrun: ddp (default; a whole model per process) or "
-                            "fsdp (each process holds 1/N of the weights, gradients and "
-                            "optimizer state); see docs/distributed.md")
-    train.add_argument("--clip-norm", type=float, default=None, help="default: 1.0")
-    train.add_argument("--val-fraction", type=float, default=None, help="default: 0.1")
-    train.add_argument("--seed", type=int, default=None, help="default: 0")
-    train.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    train.add_argument("--run-dir", type=Path, default=Path("runs/lm"))
+    train = actions.add_parser(
+        "train", help="train a GPT on a text file (or a built-in one)",
+        description="Train a GPT language model into a run directory, from scratch or from "
+                    "the weights of another run (--init).",
+        epilog="examples:\n  qkv lm train\n"
+               "  qkv lm train --text story.txt --preset mini --epochs 3 --run-dir runs/story")
+    # The settings' flags, each from its declaration (qkv.tasks.settings).
+    train.set_defaults(settings_flags=add_settings_flags(
+        train, LM.values(), _default_text, defaults={"device": "auto"}))
+    train.add_argument("--run-dir", type=Path, default=Path("runs/lm"),
+                       help="checkpoint directory")
     train.add_argument("--resume", action="store_true",
                        help="continue the run in --run-dir (to its own target, or --epochs)")
     train.add_argument("--overwrite", action="store_true",
                        help="start a new run in a --run-dir that holds a checkpoint (kept "
                             "until the new run saves)")
-    train.add_argument("--no-progress", action="store_true")
+    train.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (default: one on stderr)")
     add_save_every(train)
     train.add_argument("--sample", default="The ",
                        help="prompt for a sample printed after training ('' to skip)")
     train.set_defaults(run=run_train)
 
-    gen = actions.add_parser("generate", help="continue a prompt with a trained model")
+    gen = actions.add_parser(
+        "generate", help="continue a prompt with a trained model",
+        description="Continue a prompt with a trained or imported model, printing the text "
+                    "as it comes, then the speed.",
+        epilog='examples:\n  qkv lm generate --ckpt runs/lm --prompt "The cat" '
+               "--max-new-tokens 60\n"
+               '  qkv lm generate --ckpt runs/smol --chat --prompt "What is attention?" '
+               "--top-p 0.9")
     gen.add_argument("--ckpt", type=Path, required=True, metavar="RUN",
                      help="run directory (qkv lm train or qkv lm import)")
     gen.add_argument("--prompt", required=True,
@@ -127,9 +78,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="system message of the chat, with --chat (default: none, or what "
                           "the template puts there)")
     gen.add_argument("--max-new-tokens", type=int, default=50,
-                     help="most tokens to add, printed as they come; an open model stops "
-                          f"earlier at its end-of-text id (default: 50; 0 to "
-                          f"{MAX_NEW_TOKENS:,})")
+                     help=f"most tokens to add, 0 to {MAX_NEW_TOKENS:,}, printed as they come; "
+                          "an open model stops earlier at its end-of-text id")
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="sampling temperature, >= 0: 0 = greedy, higher = more varied "
                           "(default: 0)")
@@ -148,14 +98,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
     gen.set_defaults(run=run_generate, prints_result=True)
 
-    att = actions.add_parser("attention", help="per-layer, per-head attention heatmaps")
-    att.add_argument("--ckpt", type=Path, required=True)
-    att.add_argument("--prompt", required=True)
+    att = actions.add_parser(
+        "attention", help="per-layer, per-head attention heatmaps",
+        description="Draw the attention weights of every head of a model's layers on a "
+                    "prompt: one row of panels per layer.",
+        epilog='example:\n  qkv lm attention --ckpt runs/lm --prompt "The cat sat" '
+               "--heatmap attn.png")
+    att.add_argument("--ckpt", type=Path, required=True, metavar="RUN",
+                     help="run directory (qkv lm train or qkv lm import)")
+    att.add_argument("--prompt", required=True,
+                     help="text whose tokens attend to each other (at most the model's "
+                          "context)")
     att.add_argument("--heatmap", type=Path, required=True, help="PNG, PDF or SVG file")
     att.add_argument("--layers", type=int, nargs="+", default=None,
-                     help="layers to draw (default: all)")
-    att.add_argument("--bpe-dir", default=None)
-    att.add_argument("--device", default="cpu")
+                     help="layers to draw, counted from 0 (default: all)")
+    att.add_argument("--bpe-dir", default=None,
+                     help="GPT-2's BPE files, for a run with the gpt2 tokenizer (default: "
+                          "$QKV_BPE_DIR, else the run's own folder)")
+    att.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     att.set_defaults(run=run_attention)
 
     imp = actions.add_parser(
@@ -163,8 +123,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        ".gguf file or a Hub repo id (GPT-2, Llama/SmolLM2, Mistral, Qwen2, "
                        "Qwen3, Gemma 3)",
         description="Make a run directory of an open model, for lm generate, lm attention, "
-                    "qkv view and lm train --init. Example: qkv lm import "
-                    "smollm2-135m-instruct-q4_1.gguf --run-dir runs/smol")
+                    "qkv view and lm train --init.",
+        epilog="examples:\n  qkv lm import smollm2-135m-instruct-q4_1.gguf --run-dir runs/smol"
+               "\n  qkv lm import HuggingFaceTB/SmolLM2-135M-Instruct --run-dir runs/smol")
     imp.add_argument("source", metavar="SRC",
                      help="a Hugging Face folder (config.json, model.safetensors or its "
                           "shards, tokenizer.json), a .gguf file, or a repo id such as "
@@ -183,17 +144,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           "own, $HF_HOME)")
     imp.add_argument("--bpe-dir", default=None,
                      help="GPT-2 only: the BPE files (encoder.json + vocab.bpe), if the "
-                          "folder has no vocab.json/merges.txt")
+                          "folder has no vocab.json/merges.txt (default: the folder's)")
     imp.add_argument("--overwrite", action="store_true",
                      help="replace a checkpoint already in --run-dir")
     imp.set_defaults(run=run_import)
+
+
+# What a language-model setting without a fixed default gets.
+_DEFAULT_WORDS = {
+    "text": "a corpus qkv generates itself", "init": "none, from scratch",
+    "bpe_dir": "$QKV_BPE_DIR", "stride": "half the window", "batch_tokens": "none",
+    "eval_every": "none"}
+
+
+def _default_text(setting: Setting) -> str:
+    """A language-model setting's default in words; a preset's own sizes from the
+    preset table."""
+    name = setting.name
+    if name in ("context_length", "drop_rate"):
+        own = ", ".join(f"{p} {show_value(v[name])}" for p, v in GPT_PRESETS.items()
+                        if name in v)
+        return f"the preset's: {own}; GPT-2's for the gpt2 sizes"
+    if name in LM_DEFAULTS or name in LM_UNSET:
+        return show_value({**LM_DEFAULTS, **LM_UNSET}[name])
+    return _DEFAULT_WORDS[name]
 
 
 def run_train(args: argparse.Namespace) -> int:
     from ..tasks.lm import FROM_INIT, LMSettings, train_language_model
     from ..training import is_main_process
 
-    given = given_settings(args, SETTINGS_FLAGS)
+    given = given_settings(args, args.settings_flags)
     if args.init is not None:
         if args.resume:
             raise ValueError("--init starts a new run; --resume continues one: pass one")
@@ -203,7 +184,8 @@ def run_train(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} comes from the run --init starts from "
                              f"({args.init}); leave it out")
     if args.resume:
-        check_resume_flags(args.run_dir, "lm", given, SETTINGS_FLAGS)
+        check_resume_flags(args.run_dir, "lm", given, args.settings_flags,
+                           LM)
     settings = LMSettings(**given)
     if not args.resume:
         settings.resolved()  # refuse bad values before the run directory is touched
@@ -232,6 +214,9 @@ def _print_piece(piece: str) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..models.gpt import check_max_new_tokens, check_sampling
     from ..tasks.lm import LanguageModel
 
     # Before any output:

@@ -1,11 +1,12 @@
 """What ``qkv translate train`` and ``qkv lm train`` share: the rules of ``--resume`` and
 an honest report when a run stops early.
 
-- The settings flags default to None, so a flag the user gave can be told from one
-  left alone: a new run fills the rest from the settings' own defaults, and a resume
-  takes the run's saved settings and refuses a flag that would change one of them
-  (except the total ``--epochs``, ``--lr``, ``--device``, ``--bpe-dir``,
-  ``--backend``, ``--dtype`` and ``--compile``, which a resume may set).
+- The settings flags come from the settings' declarations (:func:`add_settings_flags`)
+  and default to None, so a flag the user gave can be told from one left alone: a new
+  run fills the rest from the settings' own defaults, and a resume takes the run's saved
+  settings and refuses a flag that would change one of them, except those declared
+  ``resumable`` (the total ``--epochs``, ``--lr``, ``--device``, ``--bpe-dir``,
+  ``--backend``, ``--dtype``, ``--compile`` and ``--strategy``).
 - When a run stops (Ctrl-C, SIGTERM, SIGHUP, a diverging loss) the message says what the run
   directory holds, read back from disk, and the exact command that continues it.
 """
@@ -18,23 +19,11 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..training import (
-    RESUMABLE,
-    SAVE_EVERY_MINUTES,
-    TrainingDivergedError,
-    check_save_every,
-    checkpoint_progress,
-    describe_run_dir,
-    is_main_process,
-    load_config,
-)
-from ..training.checkpoint import MANIFEST, MAX_MANIFEST_BYTES
-from ..training.lock import busy_error, running_holder
-from ..utils.fileio import read_regular
+from ..options import SAVE_EVERY_MINUTES, Setting, check_save_every
 
 
 class Terminated(KeyboardInterrupt):
@@ -79,6 +68,61 @@ def add_save_every(parser: argparse.ArgumentParser) -> None:
              "than a few minutes also saves its first epoch, and the end is always saved")
 
 
+def show_value(value: Any) -> str:
+    """A default as help shows it: ``on``/``off`` for booleans, numbers as written."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, int) and abs(value) >= 10_000:
+        return f"{value:,}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, settings: Iterable[Setting],
+                       default_text: Callable[[Setting], str],
+                       defaults: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """A flag for each of ``settings`` that has one, with its help from the declaration:
+    what it does, its valid values and ``default_text(setting)``; returns ``{settings
+    field: argparse destination}`` for :func:`given_settings`.
+
+    A flag defaults to None (``defaults`` names the exceptions), so that a new run can tell
+    a flag the user gave from one left to the settings' defaults, and a resume from one
+    left to the run's own."""
+    destinations = {}
+    for setting in settings:
+        if not setting.flag_name:
+            continue
+        valid = setting.describe()
+        default = default_text(setting)
+        if setting.resumable and setting.name not in ("device", "bpe_dir"):
+            default += "; with --resume, the run's own"
+        text = f"{setting.help}{'; ' + valid if valid else ''} (default: {default})"
+        kwargs: dict[str, Any] = {"default": (defaults or {}).get(setting.name),
+                                  "help": text.replace("%", "%%")}
+        if setting.kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = _flag_type(setting)
+            kwargs["choices"] = setting.choices
+            kwargs["metavar"] = setting.metavar
+        action = parser.add_argument(setting.flag_name, *setting.aliases, **kwargs)
+        destinations[setting.name] = action.dest
+    return destinations
+
+
+def _flag_type(setting: Setting) -> Callable[[str], Any]:
+    """The flag's text to a value; a parse error is argparse's one line."""
+    if setting.parse is None:
+        return setting.kind
+
+    def parse(text: str) -> Any:
+        try:
+            return setting.parse(text)  # type: ignore[misc]
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
+
+
 def given_settings(args: argparse.Namespace, flags: Mapping[str, str]) -> dict[str, Any]:
     """``{settings field: value}`` for the flags the user gave; ``flags`` maps each
     settings field to its argparse destination (flags that default to None)."""
@@ -95,8 +139,12 @@ def _same(field: str, given: Any, saved: Any) -> bool:
 
 
 def check_resume_flags(run_dir: Path, task: str, given: Mapping[str, Any],
-                       flags: Mapping[str, str]) -> None:
-    """Refuse flags that a resume of ``run_dir`` would otherwise silently ignore."""
+                       flags: Mapping[str, str], declared: Mapping[str, Setting]) -> None:
+    """Refuse flags that a resume of ``run_dir`` would otherwise silently ignore: those of
+    the ``declared`` settings a resume may not change."""
+    from ..training import load_config
+    from ..training.lock import busy_error, running_holder
+
     try:
         config = load_config(run_dir, task=task)
     except ValueError:
@@ -108,7 +156,7 @@ def check_resume_flags(run_dir: Path, task: str, given: Mapping[str, Any],
     saved = saved if isinstance(saved, dict) else {}
     changed = [f"--{flags[field].replace('_', '-')} {value} (the run has {saved.get(field)})"
                for field, value in given.items()
-               if field not in RESUMABLE and not _same(field, value, saved.get(field))]
+               if not declared[field].resumable and not _same(field, value, saved.get(field))]
     if changed:
         raise ValueError(f"--resume continues {run_dir} as it was set up, so "
                          f"{'; '.join(changed)} cannot change; drop "
@@ -133,6 +181,9 @@ def resume_command(task: str, run_dir: Path, args: argparse.Namespace, **extra: 
 def _manifest(run_dir: Path) -> bytes | None:
     """The manifest's bytes, to tell whether this run saved; None when there is no
     readable one (a FIFO there is not read: it would block)."""
+    from ..training.checkpoint import MANIFEST, MAX_MANIFEST_BYTES
+    from ..utils.fileio import read_regular
+
     try:
         return read_regular(run_dir / MANIFEST, "checkpoint manifest", MAX_MANIFEST_BYTES)
     except (OSError, ValueError):
@@ -141,6 +192,8 @@ def _manifest(run_dir: Path) -> bytes | None:
 
 def _resumable(run_dir: Path) -> bool:
     """True if ``run_dir`` holds a checkpoint that ``--resume`` can take further."""
+    from ..training import checkpoint_progress
+
     try:
         progress = checkpoint_progress(run_dir)
     except ValueError:
@@ -159,6 +212,8 @@ def reporting_stops(task: str, run_dir: Path, args: argparse.Namespace) -> Itera
     The report reads the run directory back from disk: whether this run saved anything
     (its manifest changed), what the directory holds now, and the command to go on.
     """
+    from ..training import TrainingDivergedError, describe_run_dir, is_main_process
+
     before = _manifest(run_dir)
     try:
         yield

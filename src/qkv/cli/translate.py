@@ -13,31 +13,29 @@ import contextlib
 import os
 import warnings
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from ..checks import check_threads
-from ..data.translate import SPLIT_BY
-from ..functional import BACKENDS
-from ..models.decoding import MAX_BEAM, check_beam
-from ..tasks.translate import PRESET_NAMES, TranslateSettings, group_references
-from ..training import DECAYS, DTYPES
-from .runs import add_save_every, check_resume_flags, given_settings, reporting_stops
-
-# TranslateSettings field -> the argparse destination of its flag.
-SETTINGS_FLAGS = {name: name for name in (
-    "data", "model", "num_examples", "num_steps", "held_out", "min_freq", "embed_size",
-    "num_hiddens", "num_layers", "dropout", "num_heads", "ffn_num_hiddens", "batch_size",
-    "lr", "epochs", "clip_norm", "seed", "device", "backend", "preset", "warmup_steps",
-    "decay", "label_smoothing", "patience", "beam", "accumulate", "dtype", "compile",
-    "split_by", "skip_padding", "ban_unk",
-)}
-
-# What --backend changes: the computation, never the weights, so any checkpoint runs
-# under either.
-BACKEND_HELP = ("how the model computes: 'fused' kernels or 'eager' (the Bahdanau model's "
-                "d2l loop, the Transformer's explicit attention weights); the same weights "
-                "and, up to float rounding, the same results")
+from ..options import BACKENDS, MAX_BEAM, MODEL_NAMES, Setting
+from ..tasks.settings import (
+    CORPUS_EPOCHS,
+    CORPUS_HELD_OUT,
+    CORPUS_STEPS,
+    MODEL_ONLY,
+    PRESET_NAMES,
+    TRANSLATE,
+    TRANSLATE_DEFAULTS,
+    TRANSLATE_UNSET,
+    recipe_values,
+)
+from .runs import (
+    add_save_every,
+    add_settings_flags,
+    check_resume_flags,
+    given_settings,
+    reporting_stops,
+    show_value,
+)
 
 # d2l's four test sentences: the default input for an English->French model.
 FRA_ENG_EXAMPLES = ["go .", "i lost .", "he's calm .", "i'm home ."]
@@ -56,128 +54,98 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "translate",
         help="train, evaluate and run seq2seq translators with attention",
         description="Sequence-to-sequence translation with Bahdanau or Transformer attention.",
+        epilog=EXAMPLES,
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    # Settings flags default to None: a new run takes TranslateSettings' defaults (shown
-    # in the help), and --resume can tell a flag the user gave from one left alone.
-    train = actions.add_parser("train", help="train a translator (default: dates -> ISO)")
-    train.add_argument("--data", default=None,
-                       help="'dates' (embedded, default), 'fra-eng' (downloaded) or a "
-                            "source<TAB>target file (read as a stream; one whose pairs "
-                            "cannot fit in memory is refused before it is read)")
-    train.add_argument("--model", choices=["bahdanau", "transformer"], default=None,
-                       help="default: bahdanau")
+    train = actions.add_parser(
+        "train", help="train a translator (default: dates -> ISO)",
+        description="Train a translator into a run directory. Each setting left out takes "
+                    "its recipe's value (--preset; shown per recipe below).",
+        epilog="examples:\n  qkv translate train\n"
+               "  qkv translate train --data pairs.tsv --model transformer --run-dir runs/mine")
+    # The settings' flags, each from its declaration (qkv.tasks.settings).
+    train.set_defaults(settings_flags=add_settings_flags(
+        train, TRANSLATE.values(), _default_text, defaults={"device": "auto"}))
     train.add_argument("--run-dir", type=Path, default=None,
-                       help="checkpoint directory (default: runs/translate-DATA)")
+                       help="checkpoint directory (default: runs/translate-DATA, DATA the "
+                            "--data file's name without its extension)")
     train.add_argument("--resume", action="store_true",
                        help="continue the run in --run-dir (to its own target, or --epochs)")
     train.add_argument("--overwrite", action="store_true",
                        help="start a new run in a --run-dir that holds a checkpoint (kept "
                             "until the new run saves)")
-    train.add_argument("--epochs", type=int, default=None,
-                       help="total epochs (default: 10 for dates, 250 otherwise)")
-    train.add_argument("--num-examples", type=int, default=None,
-                       help="pairs to read (default: 10000 for dates, 600 otherwise)")
-    train.add_argument("--num-steps", "--num_steps", type=int, default=None,
-                       help="tokens per sentence after truncation/padding")
-    train.add_argument("--held-out", type=_fraction_or_count, default=None,
-                       help="held out for evaluation: a fraction (0.1) or a count of pairs "
-                            "(default: 0.1 dates, 0 fra-eng, 5%% of a file, at least one "
-                            "batch, at most 5000)")
-    train.add_argument("--skip-padding", action=argparse.BooleanOptionalAction, default=None,
-                       help="bahdanau: start the decoder from the encoder's state after each "
-                            "sentence's last real token, not after its padding as d2l does "
-                            "(default: on for a file, off otherwise)")
-    train.add_argument("--ban-unk", action=argparse.BooleanOptionalAction, default=None,
-                       help="never output <unk>: decode the most likely real word instead "
-                            "(default: on for a file, off otherwise)")
-    train.add_argument("--split-by", choices=SPLIT_BY, default=None,
-                       help="hold out random pairs, or random source sentences with all "
-                            "their translations, so no held-out sentence is trained on "
-                            "(default: source for a file, pair otherwise)")
-    train.add_argument("--preset", choices=PRESET_NAMES, default=None,
-                       help="a known recipe: 'd2l' (the book's, for 600 pairs), 'dates', or "
-                            "'corpus' (for your own pairs: sizes, schedule, smoothing, early "
-                            "stopping and beam chosen for them). Default: dates for dates, "
-                            "d2l for fra-eng, corpus for a file. Flags override it")
-    for flag, kind, note in (
-        ("--min-freq", int, "default: 2"), ("--embed-size", int, "bahdanau only"),
-        ("--num-hiddens", int, ""), ("--num-layers", int, ""), ("--dropout", float, ""),
-        ("--num-heads", int, "transformer only"),
-        ("--ffn-num-hiddens", int, "transformer only"), ("--batch-size", int, ""),
-        ("--clip-norm", float, "default: 1"), ("--seed", int, "default: 0"),
-        ("--warmup-steps", int, "learning-rate warm-up, in optimizer steps"),
-        ("--label-smoothing", float, "in [0, 1)"),
-        ("--patience", int, "stop after this many epochs without a better held-out loss "
-                            "and keep the best weights; 0: never"),
-        ("--beam", int, "beam size of the held-out report after training (1: greedy)"),
-    ):
-        help_text = f"{note}{'; ' if note else ''}default: the preset's" \
-            if "default" not in note else note
-        train.add_argument(flag, type=kind, default=None, help=help_text)
-    train.add_argument("--decay", choices=DECAYS, default=None,
-                       help="learning-rate decay after warm-up (default: the preset's)")
-    train.add_argument("--accumulate", type=int, default=None,
-                       help="micro-batches per optimizer step (gradient accumulation; "
-                            "default 1)")
-    train.add_argument("--dtype", choices=DTYPES, default=None,
-                       help="forward precision: bfloat16 runs under autocast (default "
-                            "float32)")
-    train.add_argument("--compile", action="store_const", const=True, default=None,
-                       help="train through torch.compile")
-    train.add_argument("--lr", type=float, default=None,
-                       help="peak learning rate (default: the preset's; with --resume, the "
-                            "run's own)")
-    train.add_argument("--backend", choices=BACKENDS, default=None,
-                       help=f"{BACKEND_HELP} (default: fused; with --resume, the run's own)")
-    train.add_argument("--device", default="auto", help="auto, cpu or cuda")
     train.add_argument("--threads", type=int, default=None,
-                       help="CPU threads for torch (default: 1 for the d2l and dates "
-                            "recipes, whose models are too small to gain from a second "
+                       help="CPU threads for torch, 1 to 1,024 (default: 1 for the d2l and "
+                            "dates recipes, whose models are too small to gain from a second "
                             "thread; every core, up to 8, for the corpus recipe)")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (default: one on stderr)")
     add_save_every(train)
     train.add_argument("--trace", action="store_true",
                        help="log decoder tensor shapes per step and first-batch norms")
     train.set_defaults(run=run_train)
 
-    run = actions.add_parser("run", help="translate sentences with a trained checkpoint")
-    run.add_argument("--ckpt", type=Path, required=True, help="run directory of a checkpoint")
-    run.add_argument("--text", nargs="+", default=None, help="sentences to translate")
+    run = actions.add_parser(
+        "run", help="translate sentences with a trained checkpoint",
+        description="Translate sentences with a trained checkpoint, greedy or by beam search, "
+                    "and optionally draw what the decoder attended to.",
+        epilog='example:\n  qkv translate run --ckpt runs/translate-dates --text "3 mar 21" '
+               "--heatmap a.png")
+    run.add_argument("--ckpt", type=Path, required=True, metavar="RUN",
+                     help="run directory of qkv translate train")
+    run.add_argument("--text", nargs="+", default=None,
+                     help="sentences to translate (default: a few examples for the run's "
+                          "data)")
     run.add_argument("--num-steps", "--num_steps", type=int, default=None,
-                     help="default: the checkpoint's")
+                     help="most tokens read of a sentence and written of its translation, "
+                          "2 to 100,000 (default: the checkpoint's)")
     run.add_argument("--ref", nargs="+", default=None,
-                     help="reference translations, one per --text: adds BLEU (d2l, k=2)")
+                     help="reference translations, one per --text: adds BLEU (d2l, k=2) "
+                          "(default: none)")
     run.add_argument("--beam", type=int, default=1,
-                     help=f"beam size (1 = greedy; at most {MAX_BEAM:,})")
+                     help=f"beam size, 1 to {MAX_BEAM:,} (1: greedy)")
     run.add_argument("--heatmap", type=Path, default=None,
-                     help="save target-vs-source attention to this PNG/PDF/SVG")
+                     help="save target-vs-source attention to this PNG, PDF or SVG file "
+                          "(default: none)")
     run.add_argument("--backend", choices=BACKENDS, default=None,
-                     help=f"{BACKEND_HELP} (default: the checkpoint's)")
-    run.add_argument("--device", default="cpu")
+                     help=f"{TRANSLATE['backend'].help} (default: the checkpoint's)")
+    run.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     run.set_defaults(run=run_translate, prints_result=True)
 
-    evaluate = actions.add_parser("eval", help="BLEU and exact match of a checkpoint")
-    evaluate.add_argument("--ckpt", type=Path, required=True)
+    evaluate = actions.add_parser(
+        "eval", help="BLEU and exact match of a checkpoint",
+        description="Score a trained translator: exact match, d2l's BLEU and sacreBLEU on "
+                    "the run's held-out pairs or on other data.",
+        epilog="example:\n  qkv translate eval --ckpt runs/translate-dates --beam 4")
+    evaluate.add_argument("--ckpt", type=Path, required=True, metavar="RUN",
+                          help="run directory of qkv translate train")
     evaluate.add_argument("--data", default=None,
-                          help="evaluate on this data instead of the run's held-out split")
-    evaluate.add_argument("--num-examples", type=int, default=None)
+                          help="evaluate on this data ('dates', 'fra-eng' or a "
+                               "source<TAB>target file) instead of the run's held-out split "
+                               "(default: the held-out split)")
+    evaluate.add_argument("--num-examples", type=int, default=None,
+                          help="with --data: pairs to read, 1 to 10,000,000 (default: the "
+                               "run's)")
     evaluate.add_argument("--beam", type=int, default=None,
-                          help="beam size (1 = greedy; default: the run's report's)")
+                          help=f"beam size, 1 to {MAX_BEAM:,} (1: greedy; default: the "
+                               "run's report's)")
     evaluate.add_argument("--backend", choices=BACKENDS, default=None,
-                          help=f"{BACKEND_HELP} (default: the checkpoint's)")
-    evaluate.add_argument("--device", default="cpu")
+                          help=f"{TRANSLATE['backend'].help} (default: the checkpoint's)")
+    evaluate.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     evaluate.set_defaults(run=run_eval, prints_result=True)
 
     curves = actions.add_parser(
-        "curves", help="plot held-out scores of trained runs against minutes of training")
+        "curves", help="plot held-out scores of trained runs against minutes of training",
+        description="Plot held-out scores recorded after each epoch of several runs against "
+                    "their minutes of training, one line per run.",
+        epilog="example:\n  qkv translate curves runs/a runs/b --out curves.png")
     curves.add_argument("runs", type=Path, nargs="+", metavar="RUN",
                         help="run directories (one line each)")
-    curves.add_argument("--out", type=Path, required=True, help="PNG/PDF/SVG to write")
+    curves.add_argument("--out", type=Path, required=True, help="PNG, PDF or SVG file to write")
     curves.add_argument("--metric", choices=CURVE_METRICS, default="sacrebleu",
-                        help="held-out greedy sacreBLEU (default), exact match or loss, as "
-                             "recorded after each epoch")
+                        help="held-out greedy sacreBLEU, exact match or loss, as recorded "
+                             "after each epoch")
     curves.set_defaults(run=run_curves)
 
 
@@ -185,18 +153,43 @@ CURVE_METRICS = {"sacrebleu": "held-out sacreBLEU (greedy)",
                  "exact_match": "held-out exact match (greedy)",
                  "loss": "held-out loss per token"}
 
+EXAMPLES = """examples:
+  qkv translate train                       # dates -> ISO on the embedded corpus
+  qkv translate train --data fra-eng --run-dir runs/fra
+  qkv translate run --ckpt runs/translate-dates --text "3 mar 21" --heatmap a.png
+  qkv translate eval --ckpt runs/translate-dates"""
 
-def _fraction_or_count(text: str) -> float | int:
-    """``--held-out``: ``0.05`` is a fraction, ``500`` a number of pairs."""
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a fraction in [0, 1) or a count of pairs, got {text!r}") from None
+
+def _default_text(setting: Setting) -> str:
+    """A translator setting's default in words: per recipe, from the recipe table, or
+    the one default it has outside the recipes."""
+    name = setting.name
+    if name == "preset":
+        return "follows --data: dates for dates, d2l for fra-eng, corpus for a file"
+    if name in TRANSLATE_DEFAULTS or name in TRANSLATE_UNSET:
+        return show_value({**TRANSLATE_DEFAULTS, **TRANSLATE_UNSET}[name])
+    models = [MODEL_ONLY[name]] if name in MODEL_ONLY else list(MODEL_NAMES)
+    per_recipe = {}
+    for recipe in PRESET_NAMES:
+        values = {m: _recipe_value(name, recipe_values(recipe, m)[name], m) for m in models}
+        per_recipe[recipe] = (next(iter(values.values())) if len(set(values.values())) == 1
+                              else " / ".join(f"{v} ({m})" for m, v in values.items()))
+    if len(set(per_recipe.values())) == 1:
+        return f"{per_recipe[PRESET_NAMES[0]]} in every recipe"
+    return ", ".join(f"{recipe} {value}" for recipe, value in per_recipe.items())
+
+
+def _recipe_value(name: str, value: Any, model: str) -> str:
+    """A recipe's value; None is the corpus recipe's choice made from the corpus."""
+    if value is not None:
+        return show_value(value)
+    fraction, most = CORPUS_HELD_OUT
+    lo, hi = CORPUS_EPOCHS
+    return {"num_examples": "all",
+            "num_steps": "fitted to the corpus's sentences (at most 128)",
+            "held_out": f"{fraction:.0%} of the pairs (at least a batch, at most {most:,})",
+            "epochs": f"about {CORPUS_STEPS[model]:,} optimizer steps' worth ({lo} to {hi})",
+            }[name]
 
 
 def _print_translations(translations, refs: list[str] | None = None) -> None:
@@ -223,10 +216,12 @@ def _print_metrics(label: str, metrics: dict[str, float | None]) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from ..tasks.translate import ATTENTION_PLOT, train_translator
+    import torch
+
+    from ..tasks.translate import ATTENTION_PLOT, TranslateSettings, train_translator
     from ..training import is_main_process
 
-    given = given_settings(args, SETTINGS_FLAGS)
+    given = given_settings(args, args.settings_flags)
     run_dir = args.run_dir or Path("runs") / f"translate-{Path(args.data or 'dates').stem}"
     threads = args.threads
     if threads is None:
@@ -235,7 +230,8 @@ def run_train(args: argparse.Namespace) -> int:
     check_threads(threads, "--threads")
     torch.set_num_threads(threads)
     if args.resume:
-        check_resume_flags(run_dir, "translate", given, SETTINGS_FLAGS)
+        check_resume_flags(run_dir, "translate", given, args.settings_flags,
+                           TRANSLATE)
     settings = TranslateSettings(**given)
     if not args.resume:
         settings.resolved()  # refuse bad values before the run directory is touched
@@ -256,6 +252,8 @@ def run_train(args: argparse.Namespace) -> int:
 def _recipe(given: dict, run_dir: Path, resume: bool) -> str:
     """The recipe of the run about to train: a resume's is the saved run's (its flags
     name only what changes), a new run's follows from the flags."""
+    from ..tasks.translate import TranslateSettings
+
     if resume:
         from ..training import load_config
 
@@ -283,6 +281,8 @@ def _report_training(translator, run_dir: Path, heatmap: Path) -> None:
 def _report_scores(translator, pairs: list, label: str, beam: int) -> None:
     """Scores of the pairs' distinct sentences against all of their references, then
     the first five with their translations."""
+    from ..tasks.translate import group_references
+
     src, refs = group_references([s for s, _ in pairs], [t for _, t in pairs])
     outputs = translator.predict(src, beam=beam)
     _print_metrics(label, translator.score(outputs, refs, beam=beam))
@@ -300,6 +300,7 @@ def _load(args: argparse.Namespace):
 
 
 def run_translate(args: argparse.Namespace) -> int:
+    from ..models.decoding import check_beam
     from ..utils.figures import check_image_path
 
     if args.heatmap is not None:
@@ -329,6 +330,7 @@ def run_translate(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from ..models.decoding import check_beam
     from ..tasks.translate import load_pairs, prepare_data
 
     if args.beam is not None:
@@ -353,6 +355,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_curves(args: argparse.Namespace) -> int:
+    from ..tasks.translate import TranslateSettings
     from ..training import load_config, plot_progress, read_history
     from ..utils.figures import check_image_path
 

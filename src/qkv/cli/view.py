@@ -26,14 +26,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
              "server)",
         description="Run a trained qkv model (language model or translator) on some text "
                     "and show every layer's and head's attention in an interactive page.",
+        epilog="examples:\n" + "\n".join("  " + line.strip() for line in __doc__.splitlines()
+                                          if line.strip().startswith("qkv view")),
     )
     parser.add_argument("--ckpt", type=Path, required=True, metavar="RUN",
                         help="run directory of qkv lm train, lm import or translate train")
     parser.add_argument("--text", action="append", default=None, metavar="TEXT",
-                        help="input text (repeat for several; each gets its own tab)")
+                        help="input text (repeat for several; each gets its own tab; "
+                             "default: none, with --serve type it in the page)")
     out = parser.add_mutually_exclusive_group(required=True)
     out.add_argument("--html", type=Path, metavar="OUT.html",
-                     help="write one self-contained page here")
+                     help="write one self-contained page here (this or --serve)")
     out.add_argument("--serve", action="store_true",
                      help="serve the page on 127.0.0.1 with a text box, until Ctrl-C "
                           "(exit status 130) or SIGTERM (143)")
@@ -47,7 +50,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="translators: beam size (default 1, greedy)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or auto")
     parser.add_argument("--bpe-dir", default=None,
-                        help="language models with a GPT-2 tokenizer: its files' folder")
+                        help="language models with a GPT-2 tokenizer: its files' folder "
+                             "(default: $QKV_BPE_DIR, else the run's own)")
     parser.set_defaults(run=run)
 
 

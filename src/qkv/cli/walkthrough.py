@@ -12,13 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..book.walkthrough import (
-    BOOK_TEXT,
-    MAX_TOKENS,
-    heatmap_panels,
-    select_steps,
-    walkthrough_steps,
-)
+from ..options import BOOK_TEXT
+from ..options import MAX_WALKTHROUGH_TOKENS as MAX_TOKENS
 
 HELP = "walk through self-attention step by step (LLMs-from-scratch §3.3-3.6)"
 
@@ -31,12 +26,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
             f"{HELP[0].upper()}{HELP[1:]}: every step prints the tensors the book prints, "
             "with the same numbers for the book's example."
         ),
+        epilog="examples:\n" + "\n".join("  " + line.strip() for line in __doc__.splitlines()
+                                          if line.strip().startswith("qkv walkthrough")),
     )
     parser.add_argument(
         "--text",
         metavar="TEXT",
         help=f"your own words instead of '{BOOK_TEXT}': split on whitespace (1 to "
-        f"{MAX_TOKENS} tokens), each distinct word gets a seeded random 3-d embedding",
+        f"{MAX_TOKENS} tokens), each distinct word gets a seeded random 3-d embedding "
+        "(default: the book's sentence and embeddings)",
     )
     parser.add_argument(
         "--seed",
@@ -49,19 +47,22 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--heatmap",
         metavar="FILE",
         help="also save the attention weights of the main steps as a labelled figure "
-        "(.png, .pdf or .svg)",
+        "(.png, .pdf or .svg; default: none)",
     )
     parser.add_argument("--steps", action="store_true", help="list the steps' titles only")
     parser.add_argument(
         "--only",
         metavar="SECTION",
-        help="show one section, e.g. 3.5.1, or all steps under a prefix, e.g. 3.5",
+        help="show one section, e.g. 3.5.1, or all steps under a prefix, e.g. 3.5 "
+        "(default: every step)",
     )
     parser.set_defaults(run=run, prints_result=True)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..book.walkthrough import heatmap_panels, select_steps, walkthrough_steps
+
     # Validate the output path before any work so a typo fails at once.
     if args.heatmap:
         from ..utils.figures import check_image_path

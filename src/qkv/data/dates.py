@@ -46,6 +46,8 @@ import random
 import re
 from collections.abc import Sequence
 
+from ..options import DATES_NUM_STEPS as DATES_NUM_STEPS  # re-exported
+
 DATE_MIN = dt.date(1950, 1, 1)
 DATE_MAX = dt.date(2049, 12, 31)
 
@@ -83,7 +85,7 @@ DATE_FORMATS: tuple[str, ...] = tuple(DATE_TEMPLATES)
 # Sequence lengths including the <eos> that build_array appends (checked by the tests).
 DATES_SRC_STEPS = 14
 DATES_TGT_STEPS = 11
-DATES_NUM_STEPS = max(DATES_SRC_STEPS, DATES_TGT_STEPS)
+# DATES_NUM_STEPS (from qkv.options, where the command line reads it) is the larger.
 
 # Letters runs, single ASCII digits, and the four punctuation marks that carry meaning.
 _TOKEN_RE = re.compile(r"[^\W\d_]+|[0-9]|[,./-]")

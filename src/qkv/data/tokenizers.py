@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import MAX_SIZE, check_int, check_str, parse_json, show
+from ..options import HF_TOKENIZER_NAME, TOKENIZER_NAMES
 from ..utils.fileio import open_regular, read_regular, regular_file_stat
 from .chat import MAX_CHAT_TEMPLATE_CHARS, chat_messages, render_chat_template
 
@@ -67,7 +68,6 @@ __all__ = [
 ENDOFTEXT = "<|endoftext|>"
 GPT2_EOT_ID = 50256
 BPE_DIR_ENV = "QKV_BPE_DIR"
-TOKENIZER_NAMES = ("gpt2", "bytes")
 
 # GPT-2's pre-tokenisation pattern (tiktoken's r50k/gpt2 pat_str): text is first split into
 # contractions, runs of letters, runs of digits, runs of other symbols (each optionally led by
@@ -195,7 +195,6 @@ class GPT2Tokenizer(Tokenizer):
 # ----------------------------------------------------------------------------
 # Open models' tokenizers: Hugging Face's tokenizers library
 
-HF_TOKENIZER_NAME = "hf"
 # Gemma 3's tokenizer.json (262,144 tokens) is 33 MB, Llama 3's 9 MB, Qwen's 7 MB.
 MAX_TOKENIZER_JSON_BYTES = 64 * 2**20
 # tokenizer_config.json and generation_config.json: Gemma 3's tokenizer_config.json, the

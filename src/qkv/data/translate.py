@@ -36,6 +36,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..checks import MAX_COUNT, show
+from ..options import SPLIT_BY
 from .loading import batch_loader
 from .textfile import TextFile, lines
 
@@ -441,8 +442,6 @@ def num_held_out(held_out: float | int, n: int) -> int:
         raise ValueError(f"held_out={held_out!r} leaves no training pairs out of {n}")
     return k
 
-
-SPLIT_BY = ("pair", "source")
 
 
 def held_out_indices(

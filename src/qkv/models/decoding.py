@@ -19,15 +19,12 @@ import torch
 from torch import Tensor
 
 from ..checks import show
+from ..options import MAX_BEAM
 from .seq2seq import EncoderDecoder, teacher_forcing_input
 
 __all__ = ["greedy_decode", "beam_search", "score_sequence", "length_penalty_factor",
            "eval_mode", "MAX_BEAM", "check_beam"]
 
-# Most hypotheses beam search keeps. Every step scores beam x vocabulary candidates and
-# carries the decoder state of each kept one; translations stop improving at a beam of a
-# few dozen (4 to 10 is usual), while time and memory keep growing with it.
-MAX_BEAM = 1000
 
 
 def check_beam(value: Any, name: str = "beam") -> int:

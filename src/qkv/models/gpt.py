@@ -46,6 +46,8 @@ from ..checks import (
 from ..kernels import unavailable_reason
 from ..kv_cache import KVCache, kv_cache_bytes
 from ..multihead import MultiHeadAttention
+from ..options import GPT_PRESETS as PRESETS
+from ..options import MAX_NEW_TOKENS
 from ..positional import check_rope_scaling
 from .native_decode import DTYPES as NATIVE_DTYPES
 from .native_decode import NativeDecoder
@@ -76,22 +78,8 @@ __all__ = [
 # ----------------------------------------------------------------------------
 # Configuration
 
-# Overrides of the GPTConfig defaults (which are GPT-2 small, the book's GPT_CONFIG_124M).
-PRESETS: dict[str, dict[str, Any]] = {
-    # 124M parameters with tied embeddings as in OpenAI's GPT-2; the book (and this preset)
-    # keeps a separate output head: 163,009,536 parameters.
-    "gpt2-small": {},
-    "gpt2-medium": {"emb_dim": 1024, "n_layers": 24, "n_heads": 16},
-    "gpt2-large": {"emb_dim": 1280, "n_layers": 36, "n_heads": 20},
-    "gpt2-xl": {"emb_dim": 1600, "n_layers": 48, "n_heads": 25},
-    # Small enough to train on a laptop CPU in minutes (pass vocab_size=tokenizer.n_vocab).
-    "tiny": {"context_length": 128, "emb_dim": 64, "n_heads": 4, "n_layers": 2, "drop_rate": 0.0},
-    "mini": {"context_length": 256, "emb_dim": 128, "n_heads": 4, "n_layers": 4, "drop_rate": 0.1},
-    # "tiny" with what current models use: rotary positions instead of a learned table,
-    # 2 key/value heads for 4 query heads (GQA), each token seeing its last 64.
-    "tiny-modern": {"context_length": 128, "emb_dim": 64, "n_heads": 4, "n_layers": 2,
-                    "drop_rate": 0.0, "n_kv_groups": 2, "window_size": 64, "rope": True},
-}
+# Overrides of the GPTConfig defaults (which are GPT-2 small, the book's GPT_CONFIG_124M):
+# PRESETS, declared in qkv.options with the other names the command line offers.
 
 
 NORMS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
@@ -797,10 +785,7 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
     return unavailable_reason()
 
 
-# Most tokens one generate() call adds. Each costs a forward step (a whole window's once
-# the context is full and positions are learned), and the output is kept whole; 100,000
-# tokens is a long book. Longer texts: continue from the end of this one.
-MAX_NEW_TOKENS = 100_000
+# MAX_NEW_TOKENS (qkv.options): most tokens one generate() call adds.
 
 
 def check_max_new_tokens(value: Any, name: str = "max_new_tokens") -> int:

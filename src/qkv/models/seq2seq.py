@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from ..checks import MAX_SIZE, check_dropout, check_float, check_int, show, small_divisors
 from ..functional import BACKENDS
+from ..options import MODEL_NAMES
 
 __all__ = [
     "MODEL_NAMES",
@@ -40,8 +41,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MODEL_NAMES = ("bahdanau", "transformer")
 
 
 # ----------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checks import (
-    MAX_SIZE,
     check_bool,
-    check_float,
-    check_int,
-    check_sha256,
-    check_str,
     fields_from_dict,
     show,
 )
@@ -53,7 +48,6 @@ from ..data.lm import GPTDataset, create_dataloader, generated_corpus
 from ..data.tokenfile import TokenFile, prepare_token_file
 from ..data.tokenizers import (
     HF_TOKENIZER_NAME,
-    TOKENIZER_NAMES,
     HFTokenizer,
     Tokenizer,
     get_tokenizer,
@@ -63,7 +57,6 @@ from ..data.tokenizers import (
 from ..models.gguf_model import gguf_config, gguf_state_dict
 from ..models.gguf_weights import read_gguf_header
 from ..models.gpt import (
-    PRESETS,
     GPTConfig,
     GPTModel,
     check_max_new_tokens,
@@ -73,16 +66,13 @@ from ..models.gpt import (
 from ..models.hf_gpt2 import to_qkv as gpt2_to_qkv
 from ..models.hf_open import config_fields, read_open_config, read_open_weights, to_qkv
 from ..models.hub import fetch_model, is_repo_id
+from ..options import settings_class
 from ..training import (
-    DECAYS,
-    DTYPES,
     LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
     SAVE_EVERY_MINUTES,
-    STRATEGIES,
     TRAIN_BYTES_PER_PARAMETER,
     CheckpointError,
-    EarlyStopping,
     LRSchedule,
     available_memory,
     can_fuse_optimizer,
@@ -99,6 +89,7 @@ from ..training import (
     save_checkpoint,
 )
 from . import pipeline
+from .settings import LM, LM_DEFAULTS, LM_UNSET
 
 __all__ = ["LMSettings", "LanguageModel", "Generation", "TextStream", "train_language_model",
            "import_model", "IMPORT_DTYPES", "FINE_TUNE_WINDOW",
@@ -110,144 +101,51 @@ TASK = "lm"
 # evaluate_model reads a few batches too.) The whole held-out tenth of a gigabyte of text
 # would take longer to score than the training between two evaluations.
 MAX_VALID_WINDOWS = 2048
-# Most characters of the generated corpus a run may ask for (it is built in memory).
-MAX_CORPUS_CHARS = 100_000_000
 # Training window of a fine-tuned open model unless --context-length says otherwise.
 FINE_TUNE_WINDOW = 512
 
 
-@dataclass
+@settings_class(LM, LM_DEFAULTS)
 class LMSettings:
     """Everything that defines a language-model training run; saved in the checkpoint.
 
+    Its fields are the settings :data:`qkv.tasks.settings.LM` declares (name, type,
+    valid values, help), in that order, with their defaults (:data:`LM_DEFAULTS`).
     ``context_length`` (default: the preset's) is the window length; ``stride`` (default:
     half the window, like the book's 256/128) the step between windows.
     ``val_fraction`` of the token ids, taken from the end, is held out for validation.
-    ``epochs`` and ``lr`` left at None take 10 and 1e-3 (:meth:`resolved`); on a resume,
+    ``epochs``, ``lr``, ``dtype``, ``compile`` and ``strategy`` left at None take
+    :data:`LM_UNSET`'s values when a new run is resolved (:meth:`resolved`); on a resume,
     None means the run's own.
     """
 
-    text: str | None = None
-    # Start from this run's weights (one trained here, or imported from GPT-2): its
-    # tokenizer, context length and architecture are this run's; None: from scratch.
-    init: str | None = None
-    tokenizer: str = "bytes"
-    bpe_dir: str | None = None
-    preset: str = "tiny"
-    context_length: int | None = None
-    stride: int | None = None
-    drop_rate: float | None = None
-    tie_weights: bool = False
-    # The architecture, where it differs from the preset's (an imported model's, say);
-    # None: the preset's.
-    emb_dim: int | None = None
-    n_heads: int | None = None
-    n_layers: int | None = None
-    qkv_bias: bool = False
-    # An imported open model's whole architecture (GPTConfig fields, written by qkv lm
-    # import): it replaces the preset and the sizes above, and context_length is then
-    # the training window (default: FINE_TUNE_WINDOW, at most the model's context).
-    architecture: dict[str, Any] | None = None
-    batch_size: int = 16
-    epochs: int | None = None
-    lr: float | None = None
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
-    # Learning-rate schedule (qkv.training.LRSchedule): linear warm-up over this many
-    # optimizer steps, then "constant" (the book's), "linear", "cosine" or "inverse_sqrt".
-    warmup_steps: int = 0
-    decay: str = "constant"
-    # Micro-batches per optimizer step: one step then sees accumulate x batch_size windows.
-    # Or batch_tokens: the fewest tokens per optimizer step, accumulate chosen to reach it.
-    accumulate: int = 1
-    batch_tokens: int | None = None
-    # Stop after this many epochs without a better validation loss, keeping the best
-    # weights in run_dir/best; 0: never.
-    patience: int = 0
-    # Validate (and save, and keep the best) every this many optimizer steps: an epoch
-    # is then that many steps on windows drawn at random, not one pass over them.
-    # None: one pass.
-    eval_every: int | None = None
-    # Forward precision and torch.compile: how the model computes, not what it is (None:
-    # float32, no compile; a resume may change them).
-    dtype: str | None = None
-    compile: bool | None = None
-    # Under torchrun: "ddp" (a whole model per process) or "fsdp" (each process holds a
-    # shard of it); None: ddp. The checkpoint is the same either way, so a resume may
-    # change it.
-    strategy: str | None = None
-    val_fraction: float = 0.1
-    corpus_chars: int = 60_000
-    seed: int = 0
-    device: str = "auto"
-    extra: dict[str, Any] = field(default_factory=dict)
-    # SHA-256 of the text file trained on (None: the generated corpus, or a run saved
-    # before qkv recorded it); resuming the run checks the file against it.
-    text_sha256: str | None = None
-
     def resolved(self) -> LMSettings:
-        """A copy with ``epochs`` and ``lr`` defaulted (10, 1e-3); validated."""
-        out = dataclasses.replace(self, epochs=10 if self.epochs is None else self.epochs,
-                                  lr=1e-3 if self.lr is None else self.lr)
+        """A copy with every setting left unset given :data:`LM_UNSET`'s value;
+        validated."""
+        out = dataclasses.replace(self, **{k: v for k, v in LM_UNSET.items()
+                                           if getattr(self, k) is None})
         out.validate()
         return out
 
     def validate(self) -> None:
         """One-line ``ValueError`` naming the first field of the wrong type or range
-        (non-finite numbers included). ``epochs`` and ``lr`` may still be None."""
-        if self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {show(self.preset)}; choose one of "
-                             f"{sorted(PRESETS)}")
-        for name in ("text", "bpe_dir", "init"):
-            if getattr(self, name) is not None:
-                check_str(name, getattr(self, name))
-        # "hf": an open model's own tokenizer, which the run's config holds whole; a run
-        # gets it from the model it was made of (qkv lm import), never by name.
-        check_str("tokenizer", self.tokenizer, choices=(*TOKENIZER_NAMES, HF_TOKENIZER_NAME))
-        if self.architecture is not None:
-            if not isinstance(self.architecture, dict):
-                raise ValueError(f"architecture must be an object, got {show(self.architecture)}")
-            GPTConfig.from_dict(self.architecture)  # its own checks, one line each
-        for name in ("context_length", "stride", "emb_dim", "n_heads", "n_layers"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), 1, MAX_SIZE)
-        check_bool("qkv_bias", self.qkv_bias)
-        if self.drop_rate is not None:
-            check_float("drop_rate", self.drop_rate, 0.0, 1.0, hi_open=True)
-        check_bool("tie_weights", self.tie_weights)
-        check_int("batch_size", self.batch_size, 1, MAX_SIZE)
-        if self.epochs is not None:
-            check_int("epochs", self.epochs, 0, MAX_SIZE)
-        if self.lr is not None:
-            check_float("lr", self.lr, 0.0, lo_open=True)
-        check_float("weight_decay", self.weight_decay, 0.0)
-        check_int("warmup_steps", self.warmup_steps, 0, MAX_SIZE)
-        check_str("decay", self.decay, choices=DECAYS)
+        (each checked as :data:`qkv.tasks.settings.LM` declares it, non-finite numbers
+        included)."""
+        for name, setting in LM.items():
+            setting.validate(getattr(self, name))
         self.schedule()  # LRSchedule's own checks: inverse_sqrt needs a warm-up
-        check_int("accumulate", self.accumulate, 1, MAX_SIZE)
+        if self.batch_tokens is not None and self.accumulate != 1:
+            raise ValueError("give accumulate or batch_tokens, not both")
+
+    def for_text(self, sha256: str | None, window: int) -> LMSettings:
+        """The settings a run records, made once its text is read: the text's digest
+        (``text_sha256``, None for the generated corpus) and, for ``batch_tokens``, the
+        ``accumulate`` that reaches it with windows of ``window`` tokens."""
+        out = dataclasses.replace(self, text_sha256=sha256)
         if self.batch_tokens is not None:
-            check_int("batch_tokens", self.batch_tokens, 1, MAX_SIZE)
-            if self.accumulate != 1:
-                raise ValueError("give accumulate or batch_tokens, not both")
-        check_int("patience", self.patience, 0, MAX_SIZE)
-        if self.eval_every is not None:
-            check_int("eval_every", self.eval_every, 1, MAX_SIZE)
-        if self.dtype is not None:
-            check_str("dtype", self.dtype, choices=DTYPES)
-        if self.compile is not None:
-            check_bool("compile", self.compile)
-        if self.strategy is not None:
-            check_str("strategy", self.strategy, choices=STRATEGIES)
-        if self.clip_norm is not None:
-            check_float("clip_norm", self.clip_norm, 0.0, lo_open=True)
-        check_float("val_fraction", self.val_fraction, 0.0, 1.0, hi_open=True)
-        check_int("corpus_chars", self.corpus_chars, 1, MAX_CORPUS_CHARS)
-        check_int("seed", self.seed, -(2**63), 2**64 - 1)  # what torch.manual_seed takes
-        check_str("device", self.device, max_len=64)
-        if not isinstance(self.extra, dict):
-            raise ValueError(f"extra must be an object, got {show(self.extra)}")
-        if self.text_sha256 is not None:
-            check_sha256("text_sha256", self.text_sha256)
+            out = dataclasses.replace(out, batch_tokens=None, accumulate=max(
+                1, -(-self.batch_tokens // (self.batch_size * window))))
+        return out
 
     def schedule(self) -> LRSchedule:
         """The learning-rate schedule of these settings."""
@@ -632,13 +530,13 @@ def train_language_model(
         else:  # offline, and checked to give the saved run's ids
             tokenizer = tokenizer_from_dict(saved_tokenizer, bpe_dir=settings.bpe_dir)
         ids, text_sha256 = _token_ids(settings, tokenizer, run_dir, progress, log)
-        settings = dataclasses.replace(settings, text_sha256=text_sha256)
         cfg = settings.model_config(tokenizer.n_vocab)
         window = settings.window(cfg)
-        if settings.batch_tokens is not None:
-            settings = dataclasses.replace(
-                settings, batch_tokens=None,
-                accumulate=max(1, -(-settings.batch_tokens // (settings.batch_size * window))))
+        # The text's digest and the choices made from the window: from here on the
+        # settings are the run's, as its config.json records them, and never change.
+        chose_accumulate = settings.batch_tokens is not None
+        settings = settings.for_text(text_sha256, window)
+        if chose_accumulate:
             log(f"accumulate {settings.accumulate}: {settings.accumulate} x "
                 f"{settings.batch_size} x {window} = "
                 f"{settings.accumulate * settings.batch_size * window:,} tokens per step")
@@ -652,7 +550,7 @@ def train_language_model(
             torch.linspace(0, len(val_set) - 1, MAX_VALID_WINDOWS,
                            dtype=torch.float64).round().long().tolist()
         _, world_size = get_rank_and_world_size()
-        strategy = settings.strategy or "ddp"
+        strategy = settings.strategy
         if strategy == "fsdp" and world_size == 1:
             log("note: --strategy fsdp shards the model across the processes of a torchrun "
                 "job; in one process it trains the whole model as usual")
@@ -719,11 +617,7 @@ def train_language_model(
             progress=progress, log=log, log_every=1, drop_last=True, optimizer=optimizer,
             sections={"model": cfg.to_dict(), "tokenizer": tokenizer.to_dict()},
             validate=validate if val_set is not None else None,
-            schedule=settings.schedule(), accumulate=settings.accumulate,
-            early_stopping=EarlyStopping("valid_loss", patience=settings.patience)
-            if settings.patience and val_set is not None else None,
-            dtype=settings.dtype or "float32", compile=bool(settings.compile),
-            strategy=strategy, flops_per_token=cfg.training_flops_per_token(window),
+            flops_per_token=cfg.training_flops_per_token(window),
             epoch_samples=None if settings.eval_every is None else
             settings.eval_every * settings.accumulate * batch * world_size,
             # --eval-every promises a save at each evaluation, early stopping or not.

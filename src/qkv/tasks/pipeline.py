@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..checks import show
+from ..options import TRAINING
 from ..training import (
     SAVE_EVERY_MINUTES,
     TRAIN_BYTES_PER_PARAMETER,
@@ -60,18 +61,22 @@ __all__ = [
     "fit",
     "read_run_config",
     "run_settings",
+    "train_config",
     "training_run",
 ]
 
 
 class TaskSettings(Protocol):
     """What the skeleton reads of a task's settings dataclass (resolved: no None left in
-    ``epochs`` and ``lr``)."""
+    the :data:`qkv.options.TRAINING` settings it has)."""
 
     epochs: Any
     lr: Any
     clip_norm: float | None
     batch_size: int
+    warmup_steps: int
+    decay: str
+    patience: int
     seed: int
     device: str
 
@@ -237,12 +242,6 @@ def fit(
     optimizer: torch.optim.Optimizer | Callable[[nn.Module], torch.optim.Optimizer]
     | None = None,
     validate: Callable[[nn.Module], dict[str, float]] | None = None,
-    schedule: LRSchedule | None = None,
-    early_stopping: EarlyStopping | None = None,
-    accumulate: int = 1,
-    dtype: str = "float32",
-    compile: bool = False,
-    strategy: str = "ddp",
     flops_per_token: float | None = None,
     epoch_samples: int | None = None,
     checkpoint_every: int = 0,
@@ -250,31 +249,29 @@ def fit(
 ) -> tuple[nn.Module, dict[str, list]]:
     """Train ``model`` to ``settings.epochs``, checkpointing to ``run_dir``.
 
-    ``loss_fn(model, batch) -> (loss_sum, num_tokens)`` on batches of ``train_set``
-    (``settings.batch_size`` per process: this process's shard under torchrun, a seeded
-    shuffle otherwise). The checkpoint's ``config.json`` is ``{"task": task, "settings":
-    settings as a dict, **sections}``, the sections the task's config reader expects.
-    With ``resume`` the weights, optimizer, random state and history come from
-    ``run_dir``'s checkpoint first. Returns the trained model, unwrapped from DDP, and
-    the history (see :meth:`qkv.training.Trainer.fit`). ``schedule`` to ``flops_per_token`` are
-    :class:`qkv.training.TrainConfig`'s, and so are ``checkpoint_every`` and
-    ``save_every``; with ``early_stopping`` the model returned
-    holds the best weights. ``epoch_samples`` (all processes together) makes each epoch that
-    many samples drawn at random, rather than ``train_set`` once (see
-    :func:`qkv.training.make_loader`).
+    ``settings`` are the run's, resolved: the trainer's configuration is made of them
+    (:func:`train_config`), and the checkpoint's ``config.json`` is ``{"task": task,
+    "settings": settings as a dict, **sections}``, the sections the task's config reader
+    expects. ``loss_fn(model, batch) -> (loss_sum, num_tokens)`` on batches of
+    ``train_set`` (``settings.batch_size`` per process: this process's shard under
+    torchrun, a seeded shuffle otherwise). With ``resume`` the weights, optimizer, random
+    state and history come from ``run_dir``'s checkpoint first. Returns the trained
+    model, unwrapped from DDP, and the history (see :meth:`qkv.training.Trainer.fit`).
+    ``validate`` scores the model after each epoch; with it, ``settings.patience`` > 0
+    stops early and the model returned holds the best weights. ``epoch_samples`` (all
+    processes together) makes each epoch that many samples drawn at random, rather than
+    ``train_set`` once (see :func:`qkv.training.make_loader`). The other arguments are
+    :class:`qkv.training.TrainConfig`'s loop settings.
     """
+    config = train_config(settings, early_stopping=validate is not None, log_every=log_every,
+                          progress=progress, flops_per_token=flops_per_token,
+                          checkpoint_every=checkpoint_every, save_every=save_every)
     trainer = Trainer(
         model,
         loss_fn,
         lambda g: make_loader(train_set, settings.batch_size, g, drop_last=drop_last,
                               samples=epoch_samples),
-        TrainConfig(epochs=settings.epochs, lr=settings.lr, clip_norm=settings.clip_norm,
-                    device=settings.device, seed=settings.seed, log_every=log_every,
-                    progress=progress, schedule=schedule, early_stopping=early_stopping,
-                    accumulate=accumulate, dtype=dtype, compile=compile,
-                    strategy=strategy, flops_per_token=flops_per_token,
-                    checkpoint_every=checkpoint_every,
-                    save_every=save_every),
+        config,
         run_dir=run_dir,
         checkpoint_config={"task": task, "settings": dataclasses.asdict(settings), **sections},
         optimizer=optimizer,
@@ -285,3 +282,24 @@ def fit(
         trainer.resume()
     history = trainer.fit()
     return trainer.module, history
+
+
+# The settings of a run that are the trainer's own, as they are: TrainConfig's fields
+# that qkv.options.TRAINING declares (a task without one, such as the translator's
+# strategy, leaves TrainConfig's default).
+TRAINED = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name in TRAINING)
+
+
+def train_config(settings: Any, *, early_stopping: bool, **loop: Any) -> TrainConfig:
+    """The trainer's configuration for a run's resolved ``settings``: its
+    :data:`TRAINED` settings, the learning-rate schedule of ``warmup_steps`` and
+    ``decay``, and early stopping on the held-out loss after ``patience`` epochs without
+    a better one (when there is a held-out set, ``early_stopping``); ``loop`` sets the
+    loop's own settings (:data:`qkv.options.LOOP`)."""
+    return TrainConfig(
+        **{name: getattr(settings, name) for name in TRAINED if hasattr(settings, name)},
+        schedule=LRSchedule(warmup_steps=settings.warmup_steps, decay=settings.decay),
+        early_stopping=EarlyStopping("valid_loss", patience=settings.patience)
+        if settings.patience and early_stopping else None,
+        **loop,
+    )

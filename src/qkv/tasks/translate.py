@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,24 +43,18 @@ from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from ..checks import (
-    MAX_COUNT,
-    MAX_SIZE,
-    check_bool,
-    check_float,
     check_int,
-    check_sha256,
     check_str,
     fields_from_dict,
     show,
 )
-from ..data.dates import DATES_NUM_STEPS, join_date_tokens, make_date_pairs, normalize_date_text
+from ..data.dates import join_date_tokens, make_date_pairs, normalize_date_text
 from ..data.loading import batch_loader
 from ..data.translate import (
     BOS,
     EOS,
     PAD,
     RESERVED_TOKENS,
-    SPLIT_BY,
     TranslationData,
     Vocab,
     build_array,
@@ -83,15 +77,13 @@ from ..models import (
     teacher_forcing_input,
 )
 from ..models.decoding import check_beam
+from ..options import settings_class
 from ..training import (
     BEST_DIR,
-    DECAYS,
-    DTYPES,
     LOAD_BYTES_PER_PARAMETER,
     LOSS_PLOT,
     SAVE_EVERY_MINUTES,
     CheckpointError,
-    EarlyStopping,
     LRSchedule,
     available_memory,
     check_memory,
@@ -107,6 +99,20 @@ from ..training import (
 from ..training.metrics import bleu, corpus_bleu, exact_match, has_sacrebleu
 from ..utils.fileio import regular_file_stat
 from . import pipeline
+from .settings import (
+    CORPUS_EPOCHS,
+    CORPUS_HELD_OUT,
+    CORPUS_STEPS,
+    D2L_RECIPE,
+    MAX_NUM_STEPS,
+    MODEL_ONLY,
+    PRESET_NAMES,
+    PRESETS,
+    TRANSLATE,
+    TRANSLATE_DEFAULTS,
+    TRANSLATE_UNSET,
+    recipe_values,
+)
 
 __all__ = [
     "TranslateSettings",
@@ -124,114 +130,24 @@ logger = logging.getLogger(__name__)
 TASK = "translate"
 ATTENTION_PLOT = "attention.png"
 
-# d2l's recipe for its 600 fra-eng pairs: the model's sizes, Adam at 0.005 for 250
-# epochs, no schedule, no smoothing, no early stopping, greedy decoding.
-_D2L = {"num_examples": 600, "num_steps": 10, "epochs": 250, "held_out": 0.0, "lr": 0.005,
-        "embed_size": 32, "num_hiddens": 32, "num_layers": 2, "dropout": 0.1, "num_heads": 4,
-        "ffn_num_hiddens": 64, "batch_size": 64, "warmup_steps": 0, "decay": "constant",
-        "label_smoothing": 0.0, "patience": 0, "beam": 1, "split_by": "pair",
-        "dtype": "float32", "compile": False, "skip_padding": False, "ban_unk": False}
-# Named recipes (--preset). "d2l" and "dates" are fixed; "corpus" is for a user's own
-# sentence pairs: every pair read, 5 % held out, a wider model, warm-up + cosine decay,
-# label smoothing, early stopping on the held-out loss and beam search in the final
-# report, with the epochs (and the held-out count and sentence length) chosen from the
-# corpus once it is read (see TranslateSettings.for_corpus).
-PRESETS: dict[str, dict[str, Any]] = {
-    "d2l": _D2L,
-    # The dates corpus is larger and its sentences longer; it needs far fewer epochs.
-    "dates": {**_D2L, "num_examples": 10_000, "num_steps": DATES_NUM_STEPS, "epochs": 10,
-              "held_out": 0.1},
-    "corpus": {
-        "bahdanau": {"embed_size": 128, "num_hiddens": 256, "num_layers": 2,
-                     "dropout": 0.2, "batch_size": 128, "lr": 0.005, "warmup_steps": 200,
-                     "decay": "cosine", "label_smoothing": 0.1, "patience": 4, "beam": 4},
-        "transformer": {"num_hiddens": 128, "num_layers": 2, "num_heads": 4,
-                        "ffn_num_hiddens": 512, "dropout": 0.2, "batch_size": 128,
-                        "lr": 0.002, "warmup_steps": 300, "decay": "cosine",
-                        "label_smoothing": 0.1, "patience": 4, "beam": 4},
-    },
-}
-PRESET_NAMES = tuple(PRESETS)
-# The corpus recipe's training length: about this many optimizer steps per model
-# (epochs are rounded up), between these bounds. At its model sizes on 2 CPU cores
-# either takes under ten minutes on an 18k-pair corpus; see docs/benchmarks.md.
-CORPUS_STEPS = {"transformer": 2_700, "bahdanau": 1_600}
-CORPUS_EPOCHS = (3, 100)
-# The corpus recipe's held-out split: 5 % of the pairs, at least one batch, at most 5,000.
-CORPUS_HELD_OUT = (0.05, 5_000)
-# Bounds on settings that size work rather than the model (which is bounded by memory):
-# sentences are decoded token by token up to num_steps, and the dates corpus is generated
-# num_examples pairs at a time.
-MAX_NUM_STEPS = 100_000
-MAX_NUM_EXAMPLES = 10_000_000
 
-
-@dataclass
+@settings_class(TRANSLATE, TRANSLATE_DEFAULTS)
 class TranslateSettings:
     """Everything that defines a training run; saved in the checkpoint.
 
-    ``None`` fields take the value of the run's recipe, ``preset`` (see ``PRESETS``),
-    which by default follows ``data``: ``"dates"`` for the dates corpus (10,000 pairs,
+    Its fields are the settings :data:`qkv.tasks.settings.TRANSLATE` declares (name,
+    type, valid values, help), in that order, with their defaults. ``None`` in a field
+    the recipe sets means the recipe's value: ``preset`` (see ``PRESETS``), which by
+    default follows ``data``: ``"dates"`` for the dates corpus (10,000 pairs,
     ``num_steps`` 14, 10 epochs, 10 % held out), ``"d2l"`` for fra-eng (d2l's recipe:
     600 pairs, ``num_steps`` 10, 250 epochs, no split, 32 hidden units, ``lr`` 0.005) and
     ``"corpus"`` for a file (every pair, 5 % held out, a wider model with warm-up +
     cosine decay, label smoothing, early stopping and beam search; epochs, held-out count
     and ``num_steps`` chosen from the corpus). A field given explicitly always wins.
+    :meth:`resolved` and :meth:`for_corpus` turn these into a run's concrete settings
+    once, before training; on a resume, ``None`` in a setting a resume may change
+    means the run's own.
     """
-
-    data: str = "dates"
-    model: str = Seq2SeqConfig.model
-    preset: str | None = None
-    # None with the corpus recipe: every pair.
-    num_examples: int | None = None
-    num_steps: int | None = None
-    # A fraction in [0, 1), or (the corpus recipe's choice) a count of pairs.
-    held_out: float | int | None = None
-    # "pair": hold out random pairs; "source" (the corpus recipe's): random source
-    # sentences with every one of their translations (see data.translate.held_out_indices).
-    split_by: str | None = None
-    min_freq: int = 2
-    embed_size: int | None = None
-    num_hiddens: int | None = None
-    num_layers: int | None = None
-    dropout: float | None = None
-    num_heads: int | None = None
-    ffn_num_hiddens: int | None = None
-    # Bahdanau: the decoder starts from the encoder's state after each sentence's last
-    # real token, not after its padding (d2l's; see Seq2SeqConfig.skip_padding).
-    skip_padding: bool | None = None
-    # How the model computes ("fused" or "eager", see Seq2SeqConfig), not what it is: a
-    # resume or a load may run a checkpoint under the other. None: "fused" for a new run,
-    # the run's own on a resume (and in a run saved before qkv recorded it).
-    backend: str | None = None
-    batch_size: int | None = None
-    lr: float | None = None
-    epochs: int | None = None
-    clip_norm: float = 1.0
-    # Learning-rate schedule (qkv.training.LRSchedule): warm-up steps and decay.
-    warmup_steps: int | None = None
-    decay: str | None = None
-    label_smoothing: float | None = None
-    # Stop after this many epochs without a better held-out loss, keeping the best
-    # weights (in run_dir/best); 0: train every epoch, keep the last.
-    patience: int | None = None
-    # Beam size of the held-out report at the end of training (1: greedy).
-    beam: int | None = None
-    # Never output <unk>: decoding takes the most likely real word instead (a reader
-    # has no use for the placeholder, and it matches no reference).
-    ban_unk: bool | None = None
-    # Micro-batches per optimizer step; forward precision and torch.compile, which change
-    # how the model computes, not what it is (None: float32, no compile; a resume may
-    # change them, e.g. to go on on a GPU in bfloat16).
-    accumulate: int = 1
-    dtype: str | None = None
-    compile: bool | None = None
-    seed: int = 0
-    device: str = "auto"
-    extra: dict[str, Any] = field(default_factory=dict)
-    # SHA-256 of the corpus file trained on (None: generated data, or a run saved before
-    # qkv recorded it); evaluating or resuming the run checks the file against it.
-    data_sha256: str | None = None
 
     @property
     def recipe(self) -> str:
@@ -249,16 +165,9 @@ class TranslateSettings:
         """
         check_str("preset", self.recipe, choices=PRESET_NAMES)
         check_str("model", self.model, choices=MODEL_NAMES)
-        defaults = PRESETS[self.recipe]
-        if self.recipe == "corpus":
-            defaults = {**_D2L, "num_examples": None, "num_steps": None, "held_out": None,
-                        "epochs": None, "split_by": "source", "skip_padding": True,
-                        "ban_unk": True, **defaults[self.model]}
-        values = {k: (defaults[k] if v is None and k in defaults else v)
-                  for k, v in dataclasses.asdict(self).items()}
-        out = TranslateSettings(**values)
-        out.preset = self.recipe
-        out.backend = out.backend or Seq2SeqConfig.backend
+        defaults = {**TRANSLATE_UNSET, **recipe_values(self.recipe, self.model)}
+        out = dataclasses.replace(self, preset=self.recipe, **{
+            k: v for k, v in defaults.items() if getattr(self, k) is None})
         out.validate(resolved=out.recipe != "corpus")
         return out
 
@@ -266,28 +175,29 @@ class TranslateSettings:
         """One line per setting the recipe chose (those ``given`` left None), naming the
         flag that changes it: what a run prints when it starts."""
         lines = []
-        for f in dataclasses.fields(self):
-            if getattr(given, f.name, None) is None and f.name not in (
-                    "preset", "backend", "dtype", "compile", "data_sha256", "extra"):
-                value = getattr(self, f.name)
-                if f.name == "num_examples" and value is None:
+        for name, setting in TRANSLATE.items():
+            if getattr(given, name, None) is None and setting.flag_name and name not in (
+                    "preset", "backend", "dtype", "compile"):
+                value = getattr(self, name)
+                if name == "num_examples" and value is None:
                     value = "all"
-                if f.name == "embed_size" and self.model == "transformer":
-                    continue  # the Transformer's width is num_hiddens
-                if f.name in ("num_heads", "ffn_num_hiddens") and self.model != "transformer":
-                    continue
-                if f.name == "skip_padding" and self.model == "transformer":
-                    continue  # its attention always masks padding
-                lines.append(f"  {f.name} {value}  (--{f.name.replace('_', '-')})")
+                if MODEL_ONLY.get(name, self.model) != self.model:
+                    continue  # a setting of the other model
+                lines.append(f"  {name} {value}  ({setting.flag_name})")
         return lines
 
-    def for_corpus(self, num_pairs: int, longest: int) -> TranslateSettings:
-        """The corpus recipe's choices that depend on the corpus, made once it is read:
-        ``num_steps`` fits the longest sentence (``longest`` tokens, plus ``<eos>``),
-        ``held_out`` is a count (5 %, at least one batch, at most 5,000, at most a fifth
-        of the pairs) and ``epochs`` gives about ``CORPUS_STEPS[model]`` optimizer steps.
-        Settings that are already set are kept; the result is validated."""
-        out = dataclasses.replace(self)
+    def for_corpus(self, num_pairs: int, longest: int, sha256: str | None = None
+                   ) -> TranslateSettings:
+        """The settings a run records, made once the corpus is read: its digest
+        (``data_sha256``, None for generated data) and the corpus recipe's choices that
+        depend on it: ``num_steps`` fits the longest sentence (``longest`` tokens, plus
+        ``<eos>``), ``held_out`` is a count (5 %, at least one batch, at most 5,000, at
+        most a fifth of the pairs) and ``epochs`` gives about ``CORPUS_STEPS[model]``
+        optimizer steps. Settings that are already set are kept (a digest that differs
+        was refused when the corpus was read); the result is validated."""
+        out = dataclasses.replace(self, data_sha256=sha256)
+        if self.recipe != "corpus":
+            return out
         if out.num_steps is None:
             out.num_steps = min(longest + 1, 128)
         if out.held_out is None:
@@ -304,62 +214,21 @@ class TranslateSettings:
         return out
 
     def validate(self, *, resolved: bool = False) -> None:
-        """One-line ``ValueError`` naming the first field of the wrong type or range.
+        """One-line ``ValueError`` naming the first field of the wrong type or range
+        (each checked as :data:`qkv.tasks.settings.TRANSLATE` declares it).
 
-        ``resolved``: the data-dependent fields must be set (as in a saved run), not None.
+        ``resolved``: every setting a recipe sets must be set (as in a saved run), not
+        None; the corpus recipe's ``num_examples`` may stay None (every pair).
         """
-        check_str("data", self.data)
-        check_str("model", self.model, choices=MODEL_NAMES)
         if self.preset is not None:
             check_str("preset", self.preset, choices=PRESET_NAMES)
-        all_pairs = resolved and self.num_examples is None and self.recipe == "corpus"
-        for name, lo, hi in (("num_examples", 1, MAX_NUM_EXAMPLES),
-                             ("num_steps", 1, MAX_NUM_STEPS), ("epochs", 0, MAX_SIZE)):
-            if getattr(self, name) is not None or (resolved and not (
-                    name == "num_examples" and all_pairs)):
-                check_int(name, getattr(self, name), lo, hi)
-        if isinstance(self.held_out, int) and not isinstance(self.held_out, bool):
-            check_int("held_out", self.held_out, 0, MAX_NUM_EXAMPLES)
-        elif self.held_out is not None or resolved:
-            check_float("held_out", self.held_out, 0.0, 1.0, hi_open=True)
-        if self.split_by is not None or resolved:
-            check_str("split_by", self.split_by, choices=SPLIT_BY)
-        check_int("min_freq", self.min_freq, 1, MAX_COUNT)
-        if self.beam is not None or resolved:
-            check_beam(self.beam)
-        for name in ("embed_size", "num_hiddens", "num_layers", "num_heads",
-                     "ffn_num_hiddens", "batch_size", "warmup_steps", "patience"):
-            if getattr(self, name) is not None or resolved:
-                lo = 0 if name in ("warmup_steps", "patience") else 1
-                check_int(name, getattr(self, name), lo, MAX_SIZE)
-        if self.dropout is not None or resolved:
-            check_float("dropout", self.dropout, 0.0, 1.0, hi_open=True)
-        if self.label_smoothing is not None or resolved:
-            check_float("label_smoothing", self.label_smoothing, 0.0, 1.0, hi_open=True)
-        if self.decay is not None or resolved:
-            check_str("decay", self.decay, choices=DECAYS)
-            if self.warmup_steps is not None:
-                self.schedule()  # LRSchedule's own checks: inverse_sqrt needs a warm-up
-        check_int("accumulate", self.accumulate, 1, MAX_COUNT)
-        if self.dtype is not None or resolved:
-            check_str("dtype", self.dtype, choices=DTYPES)
-        if self.compile is not None or resolved:
-            check_bool("compile", self.compile)
-        for name in ("skip_padding", "ban_unk"):
-            if getattr(self, name) is not None or resolved:
-                check_bool(name, getattr(self, name))
-        if self.backend is not None:
-            check_str("backend", self.backend, choices=BACKENDS)
-        if self.lr is not None or resolved:
-            check_float("lr", self.lr, 0.0, lo_open=True)
-        if self.clip_norm is not None:
-            check_float("clip_norm", self.clip_norm, 0.0, lo_open=True)
-        check_int("seed", self.seed, -(2**63), 2**64 - 1)  # what torch.manual_seed takes
-        check_str("device", self.device, max_len=64)
-        if not isinstance(self.extra, dict):
-            raise ValueError(f"extra must be an object, got {show(self.extra)}")
-        if self.data_sha256 is not None:
-            check_sha256("data_sha256", self.data_sha256)
+        required = set(D2L_RECIPE) if resolved else set()
+        if resolved and self.recipe == "corpus":
+            required.discard("num_examples")
+        for name, setting in TRANSLATE.items():
+            setting.validate(getattr(self, name), required=name in required)
+        if self.decay is not None and self.warmup_steps is not None:
+            self.schedule()  # LRSchedule's own checks: inverse_sqrt needs a warm-up
 
     def schedule(self) -> LRSchedule:
         """The learning-rate schedule of these (resolved) settings."""
@@ -504,14 +373,15 @@ def prepare_run_data(
     *,
     reload: bool | None = None,
 ) -> tuple[TranslateSettings, TranslationData]:
-    """:func:`prepare_data`, and the settings with the corpus recipe's corpus-dependent
-    choices made (see :meth:`TranslateSettings.for_corpus`): what a new run records."""
+    """:func:`prepare_data`, and the settings with the corpus's digest and the corpus
+    recipe's choices made from it (see :meth:`TranslateSettings.for_corpus`): what a run
+    records."""
     reload = src_vocab is not None if reload is None else reload
     src, tgt, digest = _load_pairs(settings, reload)
-    if settings.recipe == "corpus":
-        lengths = sorted(max(len(s), len(t)) for s, t in zip(src, tgt, strict=True))
-        # The 99.9th percentile: one stray paragraph must not pad every sentence to it.
-        settings = settings.for_corpus(len(src), lengths[int(0.999 * (len(lengths) - 1))])
+    lengths = sorted(max(len(s), len(t)) for s, t in zip(src, tgt, strict=True))
+    # The 99.9th percentile: one stray paragraph must not pad every sentence to it.
+    settings = settings.for_corpus(len(src), lengths[int(0.999 * (len(lengths) - 1))],
+                                   sha256=digest)
     data = TranslationData.from_pairs(
         src,
         tgt,
@@ -917,8 +787,9 @@ def train_translator(
         given = settings
         settings = pipeline.run_settings(settings, saved, run_dir)
 
+        # The corpus's digest and the recipe's choices made from it: from here on the
+        # settings are the run's, as its config.json records them, and never change.
         settings, data = prepare_run_data(settings, src_vocab, tgt_vocab)
-        settings = dataclasses.replace(settings, data_sha256=data.corpus_sha256)
 
         config = settings.model_config(data.src_vocab, data.tgt_vocab)
         n = config.num_parameters()
@@ -975,12 +846,7 @@ def train_translator(
             resume=resume, progress=progress, log=log, log_every=max(1, settings.epochs // 10),
             sections={"model": model.config.to_dict(), "src_vocab": data.src_vocab.to_dict(),
                       "tgt_vocab": data.tgt_vocab.to_dict()},
-            validate=validate if held_src else None,
-            schedule=settings.schedule(),
-            early_stopping=EarlyStopping("valid_loss", patience=settings.patience)
-            if settings.patience and held_src else None,
-            accumulate=settings.accumulate, dtype=settings.dtype, compile=settings.compile,
-            save_every=save_every,
+            validate=validate if held_src else None, save_every=save_every,
         )
         model.trace = None
         translator.model = module.eval()

@@ -43,7 +43,6 @@ from .limits import (
 from .lock import RunDirBusyError, holds_run_dir_lock, run_dir_lock
 from .losses import MaskedSoftmaxCELoss, masked_cross_entropy
 from .rundir import (
-    RESUMABLE,
     check_resume_target,
     open_run_dir,
     resumed_settings,
@@ -94,7 +93,6 @@ __all__ = [
     "RunDirBusyError",
     "holds_run_dir_lock",
     "run_dir_lock",
-    "RESUMABLE",
     "check_resume_target",
     "resumed_settings",
     "checkpoint_files",

@@ -75,6 +75,7 @@ from ..checks import (
     parse_json,
     show,
 )
+from ..options import LOOP, TRAINING
 from ..utils.fileio import (
     FileTooLargeError,
     NotRegularFileError,
@@ -1085,22 +1086,11 @@ def _optimizer_state(
     return decoded
 
 
-_TRAIN_CONFIG_CHECKS = {
-    "epochs": lambda n, v: check_int(n, v, 0, MAX_COUNT),
-    "lr": lambda n, v: check_float(n, v, 0.0, lo_open=True),
-    "clip_norm": lambda n, v: v is None or check_float(n, v, 0.0, lo_open=True),
-    "device": lambda n, v: check_str(n, v, max_len=64),
-    "seed": lambda n, v: check_int(n, v, -(2**63), 2**64 - 1),
-    "log_every": lambda n, v: check_int(n, v, 0, MAX_COUNT),
-    "checkpoint_every": lambda n, v: check_int(n, v, 0, MAX_COUNT),
-    "progress": check_bool,
-}
-
-
 def _check_trainer_state(state: Any, path: Path) -> None:
     """The loop state :class:`qkv.training.Trainer` saves: ``epoch`` and ``step`` (counts),
-    ``history`` (equally long per-epoch lists of numbers) and ``train_config``. Keys it
-    does not know are the caller's business and pass."""
+    ``history`` (equally long per-epoch lists of numbers) and ``train_config``, whose
+    declared settings (:data:`qkv.options.TRAINING`, :data:`qkv.options.LOOP`) are
+    checked as declared. Keys it does not know are the caller's business and pass."""
     if not isinstance(state, dict):
         raise _fail(path, f"trainer_state must be a JSON object, got {show(state)}")
     try:
@@ -1131,9 +1121,12 @@ def _check_trainer_state(state: Any, path: Path) -> None:
         if not isinstance(train_config, dict):
             raise ValueError(f"trainer_state.train_config must be an object, "
                              f"got {show(train_config)}")
-        for key, check in _TRAIN_CONFIG_CHECKS.items():
-            if key in train_config:
-                check(f"trainer_state.train_config.{key}", train_config[key])
+        # Each value as its setting is declared (qkv.options), which is how the trainer
+        # that saved it checked it.
+        for key, value in train_config.items():
+            setting = TRAINING.get(key) or LOOP.get(key)
+            if setting is not None:
+                setting.validate(value, f"trainer_state.train_config.{key}")
     except ValueError as error:
         raise _fail(path, str(error)) from None
 

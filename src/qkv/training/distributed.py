@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from ..checks import MAX_COUNT, check_int
 from ..data.loading import batch_loader
+from ..options import STRATEGIES
 
 __all__ = [
     "resolve_device",
@@ -281,12 +282,6 @@ def make_loader(
 
 
 # ---------------------------------------------------------------------------- FSDP
-
-# How the processes of a torchrun job share the model: "ddp", a full copy on every
-# process with gradients averaged; "fsdp", each process holds 1 / world_size of every
-# parameter, gradient and optimizer state, and gathers a block's weights only while it
-# computes with them (PyTorch's FSDP2, ``fully_shard``).
-STRATEGIES = ("ddp", "fsdp")
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:

@@ -32,16 +32,8 @@ from .lock import run_dir_lock
 __all__ = [
     "open_run_dir",
     "check_resume_target",
-    "RESUMABLE",
     "resumed_settings",
 ]
-
-# The settings a resume may change: the total epochs, the learning rate, the device, the
-# BPE folder (it may have moved since training), the model's backend, forward dtype
-# and compilation (how the model computes, not what it is) and the distributed strategy
-# (a checkpoint is the same under DDP and FSDP). Every other setting is the run's.
-RESUMABLE = frozenset({"epochs", "lr", "device", "bpe_dir", "backend", "dtype", "compile",
-                       "strategy"})
 
 Settings = TypeVar("Settings")
 
@@ -104,8 +96,12 @@ def check_resume_target(run_dir: str | os.PathLike[str], epochs: int) -> None:
 
 def resumed_settings(saved: Settings, given: Any) -> Settings:
     """The settings of a resumed run: ``saved`` (a settings dataclass read from the
-    checkpoint) with each :data:`RESUMABLE` field that ``given`` sets (not None)."""
-    names = {f.name for f in dataclasses.fields(saved)} & RESUMABLE  # type: ignore[arg-type]
+    checkpoint) with each setting a resume may change (declared ``resumable``: the total
+    epochs, the learning rate, the device, the BPE folder, and how the model computes:
+    backend, dtype, compilation, distributed strategy) that ``given`` sets (not None).
+    Every other setting is the run's."""
+    names = [name for name, setting in saved.DECLARED.items()  # type: ignore[attr-defined]
+             if setting.resumable]
     changes = {name: getattr(given, name) for name in names
                if getattr(given, name) is not None}
     return dataclasses.replace(saved, **changes)  # type: ignore[type-var]

@@ -19,10 +19,9 @@ import math
 from dataclasses import dataclass
 
 from ..checks import MAX_COUNT, check_float, check_int, check_str
+from ..options import DECAYS
 
 __all__ = ["DECAYS", "LRSchedule"]
-
-DECAYS = ("constant", "linear", "cosine", "inverse_sqrt")
 
 
 @dataclass(frozen=True)

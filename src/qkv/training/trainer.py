@@ -77,7 +77,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from ..checks import MAX_COUNT, check_bool, check_float, check_int, check_str, show
+from ..checks import MAX_COUNT, check_float, check_int, check_str, show
+from ..options import DTYPES, LOOP, SAVE_EVERY_MINUTES, TRAINING, check_save_every
 from ..utils.figures import new_figure, save_figure
 from ..utils.fileio import deferred_signals
 from ..utils.testing import pause_point
@@ -91,7 +92,6 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .distributed import (
-    STRATEGIES,
     fully_shard_model,
     gather_model_state,
     gather_optimizer_state,
@@ -106,6 +106,7 @@ from .speed import matmul_rate, model_flops_utilisation
 
 __all__ = [
     "BEST_DIR",
+    "DTYPES",
     "LOSS_PLOT",
     "SAVE_EVERY_MINUTES",
     "check_save_every",
@@ -129,15 +130,11 @@ LOSS_PLOT = "loss.png"
 # The sub-directory of run_dir that holds the best weights seen by early stopping: a
 # checkpoint of its own (weights and config, no trainer state), loadable as any other.
 BEST_DIR = "best"
-DTYPES = ("float32", "bfloat16")
 # Seconds between progress-bar refreshes; each refresh reads the loss from the device.
 _PROGRESS_INTERVAL = 0.5
-# The clock behind periodic checkpoints. A SIGKILL, the OOM killer or a power cut
-# loses at most SAVE_EVERY_MINUTES of training by default; and a run expected to last
+# The clock behind periodic checkpoints (SAVE_EVERY_MINUTES): a run expected to last
 # longer than FIRST_SAVE_SECONDS saves its first epoch whatever the interval, so that
 # a kill early in a long run does not lose it all.
-SAVE_EVERY_MINUTES = 10.0
-MAX_SAVE_EVERY_MINUTES = 10.0**6
 FIRST_SAVE_SECONDS = 180.0
 
 
@@ -234,27 +231,17 @@ class TrainConfig:
     flops_per_token: float | None = None
 
     def __post_init__(self) -> None:
-        check_int("accumulate", self.accumulate, 1, MAX_COUNT)
-        check_str("dtype", self.dtype, choices=DTYPES)
-        check_bool("compile", self.compile)
-        check_str("strategy", self.strategy, choices=STRATEGIES)
-        if self.flops_per_token is not None:
-            check_float("flops_per_token", self.flops_per_token, 0.0, lo_open=True)
-        if self.epochs < 0:
-            raise ValueError(f"epochs must be >= 0, got {self.epochs}")
-        check_float("lr", self.lr, 0.0, lo_open=True)
-        if self.clip_norm is not None:
-            check_float("clip_norm", self.clip_norm, 0.0, lo_open=True)
-        if self.log_every < 0 or self.checkpoint_every < 0:
-            raise ValueError("log_every and checkpoint_every must be >= 0")
-        check_save_every(self.save_every)
+        # Each field that is a declared setting is checked as declared (qkv.options):
+        # the same check as the run's settings and a saved checkpoint's train_config.
+        for name, setting in TRAIN_CONFIG_SETTINGS.items():
+            setting.validate(getattr(self, name))
 
 
-def check_save_every(minutes: float, name: str = "save_every") -> float:
-    """``minutes`` if it is a valid :attr:`TrainConfig.save_every`, else a one-line
-    ``ValueError`` naming ``name`` and the range."""
-    check_float(name, minutes, 0.0, MAX_SAVE_EVERY_MINUTES)
-    return minutes
+# TrainConfig's fields that are declared settings: the run's training settings
+# (qkv.options.TRAINING) and the loop's own (qkv.options.LOOP).
+TRAIN_CONFIG_SETTINGS = {f.name: {**TRAINING, **LOOP}[f.name]
+                         for f in dataclasses.fields(TrainConfig)
+                         if f.name in TRAINING or f.name in LOOP}
 
 
 def seed_everything(seed: int) -> None:
