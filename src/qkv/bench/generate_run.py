@@ -317,7 +317,7 @@ def _measure(lm: LanguageModel, config: RunGenerateConfig, paths: dict[str, Peer
         identity[name] = {"identical": diff is None, "first_difference": diff,
                           "margin": margin}
     report: dict[str, Any] = {
-        "results": results, "tokens": reference, "identity": identity,
+        "results": results, "prompt": prompt, "tokens": reference, "identity": identity,
         "bandwidth_bytes_per_sec": {"median": bw, "samples": bandwidth,
                                     "buffer_mib": config.bandwidth_mib},
         "bytes_per_token": per_token, "ceiling_tokens_per_sec": ceiling,
