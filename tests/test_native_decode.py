@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -335,3 +338,21 @@ def test_kernels_share_pytorchs_openmp_runtime():
         gomp = {line.split()[-1] for line in f if "libgomp" in line}
     assert len(gomp) == 1, gomp
     assert isinstance(LIB, ctypes.CDLL)
+
+
+@needs_kernels
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512"
+                    or os.environ.get("QKV_NATIVE_AVX512") == "0",
+                    reason="the AVX2 build is the one these tests ran")
+def test_the_avx2_build_passes_the_same_tests(tmp_path):
+    # This CPU builds the AVX-512 dot products; a CPU without them runs the AVX2 ones,
+    # built here by switching the wide ones off, and checked by the same tests.
+    env = {**os.environ, "QKV_NATIVE_AVX512": "0", "QKV_KERNEL_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+         "-k", "kernel and not avx2 or float64"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "passed" in proc.stdout
+    built = list(tmp_path.glob("decode-*.so"))
+    assert len(built) == 1  # the AVX2 build, on its own key

@@ -1,4 +1,5 @@
-/* One-token decoding for qkv.models.native_decode (x86-64, AVX2 + FMA, OpenMP).
+/* One-token decoding for qkv.models.native_decode (x86-64, AVX2 + FMA, OpenMP; the dot
+   products of weight rows use AVX-512 where the library is built with -mavx512f).
 
    Decoding with a KV cache multiplies one token's activations by every weight matrix:
    each weight is read once per token and used for one multiply-add, so a step takes as
@@ -83,6 +84,10 @@ static inline float activate(float x, int act) { return act == ACT_SILU ? silu(x
 /* ---------------------------------------------------------------------------------
    The dot product of one weight row with x.
 
+   With AVX-512 (__AVX512F__) the bulk of a row runs 64 bytes per load, half the loop
+   of AVX2's; the rest of the row finishes in AVX2. Both sum the same products in
+   another order, so they agree to rounding.
+
    Rows are taken one at a time, so each thread reads its share of the matrix as one
    sequential stream. Four accumulators keep four multiply-adds in flight.
 
@@ -92,8 +97,22 @@ static inline float activate(float x, int act) { return act == ACT_SILU ? silu(x
    (xe, xo: x de-interleaved once per call). */
 
 static float dot_row_f32(const float *w, long n, const float *x) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     long k = 0;
+#ifdef __AVX512F__
+    __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
+    for (; k + 64 <= n; k += 64) {
+        b0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), b0);
+        b1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), b1);
+        b2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x + k + 32), b2);
+        b3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 48), _mm512_loadu_ps(x + k + 48), b3);
+    }
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(b0, b1), _mm512_add_ps(b2, b3)));
+    __m256 a0 = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8)
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+    s += hsum8(a0);
+#else
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (; k + 32 <= n; k += 32) {
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
         a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
@@ -103,6 +122,7 @@ static float dot_row_f32(const float *w, long n, const float *x) {
     for (; k + 8 <= n; k += 8)
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
     float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
     for (; k < n; k++) s += w[k] * x[k];
     return s;
 }
@@ -117,8 +137,22 @@ static inline __m256 bf16_odd(__m256i v) {
 
 static float dot_row_bf16(const uint16_t *w, long n, const float *x, const float *xe,
                           const float *xo) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     long k = 0;
+    float s = 0.0f;
+#ifdef __AVX512F__
+    const __m512i odd = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
+    for (; k + 64 <= n; k += 64) {
+        __m512i v0 = _mm512_loadu_si512((const void *)(w + k));
+        __m512i v1 = _mm512_loadu_si512((const void *)(w + k + 32));
+        b0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), _mm512_loadu_ps(xe + k / 2), b0);
+        b1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v0, odd)), _mm512_loadu_ps(xo + k / 2), b1);
+        b2 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v1, 16)), _mm512_loadu_ps(xe + k / 2 + 16), b2);
+        b3 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v1, odd)), _mm512_loadu_ps(xo + k / 2 + 16), b3);
+    }
+    s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(b0, b1), _mm512_add_ps(b2, b3)));
+#endif
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (; k + 32 <= n; k += 32) {
         __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + k));
         __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + k + 16));
@@ -132,7 +166,7 @@ static float dot_row_bf16(const uint16_t *w, long n, const float *x, const float
         a0 = _mm256_fmadd_ps(bf16_even(v), _mm256_loadu_ps(xe + k / 2), a0);
         a1 = _mm256_fmadd_ps(bf16_odd(v), _mm256_loadu_ps(xo + k / 2), a1);
     }
-    float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    s += hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     for (; k < n; k++) s += bf16_to_f32(w[k]) * x[k];
     return s;
 }
@@ -298,11 +332,10 @@ static void axpy_hd(float a, const void *V, long off, float *out, long hd, int d
     for (; d < hd; d++) out[d] += a * load1(V, off + d, dt);
 }
 
-static void attend_shared(const float *q, const float *k, const float *v, void *K, void *V,
-                          int dt, float *out, long heads, long kv_heads, long hd,
-                          long cache_len, long slot, long n, float scale, float *scores) {
-    const long group = heads / kv_heads, stride = cache_len * hd;
-#pragma omp single
+/* Write the new key and value (kv_heads * hd, float32) into slot `slot`, rounded to dt. */
+static void store_kv(const float *k, const float *v, void *K, void *V, int dt, long kv_heads,
+                     long hd, long cache_len, long slot) {
+    const long stride = cache_len * hd;
     for (long g = 0; g < kv_heads; g++)
         for (long d = 0; d < hd; d++) {
             long i = g * stride + slot * hd + d;
@@ -314,6 +347,13 @@ static void attend_shared(const float *q, const float *k, const float *v, void *
                 ((float *)V)[i] = v[g * hd + d];
             }
         }
+}
+
+/* Every query head over slots 0 .. n - 1 of its key/value head, shared out by head. */
+static void attend_heads_shared(const float *q, const void *K, const void *V, int dt,
+                                float *out, long heads, long kv_heads, long hd,
+                                long cache_len, long n, float scale, float *scores) {
+    const long group = heads / kv_heads, stride = cache_len * hd;
 #pragma omp for schedule(static)
     for (long h = 0; h < heads; h++) {
         const long base = (h / group) * stride;
@@ -338,8 +378,12 @@ void qkv_attend(const float *q, const float *k, const float *v, void *K, void *V
                 float *out, long heads, long kv_heads, long head_dim, long cache_len,
                 long slot, long n, float scale, float *scores, int threads) {
 #pragma omp parallel num_threads(threads)
-    attend_shared(q, k, v, K, V, dt, out, heads, kv_heads, head_dim, cache_len, slot, n, scale,
-                  scores);
+    {
+#pragma omp single
+        store_kv(k, v, K, V, dt, kv_heads, head_dim, cache_len, slot);
+        attend_heads_shared(q, K, V, dt, out, heads, kv_heads, head_dim, cache_len, n, scale,
+                            scores);
+    }
 }
 
 /* ---------------------------------------------------------------------------------
@@ -380,6 +424,26 @@ typedef struct {
     float *x, *o, *h, *q, *k, *v, *a, *f, *logits, *scores;
 } qkv_model;
 
+/* q, k, v = W_q x (+b), W_k x (+b), W_v x (+b) as one work-shared loop over the rows of
+   all three: one barrier where three separate products would need three. */
+static void project_qkv_shared(const qkv_layer *L, int dt, const float *x, float *q, float *k,
+                               float *v, long qd, long kvd, long n) {
+    DEINTERLEAVE(x, n, dt)
+#pragma omp for schedule(static)
+    for (long r = 0; r < qd + 2 * kvd; r++) {
+        const void *W = L->wq;
+        const float *b = L->bq;
+        float *y = q;
+        long i = r;
+        if (r >= qd + kvd) {
+            W = L->wv, b = L->bv, y = v, i = r - qd - kvd;
+        } else if (r >= qd) {
+            W = L->wk, b = L->bk, y = k, i = r - qd;
+        }
+        y[i] = dot_row(W, dt, i, n, x, xe, xo) + (b ? b[i] : 0.0f);
+    }
+}
+
 /* x += o, through norm first when there is one (Gemma's post-norms). */
 static void add_branch(const qkv_norm *post, float *o, float *x, long n) {
     norm(post, o, o, n);
@@ -400,9 +464,9 @@ void qkv_step(const qkv_model *m, long token, long pos, int threads) {
             const qkv_layer *L = &m->layers[l];
 #pragma omp single
             norm(&L->norm1, m->x, m->h, d);
-            linear_shared(L->wq, dt, m->h, L->bq, m->q, qd, d, STORE);
-            linear_shared(L->wk, dt, m->h, L->bk, m->k, kvd, d, STORE);
-            linear_shared(L->wv, dt, m->h, L->bv, m->v, kvd, d, STORE);
+            project_qkv_shared(L, dt, m->h, m->q, m->k, m->v, qd, kvd, d);
+            const long slot = L->ring ? pos % L->cache_len : pos;
+            const long n = L->ring && pos + 1 > L->cache_len ? L->cache_len : pos + 1;
 #pragma omp single
             {
                 if (L->q_norm.kind != NORM_NONE)
@@ -413,11 +477,10 @@ void qkv_step(const qkv_model *m, long token, long pos, int threads) {
                     qkv_rope(m->q, L->rope_cos + pos * hd, L->rope_sin + pos * hd, m->heads, hd);
                     qkv_rope(m->k, L->rope_cos + pos * hd, L->rope_sin + pos * hd, m->kv_heads, hd);
                 }
+                store_kv(m->k, m->v, L->keys, L->values, dt, m->kv_heads, hd, L->cache_len, slot);
             }
-            const long slot = L->ring ? pos % L->cache_len : pos;
-            const long n = L->ring && pos + 1 > L->cache_len ? L->cache_len : pos + 1;
-            attend_shared(m->q, m->k, m->v, L->keys, L->values, dt, m->a, m->heads, m->kv_heads,
-                          hd, L->cache_len, slot, n, m->scale, m->scores);
+            attend_heads_shared(m->q, L->keys, L->values, dt, m->a, m->heads, m->kv_heads, hd,
+                                L->cache_len, n, m->scale, m->scores);
             if (L->post_norm1.kind == NORM_NONE) {
                 linear_shared(L->wo, dt, m->a, L->bo, m->x, d, qd, ADD);
             } else {
