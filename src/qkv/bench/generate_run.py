@@ -17,9 +17,10 @@ the prompt's forward left out. The ceiling is bandwidth / bytes one step reads
 (:func:`qkv.bench.lm.decode_bytes_per_token`), per dtype.
 
 The prefill: one forward over a ``prefill_tokens``-long prompt (as matrix products),
-in prompt tokens/s, and as a share of the measured float32 matrix-product rate (the
+in prompt tokens/s, and as a share of the measured matrix-product rate of its dtype (the
 forward's multiply-adds, :meth:`GPTConfig.training_flops_per_token` / 3, over the rate
-of one ``(prefill_tokens, emb_dim) @ (emb_dim, hidden_dim)`` product).
+of one ``(prefill_tokens, emb_dim) @ (emb_dim, hidden_dim)`` product in float32, or in
+bfloat16 for the bfloat16 paths).
 
 Context: one more pass decodes ``sweep_tokens`` after prompts of each length in
 ``contexts``, for every path: tokens/s against the tokens already in the cache, the
@@ -165,9 +166,10 @@ def _peers(lm: LanguageModel, config: RunGenerateConfig, folder: Path,
     return paths, skipped
 
 
-def _matmul_rate(rows: int, inner: int, cols: int, repeats: int = 5) -> float:
-    """float32 FLOP/s of ``(rows, inner) @ (inner, cols)``, the median of ``repeats``."""
-    a, b = torch.randn(rows, inner), torch.randn(inner, cols)
+def _matmul_rate(rows: int, inner: int, cols: int, dtype: torch.dtype,
+                 repeats: int = 5) -> float:
+    """FLOP/s of ``(rows, inner) @ (inner, cols)`` in ``dtype``, the median of ``repeats``."""
+    a, b = torch.randn(rows, inner).to(dtype), torch.randn(inner, cols).to(dtype)
     a @ b
     times = []
     for _ in range(repeats):
@@ -276,7 +278,9 @@ def _measure(lm: LanguageModel, config: RunGenerateConfig, paths: dict[str, Peer
             samples.append(n_prefill / (time.perf_counter() - start))
         prefill[name] = statistics.median(samples)
     hidden = cfg.hidden_dim or 4 * cfg.emb_dim
-    matmul = _matmul_rate(n_prefill, cfg.emb_dim, hidden)
+    # each dtype's own rate: a CPU with AMX or AVX512-BF16 multiplies bfloat16 faster
+    matmul = {name: _matmul_rate(n_prefill, cfg.emb_dim, hidden, dtype)
+              for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
     flops_per_token = cfg.training_flops_per_token(n_prefill) / 3
 
     # context sweep
@@ -301,8 +305,8 @@ def _measure(lm: LanguageModel, config: RunGenerateConfig, paths: dict[str, Peer
             "total_tokens_per_sec": statistics.median(totals[name]),
             "percent_of_ceiling": 100 * median / ceiling[dtype],
             "prefill_tokens_per_sec": prefill.get(name),
-            "prefill_percent_of_matmul": (100 * prefill[name] * flops_per_token / matmul
-                                          if name in prefill else None),
+            "prefill_percent_of_matmul": (100 * prefill[name] * flops_per_token
+                                          / matmul[dtype] if name in prefill else None),
             "sweep_tokens_per_sec": sweep[name],
         }
     reference = tokens["qkv float32"]
@@ -337,9 +341,11 @@ def _notes(report: dict[str, Any]) -> list[str]:
         lines.append(f"{dtype}: {b['total'] / 1e6:.1f} MB read per token (weights "
                      f"{b['weights'] / 1e6:.1f} MB + KV cache {b['kv_cache'] / 1e6:.2f} MB) "
                      f"-> ceiling {report['ceiling_tokens_per_sec'][dtype]:.1f} tokens/s")
-    lines.append(f"float32 matrix products ({report['prefill_tokens']} rows): "
-                 f"{report['matmul_flops_per_sec'] / 1e9:.0f} GFLOP/s; the forward is "
-                 f"{report['forward_flops_per_token'] / 1e6:.0f} MFLOP per token")
+    rates = report["matmul_flops_per_sec"]
+    lines.append(f"matrix products ({report['prefill_tokens']} rows): "
+                 + ", ".join(f"{d} {r / 1e9:.0f} GFLOP/s" for d, r in rates.items())
+                 + f"; the forward is {report['forward_flops_per_token'] / 1e6:.0f} MFLOP "
+                   "per token")
     for name, same in report["identity"].items():
         if name == "qkv float32":
             continue
