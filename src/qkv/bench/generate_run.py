@@ -426,14 +426,17 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     for name, color in zip(names, colors, strict=True):
         sweep = report["results"][name]["sweep_tokens_per_sec"]
         if sweep:
-            xs = sorted(int(c) for c in sweep)
-            style = ":" if "bfloat16" in name or "BF16" in name else "-"
-            right.plot(xs, [sweep[x] if x in sweep else sweep[str(x)] for x in xs], style,
-                       marker="o", color=color, label=name)
+            # JSON keys are strings: the report read back plots as the report made
+            points = sorted((int(c), rate) for c, rate in sweep.items())
+            style = ":" if "bfloat16" in name or "BF16" in name else \
+                "--" if name.endswith("model forward") else "-"
+            right.plot([c for c, _ in points], [r for _, r in points], style, marker="o",
+                       color=color, label=name)
     right.set_xscale("log", base=2)
+    right.set_ylim(bottom=0)
     right.set_xlabel("tokens in the cache (prompt length)")
     right.set_ylabel("decoding tokens/s")
-    right.legend(fontsize=8)
+    right.legend(fontsize=7, loc="lower left", ncol=2)
     fig.suptitle(f"{report['model']}: greedy decoding, batch 1, "
                  f"{report['machine']['torch_threads']} threads", fontsize=10)
     return save_figure(fig, path)
