@@ -554,3 +554,17 @@ def test_lm_settings_whose_sizes_make_no_model_are_a_checkpoint_error(runs, tmp_
                                               r"divisible by num_heads \(4\)") as error:
         LanguageModel.load(run_dir)
     assert "\n" not in str(error.value)
+
+
+def test_a_config_claiming_a_huge_model_is_a_bad_checkpoint_not_a_memory_shortage(
+        runs, tmp_path):
+    # Found by the property test above: vocab_size edited to 1e9 (and the manifest
+    # re-hashed) asked for 1.4 TiB before the weights' header was compared with it.
+    run_dir = _copy(runs["lm"], tmp_path / "run")
+    config = json.loads((run_dir / "config.json").read_text())
+    config["model"]["vocab_size"] = 1_000_000_000
+    (run_dir / "config.json").write_text(json.dumps(config))
+    _rehash(run_dir, "config.json")
+    with pytest.raises(CheckpointError) as caught:
+        _load("lm", run_dir)
+    assert "\n" not in str(caught.value) and "tok_emb.weight" in str(caught.value)

@@ -260,11 +260,14 @@ class LanguageModel:
 
         Reads the checkpoint and, for a gpt2 tokenizer, the BPE files in ``bpe_dir`` (else
         ``$QKV_BPE_DIR``, else the folder the run was trained with); never the text, never
-        the network. Everything is checked before the model is built: the config's fields,
-        the weights file's header against the shapes the config implies, and the memory
-        the model needs.
+        the network. Everything is checked before the model is built, in this order: the
+        config's fields, the weights file's header against the shapes the config implies,
+        the memory the model needs, and the tokenizer.
         """
         settings, model_config, tokenizer_dict = _read_config(run_dir)
+        # The header first: a config edited to claim a huge model is a bad checkpoint,
+        # not a machine short of memory.
+        dtype = _stored_dtype(run_dir, model_config)
         n = model_config.num_parameters()
         check_memory(LOAD_BYTES_PER_PARAMETER * n, f"loading {_model_name(settings, n)}",
                      hint="load it on a machine with more memory")
@@ -280,7 +283,7 @@ class LanguageModel:
                 f"{run_dir}: tokenizer has {tokenizer.n_vocab} ids but the model expects "
                 f"vocab_size={model_config.vocab_size}"
             )
-        model = _load_model(run_dir, model_config)
+        model = _load_model(run_dir, model_config, dtype)
         return cls(model.to(resolve_device(device)), tokenizer, settings)
 
     @property
@@ -460,15 +463,24 @@ _ORIGIN_KEYS = ("model_type", "source", "repo_id", "revision")
 _STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16}
 
 
-def _load_model(run_dir: str | Path, cfg: GPTConfig) -> GPTModel:
-    """The run's model, built in the dtype its weights are stored in, after the weights'
-    header has been checked against ``cfg`` (names, shapes, one dtype throughout)."""
+def _stored_dtype(run_dir: str | Path, cfg: GPTConfig) -> torch.dtype:
+    """The dtype the run's weights are stored in, after the weights' header has been
+    checked against ``cfg`` (names, shapes, one dtype throughout): a config that does not
+    match its weights is a ``CheckpointError``, whatever size it claims."""
     stored = read_weights_header(run_dir).shapes().get("tok_emb.weight", ("F32", ()))[0]
     if stored not in _STORED_DTYPES:
         raise CheckpointError(f"{run_dir}: tok_emb.weight is stored as {stored}; runs store "
                               f"{' or '.join(_STORED_DTYPES)}")
     check_weights(run_dir, cfg.parameter_shapes(), cfg.num_parameters(), dtype=stored)
-    model = GPTModel(cfg).to(_STORED_DTYPES[stored])
+    return _STORED_DTYPES[stored]
+
+
+def _load_model(run_dir: str | Path, cfg: GPTConfig, dtype: torch.dtype | None = None
+                ) -> GPTModel:
+    """The run's model, built in the dtype its weights are stored in (``dtype``: already
+    found by :func:`_stored_dtype`)."""
+    dtype = _stored_dtype(run_dir, cfg) if dtype is None else dtype
+    model = GPTModel(cfg).to(dtype)
     load_weights(run_dir, model)
     return model
 
