@@ -356,3 +356,17 @@ def test_the_avx2_build_passes_the_same_tests(tmp_path):
     assert "passed" in proc.stdout
     built = list(tmp_path.glob("decode-*.so"))
     assert len(built) == 1  # the AVX2 build, on its own key
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
+def test_logits_to_keep_gives_the_last_positions_logits(family):
+    model = tiny(**FAMILIES[family])
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids)
+        for n in (1, 3, 9, 20):
+            torch.testing.assert_close(model(ids, logits_to_keep=n), full[:, -n:])
+        caches = model.new_caches(2, 9)
+        torch.testing.assert_close(model(ids, caches=caches, logits_to_keep=1), full[:, -1:])
+    with pytest.raises(ValueError, match="logits_to_keep must be an integer >= 0"):
+        model(ids, logits_to_keep=-1)

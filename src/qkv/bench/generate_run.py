@@ -17,8 +17,10 @@ the prompt's forward left out. The ceiling is bandwidth / bytes one step reads
 (:func:`qkv.bench.lm.decode_bytes_per_token`), per dtype.
 
 The prefill: one forward over a ``prefill_tokens``-long prompt (as matrix products),
-in prompt tokens/s, and as a share of the measured matrix-product rate of its dtype (the
-forward's multiply-adds, :meth:`GPTConfig.training_flops_per_token` / 3, over the rate
+computing the last position's logits only, as every path does for a prompt, in prompt
+tokens/s, and as a share of the measured matrix-product rate of its dtype (the forward's
+multiply-adds, :meth:`GPTConfig.training_flops_per_token` / 3 with the output head's
+counted once, over the rate
 of one ``(prefill_tokens, emb_dim) @ (emb_dim, hidden_dim)`` product in float32, or in
 bfloat16 for the bfloat16 paths).
 
@@ -112,8 +114,9 @@ def _qkv_peer(model: GPTModel, name: str, native: bool) -> Peer:
         return out[0, len(prompt):].tolist(), times
 
     def prefill(prompt: Sequence[int]) -> None:
-        with torch.no_grad():
-            model(torch.tensor([list(prompt)]), caches=model.new_caches(1, len(prompt)))
+        with torch.no_grad():  # as generate() runs a prompt: the last logits only
+            model(torch.tensor([list(prompt)]), caches=model.new_caches(1, len(prompt)),
+                  logits_to_keep=1)
 
     reason = native_unsupported(model) if native else "native=False"
     detail = "qkv C kernels" if reason is None else f"model forward ({reason})"
@@ -281,7 +284,11 @@ def _measure(lm: LanguageModel, config: RunGenerateConfig, paths: dict[str, Peer
     # each dtype's own rate: a CPU with AMX or AVX512-BF16 multiplies bfloat16 faster
     matmul = {name: _matmul_rate(n_prefill, cfg.emb_dim, hidden, dtype)
               for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
-    flops_per_token = cfg.training_flops_per_token(n_prefill) / 3
+    # the forward's products, with the output head for the last position only (as every
+    # path runs a prompt)
+    head = 2.0 * cfg.vocab_size * cfg.emb_dim
+    flops_per_token = cfg.training_flops_per_token(n_prefill) / 3 - head * (n_prefill - 1) \
+        / n_prefill
 
     # context sweep
     sweep: dict[str, dict[int, float]] = {name: {} for name in names}

@@ -80,8 +80,8 @@ def transformers_peer(folder: str | Path, dtype: torch.dtype, name: str) -> Peer
         return out[0, len(prompt):].tolist(), clock.times
 
     def prefill(prompt: Sequence[int]) -> None:
-        with torch.no_grad():
-            model(torch.tensor([list(prompt)]), use_cache=True)
+        with torch.no_grad():  # as its generate() runs a prompt: the last logits only
+            model(torch.tensor([list(prompt)]), use_cache=True, logits_to_keep=1)
 
     return Peer(name, generate, prefill,
                 detail=f"transformers {transformers.__version__}, "

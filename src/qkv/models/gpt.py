@@ -23,6 +23,7 @@ without the cache, at any length.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -659,6 +660,7 @@ class GPTModel(nn.Module):
         *,
         caches: list[KVCache] | None = None,
         need_weights: bool = False,
+        logits_to_keep: int = 0,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """Next-token logits for every position.
 
@@ -669,10 +671,19 @@ class GPTModel(nn.Module):
                 continue from there.
             need_weights: also return each layer's attention weights
                 ``(batch, heads, T, T_k)`` (runs the eager attention path).
+            logits_to_keep: ``n > 0``: the logits of the last ``n`` positions only
+                (transformers' name): the output head, a ``vocab_size x emb_dim``
+                product per position, runs on those alone. A prompt needs its last
+                position's to pick the next token (``generate`` passes 1); 0: all.
 
         Returns:
-            logits ``(batch, T, vocab_size)``, or ``(logits, [weights per layer])``.
+            logits ``(batch, T, vocab_size)`` (``(batch, min(T, n), vocab_size)`` with
+            ``logits_to_keep=n``), or ``(logits, [weights per layer])``.
         """
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or \
+                logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an integer >= 0 (0: every position), "
+                             f"got {logits_to_keep!r}")
         if caches is not None and len(caches) != len(self.trf_blocks):
             raise ValueError(
                 f"need one KVCache per layer ({len(self.trf_blocks)}), got {len(caches)}"
@@ -696,6 +707,8 @@ class GPTModel(nn.Module):
                 all_weights.append(weights)
             else:
                 x = block(x, cache=cache)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         logits = self.out_head(self.final_norm(x))
         return (logits, all_weights) if need_weights else logits
 
@@ -965,8 +978,14 @@ def generate(
         use_native = reason is None
         if native and not use_native:
             raise ValueError(f"native=True, but the kernels cannot decode here: {reason}")
+    # Only the last position's logits pick the next token; a model that can compute no
+    # others does not (GPTModel's output head is a fifth to a third of a prompt's work in
+    # SmolLM2, Qwen3 or GPT-2).
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in \
+        inspect.signature(model.forward).parameters else {}
+
     def forward(ids: Tensor, caches: list[KVCache] | None = None) -> Tensor:
-        return model(ids) if caches is None else model(ids, caches=caches)
+        return model(ids, **keep) if caches is None else model(ids, caches=caches, **keep)
 
     was_training = model.training
     model.eval()
