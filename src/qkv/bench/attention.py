@@ -63,6 +63,7 @@ from .timing import (
     resolve_dtype,
     round_robin,
     run_isolated,
+    target_line,
     write_json,
 )
 
@@ -666,8 +667,7 @@ def run_attention(
     report["targets"] = targets(report)
     log("")
     for target in report["targets"]:
-        log(f"target {'MET   ' if target['met'] else 'MISSED'} {target['name']}: "
-            f"{target['value_text']}")
+        log(target_line(target))
 
     write_json(out_dir / "attention.json", report)
     plot(report, out_dir / "attention.png")

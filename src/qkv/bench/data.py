@@ -41,6 +41,7 @@ from .timing import (
     machine_info,
     markdown_table,
     run_isolated,
+    target_line,
     write_json,
 )
 
@@ -198,8 +199,7 @@ def run_data(
     log(table(report))
     log("")
     for target in report["targets"]:
-        log(f"target {'MET   ' if target['met'] else 'MISSED'} {target['name']}: "
-            f"{target['value_text']}")
+        log(target_line(target))
     write_json(out_dir / "data.json", report)
     plot(report, out_dir / "data.png")
     log(f"\nwrote {out_dir / 'data.json'} and {out_dir / 'data.png'}")

@@ -54,7 +54,7 @@ from ..tasks.lm import LanguageModel
 from ..utils.figures import new_figure, save_figure
 from .lm import decode_bytes_per_token, read_bandwidth, top2_margin
 from .peers import Peer, llama_cpp_peer, transformers_peer
-from .timing import machine_info, markdown_table, write_json
+from .timing import machine_info, markdown_table, target_line, write_json
 
 __all__ = ["RunGenerateConfig", "run_generate_run"]
 
@@ -220,8 +220,7 @@ def run_generate_run(config: RunGenerateConfig, out_dir: str | Path,
         log(line)
     log("")
     for target in report["targets"]:
-        log(f"target {'MET   ' if target['met'] else 'MISSED'} {target['name']}: "
-            f"{target['value_text']}")
+        log(target_line(target))
     write_json(out_dir / "generate-run.json", report)
     plot(report, out_dir / "generate-run.png")
     log(f"\nwrote {out_dir / 'generate-run.json'} and {out_dir / 'generate-run.png'}")

@@ -55,6 +55,7 @@ from .timing import (
     resolve_device,
     resolve_dtype,
     round_robin,
+    target_line,
     write_json,
 )
 
@@ -374,8 +375,7 @@ def run_generate(
         log(low_check_text(report))
     log("")
     for target in report["targets"]:
-        log(f"target {'MET   ' if target['met'] else 'MISSED'} {target['name']}: "
-            f"{target['value_text']}")
+        log(target_line(target))
     write_json(out_dir / "generate.json", report)
     plot(report, out_dir / "generate.png")
     log(f"\nwrote {out_dir / 'generate.json'} and {out_dir / 'generate.png'}")

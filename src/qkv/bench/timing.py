@@ -82,6 +82,7 @@ __all__ = [
     "round_robin",
     "run_isolated",
     "synchronize",
+    "target_line",
     "time_call",
     "write_json",
 ]
@@ -432,6 +433,13 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
         "-" * (w + 1) + (":" if i else "-") for i, w in enumerate(widths)
     ) + "|"
     return "\n".join([line(list(map(str, header))), rule, *(line(r) for r in rows)])
+
+
+def target_line(target: Mapping[str, Any]) -> str:
+    """A suite's report line for one of its targets: ``target MET    NAME: VALUE`` (or
+    ``MISSED``), from a ``{"name", "met", "value_text", ...}`` entry of its report."""
+    return (f"target {'MET   ' if target['met'] else 'MISSED'} {target['name']}: "
+            f"{target['value_text']}")
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> Path:

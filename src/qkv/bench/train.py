@@ -80,6 +80,7 @@ from .timing import (
     machine_info,
     markdown_table,
     resolve_device,
+    target_line,
     write_json,
 )
 
@@ -607,8 +608,7 @@ def run_train(
         log(f"(the target '{TARGET_NAME}' is for --device cuda with gpt2-small at "
             f"context {TARGET_CONTEXT}: not evaluated here)")
     for target in report["targets"]:
-        log(f"target {'MET   ' if target['met'] else 'MISSED'} {target['name']}: "
-            f"{target['value_text']}")
+        log(target_line(target))
     write_json(out_dir / "train.json", report)
     plot(report, out_dir / "train.png")
     log(f"\nwrote {out_dir / 'train.json'} and {out_dir / 'train.png'}")

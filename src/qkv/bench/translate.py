@@ -53,6 +53,7 @@ from .timing import (
     markdown_table,
     resolve_device,
     round_robin,
+    target_line,
     write_json,
 )
 
@@ -355,8 +356,7 @@ def run_translate(
     log(table(report))
     log("")
     for target in report["targets"]:
-        log(f"target {'MET   ' if target['met'] else 'MISSED'} {target['name']}: "
-            f"{target['value_text']}")
+        log(target_line(target))
     write_json(out_dir / "translate.json", report)
     plot(report, out_dir / "translate.png")
     log(f"\nwrote {out_dir / 'translate.json'} and {out_dir / 'translate.png'}")
