@@ -143,23 +143,23 @@ def _peers(lm: LanguageModel, config: RunGenerateConfig, folder: Path,
     if model_type not in SUPPORTED_TYPES or model_type == "gpt2":
         why = f"the run's model type {model_type!r} is not written out for the peers"
         return paths, {"transformers": why, "llama.cpp": why}
-    fields = model.cfg.to_dict()
+    fields, state = model.cfg.to_dict(), model.state_dict()
     hf_folder = folder / "hf"
-    write_hf_folder(hf_folder, fields, model_type, model.state_dict())
+    write_hf_folder(hf_folder, fields, model_type, state)
     peer = transformers_peer(hf_folder, torch.float32, "transformers float32")
     if isinstance(peer, str):
         skipped["transformers"] = peer
     else:
         paths[peer.name] = peer
     context = model.cfg.context_length
-    hf_state = from_qkv(model.state_dict(), fields)
+    config_json, hf_state = hf_config(fields, model_type), from_qkv(state, fields)
     # A run imported from a GGUF file carries that file's tokenizer on (llama.cpp then
     # reads text as the model's own tokenizer does); otherwise ids only.
     source = Path(str(lm.settings.extra.get("source", "")))
     tokenizer = source if source.suffix == ".gguf" and source.is_file() else None
     for dtype in ("F32", "BF16"):
         path = folder / f"model-{dtype}.gguf"
-        write_gguf(path, hf_config(fields, model_type), hf_state, dtype, tokenizer=tokenizer)
+        write_gguf(path, config_json, hf_state, dtype, tokenizer=tokenizer)
         peer = llama_cpp_peer(path, f"llama.cpp {dtype}", min(context, 4096), dtype)
         if isinstance(peer, str):
             skipped["llama.cpp"] = peer
@@ -190,24 +190,22 @@ def run_generate_run(config: RunGenerateConfig, out_dir: str | Path,
     out_dir = Path(out_dir)
     machine = machine_info(torch.device("cpu"))
     lm = LanguageModel.load(config.ckpt)
-    model, cfg = lm.model, lm.model.cfg
-    if next(model.parameters()).dtype != torch.float32:
-        model = model.float()
-        lm.model = model
+    lm.model = lm.model.float()  # a run stored in bfloat16 too: each path picks its dtype
     prompt = lm.encode_prompt(PROMPT)[0].tolist()
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in lm.model.parameters())
     log(f"generate: {lm.title} ({n_params:,} parameters), {len(prompt)}-token prompt, "
         f"{config.new_tokens} new tokens, batch 1, {torch.get_num_threads()} threads")
     folder = out_dir / "peer-files"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
+    paths: dict[str, Peer] = {}
     try:
         paths, skipped = _peers(lm, config, folder, log)
         for name, why in skipped.items():
             log(f"skipped {name}: {why}")
         report = _measure(lm, config, paths, prompt, log)
     finally:
-        for peer in locals().get("paths", {}).values():
+        for peer in paths.values():
             peer.close()
         shutil.rmtree(folder, ignore_errors=True)
     report.update({"suite": "generate-run", "config": dataclasses.asdict(config),
@@ -259,10 +257,10 @@ def _measure(lm: LanguageModel, config: RunGenerateConfig, paths: dict[str, Peer
             f"{n} {rates[n][-1]:.1f}" for n in names) + " tokens/s")
     del buffer
     bw = statistics.median(bandwidth)
-    per_token = {dtype: decode_bytes_per_token(m, len(prompt), config.new_tokens)
-                 for dtype, m in (("float32", model),)}
-    per_token["bfloat16"] = {k: (v / 2 if k in ("weights", "kv_cache", "total") else v)
-                             for k, v in per_token["float32"].items()}
+    f32 = decode_bytes_per_token(model, len(prompt), config.new_tokens)
+    # the bfloat16 path holds every parameter and its cache in 2 bytes instead of 4
+    per_token = {"float32": f32, "bfloat16": {
+        k: v / 2 if k in ("weights", "kv_cache", "total") else v for k, v in f32.items()}}
     ceiling = {dtype: bw / b["total"] for dtype, b in per_token.items()}
 
     # prefill: one forward over a long prompt, each path, median of the rounds
