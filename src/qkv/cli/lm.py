@@ -16,6 +16,7 @@ from pathlib import Path
 from ..options import GPT_PRESETS, MAX_NEW_TOKENS, Setting
 from ..tasks.settings import LM, LM_DEFAULTS, LM_UNSET
 from .runs import (
+    add_run_flags,
     add_save_every,
     add_settings_flags,
     check_resume_flags,
@@ -46,13 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         train, LM.values(), _default_text, defaults={"device": "auto"}))
     train.add_argument("--run-dir", type=Path, default=Path("runs/lm"),
                        help="checkpoint directory")
-    train.add_argument("--resume", action="store_true",
-                       help="continue the run in --run-dir (to its own target, or --epochs)")
-    train.add_argument("--overwrite", action="store_true",
-                       help="start a new run in a --run-dir that holds a checkpoint (kept "
-                            "until the new run saves)")
-    train.add_argument("--no-progress", action="store_true",
-                       help="no progress bar (default: one on stderr)")
+    add_run_flags(train)
     add_save_every(train)
     train.add_argument("--sample", default="The ",
                        help="prompt for a sample printed after training ('' to skip)")

@@ -48,6 +48,18 @@ class RunStoppedError(Exception):
         self.code = code
 
 
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags both training commands take for their run directory and output:
+    ``--resume``, ``--overwrite``, ``--no-progress``."""
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --run-dir (to its own target, or --epochs)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start a new run in a --run-dir that holds a checkpoint (kept "
+                             "until the new run saves)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (default: one on stderr)")
+
+
 def add_save_every(parser: argparse.ArgumentParser) -> None:
     """The ``--save-every MINUTES`` flag of both training commands."""
     def minutes(text: str) -> float:

@@ -29,6 +29,7 @@ from ..tasks.settings import (
     recipe_values,
 )
 from .runs import (
+    add_run_flags,
     add_save_every,
     add_settings_flags,
     check_resume_flags,
@@ -70,17 +71,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--run-dir", type=Path, default=None,
                        help="checkpoint directory (default: runs/translate-DATA, DATA the "
                             "--data file's name without its extension)")
-    train.add_argument("--resume", action="store_true",
-                       help="continue the run in --run-dir (to its own target, or --epochs)")
-    train.add_argument("--overwrite", action="store_true",
-                       help="start a new run in a --run-dir that holds a checkpoint (kept "
-                            "until the new run saves)")
+    add_run_flags(train)
     train.add_argument("--threads", type=int, default=None,
                        help="CPU threads for torch, 1 to 1,024 (default: 1 for the d2l and "
                             "dates recipes, whose models are too small to gain from a second "
                             "thread; every core, up to 8, for the corpus recipe)")
-    train.add_argument("--no-progress", action="store_true",
-                       help="no progress bar (default: one on stderr)")
     add_save_every(train)
     train.add_argument("--trace", action="store_true",
                        help="log decoder tensor shapes per step and first-batch norms")
