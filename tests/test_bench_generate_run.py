@@ -85,7 +85,7 @@ def test_every_path_decodes_transformers_tokens(llama_run, tmp_path):
     saved = json.loads((tmp_path / "generate-run.json").read_text())
     assert saved["tokens"] == want
     assert (tmp_path / "generate-run.png").stat().st_size > 0
-    assert not (tmp_path / "peer-files").exists()  # the peers' copies are removed
+    assert not list(tmp_path.glob("peer-files*"))  # the peers' copies are removed
     assert any(line.startswith("target ") for line in lines)
 
 

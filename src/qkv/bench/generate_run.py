@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -195,9 +196,9 @@ def run_generate_run(config: RunGenerateConfig, out_dir: str | Path,
     n_params = sum(p.numel() for p in lm.model.parameters())
     log(f"generate: {lm.title} ({n_params:,} parameters), {len(prompt)}-token prompt, "
         f"{config.new_tokens} new tokens, batch 1, {torch.get_num_threads()} threads")
-    folder = out_dir / "peer-files"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    # A folder of this run's own: two runs into one --out must not delete each other's.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="peer-files-", dir=out_dir))
     paths: dict[str, Peer] = {}
     try:
         paths, skipped = _peers(lm, config, folder, log)
