@@ -574,3 +574,73 @@ def test_lm_import_of_each_family_runs_like_transformers(tmp_path, family):
                           do_sample=False, eos_token_id=None, pad_token_id=0)
     for use_cache in (True, False):
         assert generate(lm.model, prompt, 20, use_cache=use_cache).tolist() == want.tolist()
+
+
+def _k_blocks(qtype, shape: tuple[int, int], scales: dict[int, float], seed: int):
+    """Random ``qtype`` blocks for a ``(rows, cols)`` weight, each float16 scale field (byte
+    offset -> largest magnitude) drawn small, so the weights are of a trained model's
+    size: gguf's numpy code cannot quantize the K types, so their blocks are made here."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for at, top in scales.items():
+        raw[:, at:at + 2] = np.frombuffer(rng.uniform(-top, top, len(raw)).astype("<f2")
+                                          .tobytes(), np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, cols // block * size), qtype
+
+
+def test_lm_import_of_a_file_of_mixed_quantizations(tmp_path, capsys):
+    """A Llama 256 wide written as llama.cpp's quantizer mixes a Q4_K_M file (Q4_K for most
+    matrices, Q6_K for the output and some down and value projections, Q5_0 and Q8_0
+    where its rules fall back): ``qkv lm import`` gives the logits transformers' own GGUF
+    loader gives on the same file, and prints the file's mix of types."""
+    loader = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    from collections import Counter
+
+    from qkv.cli import main
+    from qkv.tasks.lm import LanguageModel
+
+    Q = gguf.GGMLQuantizationType
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    original = transformers.LlamaForCausalLM(config).eval()
+    arrays, meta = convert(original, "llama")
+    meta.update({"tokenizer.ggml.model": "gpt2", "add_eos_token_id": 2})
+    plan = {"token_embd.weight": Q.Q5_0, "output.weight": Q.Q6_K}
+    for i in range(2):
+        plan.update({f"blk.{i}.attn_q.weight": Q.Q4_K, f"blk.{i}.attn_k.weight": Q.Q4_K,
+                     f"blk.{i}.attn_v.weight": (Q.Q6_K, Q.Q8_0)[i],
+                     f"blk.{i}.attn_output.weight": Q.Q4_K,
+                     f"blk.{i}.ffn_gate.weight": Q.Q4_K, f"blk.{i}.ffn_up.weight": Q.Q4_K,
+                     f"blk.{i}.ffn_down.weight": (Q.Q6_K, Q.Q5_0)[i]})
+    for seed, (name, qtype) in enumerate(plan.items()):
+        if qtype == Q.Q4_K:
+            arrays[name] = _k_blocks(qtype, arrays[name].shape, {0: 1e-4, 2: 1e-4}, seed)
+        elif qtype == Q.Q6_K:
+            arrays[name] = _k_blocks(qtype, arrays[name].shape, {208: 2e-5}, seed)
+        else:
+            arrays[name] = (gguf.quants.quantize(arrays[name], qtype), qtype)
+    path = write(tmp_path / "mixed.gguf", "llama", arrays, meta)
+    types = Counter(t.name for t in plan.values())
+    types["F32"] = len(arrays) - len(plan)
+    mix = ", ".join(f"{name} x {n}" for name, n in types.most_common())
+    assert mix.startswith("Q4_K x 10, F32 x 5")
+
+    run = tmp_path / "run"
+    assert main(["lm", "import", str(path), "--run-dir", str(run)]) == 0
+    assert f"tensors in the file: {mix}\n" in capsys.readouterr().out
+    ids = torch.arange(24).mul(5).remainder(VOCAB).reshape(1, 24)
+    with torch.no_grad():
+        ours = LanguageModel.load(run).model(ids)
+    theirs = loader.load_gguf_checkpoint(str(path), return_tensors=True,
+                                         model_to_load=original)["tensors"]
+    reference = transformers.LlamaForCausalLM(config).eval()
+    reference.load_state_dict(theirs, strict=True)
+    with torch.no_grad():
+        want = reference(ids).logits
+    assert want.abs().max() > 0.1  # the quantized weights carry signal
+    torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-4)

@@ -20,8 +20,11 @@ gguf = pytest.importorskip("gguf")
 
 from gguf_files import one_line, write_gguf  # noqa: E402
 from qkv.models.gguf_weights import (  # noqa: E402
-    GGUF_WEIGHT_TYPES,
+    QKV_DECODED_TYPES,
+    gguf_version,
+    gguf_weight_types,
     open_gguf_reader,
+    quantization_mix,
     read_gguf_header,
     read_gguf_tensors,
     unpermute_rope,
@@ -117,6 +120,57 @@ def ref_q4_1(b):
     return [(q & 0xF) * d + m for q in qs] + [(q >> 4) * d + m for q in qs]
 
 
+def _fifth(qh: bytes, j: int) -> int:
+    return (int.from_bytes(qh, "little") >> j) & 1
+
+
+def ref_q5_0(b):
+    d, qh, qs = _f16(b[:2]), b[2:6], b[6:22]
+    return ([(((q & 0xF) | _fifth(qh, j) << 4) - 16) * d for j, q in enumerate(qs)]
+            + [(((q >> 4) | _fifth(qh, j + 16) << 4) - 16) * d for j, q in enumerate(qs)])
+
+
+def ref_q5_1(b):
+    d, m, qh, qs = _f16(b[:2]), _f16(b[2:4]), b[4:8], b[8:24]
+    return ([((q & 0xF) | _fifth(qh, j) << 4) * d + m for j, q in enumerate(qs)]
+            + [((q >> 4) | _fifth(qh, j + 16) << 4) * d + m for j, q in enumerate(qs)])
+
+
+def ref_q2_k(b):
+    scales, qs, d, dmin = b[:16], b[16:80], _f16(b[80:82]), _f16(b[82:84])
+    out, i = [], 0
+    for half in range(2):
+        q = qs[32 * half:32 * half + 32]
+        for shift in (0, 2, 4, 6):
+            for part in (q[:16], q[16:]):
+                sc = scales[i]
+                i += 1
+                out += [d * (sc & 0xF) * ((v >> shift) & 3) - dmin * (sc >> 4) for v in part]
+    return out
+
+
+def ref_q3_k(b):
+    hmask, qs, packed, d = b[:32], b[32:96], b[96:108], _f16(b[108:110])
+    # ggml's unpacking of the 16 six-bit scales, on three little-endian 32-bit words
+    a0, a1, tmp = (int.from_bytes(packed[4 * i:4 * i + 4], "little") for i in range(3))
+    k1, k2 = 0x03030303, 0x0F0F0F0F
+    words = [(a0 & k2) | (((tmp >> 0) & k1) << 4), (a1 & k2) | (((tmp >> 2) & k1) << 4),
+             ((a0 >> 4) & k2) | (((tmp >> 4) & k1) << 4),
+             ((a1 >> 4) & k2) | (((tmp >> 6) & k1) << 4)]
+    scales = np.frombuffer(b"".join(w.to_bytes(4, "little") for w in words), np.int8)
+    out, i, m = [], 0, 1
+    for half in range(2):
+        q = qs[32 * half:32 * half + 32]
+        for shift in (0, 2, 4, 6):
+            for lo in (0, 16):
+                dl = d * (int(scales[i]) - 32)
+                i += 1
+                out += [dl * (((q[lo + k] >> shift) & 3) - (0 if hmask[lo + k] & m else 4))
+                        for k in range(16)]
+            m <<= 1
+    return out
+
+
 def ref_q4_k(b):
     d, dmin, scales, qs = _f16(b[:2]), _f16(b[2:4]), b[4:16], b[16:144]
     out = []
@@ -159,8 +213,15 @@ def ref_q6_k(b):
 # type -> (reference decoder, byte offsets of its float16 scales in a block)
 REFERENCES = {
     Q.Q8_0: (ref_q8_0, (0,)), Q.Q4_0: (ref_q4_0, (0,)), Q.Q4_1: (ref_q4_1, (0, 2)),
-    Q.Q4_K: (ref_q4_k, (0, 2)), Q.Q5_K: (ref_q5_k, (0, 2)), Q.Q6_K: (ref_q6_k, (208,)),
+    Q.Q5_0: (ref_q5_0, (0,)), Q.Q5_1: (ref_q5_1, (0, 2)), Q.Q2_K: (ref_q2_k, (80, 82)),
+    Q.Q3_K: (ref_q3_k, (108,)), Q.Q4_K: (ref_q4_k, (0, 2)), Q.Q5_K: (ref_q5_k, (0, 2)),
+    Q.Q6_K: (ref_q6_k, (208,)),
 }
+
+
+def test_every_quantized_qkv_type_has_a_reference_here():
+    quantized = {t for t in QKV_DECODED_TYPES if not t.startswith(("F", "BF"))}
+    assert quantized == {t.name for t in REFERENCES}
 
 
 def test_quantized_blocks_match_reference_decoders(tmp_path):
@@ -361,7 +422,7 @@ def test_refuses_lying_headers(small, tmp_path):
         (edited("huge_dim", q + 4, "<Q", 2**62), "dimensions"),
         (edited("big_dim", norm + 4, "<Q", 2**20), "past the file's end"),
         (edited("dims", q, "<I", 7), "7 dimensions"),
-        (edited("type", norm + 4 + 8, "<I", 99), "unknown GGML type 99"),
+        (edited("type", norm + 4 + 8, "<I", 99), "type code 99, unknown to gguf"),
         (edited("tensors", 8, "<Q", 2**40), "tensor count"),
         (edited("keys", 16, "<Q", 2**62), "metadata count"),
     ]
@@ -373,17 +434,23 @@ def test_refuses_lying_headers(small, tmp_path):
         one_line(error, str(target), words)
 
 
-def test_refuses_unsupported_type_nan_and_budget(tmp_path):
+def test_refuses_unreadable_type_nan_and_budget(tmp_path):
     rng = np.random.default_rng(5)
-    raw = rng.integers(0, 256, (2, gguf.GGML_QUANT_SIZES[Q.Q2_K][1]), dtype=np.uint8)
+    q8k = rng.integers(0, 256, (2, gguf.GGML_QUANT_SIZES[Q.Q8_K][1]), dtype=np.uint8)
     bad = np.ones((2, 32), np.float32)
     bad[1, 3], bad[0, 0] = np.nan, -np.inf
-    path = write_gguf(tmp_path / "t.gguf", {"q2": (raw, Q.Q2_K), "nan": bad,
+    path = write_gguf(tmp_path / "t.gguf", {"q8k": (q8k, Q.Q8_K), "nan": bad,
+                                           "i32": np.arange(8, dtype=np.int32),
                                            "ok": np.ones((4, 32), np.float32)})
-    assert read_gguf_header(path).tensors["q2"].type_name == "Q2_K"
+    assert read_gguf_header(path).tensors["q8k"].type_name == "Q8_K"
+    # Q8_K is llama.cpp's intermediate type, which gguf has no dequantizer for.
     with pytest.raises(ValueError) as error:
-        read_gguf_tensors(path, ["q2"])
-    one_line(error, "q2 is Q2_K", ", ".join(GGUF_WEIGHT_TYPES))
+        read_gguf_tensors(path, ["q8k"])
+    one_line(error, "tensor q8k is Q8_K", f"gguf {gguf_version()} cannot dequantize",
+             "pip install -U gguf", "readable: F32, F16, Q4_0")
+    with pytest.raises(ValueError) as error:
+        read_gguf_tensors(path, ["ok", "i32"])
+    one_line(error, "tensor i32 is I32, integer data, not a weight type")
     with pytest.raises(ValueError) as error:
         read_gguf_tensors(path, ["nan"])
     one_line(error, "tensor nan holds 2 NaN or infinite value(s) of 64")
@@ -397,6 +464,112 @@ def test_refuses_unsupported_type_nan_and_budget(tmp_path):
     with pytest.raises(ValueError) as error:
         read_gguf_tensors(path, ["ok"], dtype=torch.float16)
     one_line(error, "float32 or torch.bfloat16")
+
+
+# ---------------------------------------------------------------------------
+# Every type the gguf package dequantizes
+
+def _quantizable(qtype) -> bool:
+    try:
+        gguf.quants.quantize(np.zeros((1, 256), np.float32), qtype)
+    except (NotImplementedError, gguf.quants.QuantError):
+        return False
+    return True
+
+
+QUANTIZABLE = [t for t in Q if _quantizable(t)]
+
+
+def test_readable_types_are_every_type_gguf_dequantizes():
+    """qkv reads every type the gguf package's dequantize reads, its own PyTorch
+    decoders serving the common ones, and F64 besides."""
+    def dequantizes(qtype) -> bool:
+        size = gguf.GGML_QUANT_SIZES[qtype][1]
+        try:
+            with np.errstate(all="ignore"):
+                gguf.quants.dequantize(np.zeros((1, size), np.uint8), qtype)
+        except NotImplementedError:
+            return False
+        return True
+
+    types = gguf_weight_types()
+    assert set(types) == {t.name for t in Q if dequantizes(t)} | {"F64"}
+    assert {t for t, who in types.items() if who == "qkv"} == set(QKV_DECODED_TYPES)
+    # the types a Q4_K_M file of a model 640 or 1,152 wide falls back to, and the
+    # published low-bit and FP4 ones
+    for name in ("Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "IQ3_S",
+                 "IQ2_XXS", "TQ1_0", "TQ2_0", "MXFP4"):
+        assert name in types, name
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda t: t.name)
+def test_quantized_by_gguf_reads_as_gguf_dequantizes(tmp_path, qtype):
+    """A tensor quantized by the gguf package, written into a file, reads back bit for bit
+    as gguf's dequantize gives it (as float32 and as bfloat16), and near the original."""
+    rng = np.random.default_rng(int(qtype))
+    x = (rng.standard_normal((3, 2, 512)) * 0.5).astype(np.float32)
+    data = gguf.quants.quantize(x, qtype)
+    path = write_gguf(tmp_path / "q.gguf", {"w": (data, qtype) if data.dtype == np.uint8
+                                            else data})
+    want = torch.from_numpy(np.asarray(gguf.quants.dequantize(data, qtype), np.float32))
+    got = read_gguf_tensors(path)["w"]
+    assert got.shape == (3, 2, 512) and got.dtype == torch.float32
+    assert torch.equal(got, want)
+    assert torch.equal(read_gguf_tensors(path, dtype=torch.bfloat16)["w"],
+                       want.to(torch.bfloat16))
+    # it was really quantized (or stored): within the coarsest format's step of x
+    assert (got - torch.from_numpy(x)).abs().max() < 1.0
+
+
+def _random_blocks(qtype, rows: int, row_blocks: int, seed: int) -> np.ndarray:
+    """Random bytes of ``rows`` rows of ``row_blocks`` blocks, every block redrawn until
+    its values are finite: the scale fields, wherever the type keeps them, then hold
+    real numbers (a random float16 is NaN or infinite one time in 32)."""
+    rng = np.random.default_rng(seed)
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, (rows * row_blocks, size), dtype=np.uint8)
+    for _ in range(100):
+        with np.errstate(all="ignore"):
+            values = gguf.quants.dequantize(blocks, qtype)
+        bad = ~np.isfinite(values).all(axis=1)
+        if not bad.any():
+            return blocks.reshape(rows, row_blocks * size)
+        blocks[bad] = rng.integers(0, 256, (int(bad.sum()), size), dtype=np.uint8)
+    raise AssertionError(f"no finite {qtype.name} blocks drawn")
+
+
+@pytest.mark.parametrize("name", [t for t in gguf_weight_types()
+                                  if not _quantizable(Q[t]) and t != "F64"])
+def test_random_blocks_read_as_gguf_dequantizes(tmp_path, name):
+    """The types gguf cannot quantize: random blocks with finite scales, 3-D, read back
+    bit for bit as gguf's dequantize gives them."""
+    qtype = Q[name]
+    raw = _random_blocks(qtype, 6, 3, int(qtype))
+    path = write_gguf(tmp_path / "r.gguf", {"w": (raw.reshape(2, 3, -1), qtype)})
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    with np.errstate(all="ignore"):
+        want = torch.from_numpy(gguf.quants.dequantize(raw.reshape(2, 3, -1), qtype))
+    got = read_gguf_tensors(path)["w"]
+    assert got.shape == (2, 3, 3 * block) == want.shape
+    assert torch.equal(got, want)
+
+
+def test_f64_rounds_once(tmp_path):
+    x = np.random.default_rng(9).standard_normal((4, 8)) * 1e3
+    path = write_gguf(tmp_path / "d.gguf", {"w": (x.view(np.uint8).reshape(4, 64), Q.F64)})
+    assert torch.equal(read_gguf_tensors(path)["w"], torch.from_numpy(x).float())
+    assert torch.equal(read_gguf_tensors(path, dtype=torch.bfloat16)["w"],
+                       torch.from_numpy(x).to(torch.bfloat16))
+
+
+def test_quantization_mix_counts_every_tensor(tmp_path):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 32)).astype(np.float32)
+    path = write_gguf(tmp_path / "m.gguf", {
+        "a": (gguf.quants.quantize(x, Q.Q5_0), Q.Q5_0), "b": x, "c": x,
+        "d": (gguf.quants.quantize(x, Q.Q8_0), Q.Q8_0), "e": (gguf.quants.quantize(x, Q.Q5_0),
+                                                            Q.Q5_0), "f": x})
+    assert quantization_mix(read_gguf_header(path)) == "F32 x 3, Q5_0 x 2, Q8_0 x 1"
 
 
 def test_open_gguf_reader_gives_the_tokenizer_metadata(small):

@@ -41,8 +41,10 @@ import math
 import mmap
 import os
 import struct
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +57,14 @@ from ..utils.fileio import open_regular
 
 __all__ = [
     "import_gguf",
-    "GGUF_WEIGHT_TYPES",
     "GGUFHeader",
     "GGUFTensorInfo",
+    "QKV_DECODED_TYPES",
+    "gguf_version",
+    "gguf_weight_types",
     "open_gguf_reader",
     "permute_rope",
+    "quantization_mix",
     "read_gguf_header",
     "read_gguf_tensors",
     "unpermute_rope",
@@ -273,13 +278,16 @@ def _walk(buf: Any, path: Path, ggml_types: Any,
             raise h.fail(f"tensor {name} appears twice")
         try:
             ggml_type = ggml_types(code)
-        except ValueError:
-            raise h.fail(f"tensor {name} has unknown GGML type {code}") from None
+            block, block_bytes = block_sizes[ggml_type]
+        except (ValueError, KeyError):
+            known = sorted(t.value for t in block_sizes)
+            raise h.fail(f"tensor {name} has GGML type code {code}, unknown to gguf "
+                         f"{gguf_version()} (it knows codes {known[0]}-{known[-1]}); a "
+                         "later gguf may (pip install -U gguf)") from None
         if not all(1 <= d <= _MAX_ELEMENTS for d in dims) or math.prod(dims) > _MAX_ELEMENTS:
             raise h.fail(f"tensor {name} has dimensions {list(dims)}; each must be in "
                          f"[1, {_MAX_ELEMENTS:,}] and their product at most "
                          f"{_MAX_ELEMENTS:,}")
-        block, block_bytes = block_sizes[ggml_type]
         if dims[0] % block:
             raise h.fail(f"tensor {name}: a row of {dims[0]:,} values is not a whole "
                          f"number of {ggml_type.name} blocks of {block}")
@@ -381,7 +389,8 @@ def read_gguf_tensors(
         path: the ``.gguf`` file.
         names: the tensors to read (default: all), each one the header lists.
         dtype: ``torch.float32`` or ``torch.bfloat16``. Quantized values are expanded in
-            float32, then rounded to ``dtype``; F32/F16/BF16 values are exact in float32.
+            float32, then rounded to ``dtype``; F32/F16/BF16 values are exact in float32
+            (F64 ones are rounded once, to ``dtype``).
         max_bytes: refuse, before anything is expanded, if the tensors would take more
             than this many bytes in ``dtype`` (the caller passes the memory it has; while
             a tensor is expanded, its bytes and its float32 values are held beside it).
@@ -394,7 +403,8 @@ def read_gguf_tensors(
 
     Raises:
         ValueError: one line: as :func:`read_gguf_header`; a name the file lacks; a type
-            other than :data:`GGUF_WEIGHT_TYPES`; a total over ``max_bytes``; a tensor
+            neither qkv nor the installed gguf package decodes (see
+            :func:`gguf_weight_types`); a total over ``max_bytes``; a tensor
             holding NaN or an infinity (named).
     """
     path = Path(path)
@@ -415,9 +425,7 @@ def read_gguf_tensors(
                              "tensors in the file)")
         infos = [header.tensors[n] for n in wanted]
         for info in infos:
-            if info.type_name not in GGUF_WEIGHT_TYPES:
-                raise ValueError(f"{path}: tensor {info.name} is {info.type_name}, which qkv "
-                                 f"does not read; supported: {', '.join(GGUF_WEIGHT_TYPES)}")
+            _check_readable(path, info)
         item = torch.empty((), dtype=dtype).element_size()
         total = sum(info.numel for info in infos) * item
         limit = _MAX_TOTAL_BYTES if max_bytes is None else min(max_bytes, _MAX_TOTAL_BYTES)
@@ -471,6 +479,56 @@ def _q4_1(b: Tensor) -> Tensor:  # d, min, 16 bytes of two 4-bit values
     return _halves(b[:, :2]) * q + _halves(b[:, 2:4])
 
 
+def _fifth_bits(qh: Tensor) -> Tensor:
+    """Q5_0/Q5_1's 4 bytes of fifth bits (a little-endian 32-bit word: bit j is value
+    j's) -> ``(n, 32)`` uint8 0 or 1."""
+    shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8)
+    return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(len(qh), 32)
+
+
+def _q5_0(b: Tensor) -> Tensor:  # d, 4 bytes of fifth bits, 16 bytes of low nibbles
+    q = (_nibbles(b[:, 6:], 16).reshape(len(b), 32) | (_fifth_bits(b[:, 2:6]) << 4))
+    return _halves(b[:, :2]) * (q.to(torch.int8) - 16).float()
+
+
+def _q5_1(b: Tensor) -> Tensor:  # d, min, 4 bytes of fifth bits, 16 bytes of low nibbles
+    q = (_nibbles(b[:, 8:], 16).reshape(len(b), 32) | (_fifth_bits(b[:, 4:8]) << 4))
+    return _halves(b[:, :2]) * q.float() + _halves(b[:, 2:4])
+
+
+def _crumbs(qs: Tensor) -> Tensor:
+    """K-quants' 2-bit fields: bytes ``(n, 64)`` in two halves of 32 -> 16 groups of 16
+    values ``(n, 16, 16)`` uint8 0-3: per half, bits 0-1 of its 32 bytes, then bits 2-3,
+    4-5 and 6-7."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    return ((qs.reshape(len(qs), 2, 1, 32) >> shifts) & 3).reshape(len(qs), 16, 16)
+
+
+def _q2_k(b: Tensor) -> Tensor:  # 16 scale/min bytes, 64 bytes of 2-bit values, d, dmin
+    scales = b[:, :16]
+    dl = (_halves(b[:, 80:82]) * (scales & 0xF).float()).unsqueeze(-1)
+    ml = (_halves(b[:, 82:84]) * (scales >> 4).float()).unsqueeze(-1)
+    return (dl * _crumbs(b[:, 16:80]).float() - ml).reshape(len(b), 256)
+
+
+def _q3_k(b: Tensor) -> Tensor:  # 32 bytes of high bits, 64 of 2-bit values, 12 scale bytes, d
+    n = len(b)
+    # 16 six-bit scales, offset by 32: low nibbles from bytes 0-7 (low halves first),
+    # the top two bits from bytes 8-11 (bits 0-1 of each, then 2-3, 4-5, 6-7).
+    packed = b[:, 96:108]
+    low = torch.cat([packed[:, :8] & 0xF, packed[:, :8] >> 4], dim=1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 4, 1)
+    top = ((packed[:, 8:12].unsqueeze(1) >> shifts) & 3).reshape(n, 16)
+    scales = ((low | (top << 4)).to(torch.int8) - 32).float()
+    dl = (_halves(b[:, 108:110]) * scales).unsqueeze(-1)
+    # A value's high bit, when clear, subtracts 4: bit k of the 32 mask bytes belongs to
+    # the k-th group of 32 values.
+    shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+    high = ((b[:, :32].unsqueeze(1) >> shifts) & 1).reshape(n, 16, 16)
+    q = _crumbs(b[:, 32:96]).to(torch.int8) - ((high ^ 1) << 2).to(torch.int8)
+    return (dl * q.float()).reshape(n, 256)
+
+
 def _q4_k(b: Tensor) -> Tensor:  # d, dmin, 12 scale bytes, 128 bytes of 4-bit values
     sc, mn = _k_scales(b[:, 4:16])
     d = (_halves(b[:, :2]) * sc).unsqueeze(-1)
@@ -500,27 +558,96 @@ def _q6_k(b: Tensor) -> Tensor:  # 128 bytes low 4 bits, 64 bytes high 2 bits, 1
 
 
 # GGML type -> its block decoder: bytes (n_blocks, block bytes) -> float32 values
-# (n_blocks, block values), in the order ggml's dequantize_row_* writes them.
-_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": _q5_k,
-             "Q6_K": _q6_k}
-# The GGML types read_gguf_tensors expands: the unquantized ones and the quantizations
-# the released GGUFs of the supported families use.
-GGUF_WEIGHT_TYPES = ("F32", "F16", "BF16", *_DECODERS)
+# (n_blocks, block values), in the order ggml's dequantize_row_* writes them. These are
+# the types of nearly every published file (and llama.cpp's fallbacks for rows that are
+# not whole 256-value blocks), decoded here in PyTorch; any other type the gguf package
+# can dequantize goes through its NumPy decoders (:func:`gguf_weight_types`).
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
+             "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+# Types whose bytes are the values themselves.
+_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F64": torch.float64}
+# The GGML types qkv decodes itself, in PyTorch.
+QKV_DECODED_TYPES = (*_FLOATS, *_DECODERS)
+
+
+def gguf_version() -> str:
+    """The installed gguf package's version (``"0.19.0"``), or ``"?"``."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "?"
+
+
+@cache
+def _gguf_dequantizes(type_name: str) -> bool:
+    """Whether the installed gguf package's ``gguf.quants.dequantize`` reads a type: it
+    is asked to decode one block of zeros (what it raises for a type it lacks is its
+    NotImplementedError)."""
+    gguf = import_gguf()
+    qtype = gguf.GGMLQuantizationType[type_name]
+    _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        with np.errstate(all="ignore"):
+            gguf.quants.dequantize(np.zeros((1, block_bytes), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def gguf_weight_types() -> dict[str, str]:
+    """Every GGML type a tensor may have that :func:`read_gguf_tensors` expands, and
+    who decodes it: ``"qkv"`` (PyTorch decoders here: :data:`QKV_DECODED_TYPES`) or
+    ``"gguf"`` (the installed gguf package's ``gguf.quants.dequantize``: the IQ, TQ and
+    FP4 types, ...). Which types the second holds depends on the gguf version; integer
+    types (``I8`` ... ``I64``) are not weights and are never read."""
+    gguf = import_gguf()
+    return {t.name: "qkv" if t.name in QKV_DECODED_TYPES else "gguf"
+            for t in gguf.GGMLQuantizationType
+            if t.name in QKV_DECODED_TYPES or _gguf_dequantizes(t.name)}
+
+
+def _check_readable(path: Path, info: GGUFTensorInfo) -> None:
+    """One line if no decoder here or in the gguf package reads ``info``'s type."""
+    if info.type_name in QKV_DECODED_TYPES or _gguf_dequantizes(info.type_name):
+        return
+    what = ("integer data, not a weight type" if info.type_name.startswith("I")
+            and info.type_name[1:].isdigit() else
+            f"a type gguf {gguf_version()} cannot dequantize; a later gguf may "
+            "(pip install -U gguf)")
+    raise ValueError(f"{path}: tensor {info.name} is {info.type_name}, {what}; "
+                     f"readable: {', '.join(gguf_weight_types())}")
+
+
+def quantization_mix(header: GGUFHeader) -> str:
+    """The file's tensor types with their counts, most common first:
+    ``"Q4_K x 120, Q5_0 x 18, Q6_K x 12, F32 x 61"`` (a model card line)."""
+    counts = Counter(info.type_name for info in header.tensors.values())
+    return ", ".join(f"{name} x {n}" for name, n in counts.most_common())
 
 
 def _expand(path: Path, data: np.ndarray, info: GGUFTensorInfo, dtype: torch.dtype,
             gguf: Any) -> Tensor:
     """One tensor's bytes -> a contiguous tensor of ``info.shape`` and ``dtype``."""
-    # A copy of the bytes, out of the read-only map (torch wants writable memory).
-    raw = torch.from_numpy(np.array(data[info.offset:info.offset + info.nbytes]))
-    if info.type_name == "F32":
-        values = raw.view(torch.float32)
-    elif info.type_name in ("F16", "BF16"):
-        values = raw.view(getattr(torch, {"F16": "float16", "BF16": "bfloat16"}[
-            info.type_name])).float()
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[info.type_name]]
+    if info.type_name in QKV_DECODED_TYPES:
+        # A copy of the bytes, out of the read-only map (torch wants writable memory).
+        raw = torch.from_numpy(np.array(data[info.offset:info.offset + info.nbytes]))
+        if info.type_name in _FLOATS:
+            values = raw.view(_FLOATS[info.type_name])
+            values = values if values.dtype == torch.float64 else values.float()
+        else:
+            values = _DECODERS[info.type_name](raw.reshape(-1, block_bytes))
     else:
-        block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[info.type_name]][1]
-        values = _DECODERS[info.type_name](raw.reshape(-1, block_bytes))
+        # The gguf package's decoder, given whole rows (it works through them 16 at a
+        # time) straight from the map; its float32 result is the one expanded copy.
+        # Random or damaged scales make NumPy warn; such values are refused below.
+        rows = data[info.offset:info.offset + info.nbytes].reshape(
+            -1, info.shape[-1] // block * block_bytes)
+        with np.errstate(all="ignore"):
+            values = torch.from_numpy(gguf.quants.dequantize(
+                rows, gguf.GGMLQuantizationType[info.type_name]))
     tensor = values.reshape(info.shape).to(dtype)
     # NaN propagates through min and max, and an infinity is one of them: one pass,
     # cheaper than isfinite().all() over a large tensor; the count only on failure.

@@ -55,7 +55,7 @@ from ..data.tokenizers import (
     tokenizer_from_dict,
 )
 from ..models.gguf_model import gguf_config, gguf_state_dict
-from ..models.gguf_weights import read_gguf_header
+from ..models.gguf_weights import quantization_mix, read_gguf_header
 from ..models.gpt import (
     GPTConfig,
     GPTModel,
@@ -830,8 +830,10 @@ def _import_gguf(path: Path, origin: dict[str, str], run_dir: Path, dtype: torch
         raw = gguf_state_dict(path, header, config, dtype, max_bytes=budget)
         return {name: t.to(dtype) for name, t in convert(raw, fields).items()}
 
+    # The model card's line: what the file holds, as a user compares quantizations.
+    card = f"tensors in the file: {quantization_mix(header)}"
     return _save_import(cfg, {"model_type": str(config.get("model_type")), **origin},
-                        tokenizer, read, dtype, run_dir, overwrite, log)
+                        tokenizer, read, dtype, run_dir, overwrite, log, card)
 
 
 def _fit_tokenizer(tokenizer: HFTokenizer, cfg: GPTConfig, source: Path) -> HFTokenizer:
@@ -857,10 +859,12 @@ def _save_import(
     run_dir: Path,
     overwrite: bool,
     log: Callable[[str], None] | None,
+    card: str | None = None,
 ) -> LanguageModel:
     """Check memory, read the weights (``read(budget in bytes)``, qkv's names) into a
     model built without allocating its own, and save the run; ``origin`` (the model
-    type, and the source path or the repo id) is kept in the settings' ``extra``."""
+    type, and the source path or the repo id) is kept in the settings' ``extra``;
+    ``card``, a line about the source, is logged after the import's own."""
     source = origin.get("repo_id") or origin.get("source")
     n = cfg.num_parameters()
     item = torch.empty((), dtype=dtype).element_size()
@@ -889,4 +893,6 @@ def _save_import(
             "tokenizer": tokenizer.to_dict()})
         log(f"imported {_model_name(settings, n)} from {source} into {run_dir} "
             f"({str(dtype).removeprefix('torch.')})")
+        if card:
+            log(card)
     return LanguageModel(model, tokenizer, settings)
