@@ -389,3 +389,28 @@ def test_save_suite_measures_the_whole_checkpoint(tmp_path):
     assert 12 * params <= tiny["bytes"] < 12 * params + (1 << 20)
     assert tiny["cost_fraction"] == pytest.approx(tiny["seconds"]["median"] / 600)
     assert not (tmp_path / "save-bench-runs").exists()  # the checkpoints are removed
+
+
+def test_gguf_suite_imports_a_file_of_each_type(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    args = parse(["bench", "gguf", "--quick", "--types", "Q5_0", "IQ4_NL", "--repeats", "1",
+                  "--warmup", "0", "--out", str(tmp_path)])
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    assert "| Q5_0 " in out and "| IQ4_NL " in out
+    report = read_report(tmp_path / "gguf.json")
+    results = report["results"]
+    assert [results[t]["decoder"] for t in ("Q5_0", "IQ4_NL")] == ["qkv", "gguf"]
+    # The quick Llama: 512 x 256 tied embedding, 2 layers of q, o (256 x 256), k, v
+    # (256 x 256: 4 KV heads of 64), gate, up, down (512 x 256) and 2 norms, a final norm.
+    layer = 4 * 256 * 256 + 3 * 512 * 256 + 2 * 256
+    assert results["Q5_0"]["parameters"] == 512 * 256 + 2 * layer + 256
+    # Q5_0 is 22 bytes a block of 32 values, IQ4_NL 18, the norms 4 bytes a value
+    matrices = 512 * 256 + 2 * (layer - 2 * 256)
+    assert results["Q5_0"]["file_bytes"] > matrices // 32 * 22
+    assert results["IQ4_NL"]["file_bytes"] < results["Q5_0"]["file_bytes"]
+    assert "speedup_over_gguf" in results["Q5_0"] and "speedup_over_gguf" not in results["IQ4_NL"]
+    assert not (tmp_path / "gguf-bench-files").exists()
+    args = parse(["bench", "gguf", "--types", "Q9_9", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"type 'Q9_9' is not read; choose from F32, F16"):
+        args.run(args)

@@ -10,6 +10,8 @@
     qkv bench train                    # GPT training tokens/s and MFU, with and without
                                        # bfloat16, torch.compile, eager attention
     qkv bench save                     # what a periodic checkpoint costs a training run
+    qkv bench gguf                     # importing a 135M-parameter GGUF file of each
+                                       # tensor type (Q4_K, Q5_0, IQ4_XS, MXFP4, ...)
     qkv bench all --quick              # every suite on small shapes, in under two minutes
 
 Each suite prints markdown tables (medians, min-max, ratios, targets) and writes
@@ -26,7 +28,7 @@ from ..checks import check_threads, show
 from ..options import BENCH_DTYPES, MEMORY_MODES
 from ..utils.fileio import check_writable
 
-SUITES = ("attention", "generate", "translate", "data", "flops", "train", "save")
+SUITES = ("attention", "generate", "translate", "data", "flops", "train", "save", "gguf")
 # Most timed (or warm-up) runs per case: a median over more moves by less than the
 # machine's own noise, while each run costs the case's whole time again.
 MAX_REPEATS = 10_000
@@ -106,6 +108,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train_flags.add_argument("--vocab-size", type=int, default=None,
                              help="vocabulary of every preset (default: GPT-2's 50,257)")
 
+    gguf_flags = argparse.ArgumentParser(add_help=False)
+    gguf_flags.add_argument("--types", nargs="+", default=None, metavar="TYPE",
+                            help="GGML types to time, e.g. Q4_K Q5_0 IQ4_XS (default: every "
+                                 "type qkv reads with the installed gguf package)")
+
     suites = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
     helps = {
         "attention": "ten attention paths: forward and forward+backward time, peak memory",
@@ -121,11 +128,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                  "attention",
         "save": "Trainer.save of GPT presets with AdamW state: seconds, MiB/s and the share "
                 "of training a periodic checkpoint costs",
+        "gguf": "qkv lm import of a 135M-parameter GGUF file of each tensor type: "
+                "seconds, and qkv's decoders against the gguf package's",
         "all": "every suite, one after the other",
     }
     extra_flags = {"attention": [sweep_flag, compile_flag], "all": [sweep_flag, compile_flag],
                    "flops": [compile_flag], "train": [train_flags],
-                   "generate": [generate_flags]}
+                   "generate": [generate_flags], "gguf": [gguf_flags]}
     for name, text in helps.items():
         parents = [common, *extra_flags.get(name, [])]
         suite = suites.add_parser(name, parents=parents, help=text, description=text,
@@ -225,6 +234,15 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
         kwargs = _overrides(args, warmup=False)
         config = SaveBenchConfig.quick(**kwargs) if args.quick else SaveBenchConfig(**kwargs)
         return run_save(config, args.out)
+    if name == "gguf":
+        from ..bench.gguf_import import GGUFImportConfig, run_gguf_import
+
+        # A file is read and imported on the CPU, in float32 (the decoders' own type).
+        kwargs = _overrides(args)
+        if getattr(args, "types", None):  # (absent under "all")
+            kwargs["types"] = tuple(args.types)
+        config = GGUFImportConfig.quick(**kwargs) if args.quick else GGUFImportConfig(**kwargs)
+        return run_gguf_import(config, args.out)
     from ..bench.data import DataBenchConfig, run_data
 
     # Building a dataset is CPU work whatever --device says; there is no warm-up either:
