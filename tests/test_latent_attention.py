@@ -378,6 +378,19 @@ def test_cached_decoding_equals_the_full_forward(make, backend):
     torch.testing.assert_close(layer(x[:, :3], cache=cache), want[:, :3], rtol=0, atol=1e-11)
 
 
+def test_auto_absorbs_for_one_new_token_and_decompresses_for_more(monkeypatch):
+    layer = mla(backend="auto")
+    calls = []
+    for name in ("_absorbed", "_decompressed"):
+        method = getattr(layer, name)
+        monkeypatch.setattr(layer, name, lambda *a, name=name, method=method:
+                            calls.append(name) or method(*a))
+    cache = layer.new_cache(1, 8)
+    layer(inputs(3, 1), cache=cache)
+    layer(inputs(1, 1), cache=cache)
+    assert calls == ["_decompressed", "_absorbed"]
+
+
 def numbers_per_token(cache):
     """Numbers a cache holds per token and sequence, from its own buffers."""
     tensors = [v for v in vars(cache).values() if isinstance(v, torch.Tensor)]

@@ -417,8 +417,10 @@ class LightningIndexer(nn.Module):
         dtype = torch.promote_types(x.dtype, torch.float32)
         q = self.wq_b(c_q).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         q = self._rotate(q, cos, sin).to(dtype)  # (b, H, T, d_I)
+        # The 1 / sqrt(d_I) changes no ranking (a positive factor); it keeps the scores
+        # DeepSeek's. All H heads' scores at once, (b, H, T, T_k), as DeepSeek computes them.
         per_head = torch.relu(q @ keys.to(dtype)[:, None].transpose(-2, -1)
-                              * self.head_dim ** -0.5)  # (b, H, T, T_k)
+                              * self.head_dim ** -0.5)
         w = self.weights_proj(x).to(dtype) * self.num_heads ** -0.5  # (b, T, H)
         index = torch.einsum("bth,bhtu->btu", w, per_head)
         future = ~causal_mask(t, keys.shape[1], device=x.device)
