@@ -253,5 +253,5 @@ def test_config_round_trips_and_gpt2_configs_are_unchanged():
     assert GPTConfig.from_dict(json.loads(json.dumps(gemma.to_dict()))) == gemma
     with pytest.raises(ValueError, match="layer_types"):
         GPTConfig(n_layers=2, layer_types=["sliding"], window_size=4)
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
-        GPTConfig(rope=True, rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_scaling type 'longrope'"):
+        GPTConfig(rope=True, rope_scaling={"rope_type": "longrope", "factor": 2.0})

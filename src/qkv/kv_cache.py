@@ -10,6 +10,11 @@ With a sliding window of ``W`` positions, a query never looks further back than 
 tokens, so the cache is a ring of ``W`` slots: each new token overwrites the one that has
 just left every later query's window. Its memory stays ``W`` positions however long the
 generation runs.
+
+Multi-head latent attention (:mod:`qkv.latent_attention`) caches no per-head keys or
+values at all: :class:`LatentCache` keeps each token's compressed latent and its one RoPE
+key (and, for DeepSeek's sparse attention, the indexer's key), from which every head's
+keys and values can be recomputed or, in the absorbed form, never built.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from torch import Tensor
 
 from .checks import check_positive_int
 
-__all__ = ["KVCache", "kv_cache_bytes"]
+__all__ = ["KVCache", "LatentCache", "kv_cache_bytes"]
 
 
 def kv_cache_bytes(*, layers: int, kv_heads: int, head_dim: int, batch: int, tokens: int,
@@ -150,3 +155,94 @@ class KVCache:
         b, h, n, d = self.keys.shape
         ring = ", ring=True" if self.ring else ""
         return f"KVCache(batch={b}, heads={h}, max_len={n}, head_dim={d}, pos={self.pos}{ring})"
+
+
+class LatentCache:
+    """What one latent-attention layer keeps per token, ``(batch, max_len, width)``.
+
+    Args:
+        batch_size, max_len: the buffers' first two dimensions.
+        latent_dim: the width of the normalised latent ``c`` (``kv_lora_rank``).
+        rope_dim: the width of the rotated RoPE key shared by the heads
+            (``qk_rope_head_dim``).
+        index_dim: the width of DeepSeek sparse attention's index key
+            (``index_head_dim``); None (multi-head latent attention): no index keys.
+        dtype, device: of the buffers; match the layer's.
+
+    ``kv (batch, max_len, latent_dim + rope_dim)`` holds each token's latent followed by
+    its RoPE key, side by side so that the absorbed form attends to them as one key
+    without copying; ``index_keys (batch, max_len, index_dim)`` the index keys, or is
+    None. ``pos`` counts the tokens seen so far (the position of the next one).
+    :meth:`append` writes new tokens and returns what the new queries attend to.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_len: int,
+        latent_dim: int,
+        rope_dim: int,
+        *,
+        index_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        for name, size in (("batch_size", batch_size), ("latent_dim", latent_dim),
+                           ("rope_dim", rope_dim)):
+            check_positive_int(name, size)
+        check_positive_int("max_len", max_len, "number of tokens")
+        if index_dim is not None:
+            check_positive_int("index_dim", index_dim, "integer or None")
+        self.latent_dim, self.rope_dim = latent_dim, rope_dim
+        self.kv = torch.zeros(batch_size, max_len, latent_dim + rope_dim, dtype=dtype,
+                              device=device)
+        self.index_keys = None if index_dim is None else torch.zeros(
+            batch_size, max_len, index_dim, dtype=dtype, device=device)
+        self.pos = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def stored(self) -> int:
+        """Positions held now: ``pos``."""
+        return self.pos
+
+    def append(self, kv: Tensor, index_keys: Tensor | None = None
+               ) -> tuple[Tensor, Tensor | None]:
+        """Store ``kv (batch, T_new, latent_dim + rope_dim)`` (and, when the cache holds
+        them, ``index_keys (batch, T_new, index_dim)``); return views of every position
+        stored, in order: ``kv (batch, pos, latent_dim + rope_dim)`` and the index keys
+        ``(batch, pos, index_dim)`` or None."""
+        batch, _, width = self.kv.shape
+        if kv.dim() != 3 or kv.shape[0] != batch or kv.shape[2] != width:
+            raise ValueError(f"cache holds batch {batch} x {width} numbers per token, got kv "
+                             f"of shape {tuple(kv.shape)}")
+        if (index_keys is None) != (self.index_keys is None):
+            raise ValueError("this cache holds index keys: pass them" if index_keys is None
+                             else "this cache holds no index keys (index_dim=None)")
+        if index_keys is not None:
+            want = (*kv.shape[:2], self.index_keys.shape[2])
+            if tuple(index_keys.shape) != want:
+                raise ValueError(f"index_keys must have shape {want}, got "
+                                 f"{tuple(index_keys.shape)}")
+        end = self.pos + kv.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"latent cache is full: {self.pos} tokens stored + {kv.shape[1]} "
+                             f"new > max_len={self.max_len}; reset() it or make a longer one")
+        self.kv[:, self.pos : end] = kv
+        if index_keys is not None:
+            self.index_keys[:, self.pos : end] = index_keys
+        self.pos = end
+        return self.kv[:, :end], None if self.index_keys is None else self.index_keys[:, :end]
+
+    def reset(self) -> None:
+        """Forget every stored token; the buffers are reused."""
+        self.pos = 0
+
+    def __repr__(self) -> str:
+        b, n, _ = self.kv.shape
+        index = "" if self.index_keys is None else f", index_dim={self.index_keys.shape[2]}"
+        return (f"LatentCache(batch={b}, max_len={n}, latent_dim={self.latent_dim}, "
+                f"rope_dim={self.rope_dim}{index}, pos={self.pos})")
