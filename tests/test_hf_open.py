@@ -578,9 +578,11 @@ def test_a_tensor_in_two_shards_is_refused(shards, data_reads):
     ({"model_type": "phi3"}, r"model_type 'phi3' is not supported; qkv reads gpt2, llama, "
                              r"mistral, qwen2, qwen3, gemma3_text"),
     ({"model_type": None}, r"model_type None is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-     r"config.json: rope_parameters.rope_type='yarn' is not supported; qkv reproduces "
-     r"'default', 'linear', 'llama3'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+     r"config.json: rope_parameters.rope_type='longrope' is not supported; qkv reproduces "
+     r"'default', 'linear', 'llama3', 'yarn'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 1.0}},
+     r"config.json: rope_parameters: beta_slow \(1.0\) must be below beta_fast \(1.0\)"),
     ({"rope_scaling": None, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
      r"rope_type='dynamic'"),
     ({"rope_scaling": {"rope_type": "linear"}}, r"rope_parameters.factor must be a finite "
@@ -603,7 +605,7 @@ def test_a_tensor_in_two_shards_is_refused(shards, data_reads):
     ({"quantization_config": {"quant_method": "bitsandbytes"}},
      r"quantization_config=an object with 1 key\(s\) is not supported"),
     ({"rope_parameters": {"full_attention": {"rope_theta": 1e4}}},
-     r"rope_parameters per layer type are read for gemma3_text only, not llama"),
+     r"rope_parameters per layer type are read for gemma3_text, olmo3 only, not llama"),
 ])
 def test_llama_configs_qkv_cannot_reproduce_are_one_line_errors(changes, match):
     config = {**CASES["llama3.2"], **changes}

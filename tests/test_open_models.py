@@ -49,6 +49,23 @@ FAMILIES = {
         **COMMON, head_dim=32, sliding_window=6, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
+    # YaRN as Qwen3's long-context configs set it: cos and sin scaled by about 1.139
+    "qwen3-yarn": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    # NoPE: layer 1 has no positions at all
+    "smollm3": lambda: transformers.SmolLM3Config(**COMMON, no_rope_layers=[1, 0, 1],
+                                                  pad_token_id=0, bos_token_id=0,
+                                                  attention_bias=True),
+    # OLMo 3: norms after each sub-layer only, the QK-norm over all heads at once,
+    # two sliding layers then a full one; YaRN on the full one
+    "olmo3": lambda: transformers.Olmo3Config(
+        **COMMON, sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0,
+                                            "original_max_position_embeddings": 128,
+                                            "rope_theta": 500_000.0},
+                         "sliding_attention": {"rope_type": "default",
+                                               "rope_theta": 500_000.0}}),
 }
 
 

@@ -62,6 +62,10 @@ __all__ = [
     "GELU",
     "RMSNorm",
     "make_norm",
+    "AcrossHeads",
+    "ATTENTION_KINDS",
+    "LAYOUT_KEYS",
+    "LayerSpec",
     "GPTConfig",
     "GPTModel",
     "LayerNorm",
@@ -86,6 +90,36 @@ __all__ = [
 NORMS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
 MLPS = ("gelu", "swiglu", "geglu")
 LAYER_TYPES = ("sliding", "full")
+# What an entry of GPTConfig.layout may say of its layer (its window is layer_types'):
+#   "attention": the attention class, a key of ATTENTION_KINDS (default "mha");
+#   "rope": False for a layer without positions ("NoPE": SmolLM3, Llama 4; default
+#       cfg.rope);
+#   "mlp": "dense" (cfg.mlp's MLP) or "moe" (cfg.moe's mixture of experts);
+#   "kv_source": for "shared_kv" layers, the earlier layer whose keys and values they use.
+LAYOUT_KEYS = ("attention", "rope", "mlp", "kv_source")
+LAYER_MLPS = ("dense", "moe")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer's makeup, as :meth:`GPTConfig.layer_spec` resolves it from the config.
+
+    Attributes:
+        attention: the attention class's name in :data:`ATTENTION_KINDS`.
+        window: the sliding window in tokens, or None (every earlier token).
+        rope: whether the layer rotates its queries and keys (False: no positions).
+        rope_base, rope_scaling: its RoPE frequencies (:meth:`GPTConfig.layer_rope`).
+        mlp: ``"dense"`` or ``"moe"``.
+        kv_source: the layer whose keys and values a ``"shared_kv"`` layer attends with.
+    """
+
+    attention: str = "mha"
+    window: int | None = None
+    rope: bool = False
+    rope_base: float = 10_000.0
+    rope_scaling: dict[str, Any] | None = None
+    mlp: str = "dense"
+    kv_source: int | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -183,6 +217,25 @@ class GPTConfig:
             "llama3", ...}`` (:func:`qkv.positional.check_rope_scaling`); with
             ``rope_local_base`` it applies to the full layers only, as in Gemma 3.
         embed_scale: multiply the token embeddings by ``sqrt(emb_dim)`` (Gemma).
+
+    The models of 2025-26 mix kinds of layers. What differs from layer to layer beyond
+    its window is one entry per layer in ``layout``; what a kind needs is declared once:
+
+    Attributes:
+        layout: per layer, a dict of :data:`LAYOUT_KEYS`: its attention class
+            (``{"attention": "mha"}``, a key of :data:`ATTENTION_KINDS`), RoPE or none
+            (``{"rope": False}``), a dense MLP or experts (``{"mlp": "moe"}``); a key
+            left out takes the model-wide choice. None: every layer ``"mha"`` and dense,
+            as before (:meth:`layer_spec` resolves a layer).
+        attention_options: per attention kind other than ``"mha"``, the options its
+            class takes beside the model-wide sizes (``{"latent": {"kv_lora_rank": 512,
+            ...}}``).
+        moe: the mixture of experts' options (:class:`qkv.models.moe.MoE`) for layers
+            with ``"mlp": "moe"``.
+        pre_norms: normalise each sub-layer's input (default); False with
+            ``post_norms``: only its output (OLMo 2 and 3).
+        qk_norm_full: the QK-norm spans all heads of the projection at once (OLMo 2 and
+            3) instead of each head.
     """
 
     vocab_size: int = 50257
@@ -211,6 +264,11 @@ class GPTConfig:
     rope_local_base: float | None = None
     rope_scaling: dict[str, Any] | None = None
     embed_scale: bool = False
+    layout: list[dict[str, Any]] | None = None
+    attention_options: dict[str, dict[str, Any]] | None = None
+    moe: dict[str, Any] | None = None
+    pre_norms: bool = True
+    qk_norm_full: bool = False
 
     def __post_init__(self) -> None:
         # The cap keeps every dimension an int32; whether the model fits in memory is a
@@ -221,7 +279,7 @@ class GPTConfig:
             if getattr(self, name) is not None:
                 check_int(f"GPTConfig.{name}", getattr(self, name), 1, MAX_SIZE)
         for name in ("qkv_bias", "tie_weights", "rope", "post_norms", "mlp_bias", "out_bias",
-                     "qk_norm", "embed_scale"):
+                     "qk_norm", "embed_scale", "pre_norms", "qk_norm_full"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"GPTConfig.{name} must be True or False, got {show(getattr(self, name))}"
@@ -267,6 +325,61 @@ class GPTConfig:
         if self.rope and self.attention_head_dim % 2:
             raise ValueError(f"GPTConfig.rope needs an even head size, got "
                              f"{self.attention_head_dim}")
+        if not self.pre_norms and not self.post_norms:
+            raise ValueError("GPTConfig.pre_norms=False needs post_norms=True: a block "
+                             "normalises its sub-layers' inputs, outputs or both")
+        if self.qk_norm_full and not self.qk_norm:
+            raise ValueError("GPTConfig.qk_norm_full needs qk_norm=True")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """``layout``, ``attention_options`` and ``moe``: their structure, one line each
+        (each class checks its own options when it is built)."""
+        for name in ("attention_options", "moe"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"GPTConfig.{name} must be an object or None, got "
+                                 f"{show(value)}")
+        for kind, options in (self.attention_options or {}).items():
+            if kind not in ATTENTION_KINDS or kind == "mha" or not isinstance(options, dict):
+                raise ValueError(f"GPTConfig.attention_options maps an attention kind "
+                                 f"({', '.join(k for k in ATTENTION_KINDS if k != 'mha')}) "
+                                 f"to its options, got {show(kind)}: {show(options)}")
+        if self.layout is None:
+            return
+        if not isinstance(self.layout, (list, tuple)) or len(self.layout) != self.n_layers:
+            raise ValueError(f"GPTConfig.layout must list one entry per layer "
+                             f"({self.n_layers}), got {show(self.layout)}")
+        self.layout = [dict(entry) if isinstance(entry, dict) else entry
+                       for entry in self.layout]
+        for i, entry in enumerate(self.layout):
+            where = f"GPTConfig.layout[{i}]"
+            if not isinstance(entry, dict) or set(entry) - set(LAYOUT_KEYS):
+                raise ValueError(f"{where} must be an object of {', '.join(LAYOUT_KEYS)}, "
+                                 f"got {show(entry)}")
+            kind = entry.get("attention", "mha")
+            if kind not in ATTENTION_KINDS:
+                raise ValueError(f"{where}.attention is {show(kind)}; choose one of "
+                                 f"{', '.join(ATTENTION_KINDS)}")
+            if "rope" in entry and (not isinstance(entry["rope"], bool)
+                                    or (entry["rope"] and not self.rope)):
+                raise ValueError(f"{where}.rope must be True or False, and True only when "
+                                 f"GPTConfig.rope is; got {show(entry['rope'])}")
+            if entry.get("mlp", "dense") not in LAYER_MLPS:
+                raise ValueError(f"{where}.mlp is {show(entry['mlp'])}; choose one of "
+                                 f"{', '.join(LAYER_MLPS)}")
+            if entry.get("mlp") == "moe" and self.moe is None:
+                raise ValueError(f"{where}.mlp is 'moe' but GPTConfig.moe is None")
+            source = entry.get("kv_source")
+            if (kind == "shared_kv") != (source is not None):
+                raise ValueError(f"{where}: a 'shared_kv' layer, and only one, names its "
+                                 f"kv_source; got attention {show(kind)}, kv_source "
+                                 f"{show(source)}")
+            if source is not None:
+                check_int(f"{where}.kv_source", source, 0, i - 1)
+                if self.layout[source].get("attention", "mha") == "shared_kv":
+                    raise ValueError(f"{where}.kv_source is layer {source}, which computes "
+                                     "no keys and values of its own")
 
     # Per-layer choices, read by the blocks as they are built.
 
@@ -293,6 +406,16 @@ class GPTConfig:
         if self.rope_local_base is not None and self.layer_window(layer) is not None:
             return self.rope_local_base, None
         return self.rope_base, self.rope_scaling
+
+    def layer_spec(self, layer: int) -> LayerSpec:
+        """Everything layer ``layer`` is built from: its ``layout`` entry, with what it
+        leaves out taken from the model-wide fields."""
+        entry = self.layout[layer] if self.layout is not None else {}
+        rope_base, rope_scaling = self.layer_rope(layer)
+        return LayerSpec(attention=entry.get("attention", "mha"),
+                         window=self.layer_window(layer), rope=entry.get("rope", self.rope),
+                         rope_base=rope_base, rope_scaling=rope_scaling,
+                         mlp=entry.get("mlp", "dense"), kv_source=entry.get("kv_source"))
 
     # Sizes, from the model this config builds, made on the "meta" device: shapes
     # without storage, so nothing is allocated and no second description of the
@@ -540,16 +663,71 @@ class GatedFeedForward(nn.Module):
         return self.fc3
 
 
+class AcrossHeads(nn.Module):
+    """A norm over every head of a projection at once (OLMo 2 and 3's QK-norm), where
+    :class:`qkv.MultiHeadAttention` hands its ``q_norm`` one head at a time: the heads
+    are laid side by side, normalised together and split again.
+
+    Shapes: ``(batch, heads, T, head_dim) -> (batch, heads, T, head_dim)``; ``norm``
+    normalises ``heads * head_dim`` features.
+    """
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, h, t, d = x.shape
+        side_by_side = x.transpose(1, 2).reshape(b, t, h * d)
+        return self.norm(side_by_side).view(b, t, h, d).transpose(1, 2)
+
+
+def _qk_norm(cfg: GPTConfig, heads: int) -> nn.Module | None:
+    """The norm of ``heads`` query or key heads that ``cfg.qk_norm`` asks for, or None."""
+    if not cfg.qk_norm:
+        return None
+    head_dim = cfg.attention_head_dim
+    if cfg.qk_norm_full:
+        return AcrossHeads(make_norm(cfg, heads * head_dim))
+    return make_norm(cfg, head_dim)
+
+
+def _mha_arguments(cfg: GPTConfig, spec: LayerSpec) -> dict[str, Any]:
+    """:class:`qkv.MultiHeadAttention`'s arguments for a layer of ``cfg``: the ones the
+    classes built on it (sinks, gates, shared keys and values) share."""
+    return dict(d_in=cfg.emb_dim, d_out=cfg.emb_dim, context_length=cfg.context_length,
+                dropout=cfg.drop_rate, num_heads=cfg.n_heads, qkv_bias=cfg.qkv_bias,
+                out_bias=cfg.out_bias, num_kv_groups=cfg.n_kv_groups, window_size=spec.window,
+                rope=spec.rope, rope_base=spec.rope_base, rope_scaling=spec.rope_scaling,
+                head_dim=cfg.head_dim, q_norm=_qk_norm(cfg, cfg.n_heads),
+                k_norm=_qk_norm(cfg, cfg.kv_heads), scale=cfg.query_scale)
+
+
+def _mha(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
+    return MultiHeadAttention(**_mha_arguments(cfg, spec))
+
+
+# Attention kind (GPTConfig.layout's "attention") -> how a layer of that kind is built
+# from the config and the layer's spec. A new mechanism is a class in the attention core
+# and one entry here.
+_ATTENTION_BUILDERS: dict[str, Callable[[GPTConfig, LayerSpec], nn.Module]] = {
+    "mha": _mha,
+}
+ATTENTION_KINDS = tuple(_ATTENTION_BUILDERS)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm decoder block: ``x + attn(norm1(x))``, then ``x + ff(norm2(x))``.
 
     Normalising before each sub-layer (GPT-2's order) keeps the residual path an identity,
     which is what lets deep stacks train. Dropout is applied to each branch before it is
     added back ("shortcut dropout"). With ``cfg.post_norms`` (Gemma 3) each branch is
-    normalised once more before it is added: ``x + post_norm1(attn(norm1(x)))``.
+    normalised once more before it is added: ``x + post_norm1(attn(norm1(x)))``; with
+    ``cfg.pre_norms=False`` as well (OLMo 2 and 3) only then: ``x + post_norm1(attn(x))``
+    (``norm1`` and ``norm2`` are identities).
 
-    ``layer`` is the block's index in the model: it picks the layer's window and RoPE
-    base where they differ between layers (:meth:`GPTConfig.layer_window`).
+    ``layer`` is the block's index in the model: its :meth:`GPTConfig.layer_spec` picks
+    the attention class (:data:`ATTENTION_KINDS`), window, RoPE and MLP.
 
     Shapes: ``(batch, T, emb_dim) -> (batch, T, emb_dim)``.
     """
@@ -557,29 +735,11 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: GPTConfig | Mapping[str, Any], layer: int = 0) -> None:
         super().__init__()
         cfg = _as_config(cfg)
-        rope_base, rope_scaling = cfg.layer_rope(layer)
-        head_dim = cfg.attention_head_dim
-        self.att = MultiHeadAttention(
-            d_in=cfg.emb_dim,
-            d_out=cfg.emb_dim,
-            context_length=cfg.context_length,
-            dropout=cfg.drop_rate,
-            num_heads=cfg.n_heads,
-            qkv_bias=cfg.qkv_bias,
-            out_bias=cfg.out_bias,
-            num_kv_groups=cfg.n_kv_groups,
-            window_size=cfg.layer_window(layer),
-            rope=cfg.rope,
-            rope_base=rope_base,
-            rope_scaling=rope_scaling,
-            head_dim=cfg.head_dim,
-            q_norm=make_norm(cfg, head_dim) if cfg.qk_norm else None,
-            k_norm=make_norm(cfg, head_dim) if cfg.qk_norm else None,
-            scale=cfg.query_scale,
-        )
+        self.spec = spec = cfg.layer_spec(layer)
+        self.att = _ATTENTION_BUILDERS[spec.attention](cfg, spec)
         self.ff = FeedForward(cfg) if cfg.mlp == "gelu" else GatedFeedForward(cfg)
-        self.norm1 = make_norm(cfg)
-        self.norm2 = make_norm(cfg)
+        self.norm1 = make_norm(cfg) if cfg.pre_norms else nn.Identity()
+        self.norm2 = make_norm(cfg) if cfg.pre_norms else nn.Identity()
         self.post_norm1 = make_norm(cfg) if cfg.post_norms else None
         self.post_norm2 = make_norm(cfg) if cfg.post_norms else None
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)

@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from ..checks import MAX_SIZE, check_bool, check_float, check_int, parse_json, show
+from ..positional import check_rope_scaling
 from ..utils.fileio import fsync_dir, read_regular, temp_path
 from .hf_gpt2 import HF_CONFIG, HF_SAFETENSORS, gpt2_fields
 from .hub import WEIGHTS_INDEX
@@ -61,14 +62,18 @@ __all__ = ["SUPPORTED_TYPES", "config_fields", "expected_tensors", "to_qkv",
            "read_open_config", "read_open_weights", "hf_config", "field_difference",
            "from_qkv", "write_hf_folder"]
 
-SUPPORTED_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3",
+                   "olmo3")
 _MAX_CONFIG_BYTES = 1 << 20
 _MAX_INDEX_BYTES = 16 << 20  # an index of a 70B model is ~100 KB
 # safetensors' dtype names of the weights qkv reads (its header's "dtype").
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # Hugging Face activation name -> GPTConfig.mlp (the gate's activation).
 _MLPS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu"}
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# YaRN's optional keys (qkv.positional.check_rope_scaling fills their defaults).
+_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+              "truncate")
 # transformers' layer kinds -> GPTConfig.layer_types', and back.
 _LAYER_KINDS = {"sliding_attention": "sliding", "full_attention": "full"}
 _LAYER_TYPES = {ours: theirs for theirs, ours in _LAYER_KINDS.items()}
@@ -104,7 +109,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                     "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
                     "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
                     "rope_local_base_freq": 10_000.0, "use_bidirectional_attention": False},
+    "smollm3": {"vocab_size": 128_256, "hidden_size": 2048, "intermediate_size": 11008,
+                "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4,
+                "max_position_embeddings": 32768, "tie_word_embeddings": True,
+                "sliding_window": None, "no_rope_layer_interval": 4},
+    "olmo3": {"vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008,
+              "num_hidden_layers": 32, "num_attention_heads": 32,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
 }
+# The families whose RoPE may differ between sliding and full layers (rope_parameters
+# holds one dict per layer type).
+_ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
 
 
 def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -153,8 +168,8 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: {act_key}={show(get(act_key))} is not supported; qkv "
                          f"reproduces {', '.join(map(repr, _MLPS))}")
     # Which projections carry biases is fixed by each family's modeling code.
-    attention_bias = flag("attention_bias") if kind in ("llama", "qwen3", "gemma3_text") \
-        else False
+    attention_bias = flag("attention_bias") if kind in ("llama", "qwen3", "gemma3_text",
+                                                         "smollm3", "olmo3") else False
     context = size("max_position_embeddings")
     kinds, window = _layer_kinds(config, kind, n_layers, get, where)
     full, local = _rope(config, kind, context, get, where)
@@ -171,7 +186,7 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         rope_local_base = local[0]
     else:
         rope_local_base = None
-    gemma = kind == "gemma3_text"
+    gemma, olmo = kind == "gemma3_text", kind == "olmo3"
     return {
         "vocab_size": size("vocab_size"), "context_length": context, "emb_dim": emb_dim,
         "n_heads": n_heads, "n_layers": n_layers, "drop_rate": 0.0,
@@ -179,16 +194,37 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         "head_dim": None if head_dim * n_heads == emb_dim else head_dim,
         "hidden_dim": size("intermediate_size"), "mlp": mlp,
         "qkv_bias": kind == "qwen2" or attention_bias, "out_bias": attention_bias,
-        "mlp_bias": flag("mlp_bias") if kind == "llama" else False,
+        "mlp_bias": flag("mlp_bias") if kind in ("llama", "smollm3") else False,
         "norm": "gemma_rmsnorm" if gemma else "rmsnorm", "norm_eps": positive("rms_norm_eps"),
-        "post_norms": gemma, "qk_norm": kind in ("qwen3", "gemma3_text"),
+        "post_norms": gemma or olmo, "pre_norms": not olmo,
+        "qk_norm": kind in ("qwen3", "gemma3_text", "olmo3"), "qk_norm_full": olmo,
         "query_scale": positive("query_pre_attn_scalar") ** -0.5 if gemma else None,
         "embed_scale": gemma, "tie_weights": flag("tie_word_embeddings"),
         "window_size": window if "sliding" in kinds else None,
         "layer_types": kinds if len(set(kinds)) > 1 else None,
         "rope": True, "rope_base": full[0], "rope_scaling": full[1],
         "rope_local_base": rope_local_base,
+        "layout": _nope_layout(config, n_layers, get, where) if kind == "smollm3" else None,
     }
+
+
+def _nope_layout(config: Mapping[str, Any], n_layers: int, get: Any,
+                 where: str) -> list[dict[str, Any]] | None:
+    """SmolLM3's layers without RoPE as a ``GPTConfig.layout`` (None when every layer
+    rotates): ``no_rope_layers`` (1 rotates, 0 does not), or every
+    ``no_rope_layer_interval``-th layer when it is absent."""
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        every = check_int(f"{where}: no_rope_layer_interval", get("no_rope_layer_interval"),
+                          1, MAX_SIZE)
+        flags = [int((i + 1) % every != 0) for i in range(n_layers)]
+    if not (isinstance(flags, list) and len(flags) == n_layers
+            and all(f in (0, 1) and not isinstance(f, float) for f in flags)):
+        raise ValueError(f"{where}: no_rope_layers must list 0 or 1 for each of the "
+                         f"{n_layers} layers, got {show(flags)}")
+    if all(flags):
+        return None
+    return [{} if rotates else {"rope": False} for rotates in flags]
 
 
 def _layer_kinds(config: Mapping[str, Any], kind: str, n_layers: int, get: Any,
@@ -202,6 +238,12 @@ def _layer_kinds(config: Mapping[str, Any], kind: str, n_layers: int, get: Any,
         check_int(f"{where}: sliding_window", window, 1, MAX_SIZE)
     if kind == "mistral":  # MistralModel windows every layer and ignores layer_types
         return ["sliding"] * n_layers, window
+    if kind == "smollm3":
+        if not check_bool(f"{where}: use_sliding_window", get("use_sliding_window")):
+            window = None
+        if config.get("layer_types") is None:  # the NoPE layers are the windowed ones
+            layout = _nope_layout(config, n_layers, get, where) or [{}] * n_layers
+            return ["sliding" if "rope" in entry else "full" for entry in layout], window
     if kind in ("qwen2", "qwen3") and not check_bool(f"{where}: use_sliding_window",
                                                      get("use_sliding_window")):
         window = None
@@ -237,9 +279,9 @@ def _rope(config: Mapping[str, Any], kind: str, context: int, get: Any,
         if value is not None and not isinstance(value, dict):
             raise ValueError(f"{where}: {name} must be an object or null, got {show(value)}")
     nested = isinstance(params, dict) and any(k in _LAYER_KINDS for k in params)
-    if kind == "gemma3_text":
+    if kind in _ROPE_PER_LAYER_TYPE:
         if params and not nested:
-            raise ValueError(f"{where}: gemma3_text rope_parameters must map "
+            raise ValueError(f"{where}: {kind} rope_parameters must map "
                              f"{', '.join(_LAYER_KINDS)} to their parameters")
         params = params or {}
         for name in _LAYER_KINDS:
@@ -249,13 +291,14 @@ def _rope(config: Mapping[str, Any], kind: str, context: int, get: Any,
         full = {**(params.get("full_attention") or {}), **(scaling or {})}
         local = dict(params.get("sliding_attention") or {})
         full.setdefault("rope_theta", get("rope_theta"))
-        local.setdefault("rope_theta", get("rope_local_base_freq"))
+        local.setdefault("rope_theta", get("rope_local_base_freq" if kind == "gemma3_text"
+                                           else "rope_theta"))
         named = (("rope_parameters.full_attention", full),
                  ("rope_parameters.sliding_attention", local))
     else:
         if nested:
             raise ValueError(f"{where}: rope_parameters per layer type are read for "
-                             f"gemma3_text only, not {kind}")
+                             f"{', '.join(_ROPE_PER_LAYER_TYPE)} only, not {kind}")
         full = dict(scaling or params or {})
         full.setdefault("rope_theta", get("rope_theta"))
         if "original_max_position_embeddings" in config:  # transformers lets it win
@@ -287,6 +330,17 @@ def _rope_fields(rope: Mapping[str, Any], context: int, where: str) -> _Rope:
 
     if rope_type == "linear":
         return base, {"rope_type": "linear", "factor": positive("factor")}
+    if rope_type == "yarn":
+        # transformers' reading: the original context defaults to the model's, a factor
+        # left out is the context's stretch over it
+        original = check_int(f"{where}.original_max_position_embeddings",
+                             rope.get("original_max_position_embeddings", context), 1,
+                             MAX_SIZE)
+        factor = positive("factor") if rope.get("factor") is not None else context / original
+        return base, check_rope_scaling({
+            **{k: rope[k] for k in _YARN_KEYS if rope.get(k) is not None},
+            "rope_type": "yarn", "factor": factor,
+            "original_max_position_embeddings": original}, where)
     low, high = positive("low_freq_factor"), positive("high_freq_factor")
     if high <= low:
         raise ValueError(f"{where}: high_freq_factor ({high}) must exceed low_freq_factor "
@@ -412,19 +466,25 @@ def _names(fields: Mapping[str, Any]) -> Iterator[tuple[str, str, tuple[int, ...
     yield "model.embed_tokens.weight", "tok_emb.weight", (V, d)
     for i in range(L):
         hf, ours = f"model.layers.{i}", f"trf_blocks.{i}"
-        yield f"{hf}.input_layernorm.weight", f"{ours}.norm1.scale", (d,)
+        if fields.get("pre_norms", True):
+            yield f"{hf}.input_layernorm.weight", f"{ours}.norm1.scale", (d,)
         for theirs, name, rows in (("q_proj", "W_query", H * hd), ("k_proj", "W_key", kv * hd),
                                    ("v_proj", "W_value", kv * hd)):
             yield f"{hf}.self_attn.{theirs}.weight", f"{ours}.att.{name}.weight", (rows, d)
             if fields["qkv_bias"]:
                 yield f"{hf}.self_attn.{theirs}.bias", f"{ours}.att.{name}.bias", (rows,)
-        if fields["qk_norm"]:
+        if fields["qk_norm"] and fields.get("qk_norm_full"):  # OLMo: over all heads
+            yield f"{hf}.self_attn.q_norm.weight", f"{ours}.att.q_norm.norm.scale", (H * hd,)
+            yield f"{hf}.self_attn.k_norm.weight", f"{ours}.att.k_norm.norm.scale", (kv * hd,)
+        elif fields["qk_norm"]:
             yield f"{hf}.self_attn.q_norm.weight", f"{ours}.att.q_norm.scale", (hd,)
             yield f"{hf}.self_attn.k_norm.weight", f"{ours}.att.k_norm.scale", (hd,)
         yield f"{hf}.self_attn.o_proj.weight", f"{ours}.att.out_proj.weight", (d, H * hd)
         if fields["out_bias"]:
             yield f"{hf}.self_attn.o_proj.bias", f"{ours}.att.out_proj.bias", (d,)
-        if fields["post_norms"]:  # Gemma 3: a norm after attention, one before the MLP
+        if not fields.get("pre_norms", True):  # OLMo: norms after the sub-layers only
+            yield f"{hf}.post_attention_layernorm.weight", f"{ours}.post_norm1.scale", (d,)
+        elif fields["post_norms"]:  # Gemma 3: a norm after attention, one before the MLP
             yield f"{hf}.post_attention_layernorm.weight", f"{ours}.post_norm1.scale", (d,)
             yield f"{hf}.pre_feedforward_layernorm.weight", f"{ours}.norm2.scale", (d,)
         else:
