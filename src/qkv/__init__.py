@@ -25,6 +25,8 @@ _SOURCES = {
          "softmax_naive", "softmax_stable"), ".functional"),
     "KVCache": ".kv_cache",
     "MultiHeadAttention": ".multihead",
+    **dict.fromkeys(("SinkAttention", "GatedAttention", "SharedKVAttention", "KVHandoff"),
+                    ".attention_variants"),
     "PositionalEncoding": ".positional",
     "AdditiveAttention": ".scoring",
     "DotProductAttention": ".scoring",
