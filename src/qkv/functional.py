@@ -546,21 +546,25 @@ def attention(
             visible and has a zero value. A query's weights over the real keys then sum
             to ``1 / (1 + exp(sink - logsumexp(scores)))``, below one: the head may
             attend to "nothing". The eager path appends the sink as one more column of
-            the scores; the fused one as one more key (see :func:`_sink_as_a_key`).
+            the scores; the fused one as one more key (see :func:`_sink_as_a_key`),
+            except for a single query, whose row of scores is cheaper.
 
     Queries with no key to attend to get zero output and zero gradient (with sinks:
     all their weight goes to the sink, whose value is zero).
     """
     # Checked before anything is allocated, once for both backends.
     groups = _query_groups(query, key, value)
-    if groups > 1 and (need_weights or not _SDPA_HAS_GQA):
-        key = key.repeat_interleave(groups, dim=-3)
-        value = value.repeat_interleave(groups, dim=-3)
-        groups = 1
     mask = _checked_mask(mask, _scores_shape(query, key, value, groups))
     if sinks is not None:
         _check_sinks(sinks, query)
     num_queries, num_keys = query.shape[-2], key.shape[-2]
+    # With sinks, one query (a decoding step) needs only its row of scores per head: far
+    # less than the fused path's copy of every cached key and value to add the sink key.
+    eager = need_weights or (sinks is not None and num_queries == 1)
+    if groups > 1 and (eager or not _SDPA_HAS_GQA):
+        key = key.repeat_interleave(groups, dim=-3)
+        value = value.repeat_interleave(groups, dim=-3)
+        groups = 1
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
 
     # PyTorch's is_causal is aligned top-left, so it only means "causal" when
@@ -582,7 +586,7 @@ def attention(
                               window=window if banded else None)
             mask = tri if mask is None else mask & tri
 
-    if need_weights:
+    if eager:
         # Scale the (T, d) queries rather than the (T, T) scores; the scores are ours, so
         # the mask is written into them: three passes over T x T in all.
         scores = (query * scale) @ key.transpose(-2, -1)
@@ -592,7 +596,7 @@ def attention(
         else:
             weights = _softmax_with_sinks(scores, mask, sinks)
         dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-        return dropped @ value, weights
+        return dropped @ value, weights if need_weights else None
 
     if sinks is not None:
         query, key, value, mask = _sink_as_a_key(query * scale, key, value, mask, sinks)
