@@ -327,7 +327,7 @@ class MoE(nn.Module):
             token, slot = torch.where(experts == e)  # the tokens that chose e, and where
             if len(token):
                 routed = weights[token, slot, None] * self.experts.expert(e, x[token])
-                out = out.index_add(0, token, routed)
+                out.index_add_(0, token, routed)
         return out
 
     def _routed_grouped(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
@@ -343,7 +343,7 @@ class MoE(nn.Module):
         if not outs:  # no tokens at all
             return torch.zeros_like(x)
         routed = torch.cat(outs) * weights.flatten()[order, None]
-        return torch.zeros_like(x).index_add(0, token, routed)
+        return torch.zeros_like(x).index_add_(0, token, routed)
 
     def active_parameters(self) -> int:
         """Parameters one token runs through: the router, the shared expert (and its gate)
