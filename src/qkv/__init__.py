@@ -28,6 +28,8 @@ _SOURCES = {
     "MultiHeadAttention": ".multihead",
     "LatentAttention": ".latent_attention",
     "SparseLatentAttention": ".latent_attention",
+    **dict.fromkeys(("SinkAttention", "GatedAttention", "SharedKVAttention", "KVHandoff"),
+                    ".attention_variants"),
     "PositionalEncoding": ".positional",
     "AdditiveAttention": ".scoring",
     "DotProductAttention": ".scoring",

@@ -444,6 +444,60 @@ def _masked_softmax(
     return weights if row_ok is None else weights * row_ok
 
 
+def _check_sinks(sinks: Any, query: Tensor) -> None:
+    """One-line error unless ``sinks`` is a floating ``(heads,)`` tensor for ``query``'s
+    heads (its dim -3)."""
+    heads = query.shape[-3] if query.dim() >= 3 else None
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating tensor of shape ({heads},) (one logit per "
+                        f"query head), got {type(sinks).__name__}"
+                        + (f" of dtype {sinks.dtype}" if isinstance(sinks, Tensor) else ""))
+    if heads is None or tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape (heads,) = ({heads},), one per query head "
+                         f"(query's dim -3), got {tuple(sinks.shape)}")
+
+
+def _softmax_with_sinks(scores: Tensor, keep: Tensor | None, sinks: Tensor) -> Tensor:
+    """Softmax over the keys and one sink per head, the sink's weight left out.
+
+    ``scores (..., heads, T_q, T_k)`` (filled in place where ``keep`` is False),
+    ``sinks (heads,) -> weights (..., heads, T_q, T_k)``. The sink is one more column of
+    scores, always kept: the denominator is ``sum_j exp(s_j) + exp(sink)``, so each row
+    sums to less than one, and a row with every key masked is all zeros (no guard needed).
+    """
+    if keep is not None:
+        scores.masked_fill_(~keep, float("-inf"))
+    sink_column = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+    with_sink = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)
+    return with_sink[..., :-1]
+
+
+def _sink_as_a_key(scaled_query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                   sinks: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The sinks as one more key, for a kernel that knows no sinks; exact.
+
+    Each head gets one extra dimension and one extra key at the end: the queries' new
+    dimension holds their head's sink logit, the keys' holds 0 and the extra key is
+    ``(0, ..., 0, 1)``, so a real key scores ``q . k`` as before and the extra key
+    scores exactly ``sink``, in every query head, even where key heads are shared
+    (GQA). Its value is zero and every query may see it. The mask stays boolean and
+    shared by the heads.
+
+    ``scaled_query (..., H, T_q, d)`` (already multiplied by the softmax scale),
+    ``key (..., G, T_k, d)``, ``value (..., G, T_k, d_v)``, ``mask`` broadcastable to
+    ``(..., T_q, T_k)`` -> ``(..., H, T_q, d + 1)``, ``(..., G, T_k + 1, d + 1)``,
+    ``(..., G, T_k + 1, d_v)``, mask ``(..., T_q, T_k + 1)`` (or None).
+    """
+    sink_dim = sinks.to(scaled_query.dtype)[:, None, None].expand(*scaled_query.shape[:-1], 1)
+    query = torch.cat((scaled_query, sink_dim), dim=-1)
+    key = F.pad(key, (0, 1, 0, 1))  # a zero column for the sink, a zero row for its key
+    key[..., -1, -1] = 1.0
+    value = F.pad(value, (0, 0, 0, 1))
+    if mask is not None:
+        mask = F.pad(mask, (0, 1), value=True)
+    return query, key, value, mask
+
+
 # ---------------------------------------------------------------------------
 # 3. The scaled dot-product kernel
 # ---------------------------------------------------------------------------
@@ -460,6 +514,7 @@ def attention(
     scale: float | None = None,
     need_weights: bool = False,
     window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Scaled dot-product attention ``softmax(q k^T * scale) v``, masked.
 
@@ -486,17 +541,30 @@ def attention(
         need_weights: run the eager path and also return the weights (before
             dropout). Otherwise the fused PyTorch kernel runs and no ``T_q x T_k``
             matrix is kept for the backward pass.
+        sinks: learned attention sinks (gpt-oss), ``(heads,)``: one logit per query head
+            (dim -3) that joins every softmax denominator as a key that is always
+            visible and has a zero value. A query's weights over the real keys then sum
+            to ``1 / (1 + exp(sink - logsumexp(scores)))``, below one: the head may
+            attend to "nothing". The eager path appends the sink as one more column of
+            the scores; the fused one as one more key (see :func:`_sink_as_a_key`),
+            except for a single query, whose row of scores is cheaper.
 
-    Queries with no key to attend to get zero output and zero gradient.
+    Queries with no key to attend to get zero output and zero gradient (with sinks:
+    all their weight goes to the sink, whose value is zero).
     """
     # Checked before anything is allocated, once for both backends.
     groups = _query_groups(query, key, value)
-    if groups > 1 and (need_weights or not _SDPA_HAS_GQA):
+    mask = _checked_mask(mask, _scores_shape(query, key, value, groups))
+    if sinks is not None:
+        _check_sinks(sinks, query)
+    num_queries, num_keys = query.shape[-2], key.shape[-2]
+    # With sinks, one query (a decoding step) needs only its row of scores per head: far
+    # less than the fused path's copy of every cached key and value to add the sink key.
+    eager = need_weights or (sinks is not None and num_queries == 1)
+    if groups > 1 and (eager or not _SDPA_HAS_GQA):
         key = key.repeat_interleave(groups, dim=-3)
         value = value.repeat_interleave(groups, dim=-3)
         groups = 1
-    mask = _checked_mask(mask, _scores_shape(query, key, value, groups))
-    num_queries, num_keys = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
 
     # PyTorch's is_causal is aligned top-left, so it only means "causal" when
@@ -510,24 +578,31 @@ def attention(
     # With at most `window` keys, every query sees all it would see anyway: no band.
     banded = window is not None and num_keys > window
     if causal and (num_queries > 1 or banded):
-        if mask is None and num_queries == num_keys and not need_weights and not banded:
+        if (mask is None and num_queries == num_keys and not need_weights and not banded
+                and sinks is None):
             use_is_causal = True
         else:
             tri = causal_mask(num_queries, num_keys, device=query.device,
                               window=window if banded else None)
             mask = tri if mask is None else mask & tri
 
-    if need_weights:
+    if eager:
         # Scale the (T, d) queries rather than the (T, T) scores; the scores are ours, so
         # the mask is written into them: three passes over T x T in all.
         scores = (query * scale) @ key.transpose(-2, -1)
-        weights = _masked_softmax(scores, mask, in_place=True,
-                                  may_have_empty_rows=may_have_empty_rows)
+        if sinks is None:
+            weights = _masked_softmax(scores, mask, in_place=True,
+                                      may_have_empty_rows=may_have_empty_rows)
+        else:
+            weights = _softmax_with_sinks(scores, mask, sinks)
         dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-        return dropped @ value, weights
+        return dropped @ value, weights if need_weights else None
 
+    if sinks is not None:
+        query, key, value, mask = _sink_as_a_key(query * scale, key, value, mask, sinks)
+        scale = 1.0  # the queries carry it now
     row_ok = None
-    if mask is not None:
+    if mask is not None and sinks is None:  # a sink is always there to attend to
         mask, row_ok = _guard_empty_rows(mask)
     out = F.scaled_dot_product_attention(
         query,

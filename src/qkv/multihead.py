@@ -251,6 +251,34 @@ class MultiHeadAttention(nn.Module):
         Returns:
             ``(batch, T_q, d_out)``, or ``(output, weights)`` with ``need_weights``.
         """
+        past = cache.pos if cache is not None else 0
+        ring = cache is not None and cache.ring
+        key, value, mask = self._prepare(x, key, value, valid_lens=valid_lens,
+                                         key_padding_mask=key_padding_mask, past=past, ring=ring)
+        q = self._split_heads(self.W_query(x))
+        k = self._split_heads(self.W_key(key))
+        v = self._split_heads(self.W_value(value))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.rope:  # rotated at their absolute positions, before they are cached
+            q, k = self._rotate(q, past), self._rotate(k, past)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        out, weights = self._attend(q, k, v, mask=mask, ring=ring, need_weights=need_weights)
+        out = self.out_proj(self._merge_heads(out))
+        return (out, weights) if need_weights else out
+
+    # The steps of forward that the attention classes built on this one share
+    # (qkv.attention_variants): each writes its own forward from them.
+
+    def _prepare(self, x: Tensor, key: Tensor | None, value: Tensor | None, *,
+                 valid_lens: Tensor | None, key_padding_mask: Tensor | None, past: int,
+                 ring: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Check a call before any projection runs; return ``key`` and ``value`` (``x``
+        for self-attention) and the padding's keep mask ``(batch, 1, 1 or T_q, T_k)`` or
+        None. ``past``: tokens already cached; ``ring``: the cache is a ring."""
         _check_input("x", x, self.d_in)
         batch, num_queries, _ = x.shape
         if (self.rope or self.window_size is not None) and (key is not None or
@@ -267,9 +295,6 @@ class MultiHeadAttention(nn.Module):
                 f"x {tuple(x.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
                 "must share the batch size, and key and value the number of tokens"
             )
-
-        past = cache.pos if cache is not None else 0
-        ring = cache is not None and cache.ring
         # A ring cache forgets what left the window, so only the new tokens count.
         span = num_queries if ring else past + num_queries
         if self.context_length is not None and span > self.context_length:
@@ -280,43 +305,44 @@ class MultiHeadAttention(nn.Module):
         if ring and (valid_lens is not None or key_padding_mask is not None):
             raise ValueError("padding masks index keys by position; a ring cache does not "
                              "keep them in order: pad nothing, or use a plain cache")
-
-        # The padding is checked before any projection runs; with a cache the keys are
-        # the stored ones followed by the new.
+        # With a cache the keys are the stored ones followed by the new.
         mask = self._key_mask(valid_lens, key_padding_mask, batch, num_queries,
                               past + key.shape[1], x.device)
-        q = self._split_heads(self.W_query(x))
-        k = self._split_heads(self.W_key(key))
-        v = self._split_heads(self.W_value(value))
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        if self.rope:  # rotated at their absolute positions, before they are cached
-            cos, sin = self._rope_table(past + num_queries, q.dtype, q.device)
-            cos, sin = cos[past:], sin[past:]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.append(k, v)
+        return key, value, mask
+
+    def _rotate(self, t: Tensor, past: int) -> Tensor:
+        """RoPE on queries or keys ``t (batch, heads, T, head_dim)`` at positions ``past,
+        past + 1, ...``."""
+        cos, sin = self._rope_table(past + t.shape[-2], t.dtype, t.device)
+        return apply_rope(t, cos[past:], sin[past:])
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, ring: bool,
+                need_weights: bool, **kernel: Any) -> tuple[Tensor, Tensor | None]:
+        """The kernel on ``q (batch, heads, T_q, head_dim)`` and the keys and values
+        ``(batch, kv_heads, T_k, head_dim)`` to attend to, with this layer's causality,
+        window, scale, dropout and backend; ``kernel``: more of
+        :func:`qkv.functional.attention`'s arguments. Returns ``(batch, heads, T_q,
+        head_dim)`` and the weights (with ``need_weights`` or the eager backend)."""
         # One new token against a ring sees every slot: all are in its window, in slot
         # order, where a band drawn by position would be wrong.
-        window = None if ring and num_queries == 1 else self.window_size
-
-        want_weights = need_weights or self.backend == "eager"
-        out, weights = attention(
+        window = None if ring and q.shape[-2] == 1 else self.window_size
+        return attention(
             q,
             k,
             v,
             mask=mask,
             causal=self.causal,
             dropout_p=self.dropout.p if self.training else 0.0,
-            need_weights=want_weights,
+            need_weights=need_weights or self.backend == "eager",
             window=window,
             scale=self.scale,
+            **kernel,
         )
-        # (b, heads, T, head_dim) -> (b, T, heads * head_dim) -> (b, T, d_out)
-        out = self.out_proj(out.transpose(1, 2).reshape(batch, num_queries, self.inner_dim))
-        return (out, weights) if need_weights else out
+
+    def _merge_heads(self, out: Tensor) -> Tensor:
+        # (b, heads, T, head_dim) -> (b, T, heads * head_dim)
+        batch, _, num_queries, _ = out.shape
+        return out.transpose(1, 2).reshape(batch, num_queries, self.inner_dim)
 
     def _rope_table(self, length: int, dtype: torch.dtype, device: torch.device
                     ) -> tuple[Tensor, Tensor]:
