@@ -194,6 +194,7 @@ class LatentCache:
         if index_dim is not None:
             check_positive_int("index_dim", index_dim, "integer or None")
         self.latent_dim, self.rope_dim = latent_dim, rope_dim
+        self.ring = False  # every position is kept: latent attention has no window
         self.kv = torch.zeros(batch_size, max_len, latent_dim + rope_dim, dtype=dtype,
                               device=device)
         self.index_keys = None if index_dim is None else torch.zeros(

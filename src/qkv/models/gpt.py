@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..attention_variants import GatedAttention, KVHandoff, SharedKVAttention, SinkAttention
 from ..checks import (
     MAX_SIZE,
     check_dropout,
@@ -45,11 +46,13 @@ from ..checks import (
     small_divisors,
 )
 from ..kernels import unavailable_reason
-from ..kv_cache import KVCache, kv_cache_bytes
+from ..kv_cache import KVCache
+from ..latent_attention import LatentAttention, SparseLatentAttention
 from ..multihead import MultiHeadAttention
 from ..options import GPT_PRESETS as PRESETS
 from ..options import MAX_NEW_TOKENS
 from ..positional import check_rope_scaling
+from .moe import MoE
 from .native_decode import DTYPES as NATIVE_DTYPES
 from .native_decode import NativeDecoder
 
@@ -431,15 +434,29 @@ class GPTConfig:
         """Number of parameters of ``GPTModel(self)`` (a tied head counts once)."""
         return sum(p.numel() for p in self.meta_model().parameters())
 
+    def num_saved_values(self) -> int:
+        """Numbers a checkpoint of ``GPTModel(self)`` holds: its parameters (a tied head
+        once) and its persistent buffers (DeepSeek's expert-choice bias)."""
+        model = self.meta_model()
+        return (sum(p.numel() for p in model.parameters())
+                + sum(b.numel() for name, b in model.named_buffers()
+                      if name in model.state_dict()))
+
     def kv_cache_bytes(self, batch_size: int, tokens: int, *, bytes_per_value: int = 4) -> int:
-        """Bytes of the KV cache that decoding ``tokens`` positions for ``batch_size``
-        sequences holds: each layer's key/value heads per position, at most its window's
-        positions for a sliding layer (see :func:`qkv.kv_cache.kv_cache_bytes`)."""
-        return sum(
-            kv_cache_bytes(layers=1, kv_heads=block.att.num_kv_groups,
-                           head_dim=block.att.head_dim, batch=batch_size, tokens=tokens,
-                           window=block.att.window_size, bytes_per_value=bytes_per_value)
-            for block in self.meta_model().trf_blocks)
+        """Bytes of the caches that decoding ``tokens`` positions for ``batch_size``
+        sequences holds: every layer's own cache (its attention's ``new_cache``) made on
+        the ``meta`` device and its buffers counted, ``bytes_per_value`` each. So each
+        kind counts what it keeps: key/value heads (a sliding layer at most its window),
+        latent attention's latent and RoPE key, nothing for a layer sharing another's."""
+        check_int("batch_size", batch_size, 1, MAX_SIZE)
+        check_int("tokens", tokens, 1, MAX_SIZE)
+        check_int("bytes_per_value", bytes_per_value, 1, 8)
+        values = 0
+        for block in self.meta_model().trf_blocks:
+            cache = block.att.new_cache(batch_size, tokens)
+            if cache is not None:
+                values += sum(t.numel() for t in vars(cache).values() if isinstance(t, Tensor))
+        return values * bytes_per_value
 
     def training_flops_per_token(self, tokens: int | None = None) -> float:
         """Floating-point operations of one training step per token of a ``tokens``-long
@@ -703,17 +720,59 @@ def _mha_arguments(cfg: GPTConfig, spec: LayerSpec) -> dict[str, Any]:
                 k_norm=_qk_norm(cfg, cfg.kv_heads), scale=cfg.query_scale)
 
 
+def _options(cfg: GPTConfig, kind: str) -> dict[str, Any]:
+    """The options ``cfg.attention_options`` gives attention kind ``kind`` ({} if none)."""
+    return dict((cfg.attention_options or {}).get(kind, {}))
+
+
 def _mha(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
     return MultiHeadAttention(**_mha_arguments(cfg, spec))
+
+
+def _sink(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
+    return SinkAttention(**_mha_arguments(cfg, spec))
+
+
+def _gated(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
+    return GatedAttention(**_mha_arguments(cfg, spec), **_options(cfg, "gated"))
+
+
+def _shared_kv(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
+    arguments = _mha_arguments(cfg, spec)
+    del arguments["k_norm"]  # the keys are the source layer's, normalised there
+    return SharedKVAttention(**arguments)
+
+
+def _latent(cfg: GPTConfig, spec: LayerSpec, kind: str = "latent") -> nn.Module:
+    cls = LatentAttention if kind == "latent" else SparseLatentAttention
+    return cls(cfg.emb_dim, cfg.n_heads, context_length=cfg.context_length,
+               dropout=cfg.drop_rate, bias=cfg.qkv_bias, rope_base=spec.rope_base,
+               rope_scaling=spec.rope_scaling, **_options(cfg, kind))
+
+
+def _sparse_latent(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
+    return _latent(cfg, spec, "sparse_latent")
 
 
 # Attention kind (GPTConfig.layout's "attention") -> how a layer of that kind is built
 # from the config and the layer's spec. A new mechanism is a class in the attention core
 # and one entry here.
 _ATTENTION_BUILDERS: dict[str, Callable[[GPTConfig, LayerSpec], nn.Module]] = {
-    "mha": _mha,
+    "mha": _mha,  # multi-head, grouped-query or multi-query attention
+    "sink": _sink,  # with a learned sink logit per head (gpt-oss)
+    "gated": _gated,  # its output gated per head (Qwen3-Next, Qwen3.5)
+    "shared_kv": _shared_kv,  # queries only, an earlier layer's keys and values (Gemma 4)
+    "latent": _latent,  # multi-head latent attention (DeepSeek-V2/V3, Kimi K2)
+    "sparse_latent": _sparse_latent,  # with DeepSeek's sparse top-k selection (V3.2)
 }
 ATTENTION_KINDS = tuple(_ATTENTION_BUILDERS)
+
+
+def _feed_forward(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
+    """The layer's MLP: ``cfg.mlp``'s dense one, or ``cfg.moe``'s experts."""
+    if spec.mlp == "moe":
+        return MoE(cfg.emb_dim, **(cfg.moe or {}))
+    return FeedForward(cfg) if cfg.mlp == "gelu" else GatedFeedForward(cfg)
 
 
 class TransformerBlock(nn.Module):
@@ -737,7 +796,7 @@ class TransformerBlock(nn.Module):
         cfg = _as_config(cfg)
         self.spec = spec = cfg.layer_spec(layer)
         self.att = _ATTENTION_BUILDERS[spec.attention](cfg, spec)
-        self.ff = FeedForward(cfg) if cfg.mlp == "gelu" else GatedFeedForward(cfg)
+        self.ff = _feed_forward(cfg, spec)
         self.norm1 = make_norm(cfg) if cfg.pre_norms else nn.Identity()
         self.norm2 = make_norm(cfg) if cfg.pre_norms else nn.Identity()
         self.post_norm1 = make_norm(cfg) if cfg.post_norms else None
@@ -745,10 +804,20 @@ class TransformerBlock(nn.Module):
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
 
     def forward(
-        self, x: Tensor, *, cache: KVCache | None = None, need_weights: bool = False
+        self, x: Tensor, *, cache: Any = None, shared: KVHandoff | None = None,
+        need_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """``x (batch, T, emb_dim)``; with ``need_weights`` also ``(batch, heads, T, T_k)``."""
-        attended = self.att(self.norm1(x), cache=cache, need_weights=need_weights)
+        """``x (batch, T, emb_dim)``; with ``need_weights`` also ``(batch, heads, T, T_k)``.
+
+        ``cache`` is the layer's own (its attention's ``new_cache``); a ``"shared_kv"``
+        layer has none and takes its source layer's keys and values as ``shared``."""
+        if self.spec.attention == "shared_kv":
+            if shared is None:
+                raise ValueError("a shared_kv layer needs the KVHandoff of its kv_source "
+                                 "layer (GPTModel.forward passes it)")
+            attended = self.att(self.norm1(x), shared, need_weights=need_weights)
+        else:
+            attended = self.att(self.norm1(x), cache=cache, need_weights=need_weights)
         weights = None
         if need_weights:
             attended, weights = attended
@@ -792,6 +861,9 @@ class GPTModel(nn.Module):
         self.pos_emb = None if cfg.rope else nn.Embedding(cfg.context_length, cfg.emb_dim)
         self.drop_emb = nn.Dropout(cfg.drop_rate)
         self.trf_blocks = nn.Sequential(*[TransformerBlock(cfg, i) for i in range(cfg.n_layers)])
+        # layers whose keys and values later ("shared_kv") layers attend with
+        self.kv_sources = frozenset(block.spec.kv_source for block in self.trf_blocks
+                                    if block.spec.kv_source is not None)
         self.final_norm = make_norm(cfg)
         self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
@@ -860,13 +932,20 @@ class GPTModel(nn.Module):
         else:
             x = self.drop_emb(embed_tokens(self.tok_emb, self.pos_emb, idx, start))
         all_weights = []
+        # The layers whose keys and values later layers share hand them over through a
+        # KVHandoff wrapped around their cache (held once, in the source's cache).
+        handoffs: dict[int, KVHandoff] = {}
         for i, block in enumerate(self.trf_blocks):
             cache = caches[i] if caches is not None else None
+            if i in self.kv_sources:
+                cache = handoffs[i] = KVHandoff(cache)
+            source = block.spec.kv_source
+            shared = handoffs[source] if source is not None else None
             if need_weights:
-                x, weights = block(x, cache=cache, need_weights=True)
+                x, weights = block(x, cache=cache, shared=shared, need_weights=True)
                 all_weights.append(weights)
             else:
-                x = block(x, cache=cache)
+                x = block(x, cache=cache, shared=shared)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = self.out_head(self.final_norm(x))
@@ -1158,7 +1237,7 @@ def generate(
             # sizes its ring to its window whatever max_len says.)
             max_len = min(context_size, idx.shape[1] + max_new_tokens)
             caches = model.new_caches(idx.shape[0], max_len)
-        endless = (caches is not None and all(c.ring for c in caches)
+        endless = (caches is not None and all(c.ring for c in caches if c is not None)
                    and getattr(model, "pos_emb", True) is None)
         decoder = NativeDecoder(model, caches) if use_native else None
         finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)

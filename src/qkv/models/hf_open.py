@@ -45,7 +45,7 @@ import math
 import os
 import shutil
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,11 @@ __all__ = ["SUPPORTED_TYPES", "config_fields", "expected_tensors", "to_qkv",
            "from_qkv", "write_hf_folder"]
 
 SUPPORTED_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3",
-                   "olmo3")
+                   "olmo3", "gpt_oss", "deepseek_v3", "deepseek_v32")
+# The families whose layers are not all multi-head attention and a dense MLP: their
+# GPTConfig has a layout, and their tensors' names follow from the modules it builds.
+_MIXED = ("gpt_oss", "deepseek_v3", "deepseek_v32")
+_DEEPSEEK = ("deepseek_v3", "deepseek_v32")
 _MAX_CONFIG_BYTES = 1 << 20
 _MAX_INDEX_BYTES = 16 << 20  # an index of a 70B model is ~100 KB
 # safetensors' dtype names of the weights qkv reads (its header's "dtype").
@@ -116,7 +120,23 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "olmo3": {"vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008,
               "num_hidden_layers": 32, "num_attention_heads": 32,
               "max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+    "gpt_oss": {"vocab_size": 201_088, "hidden_size": 2880, "intermediate_size": 2880,
+                "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
+                "head_dim": 64, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-5,
+                "sliding_window": 128, "attention_bias": True, "num_local_experts": 128,
+                "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+    "deepseek_v3": {"vocab_size": 129_280, "hidden_size": 7168, "intermediate_size": 18432,
+                    "num_hidden_layers": 61, "num_attention_heads": 128,
+                    "max_position_embeddings": 4096, "moe_intermediate_size": 2048,
+                    "n_shared_experts": 1, "n_routed_experts": 256,
+                    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+                    "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+                    "first_k_dense_replace": 3, "norm_topk_prob": True,
+                    "rope_interleave": True},
 }
+_DEFAULTS["deepseek_v32"] = {**_DEFAULTS["deepseek_v3"], "max_position_embeddings": 163_840,
+                             "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64}
 # The families whose RoPE may differ between sliding and full layers (rope_parameters
 # holds one dict per layer type).
 _ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
@@ -168,8 +188,7 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: {act_key}={show(get(act_key))} is not supported; qkv "
                          f"reproduces {', '.join(map(repr, _MLPS))}")
     # Which projections carry biases is fixed by each family's modeling code.
-    attention_bias = flag("attention_bias") if kind in ("llama", "qwen3", "gemma3_text",
-                                                         "smollm3", "olmo3") else False
+    attention_bias = flag("attention_bias") if kind not in ("qwen2", "mistral") else False
     context = size("max_position_embeddings")
     kinds, window = _layer_kinds(config, kind, n_layers, get, where)
     full, local = _rope(config, kind, context, get, where)
@@ -205,7 +224,58 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         "rope": True, "rope_base": full[0], "rope_scaling": full[1],
         "rope_local_base": rope_local_base,
         "layout": _nope_layout(config, n_layers, get, where) if kind == "smollm3" else None,
+        **(_mixed_layers(kind, n_layers, get, where) if kind in _MIXED else {}),
     }
+
+
+def _mixed_layers(kind: str, n_layers: int, get: Any, where: str) -> dict[str, Any]:
+    """The ``layout``, ``attention_options`` and ``moe`` fields of a family whose layers
+    are not plain attention and a dense MLP: gpt-oss (sinks, experts in every layer),
+    DeepSeek-V3 (latent attention; experts after the first ``first_k_dense_replace``
+    layers) and V3.2 (sparse latent attention; ``mlp_layer_types``)."""
+    def size(name: str, lo: int = 1) -> int:
+        return check_int(f"{where}: {name}", get(name), lo, MAX_SIZE)
+
+    def number(name: str) -> float:
+        return check_float(f"{where}: {name}", get(name), 0.0, lo_open=True)
+
+    if kind == "gpt_oss":
+        moe = {"hidden_dim": size("intermediate_size"), "num_experts": size("num_local_experts"),
+               "top_k": size("num_experts_per_tok"), "score": "softmax",
+               "norm_topk_prob": True, "router_bias": True, "expert_bias": True,
+               "activation": "clamped_swiglu", "swiglu_alpha": number("swiglu_alpha"),
+               "swiglu_limit": number("swiglu_limit")}
+        return {"layout": [{"attention": "sink", "mlp": "moe"}] * n_layers, "moe": moe}
+    latent = {"kv_lora_rank": size("kv_lora_rank"),
+              "q_lora_rank": None if get("q_lora_rank") is None else size("q_lora_rank"),
+              "qk_nope_head_dim": size("qk_nope_head_dim"),
+              "qk_rope_head_dim": size("qk_rope_head_dim"), "v_head_dim": size("v_head_dim"),
+              "rope_interleave": (check_bool(f"{where}: rope_interleave", get("rope_interleave"))
+                                  if kind == "deepseek_v3" else True)}
+    shared = size("n_shared_experts", 0)
+    moe = {"hidden_dim": size("moe_intermediate_size"), "num_experts": size("n_routed_experts"),
+           "top_k": size("num_experts_per_tok"), "score": "sigmoid",
+           "norm_topk_prob": check_bool(f"{where}: norm_topk_prob", get("norm_topk_prob")),
+           "routed_scaling_factor": number("routed_scaling_factor"),
+           "n_group": size("n_group"), "topk_group": size("topk_group"),
+           "score_correction_bias": True,
+           "shared_hidden_dim": shared * size("moe_intermediate_size") if shared else None}
+    dense = min(size("first_k_dense_replace", 0), n_layers)
+    mlps = ["dense"] * dense + ["moe"] * (n_layers - dense)
+    if kind == "deepseek_v3":
+        return {"layout": [{"attention": "latent", "mlp": m} for m in mlps],
+                "attention_options": {"latent": latent}, "moe": moe}
+    declared = get("mlp_layer_types")
+    if declared is not None:
+        if not (isinstance(declared, list) and len(declared) == n_layers
+                and all(t in ("dense", "sparse") for t in declared)):
+            raise ValueError(f"{where}: mlp_layer_types must list 'dense' or 'sparse' for "
+                             f"each of the {n_layers} layers, got {show(declared)}")
+        mlps = ["moe" if t == "sparse" else "dense" for t in declared]
+    sparse = {**latent, "index_n_heads": size("index_n_heads"),
+              "index_head_dim": size("index_head_dim"), "index_topk": size("index_topk")}
+    return {"layout": [{"attention": "sparse_latent", "mlp": m} for m in mlps],
+            "attention_options": {"sparse_latent": sparse}, "moe": moe}
 
 
 def _nope_layout(config: Mapping[str, Any], n_layers: int, get: Any,
@@ -231,7 +301,7 @@ def _layer_kinds(config: Mapping[str, Any], kind: str, n_layers: int, get: Any,
                  where: str) -> tuple[list[str], int | None]:
     """Each layer's kind as the config declares it ("sliding" or "full") and the window
     in tokens (``None``: no layer is windowed, whatever the kinds say)."""
-    if kind == "llama":
+    if kind in ("llama", *_DEEPSEEK):
         return ["full"] * n_layers, None
     window = get("sliding_window")
     if window is not None:
@@ -254,6 +324,8 @@ def _layer_kinds(config: Mapping[str, Any], kind: str, n_layers: int, get: Any,
             raise ValueError(f"{where}: layer_types must list {n_layers} of "
                              f"{', '.join(map(repr, _LAYER_KINDS))}, got {show(declared)}")
         return [_LAYER_KINDS[k] for k in declared], window
+    if kind == "gpt_oss":  # GptOssConfig's default: sliding and full layers alternate
+        return ["sliding" if (i + 1) % 2 else "full" for i in range(n_layers)], window
     if kind == "gemma3_text":  # older configs: every pattern-th layer is a full one
         pattern = check_int(f"{where}: sliding_window_pattern", get("sliding_window_pattern"),
                             1, MAX_SIZE)
@@ -452,9 +524,151 @@ def _resolved(fields: Mapping[str, Any]) -> dict[str, Any]:
             "query_scale": fields["query_scale"] or head_dim ** -0.5}
 
 
+# A block's tensors of a model with a layout: qkv's name (after "trf_blocks.{i}.") ->
+# Hugging Face's (after "model.layers.{i}."), the first prefix that matches. Latent
+# attention's modules already carry Hugging Face's names; so do the experts' 3-D tensors.
+_BLOCK_NAMES = (
+    ("norm1.scale", "input_layernorm.weight"),
+    ("norm2.scale", "post_attention_layernorm.weight"),
+    ("att.W_query.", "self_attn.q_proj."), ("att.W_key.", "self_attn.k_proj."),
+    ("att.W_value.", "self_attn.v_proj."), ("att.out_proj.", "self_attn.o_proj."),
+    ("att.", "self_attn."),
+    ("ff.fc1.", "mlp.gate_proj."), ("ff.fc2.", "mlp.up_proj."), ("ff.fc3.", "mlp.down_proj."),
+    ("ff.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
+    ("ff.shared_expert.fc1.", "mlp.shared_experts.gate_proj."),
+    ("ff.shared_expert.fc2.", "mlp.shared_experts.up_proj."),
+    ("ff.shared_expert.fc3.", "mlp.shared_experts.down_proj."),
+    ("ff.", "mlp."),
+)
+# gpt-oss, the family whose router and experts have biases, names its router "router"
+# (the others "gate") and stores its experts transposed, gate and up columns interleaved.
+_GPT_OSS_NAMES = (("ff.router.", "mlp.router."),)
+_OTHER_NAMES = (("ff.router.", "mlp.gate."),)
+
+
+def _gpt_oss_experts(name: str) -> tuple[Any, Any] | None:
+    """``(to qkv, to Hugging Face)`` for a gpt-oss expert tensor named ``name`` (qkv's
+    name), or None: qkv's ``gate_up_proj (E, 2I, d)`` is gate rows then up rows, gpt-oss's
+    ``(E, d, 2I)`` has them in alternate columns; ``down_proj`` is transposed."""
+    if name.endswith("experts.gate_up_proj"):
+        return (lambda w: torch.cat((w[..., 0::2], w[..., 1::2]), dim=-1).transpose(1, 2),
+                lambda w: torch.stack(w.transpose(1, 2).chunk(2, dim=-1), dim=-1).flatten(-2))
+    if name.endswith("experts.gate_up_proj_bias"):
+        return (lambda b: torch.cat((b[..., 0::2], b[..., 1::2]), dim=-1),
+                lambda b: torch.stack(b.chunk(2, dim=-1), dim=-1).flatten(-2))
+    if name.endswith("experts.down_proj"):
+        return (lambda w: w.transpose(1, 2), lambda w: w.transpose(1, 2))
+    return None
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """One tensor as a Hugging Face folder stores it, and where it goes in qkv's model.
+
+    ``piece`` is ``(expert, half)`` when the stored tensor is one expert's slice of a
+    qkv 3-D expert tensor (DeepSeek and Qwen store ``experts.{e}.gate_proj.weight``,
+    ``up_proj`` and ``down_proj``: half 0 and 1 of ``gate_up_proj``'s rows, or None for
+    ``down_proj``); ``transform`` is ``(to qkv, to Hugging Face)`` for a tensor stored in
+    another layout (gpt-oss's experts)."""
+
+    hf: str
+    ours: str
+    shape: tuple[int, ...]
+    piece: tuple[int, int | None] | None = None
+    transform: tuple[Any, Any] | None = None
+
+
+def _layout_meta_model(fields: Mapping[str, Any]) -> Any:
+    """``GPTModel(fields)`` on the ``meta`` device: every tensor's name and shape."""
+    from .gpt import GPTConfig, GPTModel
+
+    with torch.device("meta"):
+        return GPTModel(GPTConfig.from_dict(fields))
+
+
+def _layout_tensors(fields: Mapping[str, Any]) -> Iterator[_Stored]:
+    """Every tensor a folder of a model of ``fields`` with a layout holds, derived from
+    the model itself built on the ``meta`` device: its state dict's names mapped by
+    :data:`_BLOCK_NAMES`, experts split per expert (or transposed, for gpt-oss)."""
+    gpt_oss = bool((fields.get("moe") or {}).get("expert_bias"))
+    rules = (*(_GPT_OSS_NAMES if gpt_oss else _OTHER_NAMES), *_BLOCK_NAMES)
+    top = {"tok_emb.weight": "model.embed_tokens.weight", "final_norm.scale": "model.norm.weight",
+           "out_head.weight": "lm_head.weight"}
+    for name, tensor in _layout_meta_model(fields).state_dict().items():
+        shape = tuple(tensor.shape)
+        if name in top:
+            if name != "out_head.weight" or not fields["tie_weights"]:
+                yield _Stored(top[name], name, shape)
+            continue
+        _, layer, rest = name.split(".", 2)  # trf_blocks.{i}.rest
+        ours, theirs = next((a, b) for a, b in rules if rest.startswith(a))
+        hf = f"model.layers.{layer}.{theirs}{rest[len(ours):]}"
+        transform = _gpt_oss_experts(name) if gpt_oss else None
+        if transform is not None:
+            stored = tuple(transform[1](torch.empty(shape, device="meta")).shape)
+            yield _Stored(hf, name, stored, transform=transform)
+        elif name.endswith("experts.gate_up_proj"):
+            experts, rows, width = shape
+            for e in range(experts):
+                for half, proj in enumerate(("gate_proj", "up_proj")):
+                    yield _Stored(f"{hf[:-len('gate_up_proj')]}{e}.{proj}.weight", name,
+                                  (rows // 2, width), (e, half))
+        elif name.endswith("experts.down_proj"):
+            for e in range(shape[0]):
+                yield _Stored(f"{hf}"[:-len("down_proj")] + f"{e}.down_proj.weight", name,
+                              shape[1:], (e, None))
+        else:
+            yield _Stored(hf, name, shape)
+
+
+def _pack(stored: list[_Stored], raw: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """qkv's state dict from a folder's tensors ``raw`` (Hugging Face's names), experts
+    stacked into their 3-D tensors."""
+    out: dict[str, Tensor] = {}
+    pieces: dict[str, dict[tuple[int, int | None], Tensor]] = {}
+    for st in stored:
+        tensor = raw[st.hf]
+        if st.transform is not None:
+            tensor = st.transform[0](tensor).contiguous()
+        if st.piece is None:
+            out[st.ours] = tensor
+        else:
+            pieces.setdefault(st.ours, {})[st.piece] = tensor
+    for name, parts in pieces.items():
+        experts = 1 + max(e for e, _ in parts)
+        if name.endswith("gate_up_proj"):
+            out[name] = torch.stack([torch.cat((parts[e, 0], parts[e, 1])) for e in
+                                     range(experts)])
+        else:
+            out[name] = torch.stack([parts[e, None] for e in range(experts)])
+    return out
+
+
+def _unpack(stored: list[_Stored], state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """:func:`_pack`'s inverse: qkv's state dict as a folder stores it."""
+    out: dict[str, Tensor] = {}
+    for st in stored:
+        tensor = state[st.ours]
+        if st.transform is not None:
+            tensor = st.transform[1](tensor).contiguous()
+        elif st.piece is not None:
+            e, half = st.piece
+            tensor = tensor[e] if half is None else tensor[e].chunk(2)[half]
+        out[st.hf] = tensor.contiguous()
+    return out
+
+
+def _has_layout(fields: Mapping[str, Any]) -> bool:
+    return bool(fields.get("moe")) or any(entry.get("attention", "mha") != "mha"
+                                          for entry in fields.get("layout") or [])
+
+
 def _names(fields: Mapping[str, Any]) -> Iterator[tuple[str, str, tuple[int, ...]]]:
     """``(Hugging Face name, qkv name, shape)`` of every tensor a model of ``fields``
     holds; ``lm_head`` only when untied."""
+    if _has_layout(fields):
+        yield from ((st.hf, st.ours, st.shape) for st in _layout_tensors(fields))
+        return
     if fields.get("mlp", "gelu") not in ("swiglu", "geglu"):
         raise ValueError(f"mlp={show(fields.get('mlp', 'gelu'))}: GPT-2's weights are read by "
                          "qkv.models.hf_gpt2.read_weights, not here")
@@ -511,7 +725,12 @@ def _check_names(where: str, shapes: Mapping[str, tuple[int, ...]],
                  fields: Mapping[str, Any], ours: bool = False) -> dict[str, tuple[int, ...]]:
     """The expected names (Hugging Face's, or qkv's if ``ours``) and shapes, after a
     one-line ``ValueError`` for a missing, unexpected or misshapen tensor in ``shapes``."""
-    expected = {(q if ours else hf): shape for hf, q, shape in _names(fields)}
+    if ours and _has_layout(fields):  # experts: 3-D in qkv, stored otherwise
+        expected = {name: tuple(t.shape) for name, t in
+                    _layout_meta_model(fields).state_dict().items()
+                    if name != "out_head.weight" or not fields["tie_weights"]}
+    else:
+        expected = {(q if ours else hf): shape for hf, q, shape in _names(fields)}
     missing = [k for k in expected if k not in shapes]
     if missing:
         raise ValueError(f"{where}: missing {len(missing)} tensors, e.g. {missing[0]!r}")
@@ -534,7 +753,10 @@ def to_qkv(raw: Mapping[str, Tensor], fields: Mapping[str, Any]) -> dict[str, Te
     """Hugging Face names -> ``GPTModel``'s; the tensors themselves are unchanged (Gemma's
     norm weights stay ``w``). A tied model's ``out_head.weight`` is ``tok_emb.weight``."""
     _check_names("state dict", {k: tuple(v.shape) for k, v in raw.items()}, fields)
-    out = {ours: raw[theirs] for theirs, ours, _ in _names(fields)}
+    if _has_layout(fields):
+        out = _pack(list(_layout_tensors(fields)), raw)
+    else:
+        out = {ours: raw[theirs] for theirs, ours, _ in _names(fields)}
     if fields["tie_weights"]:
         out["out_head.weight"] = out["tok_emb.weight"]
     return out
@@ -553,6 +775,8 @@ def from_qkv(state: Mapping[str, Tensor], fields: Mapping[str, Any]) -> dict[str
             and not torch.equal(head, emb):
         raise ValueError("state dict: out_head.weight differs from tok_emb.weight, but "
                          "tie_weights=True says they are one matrix")
+    if _has_layout(fields):
+        return _unpack(list(_layout_tensors(fields)), state)
     return {theirs: state[ours] for theirs, ours, _ in _names(fields)}
 
 

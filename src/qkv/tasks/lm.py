@@ -471,7 +471,7 @@ def _stored_dtype(run_dir: str | Path, cfg: GPTConfig) -> torch.dtype:
     if stored not in _STORED_DTYPES:
         raise CheckpointError(f"{run_dir}: tok_emb.weight is stored as {stored}; runs store "
                               f"{' or '.join(_STORED_DTYPES)}")
-    check_weights(run_dir, cfg.parameter_shapes(), cfg.num_parameters(), dtype=stored)
+    check_weights(run_dir, cfg.parameter_shapes(), cfg.num_saved_values(), dtype=stored)
     return _STORED_DTYPES[stored]
 
 
