@@ -72,13 +72,17 @@ def limit_process(seconds: float, memory_bytes: int) -> None:
     except ImportError:  # not a Unix system: the parent's clock still bounds the time
         return
     cpu = math.ceil(seconds) + 1  # the profiling timer stops the render before this
-    for name, value in (("RLIMIT_AS", memory_bytes), ("RLIMIT_CPU", (cpu, cpu + 1)),
-                        ("RLIMIT_CORE", 0), ("RLIMIT_FSIZE", 0)):
-        soft, hard = value if isinstance(value, tuple) else (value, value)
-        # (a system whose own hard limit is lower keeps it)
-        if hasattr(resource, name):
-            with contextlib.suppress(ValueError, OSError):
-                resource.setrlimit(getattr(resource, name), (soft, hard))
+    for name, (soft, hard) in (("RLIMIT_AS", (memory_bytes, memory_bytes)),
+                               ("RLIMIT_CPU", (cpu, cpu + 1)), ("RLIMIT_CORE", (0, 0)),
+                               ("RLIMIT_FSIZE", (0, 0))):
+        if not hasattr(resource, name):
+            continue
+        kind = getattr(resource, name)
+        _, ceiling = resource.getrlimit(kind)
+        if ceiling != resource.RLIM_INFINITY:  # the system's own limit is lower: kept
+            soft, hard = min(soft, ceiling), min(hard, ceiling)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(kind, (soft, hard))
 
 
 def check_size(n: int, what: str = "a value of", unit: str = "characters") -> None:
@@ -111,7 +115,10 @@ def check_binop(operator: str, left: Any, right: Any) -> None:
     elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
         check_size(len(left) + len(right), unit=_unit(left))
     elif operator == "**" and numbers and right > 0 and abs(left) > 1:
-        check_size(_digits(right * left.bit_length()), "a number of", "digits")
+        # (an exponent of more than 62 bits is past any limit, and past a float's range)
+        digits = _CHARS + 1 if right.bit_length() > 62 else math.ceil(
+            right * math.log10(abs(left)))
+        check_size(digits, "a number of", "digits")
 
 
 _PADDING = ("center", "ljust", "rjust", "zfill", "expandtabs")
@@ -283,14 +290,16 @@ def render(template: str, variables: dict[str, Any], seconds: float) -> dict[str
         raise Stop("time", "")
 
     raised_by_template: type[Exception] = _NeverRaisedError
-    signal.signal(signal.SIGPROF, out_of_time)
-    signal.setitimer(signal.ITIMER_PROF, seconds)
+    timed = hasattr(signal, "setitimer")  # not on Windows: the parent's clock bounds it
+    if timed:
+        signal.signal(signal.SIGPROF, out_of_time)
+        signal.setitimer(signal.ITIMER_PROF, seconds)
     try:
         env, raised_by_template = build_environment()
         try:
             compiled = env.from_string(template)
         except jinja2.exceptions.TemplateSyntaxError as error:
-            return {"error": "syntax", "message": f"chat template has a syntax error at line "
+            return {"error": "syntax", "message": f"the chat template has a syntax error at line "
                                                   f"{error.lineno}: {one_line(error.message)}"}
         pieces, count = [], 0
         for piece in compiled.generate(**variables):
@@ -309,7 +318,8 @@ def render(template: str, variables: dict[str, Any], seconds: float) -> dict[str
         return {"error": "failed", "message": f"the chat template failed while rendering "
                                               f"({type(error).__name__}: {one_line(error)})"}
     finally:
-        signal.setitimer(signal.ITIMER_PROF, 0)
+        if timed:
+            signal.setitimer(signal.ITIMER_PROF, 0)
 
 
 def main(argv: list[str]) -> int:
