@@ -112,6 +112,9 @@ class ChatTemplateRefusedError(ChatTemplateError):
     """The template refuses the conversation (Gemma's, for a ``system`` message)."""
 
 
+# How RLIMIT_CPU ends a process: SIGXCPU past the soft limit, SIGKILL past the hard one.
+_KILLED_FOR_TIME = tuple(-getattr(signal, name) for name in ("SIGXCPU", "SIGKILL")
+                         if hasattr(signal, name))
 # The program that renders, run as a file so that it imports nothing of qkv's.
 _SANDBOX = Path(__file__).with_name("chat_sandbox.py")
 _JINJA2_HINT = "pip install 'jinja2>=3.1.6' (or pip install 'qkv[hf]')"
@@ -287,7 +290,7 @@ def _run_sandbox(template: str, variables: str, limits: RenderLimits) -> dict[st
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    if proc.returncode in (-signal.SIGKILL, -getattr(signal, "SIGXCPU", signal.SIGKILL)):
+    if proc.returncode in _KILLED_FOR_TIME:
         # RLIMIT_CPU ended a computation Python could not interrupt
         raise ChatTemplateError(_time_message(limits), "time")
     try:

@@ -327,8 +327,9 @@ def main(argv: list[str]) -> int:
     seconds, memory_bytes, _CHARS = float(argv[0]), int(argv[1]), int(argv[2])
     limit_process(seconds, memory_bytes)
     request = json.loads(sys.stdin.buffer.read())
-    # The packages the parent sees (jinja2 where it found it); -I left out the rest.
-    sys.path[:0] = [p for p in request["sys_path"] if isinstance(p, str)]
+    # The folders the parent imports from (jinja2 where it found it), after this
+    # interpreter's own: -I left out the environment's PYTHONPATH.
+    sys.path += [p for p in request["sys_path"] if isinstance(p, str) and p not in sys.path]
     try:
         answer = render(request["template"], request["variables"], seconds)
     except Stop as stop:  # the timer, between the render's end and its being stopped
