@@ -215,8 +215,8 @@ def render_chat_template(
     extra = dict(variables or {})
     reserved = [name for name in _RESERVED if name in extra]
     if reserved:
-        raise ValueError(f"template variable {reserved[0]!r} is set by the render itself; "
-                         f"the others are free ({', '.join(_RESERVED)} are not)")
+        raise ValueError(f"template variable {reserved[0]!r} is set by the render itself, "
+                         f"as are {', '.join(_RESERVED)}; name it otherwise")
     if tools is not None and (isinstance(tools, (str, bytes, Mapping))
                               or not isinstance(tools, Sequence)):
         raise ValueError(f"tools must be a list of JSON schemas (dicts), got {show(tools)}")
