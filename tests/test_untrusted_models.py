@@ -305,12 +305,12 @@ SMALL = RenderLimits(seconds=0.5, memory_bytes=160 * 2**20, chars=2**22)
     ("{% for i in range(100000) %}{% for j in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"
      "{% endfor %}", "size", "output passed the limit of 4,194,304 characters"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-     "time", r"time limit \(0.5 s of CPU time\)"),
+     "time", r"time limit (\(|is )0.5 s of CPU time"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% set k = i * j %}"
-     "{% endfor %}{% endfor %}", "time", r"time limit \(0.5 s"),
+     "{% endfor %}{% endfor %}", "time", r"time limit (\(|is )0.5 s"),
     # one power of 3.8 million digits (under the size limit), seconds of CPU in one
     # operation (which CPython interrupts between its steps for the timer)
-    ("{% set x = 3 ** 8000000 %}", "time", r"time limit \(0.5 s"),
+    ("{% set x = 3 ** 8000000 %}", "time", r"time limit (\(|is )0.5 s"),
     (HUGE, "size", "a value of 1,000,000,000 characters, past the limit of 4,194,304"),
     ("{{ [0] * 10**9 }}", "size", "1,000,000,000 items"),
     ("{{ 2 ** (10**10) }}", "size", "a number of 3,010,299,957 digits"),
@@ -331,7 +331,8 @@ def test_a_template_that_reaches_a_limit_is_one_line_naming_it(template, kind, n
     start = time.monotonic()
     with pytest.raises(ChatTemplateError) as info:
         render_chat_template(template, chat_messages("hi"), limits=SMALL)
-    assert time.monotonic() - start < SMALL.wall_seconds
+    # (a machine too busy to give the render its CPU time stops it by the clock)
+    assert time.monotonic() - start < SMALL.wall_seconds + 5
     assert info.value.kind == kind and isinstance(info.value, ValueError)
     assert "\n" not in str(info.value) and re.search(named, str(info.value)), str(info.value)
 
@@ -496,11 +497,12 @@ class Qkv:
 MAX_RSS = 1024 * 2**20
 # The issue's table: the run, the arguments of `lm generate`, and the line it must end in.
 TABLE = {
-    # (which of its two limits a loop of single characters reaches first depends on the
-    # machine's speed)
+    # (which limit a loop of single characters reaches first depends on the machine's
+    # speed, and on how busy it is: the clock's, on one too busy to run the render)
     "loop": (["--chat", "--prompt", "hi"],
              r"the chat template(.s output passed the limit of 4,194,304 characters| ran past "
-             r"its time limit \(2 s of CPU time\))"),
+             r"its time limit \(2 s of CPU time\)| did not finish within 11 s on the clock "
+             r"\(its time limit is 2 s of CPU time; the machine may be too busy\))"),
     "huge": (["--chat", "--prompt", "hi"], "the chat template would build a value of "
              "1,000,000,000 characters, past the limit of 4,194,304 characters"),
     "regex": (["--prompt", RUN_OF_A], re.escape(
@@ -509,14 +511,14 @@ TABLE = {
 }
 
 
-def test_the_issue_s_hostile_models_end_in_one_line(runs):
-    started = {case: Qkv("lm", "generate", "--ckpt", str(runs[case]), *args,
-                         "--max-new-tokens", "2") for case, (args, _) in TABLE.items()}
-    for case, proc in started.items():  # (run side by side: the three start torch at once)
-        code, out, err, seconds, rss = proc.result()
-        assert (code, out) == (2, "") and re.fullmatch(
-            f"qkv lm: error: {TABLE[case][1]}\n", err), (case, err)
-        assert seconds < 60 and rss < MAX_RSS, (case, seconds, rss)
+@pytest.mark.parametrize("case", list(TABLE))
+def test_the_issue_s_hostile_models_end_in_one_line(runs, case):
+    args, _ = TABLE[case]
+    code, out, err, seconds, rss = Qkv("lm", "generate", "--ckpt", str(runs[case]), *args,
+                                       "--max-new-tokens", "2").result()
+    assert (code, out) == (2, "") and re.fullmatch(f"qkv lm: error: {TABLE[case][1]}\n",
+                                                   err), err
+    assert seconds < 60 and rss < MAX_RSS, (seconds, rss)
 
 
 # ----------------------------------------------------------------------------
