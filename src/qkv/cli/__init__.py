@@ -9,7 +9,8 @@ one line on stderr (a traceback only with ``--debug``):
 - bad input (``ValueError``, ``OSError``): exit status 2;
 - a training run that stopped early (Ctrl-C, SIGTERM, SIGHUP, a diverging loss) has
   already reported what is on disk: 130, 143, 129 or 1;
-- anything else, a bug or the machine running out of memory: 1.
+- anything else, a bug, the machine running out of memory or a compiled library's panic
+  (a ``BaseException``; only ``SystemExit`` and ``GeneratorExit`` pass through): 1.
 
 SIGTERM, which schedulers and ``kill`` send, and SIGHUP, which a closed terminal
 sends, are handled like Ctrl-C (exit status 143 and 129). A closed
@@ -320,7 +321,10 @@ def _run(args: argparse.Namespace) -> int:
             raise
         print(f"{where}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except Exception as e:  # a bug, or the machine ran out of memory
+    except (SystemExit, GeneratorExit):  # the program's own way out: not a failure
+        raise
+    except BaseException as e:  # a bug, the machine out of memory, a library's panic
+        # (pyo3's PanicException derives from BaseException, not Exception)
         if args.debug:
             raise
         kind = "out of memory" if isinstance(e, MemoryError) else type(e).__name__

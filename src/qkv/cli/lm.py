@@ -222,8 +222,9 @@ def run_generate(args: argparse.Namespace) -> int:
     lm = LanguageModel.load(args.ckpt, device=args.device, bpe_dir=args.bpe_dir)
     try:
         # A chat prints the reply alone, not the rendered template (whose errors then come
-        # before any output too).
+        # before any output too); a plain prompt is printed once the tokenizer has taken it.
         if not args.chat:
+            lm.encode_prompt(args.prompt)
             _print_piece(args.prompt)
         out = lm.generate(args.prompt, args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_kv_cache,

@@ -32,6 +32,7 @@ from typing import Any
 from ..checks import show
 from ..models.gguf_weights import import_gguf
 from ..utils.fileio import regular_file_stat
+from ..utils.native import library_call
 from .tokenizers import HFTokenizer, finish_hf_tokenizer, import_tokenizers
 
 __all__ = [
@@ -283,7 +284,14 @@ def tokenizer_from_gguf(path: str | os.PathLike[str], *, reader: Any = None) -> 
                                         architecture in _GEMMA_ARCHITECTURES,
                                         config["unk_token"]),
     }
-    backend = builders[model]()
+    try:
+        with library_call():  # the tokenizers library on the file's vocabulary and merges
+            backend = builders[model]()
+    except ValueError:
+        raise
+    except Exception as error:  # its own error, or its panic (LibraryPanic)
+        raise ValueError(f"{path}: the tokenizers library cannot build a {model} tokenizer "
+                         f"from its metadata ({' '.join(str(error).split())[:200]})") from None
     if model == "llama":
         config["add_bos_token"] = True  # llama.cpp's default for these vocabularies
         if architecture in _GEMMA_ARCHITECTURES:

@@ -212,14 +212,19 @@ def _piece_encoder(tokenizer: Tokenizer, what: str) -> Callable[[str], list[int]
     tail = ""
     count = 0
 
+    def ids_of(text: str) -> list[int]:
+        try:
+            return tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as error:  # one line naming the failing part: say where too
+            raise ValueError(f"{what}, from character {count:,}: {error}") from None
+
     def encode(piece: str) -> list[int]:
         nonlocal tail, count
-        ids = tokenizer.encode(piece, add_special_tokens=False)
+        ids = ids_of(piece)
         if tail:
             head = piece[:_JUNCTION_CHARS]
-            whole = tokenizer.encode(tail + head, add_special_tokens=False)
-            parts = (tokenizer.encode(tail, add_special_tokens=False)
-                     + tokenizer.encode(head, add_special_tokens=False))
+            whole = ids_of(tail + head)
+            parts = ids_of(tail) + ids_of(head)
             if whole != parts:
                 raise ValueError(f"{what}: this tokenizer does not give the same ids for "
                                  f"the text cut at character {count:,} as whole, so it "

@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,13 @@ from typing import Any
 from ..checks import MAX_SIZE, check_int, check_str, parse_json, show
 from ..options import HF_TOKENIZER_NAME, TOKENIZER_NAMES
 from ..utils.fileio import open_regular, read_regular, regular_file_stat
-from .chat import MAX_CHAT_TEMPLATE_CHARS, chat_messages, render_chat_template
+from ..utils.native import LibraryPanic, library_call
+from .chat import (
+    MAX_CHAT_TEMPLATE_CHARS,
+    chat_messages,
+    check_chat_template,
+    render_chat_template,
+)
 
 __all__ = [
     "BPE_DIR_ENV",
@@ -308,7 +314,8 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"tokenizer_json must be tokenizer.json's text, got "
                              f"{show(tokenizer_json)}")
         try:
-            backend = tokenizers.Tokenizer.from_str(tokenizer_json)
+            with library_call():
+                backend = tokenizers.Tokenizer.from_str(tokenizer_json)
         except Exception as error:  # the library raises plain Exception for bad JSON
             raise ValueError("not a tokenizer the tokenizers library reads "
                              f"({' '.join(str(error).split())[:200]})") from None
@@ -357,10 +364,21 @@ class HFTokenizer(Tokenizer):
         their ids. ``add_special_tokens`` adds what the tokenizer adds around a text
         (Llama's and Gemma's BOS); a rendered chat prompt already holds them, so it is
         encoded with ``add_special_tokens=False``.
+
+        Raises:
+            ValueError: one line naming the text's length and the part of the tokenizer
+                that failed on it (a pre-tokenizer's regular expression that gives up on
+                a pathological text, say: the library's panic included).
         """
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a string, got {show(text)}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            with library_call():
+                return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as error:  # the library's error, or its panic (LibraryPanic)
+            raise ValueError(f"the tokenizer's {self._failing_part(text)} "
+                             f"{_failed(error)} on a text of {len(text):,} characters: "
+                             f"{_one_line(error)}") from None
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         """Ids (a list or a 1-D tensor) -> text, as transformers' ``tokenizer.decode``."""
@@ -368,7 +386,47 @@ class HFTokenizer(Tokenizer):
         bad = [i for i in ids if not 0 <= i < self.n_vocab]
         if bad:
             raise ValueError(f"ids must be in range(0, {self.n_vocab}) for {self!r}, got {bad[0]}")
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        try:
+            with library_call():
+                return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        except Exception as error:
+            decoder = self.backend.decoder
+            part = "model" if decoder is None else f"decoder ({type(decoder).__name__})"
+            raise ValueError(f"the tokenizer's {part} {_failed(error)} on {len(ids):,} ids: "
+                             f"{_one_line(error)}") from None
+
+    def _failing_part(self, text: str) -> str:
+        """Which part of the tokenizer fails on ``text``, found by running them one at a
+        time as the library chains them: the normalizer, each pre-tokenizer (of a
+        ``Sequence``, one by one), the model on each piece; else the post-processor."""
+        backend = self.backend
+
+        def runs(step: Callable[[], Any]) -> bool:
+            try:
+                with library_call():
+                    step()
+            except Exception:  # noqa: BLE001 - this one is the failing part
+                return False
+            return True
+
+        normalized = [text]
+        if backend.normalizer is not None and not runs(
+                lambda: normalized.append(backend.normalizer.normalize_str(text))):
+            return f"normalizer ({_part_names(backend.normalizer)})"
+        pieces = [normalized[-1]]
+        steps = _members(backend.pre_tokenizer) if backend.pre_tokenizer is not None else []
+        for i, step in enumerate(steps):
+
+            def split(step: Any = step) -> None:
+                pieces[:] = [p for piece in pieces for p, _ in step.pre_tokenize_str(piece)]
+
+            if not runs(split):
+                where = f", step {i + 1} of a Sequence of {len(steps)}" if len(steps) > 1 else ""
+                return f"pre-tokenizer ({type(step).__name__}{where})"
+        if not runs(lambda: [backend.model.tokenize(piece) for piece in pieces]):
+            return f"model ({type(backend.model).__name__})"
+        processor = backend.post_processor
+        return "post-processor" + (f" ({type(processor).__name__})" if processor else "")
 
     def chat_prompt(self, user: str, system: str | None = None) -> str:
         """The model's chat template rendered around one user message (and an optional
@@ -378,7 +436,9 @@ class HFTokenizer(Tokenizer):
 
         Raises:
             ValueError: the tokenizer has no chat template, or the template refuses the
-                conversation (Gemma 2's refuses a ``system`` message, ...).
+                conversation (Gemma 2's refuses a ``system`` message, ...), fails, or
+                reaches a limit of :data:`qkv.data.chat.CHAT_RENDER_LIMITS`
+                (:class:`~qkv.data.chat.ChatTemplateError`, one line).
         """
         if self.chat_template is None:
             raise ValueError("this model has no chat template (it is a base model, not an "
@@ -386,6 +446,18 @@ class HFTokenizer(Tokenizer):
         return render_chat_template(self.chat_template, chat_messages(user, system),
                                     special_tokens=self.special_tokens,
                                     add_generation_prompt=True)
+
+    def check_chat_template(self) -> None:
+        """Render the chat template once, on a one-message conversation and under the
+        render limits (:func:`qkv.data.chat.check_chat_template`); nothing to do without
+        one.
+
+        Raises:
+            ChatTemplateError: (a ValueError) the template does not parse, reaches a
+                limit or fails; one line saying which.
+        """
+        if self.chat_template is not None:
+            check_chat_template(self.chat_template, special_tokens=self.special_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         """The whole tokenizer as JSON-able data: :func:`tokenizer_from_dict` rebuilds it
@@ -403,6 +475,32 @@ class HFTokenizer(Tokenizer):
     def __repr__(self) -> str:
         return (f"HFTokenizer(n_vocab={self.n_vocab}, bos={self.bos_token_id}, "
                 f"eos={self.eos_token_ids})")
+
+
+def _one_line(error: BaseException, limit: int = 200) -> str:
+    return " ".join(str(error).split())[:limit] or type(error).__name__
+
+
+def _failed(error: BaseException) -> str:
+    return "panicked" if isinstance(error, LibraryPanic) else "failed"
+
+
+def _members(part: Any) -> list[Any]:
+    """The parts of a tokenizers ``Sequence`` (which has no len), or ``[part]``."""
+    if type(part).__name__ != "Sequence":
+        return [part]
+    members = []
+    while True:
+        try:
+            members.append(part[len(members)])
+        except Exception:  # noqa: BLE001 - past its end (IndexError, or the library's own)
+            return members or [part]
+
+
+def _part_names(part: Any) -> str:
+    members = _members(part)
+    inner = ", ".join(type(m).__name__ for m in members) if members != [part] else ""
+    return f"{type(part).__name__}: {inner}" if inner else type(part).__name__
 
 
 def finish_hf_tokenizer(
@@ -518,7 +616,8 @@ def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:
     data = read_regular(path, "tokenizer file", MAX_TOKENIZER_JSON_BYTES)
     try:
         parse_json(data)  # bounded nesting, one-line errors, before the library sees it
-        backend = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+        with library_call():
+            backend = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
     except ValueError as error:
         raise ValueError(f"tokenizer file {path}: {error}") from None
     except Exception as error:  # the library raises plain Exception for what it cannot read

@@ -40,6 +40,7 @@ GPT-2 config to it. This module imports :mod:`qkv.models.gpt` only for
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -55,6 +56,7 @@ from torch import Tensor
 from ..checks import MAX_SIZE, check_bool, check_float, check_int, parse_json, show
 from ..positional import check_rope_scaling
 from ..utils.fileio import fsync_dir, read_regular, temp_path
+from ..utils.native import library_call
 from .hf_gpt2 import HF_CONFIG, HF_SAFETENSORS, gpt2_fields
 from .hub import WEIGHTS_INDEX
 
@@ -873,14 +875,28 @@ def read_open_weights(
 
     def opened(path: Path) -> Any:
         try:
-            return safe_open(str(path), framework="pt", device="cpu")
-        except Exception as error:  # safetensors raises its own error types
+            with library_call():
+                return safe_open(str(path), framework="pt", device="cpu")
+        except Exception as error:  # safetensors raises its own error types, or panics
             reason = " ".join(str(error).splitlines())
             raise ValueError(f"{path}: not a safetensors file ({reason})") from None
 
+    @contextlib.contextmanager
+    def reading(path: Path) -> Iterator[None]:
+        """The library's failure (or panic) while reading ``path``, as one line."""
+        try:
+            with library_call():
+                yield
+        except (ValueError, MemoryError):  # qkv's own checks; the machine's memory
+            raise
+        except Exception as error:
+            reason = " ".join(str(error).split())[:200]
+            raise ValueError(f"{path}: cannot be read as safetensors ({type(error).__name__}: "
+                             f"{reason})") from None
+
     found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     for path in files:
-        with opened(path) as f:
+        with opened(path) as f, reading(path):
             for name in list(f.keys()):  # a safe_open handle has no __iter__
                 if name in found:
                     raise ValueError(f"{path}: {name} is also in {found[name][0].name}")
@@ -906,7 +922,7 @@ def read_open_weights(
                          f"the {max_bytes:,} allowed")
     raw: dict[str, Tensor] = {}
     for path in files:
-        with opened(path) as f:
+        with opened(path) as f, reading(path):
             for name in expected:
                 if found[name][0] != path:
                     continue

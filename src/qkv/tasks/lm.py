@@ -43,6 +43,7 @@ from ..checks import (
     fields_from_dict,
     show,
 )
+from ..data.chat import ChatTemplateError
 from ..data.gguf_tokenizer import tokenizer_from_gguf
 from ..data.lm import GPTDataset, create_dataloader, generated_corpus
 from ..data.tokenfile import TokenFile, prepare_token_file
@@ -839,7 +840,16 @@ def _import_gguf(path: Path, origin: dict[str, str], run_dir: Path, dtype: torch
 def _fit_tokenizer(tokenizer: HFTokenizer, cfg: GPTConfig, source: Path) -> HFTokenizer:
     """``tokenizer`` with the model's vocabulary size: models pad their embedding past
     the tokenizer's last id (Qwen: to a multiple of 128 rows); a tokenizer with ids the
-    model has no row for cannot be used."""
+    model has no row for cannot be used. Its chat template is rendered once on a probe
+    conversation, within the render limits: a model whose template fails (it does not
+    parse, runs too long, builds too much) is refused here, before its weights are read,
+    rather than imported to fail at each ``--chat``."""
+    try:
+        tokenizer.check_chat_template()
+    except ChatTemplateError as error:
+        raise ValueError(f"{source}: its chat template fails on a one-message conversation, "
+                         f"so the model is not imported: {error} (a model without a "
+                         "template imports as a base model)") from None
     if tokenizer.n_vocab > cfg.vocab_size:
         raise ValueError(f"{source}: the tokenizer has {tokenizer.n_vocab:,} ids but the "
                          f"model only {cfg.vocab_size:,} embedding rows")

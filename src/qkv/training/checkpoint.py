@@ -88,6 +88,7 @@ from ..utils.fileio import (
     write_atomic,
     write_durable,
 )
+from ..utils.native import library_call
 from ..utils.testing import pause_point
 from .limits import InsufficientDiskError, format_bytes, free_disk_space
 from .lock import run_dir_lock
@@ -241,8 +242,9 @@ def _pickle_refused(path: Path) -> CheckpointError:
 
 def _bytes_to_tensors(path: Path, data: bytes) -> dict[str, Tensor]:
     try:
-        tensors = safetensors.torch.load(data)
-    except Exception as error:  # safetensors raises its own error types
+        with library_call():
+            tensors = safetensors.torch.load(data)
+    except Exception as error:  # safetensors raises its own error types, or panics
         if _looks_like_pickle(data):
             raise _pickle_refused(path) from None
         raise _fail(path, f"is not a valid safetensors file ({error})") from None

@@ -40,6 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from ..checks import parse_json
 from ..tasks.translate import Translator
+from ..utils.native import STOPPING
 from .data import MAX_TEXT_CHARS, Target, check_translator_generate, example, page_data
 from .page import render_page
 
@@ -325,7 +326,10 @@ def make_server(target: Target, *, port: int = 0, texts: Sequence[str] = (),
                     answer = example(target, text, beam=beam, generate=count)
             except ValueError as e:  # the input's fault: say what is wrong with it
                 self._json(HTTPStatus.BAD_REQUEST, {"error": (str(e).splitlines() or [""])[0]})
-            except Exception as e:  # noqa: BLE001 - the server outlives any one request
+            except STOPPING:
+                raise
+            except BaseException as e:  # noqa: BLE001 - the server outlives any one request
+                # (a library's panic, a BaseException, included)
                 say("qkv view: a request failed:\n" + traceback.format_exc())
                 first = (str(e).splitlines() or [""])[0]
                 self._json(HTTPStatus.INTERNAL_SERVER_ERROR,
