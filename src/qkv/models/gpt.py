@@ -167,6 +167,22 @@ class GPTEmbedding(nn.Module):
         return embed_tokens(self.tok_emb, self.pos_emb, idx, start_pos)
 
 
+def _score_flops_per_token(att: nn.Module, width: int, tokens: int,
+                           window: int | None) -> float:
+    """Forward FLOPs per token an attention layer spends beyond its projections on a
+    window of ``tokens`` (a sliding layer: at most its window): its forward on the
+    ``meta`` device under PyTorch's FLOP counter, less ``2 x`` its linear weights per
+    token."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    T = tokens if window is None else min(tokens, window)
+    x = torch.empty(1, T, width, device="meta")
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        att(x)
+    linear = sum(m.weight.numel() for m in att.modules() if isinstance(m, nn.Linear))
+    return (counter.get_total_flops() - 2 * T * linear) / T
+
+
 @dataclass
 class GPTConfig:
     """Hyper-parameters of :class:`GPTModel`; the defaults are GPT-2 small (the book's 124M).
@@ -463,26 +479,39 @@ class GPTConfig:
         window (default: ``context_length``): the usual count behind "model FLOPs
         utilisation" (MFU), so that figures compare with other trainers'.
 
-        ``6 N`` for the matrix products with the ``N`` weights they multiply (2 per
-        multiply-add in the forward pass, twice that in the backward): the projections
-        and MLP of every block and the output head (counted even when tied, as the
-        product is done either way); embedding look-ups, norms and biases are not
-        products. Attention adds ``12 L T d`` (``q k^T`` and ``weights @ v`` over the
-        whole window, forward and backward, without crediting the causal mask's skipped
-        half). Recomputation and padding are not counted: this is the model's work,
-        not the hardware's.
+        ``6 N`` for the matrix products with the ``N`` weights a token runs through (2
+        per multiply-add in the forward pass, twice that in the backward): the
+        projections and MLP of every block and the output head (counted even when tied,
+        as the product is done either way); of a mixture of experts, the router, the
+        shared expert and ``top_k`` routed experts (:meth:`~qkv.models.moe.MoE.
+        active_parameters`); embedding look-ups, norms and biases are not products.
+        Attention adds three times what each layer's own forward spends beyond its
+        projections on one window, counted by PyTorch's FLOP counter on the ``meta``
+        device (for multi-head attention ``4 T d`` per token, ``q k^T`` and ``weights @
+        v`` over the whole window, without crediting the causal mask's skipped half; a
+        sliding layer scores at most its window). Recomputation and padding are not
+        counted: this is the model's work, not the hardware's.
         """
         T = self.context_length if tokens is None else tokens
+        check_int("tokens", T, 1, MAX_SIZE)
         model = self.meta_model()
+        experts = [m for m in model.modules() if isinstance(m, MoE)]
+        routed = {id(p) for moe in experts for p in moe.parameters()}
         # every product, the output head's too (counted even when tied)
         matmul_weights = sum(m.weight.numel() for m in model.modules()
-                             if isinstance(m, nn.Linear))
-        attention = 0
+                             if isinstance(m, nn.Linear) and id(m.weight) not in routed)
+        matmul_weights += sum(moe.active_parameters() for moe in experts)
+        measured: dict[str, float] = {}
+        attention = 0.0
         for block in model.trf_blocks:
-            # A window caps the keys each query scores; the count stays that of a full one.
-            window = block.att.window_size
-            attention += (T if window is None else min(T, window)) * block.att.inner_dim
-        return 6.0 * matmul_weights + 12.0 * attention
+            source = block if block.spec.kv_source is None else \
+                model.trf_blocks[block.spec.kv_source]  # the same scores, others' keys
+            key = repr(source.spec)
+            if key not in measured:
+                measured[key] = _score_flops_per_token(source.att, self.emb_dim, T,
+                                                       source.spec.window)
+            attention += measured[key]
+        return 6.0 * matmul_weights + 3.0 * attention
 
     def num_saved_activations(self, batch_size: int, tokens: int) -> int:
         """A lower bound on the float32 values a training step's forward pass keeps for
