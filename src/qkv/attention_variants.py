@@ -55,6 +55,10 @@ class SinkAttention(MultiHeadAttention):
     the weights ``(batch, num_heads, T_q, T_k)``, whose rows sum to less than one.
     """
 
+    # What its attention weights are, for a page that draws them (qkv view).
+    weights_note = ("learned sinks: each row sums to less than 1, the rest of the weight "
+                    "goes to the head's sink logit, no token")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
@@ -240,6 +244,10 @@ class SharedKVAttention(MultiHeadAttention):
     tokens ``-> (batch, T_q, d_out)``; with ``need_weights`` also ``(batch, num_heads,
     T_q, T_k)``.
     """
+
+    # What its attention weights are, for a page that draws them (qkv view).
+    weights_note = ("shared keys and values: these layers attend with an earlier "
+                    "layer's cached keys and values")
 
     def __init__(
         self,

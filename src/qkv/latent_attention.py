@@ -454,6 +454,10 @@ class SparseLatentAttention(LatentAttention):
     query, picked while it has fewer than ``index_topk`` before it, are masked out).
     """
 
+    # What its attention weights are, for a page that draws them (qkv view).
+    weights_note = ("sparse attention: each query weighs only the index_topk keys its "
+                    "lightning indexer selected; every other key has weight 0")
+
     def __init__(self, d_model: int, num_heads: int, *, index_n_heads: int,
                  index_head_dim: int, index_topk: int, **kwargs: Any) -> None:
         if kwargs.get("q_lora_rank") is None:

@@ -236,9 +236,13 @@ def describe(target: Target, run_dir: str | Path | None = None) -> dict[str, Any
     """The page's ``model`` entry: the kind of model and a one-line description."""
     if isinstance(target, LanguageModel):
         cfg = target.model.cfg
+        # What the weights of each kind of layer mean, in the classes' own words.
+        notes = dict.fromkeys(note for block in target.model.trf_blocks
+                              if (note := getattr(block.att, "weights_note", None)))
         return {"kind": "lm", "run": None if run_dir is None else str(run_dir),
                 "name": f"{target.title}, {cfg.n_layers} layers x "
-                        f"{cfg.n_heads} heads, tokenizer {target.tokenizer.name}"}
+                        f"{cfg.n_heads} heads, tokenizer {target.tokenizer.name}"
+                        + "".join(f"; {note}" for note in notes)}
     if isinstance(target, Translator):
         kind = "transformer" if isinstance(target.model, TransformerSeq2Seq) else "bahdanau"
         c = target.model.config
