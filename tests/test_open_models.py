@@ -258,6 +258,39 @@ def test_attention_heatmap_of_an_imported_model(imported, tmp_path):
     assert out.stat().st_size > 1000
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v32", "olmo3"])
+def test_new_families_run_every_command(imported, family, tmp_path, capsys):
+    """What works on a run works on these: lm generate (--chat), lm attention, qkv view
+    (saying what sparse attention's and sinks' weights are), lm train --init."""
+    _, _, run = imported[family]
+    assert main(["lm", "generate", "--ckpt", str(run), "--prompt", "The quick",
+                 "--max-new-tokens", "4"]) == 0
+    assert main(["lm", "generate", "--ckpt", str(run), "--chat", "--prompt", "hi",
+                 "--max-new-tokens", "4"]) == 0
+    out = tmp_path / "att.png"
+    assert main(["lm", "attention", "--ckpt", str(run), "--prompt", "The quick brown fox",
+                 "--heatmap", str(out)]) == 0
+    assert out.stat().st_size > 1000
+    page = tmp_path / "view.html"
+    assert main(["view", "--ckpt", str(run), "--text", "The quick brown fox jumps over "
+                 "the lazy dog", "--generate", "3", "--html", str(page)]) == 0
+    html = page.read_text(encoding="utf-8")
+    note = {"gpt_oss": "learned sinks", "deepseek_v32": "lightning indexer selected",
+            "olmo3": None}[family]
+    assert note is None or note in html
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(CORPUS) * 5, encoding="utf-8")
+    tuned = tmp_path / "tuned"
+    assert main(["lm", "train", "--init", str(run), "--run-dir", str(tuned), "--text",
+                 str(text), "--epochs", "1", "--context-length", "16", "--batch-size", "8",
+                 "--no-progress", "--sample", ""]) == 0
+    before = LanguageModel.load(run).model.state_dict()
+    after = LanguageModel.load(tuned).model.state_dict()
+    assert set(before) == set(after) and any(not torch.equal(before[k], after[k])
+                                             for k in before)
+    capsys.readouterr()
+
+
 def one_line_error(capsys, argv, pattern):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
