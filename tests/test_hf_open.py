@@ -672,3 +672,25 @@ def test_dangling_and_looping_links_are_refused(llama, tmp_path):
     with pytest.raises(ValueError, match=r"model.safetensors: cannot be resolved") as error:
         read_open_weights(folder, fields)
     _one_line(error)
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8",
+                                                           "weight_block_size": [128, 128]}},
+     r"quantization_config=an object with 2 key\(s\) is not supported"),
+    ({"model_type": "deepseek_v32", "mlp_layer_types": ["dense", "moe"]},
+     r"mlp_layer_types must list 'dense' or 'sparse' for each of the 61 layers"),
+    ({"model_type": "smollm3", "num_hidden_layers": 2, "no_rope_layers": [1, 2]},
+     r"no_rope_layers must list 0 or 1 for each of the 2 layers"),
+    ({"model_type": "gpt_oss", "num_local_experts": 0}, r"num_local_experts must be"),
+    ({"model_type": "deepseek_v3", "n_group": 3},
+     r"n_group \(3\) must divide num_experts \(256\)"),
+])
+def test_new_family_configs_qkv_cannot_build_are_one_line(config, match):
+    """Each family's config fields are checked where they are read, or by the module
+    that takes them when the model is built (on the meta device: nothing allocated)."""
+    from qkv.models.gpt import GPTConfig
+
+    with pytest.raises(ValueError, match=match) as error:
+        GPTConfig(**config_fields(config, "config.json")).meta_model()
+    _one_line(error)
