@@ -173,9 +173,10 @@ def make_layer(dtype=torch.float64, seed=0, **overrides):
     return layer
 
 
-def layer_reference(layer, x):
-    """The layer in float64, from its equations: projections, F.conv1d with left padding,
-    SiLU, L2 norms, gates, :func:`delta_reference`, gated RMSNorm, out_proj."""
+def reference_heads(layer, x):
+    """Float64 ``q, k (b, hk, T, dk)`` normalised, ``v (b, hv, T, dv)``, ``z (b, T, hv, dv)``,
+    ``g, beta (b, hv, T)`` of the layer, from its equations: projections, F.conv1d with
+    left padding, SiLU, L2 norms, gates."""
     p = {name: t.detach().double() for name, t in layer.state_dict().items()}
     x = x.detach().double()
     b, tokens, _ = x.shape
@@ -192,16 +193,23 @@ def layer_reference(layer, x):
 
     q = heads(q, hk, dk) / torch.sqrt((heads(q, hk, dk) ** 2).sum(-1, keepdim=True) + 1e-6)
     k = heads(k, hk, dk) / torch.sqrt((heads(k, hk, dk) ** 2).sum(-1, keepdim=True) + 1e-6)
-    v = heads(v, hv, dv)
+    z = (x @ p["in_proj_z.weight"].T).reshape(b, tokens, hv, dv)
     beta = torch.sigmoid(x @ p["in_proj_b.weight"].T).transpose(1, 2)
     g = (-torch.exp(p["A_log"]) * F.softplus(x @ p["in_proj_a.weight"].T + p["dt_bias"])
          ).transpose(1, 2)
-    out, _ = delta_reference(q, k, v, g, beta, dk ** -0.5)
+    return q, k, heads(v, hv, dv), z, g, beta
+
+
+def layer_reference(layer, x):
+    """The layer in float64, from its equations: :func:`reference_heads`,
+    :func:`delta_reference`, the gated RMSNorm, out_proj."""
+    q, k, v, z, g, beta = reference_heads(layer, x)
+    b, tokens, _ = x.shape
+    out, _ = delta_reference(q, k, v, g, beta, layer.head_k_dim ** -0.5)
     out = out.transpose(1, 2)  # (b, T, hv, dv)
-    z = (x @ p["in_proj_z.weight"].T).reshape(b, tokens, hv, dv)
     out = out / torch.sqrt((out ** 2).mean(-1, keepdim=True) + layer.norm.eps)
-    out = p["norm.weight"] * out * F.silu(z)
-    return out.reshape(b, tokens, hv * dv) @ p["out_proj.weight"].T
+    out = layer.norm.weight.detach().double() * out * F.silu(z)
+    return out.reshape(b, tokens, -1) @ layer.out_proj.weight.detach().double().T
 
 
 @pytest.mark.parametrize("backend", ["chunked", "recurrent"])
@@ -258,8 +266,8 @@ def test_layer_token_weights():
     torch.testing.assert_close(out, layer(x), rtol=0, atol=0)
     assert weights.shape == (1, 4, 11, 11)
     torch.testing.assert_close(layer.token_weights(x), weights, rtol=0, atol=0)
-    # W @ v is the rule's output: rebuild v and the output from the layer's own steps
-    q, k, v, z, g, beta, _ = layer._heads(x, None)
+    # W @ v is the rule's output, for the layer's own q, k, v and gates
+    q, k, v, z, g, beta = reference_heads(layer, x)
     want, _ = delta_reference(q, k, v, g, beta, 5 ** -0.5)
     torch.testing.assert_close(weights @ v, want, rtol=0, atol=1e-12)
 
@@ -361,6 +369,9 @@ def test_layer_refusals():
     with pytest.raises(ValueError) as e:
         GatedDeltaNet(16, 2, 4, conv_kernel_size=0)
     assert "conv_kernel_size must be a positive integer, got 0" in one_line(e)
+    with pytest.raises(ValueError) as e:
+        GatedDeltaNet(16, 2, 4, norm_eps=0.0)
+    assert "norm_eps must be a finite number in (0.0, inf), got 0.0" in one_line(e)
     layer = make_layer()
     x = torch.randn(2, 3, 16, dtype=torch.float64)
     with pytest.raises(ValueError) as e:

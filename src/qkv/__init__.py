@@ -24,6 +24,7 @@ _SOURCES = {
          "lengths_to_mask", "masked_softmax", "normalize_by_sum", "simple_self_attention",
          "softmax_naive", "softmax_stable"), ".functional"),
     "KVCache": ".kv_cache",
+    **dict.fromkeys(("DeltaNetCache", "GatedDeltaNet", "gated_delta_rule"), ".linear_attention"),
     "MultiHeadAttention": ".multihead",
     "PositionalEncoding": ".positional",
     "AdditiveAttention": ".scoring",

@@ -164,19 +164,22 @@ def _recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: 
     dtype, out_dtype = state.dtype, v.dtype
     group = v.shape[1] // q.shape[1]
     # Each key head serves `group` consecutive value heads: give every value head its own
-    # copy of its queries and keys.
-    q = q.repeat_interleave(group, dim=1).to(dtype) * scale  # (b, h, T, d_k)
-    k = k.repeat_interleave(group, dim=1).to(dtype)
-    v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
-    outs = []
+    # copy of its queries and keys. Tokens are row vectors (b, h, 1, d), so that reading
+    # the state is a product: k_t @ S (b, h, 1, d_v).
+    q = q.repeat_interleave(group, dim=1).to(dtype).unsqueeze(-2) * scale  # (b, h, T, 1, d_k)
+    k = k.repeat_interleave(group, dim=1).to(dtype).unsqueeze(-2)
+    v = v.to(dtype).unsqueeze(-2)  # (b, h, T, 1, d_v)
+    decay = g.to(dtype).exp()[..., None, None]  # a_t (b, h, T, 1, 1)
+    beta = beta.to(dtype)[..., None, None]
+    out = torch.empty(v.shape, dtype=out_dtype, device=v.device)  # (b, h, T, 1, d_v)
     for t in range(v.shape[2]):
-        k_t, v_t = k[:, :, t], v[:, :, t]  # (b, h, d_k), (b, h, d_v)
-        state = g[:, :, t, None, None].exp() * state  # forget a little: a_t S_{t-1}
-        recalled = torch.einsum("bhk,bhkv->bhv", k_t, state)  # what the state holds at k_t
-        correction = beta[:, :, t, None] * (v_t - recalled)  # (b, h, d_v)
-        state = state + k_t[..., :, None] * correction[..., None, :]  # written at k_t
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))  # read at q_t
-    return torch.stack(outs, dim=2).to(out_dtype), state
+        k_t = k[:, :, t]
+        state = decay[:, :, t] * state  # forget a little: a_t S_{t-1}
+        recalled = k_t @ state  # what the state holds at k_t
+        correction = beta[:, :, t] * (v[:, :, t] - recalled)  # (b, h, 1, d_v)
+        state = state + k_t.mT * correction  # written at k_t: the outer product k_t^T c
+        out[:, :, t] = q[:, :, t] @ state  # read at q_t
+    return out.squeeze(-2), state
 
 
 def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
@@ -428,6 +431,7 @@ class GatedDeltaNet(nn.Module):
                            ("conv_kernel_size", conv_kernel_size)):
             check_positive_int(name, size)
         check_positive_int("chunk_size", chunk_size, "number of tokens")
+        norm_eps = check_float("norm_eps", norm_eps, 0.0, lo_open=True)
         if num_v_heads % num_k_heads:
             raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads "
                              f"({num_k_heads}): each key head serves a group of value heads")
