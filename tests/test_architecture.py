@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "qkv"
 LAYERS = {
     "utils": 0, "checks": 0, "kernels": 0, "options": 0,
     "functional": 1, "kv_cache": 1, "multihead": 1, "positional": 1, "scoring": 1,
-    "latent_attention": 1, "attention_variants": 1,
+    "latent_attention": 1, "attention_variants": 1, "linear_attention": 1,
     "book": 2,
     "models": 3,
     "data": 4,

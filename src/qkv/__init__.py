@@ -25,6 +25,7 @@ _SOURCES = {
          "softmax_naive", "softmax_stable"), ".functional"),
     "KVCache": ".kv_cache",
     "LatentCache": ".kv_cache",
+    **dict.fromkeys(("DeltaNetCache", "GatedDeltaNet", "gated_delta_rule"), ".linear_attention"),
     "MultiHeadAttention": ".multihead",
     "LatentAttention": ".latent_attention",
     "SparseLatentAttention": ".latent_attention",

@@ -25,6 +25,9 @@ from .checks import MAX_COUNT, MAX_SIZE, check_bool, check_float, check_int, che
 
 # How attention computes (qkv.functional.attention): fused kernels or explicit weights.
 BACKENDS = ("fused", "eager")
+# How the gated delta rule computes (qkv.linear_attention): chunks of matrix products, or
+# one token at a time.
+DELTA_BACKENDS = ("chunked", "recurrent")
 
 # The translator architectures (qkv.models.seq2seq).
 MODEL_NAMES = ("bahdanau", "transformer")
