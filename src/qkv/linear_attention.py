@@ -335,6 +335,7 @@ class DeltaNetCache:
         self.state = torch.zeros(batch_size, value_heads, d_k, d_v,
                                  dtype=_state_dtype(self.conv), device=device)
         self.pos = 0
+        self.ring = False  # the cache protocol's: no window of positions, a state
 
     @property
     def nbytes(self) -> int:
@@ -554,9 +555,10 @@ class GatedDeltaNet(nn.Module):
                              f"{tuple(cache.state.shape)}; this layer at batch {batch} needs "
                              f"{conv} and {state}: make it with new_cache({batch})")
 
-    def new_cache(self, batch_size: int) -> DeltaNetCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> DeltaNetCache:
         """An empty :class:`DeltaNetCache` for this layer at ``batch_size``, on its device
-        and in its dtype. Its size does not depend on the number of tokens."""
+        and in its dtype. Its size does not depend on the number of tokens: ``max_len``
+        (the attention layers' cache length, passed to every layer alike) is not used."""
         weight = self.in_proj_qkv.weight
         return DeltaNetCache(batch_size, self.conv_dim, self.conv_kernel_size,
                              self.num_v_heads, self.head_k_dim, self.head_v_dim,

@@ -48,6 +48,7 @@ from ..checks import (
 from ..kernels import unavailable_reason
 from ..kv_cache import KVCache
 from ..latent_attention import LatentAttention, SparseLatentAttention
+from ..linear_attention import GatedDeltaNet
 from ..multihead import MultiHeadAttention
 from ..options import GPT_PRESETS as PRESETS
 from ..options import MAX_NEW_TOKENS
@@ -783,6 +784,10 @@ def _sparse_latent(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
     return _latent(cfg, spec, "sparse_latent")
 
 
+def _gated_deltanet(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
+    return GatedDeltaNet(cfg.emb_dim, norm_eps=cfg.norm_eps, **_options(cfg, "gated_deltanet"))
+
+
 # Attention kind (GPTConfig.layout's "attention") -> how a layer of that kind is built
 # from the config and the layer's spec. A new mechanism is a class in the attention core
 # and one entry here.
@@ -793,6 +798,7 @@ _ATTENTION_BUILDERS: dict[str, Callable[[GPTConfig, LayerSpec], nn.Module]] = {
     "shared_kv": _shared_kv,  # queries only, an earlier layer's keys and values (Gemma 4)
     "latent": _latent,  # multi-head latent attention (DeepSeek-V2/V3, Kimi K2)
     "sparse_latent": _sparse_latent,  # with DeepSeek's sparse top-k selection (V3.2)
+    "gated_deltanet": _gated_deltanet,  # linear attention, a fixed-size state (Qwen3.5)
 }
 ATTENTION_KINDS = tuple(_ATTENTION_BUILDERS)
 
