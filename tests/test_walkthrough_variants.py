@@ -312,8 +312,8 @@ def test_mla_cache_holds_the_latent_and_counts_by_hand(steps, printed):
     step = steps["mla.2"]
     ref = mla_reference(f64(step.modules["mla"]), x64(steps))
     close(step.tensors["cache.kv"], torch.cat((ref["c"], ref["k_r"]), dim=-1))
-    per_token = [R + D_R, H * (D_N + D_R + D_V)]  # 6 and 20
-    assert per_token == [6, 20]
+    per_token = [R + D_R, H * (D_N + D_R + D_V)]  # 8 and 20
+    assert per_token == [8, 20]
     growth = [[4 * n * p for p in per_token] for n in range(1, T + 1)]  # float32 bytes
     # DeepSeek-V3: the latent (512) and RoPE key (64) against 128 heads' keys (128 + 64)
     # and values (128)

@@ -52,11 +52,13 @@ __all__ = ["variant_steps", "VARIANT_SECTIONS", "MECHANISMS", "D_MODEL", "LATENT
 # so that a printed shape says which one it is.
 D_MODEL = 8
 NUM_HEADS = 2
-# LatentAttention's options: r = 4, d_n = 4, d_r = 2, d_v = 4, and a query bottleneck.
-LATENT = dict(kv_lora_rank=4, q_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
-              v_head_dim=4)
-# SparseLatentAttention's indexer: H = 2 index heads of d_I = 4, each query keeps 3 keys.
-SPARSE = dict(index_n_heads=2, index_head_dim=4, index_topk=3)
+# LatentAttention's options: r = 4, d_n = 3, d_r = 4 (two pairs, so that interleaved RoPE
+# differs from "rotate half"), d_v = 3, and a query bottleneck of 6.
+LATENT = dict(kv_lora_rank=4, q_lora_rank=6, qk_nope_head_dim=3, qk_rope_head_dim=4,
+              v_head_dim=3)
+# SparseLatentAttention's indexer: H = 2 index heads of d_I = 6 (RoPE on the first d_r = 4),
+# each query keeps 3 keys.
+SPARSE = dict(index_n_heads=2, index_head_dim=6, index_topk=3)
 # The sink logits of the two heads (a trained model learns them): at 0 a head's sink
 # weighs as much as a key it scores 0 with; at 2, e^2 = 7.4 times as much.
 SINKS = (0.0, 2.0)
@@ -166,6 +168,16 @@ def _decode(layer: nn.Module, x: Tensor, cache: object) -> Tensor:
     return torch.cat([layer(x[:, t : t + 1], cache=cache) for t in range(x.shape[1])], dim=1)
 
 
+def _run(layer: LatentAttention, x: Tensor, backend: str, **kwargs):
+    """``layer(x, **kwargs)`` with its ``backend`` ("decompress" or "absorbed") for this
+    one call."""
+    saved, layer.backend = layer.backend, backend
+    try:
+        return layer(x, **kwargs)
+    finally:
+        layer.backend = saved
+
+
 def _max_difference(a: Tensor, b: Tensor) -> Tensor:
     return (a - b).abs().max()
 
@@ -251,9 +263,7 @@ def _step_mla_2(c: _Toy, layer: LatentAttention) -> Step:
 
 def _step_mla_3(c: _Toy, layer: LatentAttention) -> Step:
     keys, values = _decompress(layer, c.latent["c"], c.latent["k_rope"])
-    layer.backend = "decompress"
-    out, weights = layer(c.x, need_weights=True)
-    layer.backend = "auto"
+    out, weights = _run(layer, c.x, "decompress", need_weights=True)
     return Step(
         "mla.3",
         "Decompress, then attend",
@@ -288,11 +298,8 @@ def _step_absorbed_1(c: _Toy, layer: LatentAttention) -> Step:
     query = torch.cat((q_latent, c.latent["q_rope"]), dim=-1)  # (h, T, r + d_r)
     keep = causal_mask(c.num_tokens)
     scores = (query @ key.T * layer.scale).masked_fill(~keep, float("-inf"))
-    layer.backend = "absorbed"
-    out, weights = layer(c.x, need_weights=True)
-    layer.backend = "decompress"
-    decompressed = layer(c.x)
-    layer.backend = "auto"
+    out, weights = _run(layer, c.x, "absorbed", need_weights=True)
+    decompressed = _run(layer, c.x, "decompress")
     o_latent = weights[0] @ c.latent["c"]  # (h, T, r): the weighted sum of latents
     return Step(
         "absorbed.1",
