@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/book-map.md", "docs/distributed.md", "docs/modern-attention.md"]
+DOCS = ["README.md", "docs/book-map.md", "docs/distributed.md", "docs/modern-attention.md",
+        "docs/attention-variants.md"]
 
 
 def python_blocks(path: Path) -> list[str]:

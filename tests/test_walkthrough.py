@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from qkv.book.walkthrough import SECTIONS, Step, format_tensor, walkthrough_steps
+from qkv.book.walkthrough_variants import VARIANT_SECTIONS
 from qkv.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -265,7 +266,8 @@ def test_python_dash_m_lists_steps():
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert [line.split()[0] for line in lines] == list(SECTIONS)
+    # the book's sections, then the mechanisms' (tests/test_walkthrough_variants.py)
+    assert [line.split()[0] for line in lines] == [*SECTIONS, *VARIANT_SECTIONS]
     assert lines[0] == "3.3.1  Attention scores for one query"
 
 

@@ -98,6 +98,20 @@ MEMORY_MODES = ("isolated", "in-process", "off")
 # step prints T x T matrices; beyond this they stop being readable).
 BOOK_TEXT = "Your journey starts with one step"
 MAX_WALKTHROUGH_TOKENS = 64
+# The walkthrough's sections on the attention of 2025-26 models, after the book's §3.3-3.6:
+# the prefix a section's steps share (mla.1, mla.2, ...; `--only mla`) -> what they show.
+WALKTHROUGH_MECHANISMS = {
+    "mla": "DeepSeek-V3's multi-head latent attention: the latent, its cache against "
+           "multi-head attention's, decompressing it into keys and values",
+    "absorbed": "latent attention absorbed: the key and value maps folded into the query "
+                "and the output, attention in latent space, decoding from the cache",
+    "dsa": "DeepSeek-V3.2's sparse attention: the lightning indexer's scores, the top-k "
+           "keys of each query, attention over them",
+    "sinks": "gpt-oss's learned attention sinks: rows of weights that sum to less than one, "
+             "and where the rest goes",
+    "kvshare": "Gemma 3n's and Gemma 4's KV sharing: a later layer attends with an earlier "
+               "layer's keys and values, cached once",
+}
 
 
 # ----------------------------------------------------------------------------

@@ -97,7 +97,8 @@ class Step:
     """One stop of the walkthrough.
 
     Attributes:
-        section: the book's section number, e.g. ``"3.3.1"``.
+        section: the book's section number, e.g. ``"3.3.1"``, or a mechanism's
+            step, e.g. ``"mla.1"``.
         title: a short heading.
         explanation: what the step computes and why, in one to three sentences.
         tensors: name -> tensor, in the order to show them (detached, on CPU).
@@ -107,6 +108,8 @@ class Step:
             for one matrix per head; None for steps without one.
         weights_title: caption for the heatmap of ``weights``.
         tokens: the ``T`` tokens, labelling both axes of ``weights``.
+        modules: the layers the step ran, by name, so that their weights can be read
+            back (the mechanisms' sections, :mod:`qkv.book.walkthrough_variants`).
     """
 
     section: str
@@ -117,6 +120,7 @@ class Step:
     weights: Tensor | None = None
     weights_title: str = "attention weights"
     tokens: tuple[str, ...] = ()
+    modules: dict[str, nn.Module] = field(default_factory=dict)
 
     @property
     def heading(self) -> str:
@@ -244,12 +248,15 @@ def format_tensor(
 # ---------------------------------------------------------------------------
 
 
-def toy_embedding(text: str, seed: int = 123) -> tuple[list[str], Tensor]:
-    """Split ``text`` on whitespace and embed each token as a seeded random 3-d row.
+def toy_embedding(
+    text: str, seed: int = 123, width: int = EMBED_DIM
+) -> tuple[list[str], Tensor]:
+    """Split ``text`` on whitespace and embed each token as a seeded random row.
 
-    Returns ``(tokens, inputs (T, 3))``. Distinct lower-cased tokens, in order
-    of first appearance, take the rows of ``torch.rand(num_distinct, 3)`` from a
-    private generator seeded with ``seed``; repeated words share a row.
+    Returns ``(tokens, inputs (T, width))``, ``width`` 3 by default (the book's).
+    Distinct lower-cased tokens, in order of first appearance, take the rows of
+    ``torch.rand(num_distinct, width)`` from a private generator seeded with
+    ``seed``; repeated words share a row.
     """
     tokens = text.split()
     if not tokens:
@@ -261,7 +268,7 @@ def toy_embedding(text: str, seed: int = 123) -> tuple[list[str], Tensor]:
         )
     vocab = {word: i for i, word in enumerate(dict.fromkeys(t.lower() for t in tokens))}
     generator = torch.Generator().manual_seed(seed)
-    table = torch.rand(len(vocab), EMBED_DIM, generator=generator)
+    table = torch.rand(len(vocab), width, generator=generator)
     return tokens, table[[vocab[t.lower()] for t in tokens]]
 
 
@@ -619,7 +626,7 @@ def select_steps(steps: Sequence[Step], section: str) -> list[Step]:
     if not chosen:
         raise ValueError(
             f"unknown section {section!r}; choose one of {', '.join(s.section for s in steps)}"
-            " (or a prefix such as 3.5)"
+            " (or a prefix such as 3.5 or mla)"
         )
     return chosen
 

@@ -1,10 +1,12 @@
-"""``qkv walkthrough``: print LLMs-from-scratch §3.3-3.6 step by step.
+"""``qkv walkthrough``: print LLMs-from-scratch §3.3-3.6 step by step, then the
+attention of 2025-26 models (latent, absorbed, sparse, sinks, shared keys and values).
 
 Examples::
 
-    qkv walkthrough                        # the book's example and numbers
+    qkv walkthrough                        # the book's example and numbers, then each mechanism
     qkv walkthrough --steps                # just the list of steps
     qkv walkthrough --only 3.5.1           # one section (or a prefix: --only 3.5)
+    qkv walkthrough --only mla             # one mechanism: mla, absorbed, dsa, sinks, kvshare
     qkv walkthrough --text "the cat sat on the mat" --seed 7 --heatmap wt.png
 """
 
@@ -12,20 +14,29 @@ from __future__ import annotations
 
 import argparse
 
-from ..options import BOOK_TEXT
+from ..options import BOOK_TEXT, WALKTHROUGH_MECHANISMS
 from ..options import MAX_WALKTHROUGH_TOKENS as MAX_TOKENS
 
-HELP = "walk through self-attention step by step (LLMs-from-scratch §3.3-3.6)"
+HELP = ("walk through self-attention step by step (LLMs-from-scratch §3.3-3.6), then the "
+        "attention of 2025-26 models")
+
+
+def _description() -> str:
+    mechanisms = "; ".join(f"'{name}' shows {text}"
+                           for name, text in WALKTHROUGH_MECHANISMS.items())
+    return (f"{HELP[0].upper()}{HELP[1:]}. Every step of the book prints the tensors the "
+            "book prints, with the same numbers for the book's example. After the book's "
+            "sections (3.3.1 to 3.6.2) come the mechanisms', each run by qkv's own classes "
+            "on a toy input of the same words, every step printing its tensors' shapes and "
+            "what the cache holds, token by token (--only NAME; steps NAME.1, NAME.2, ...). "
+            f"{mechanisms}.")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "walkthrough",
         help=HELP,
-        description=(
-            f"{HELP[0].upper()}{HELP[1:]}: every step prints the tensors the book prints, "
-            "with the same numbers for the book's example."
-        ),
+        description=_description(),
         epilog="examples:\n" + "\n".join("  " + line.strip() for line in __doc__.splitlines()
                                           if line.strip().startswith("qkv walkthrough")),
     )
@@ -33,8 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--text",
         metavar="TEXT",
         help=f"your own words instead of '{BOOK_TEXT}': split on whitespace (1 to "
-        f"{MAX_TOKENS} tokens), each distinct word gets a seeded random 3-d embedding "
-        "(default: the book's sentence and embeddings)",
+        f"{MAX_TOKENS} tokens), each distinct word gets a seeded random embedding, 3-d "
+        "for the book's steps and 8-d for the mechanisms' (default: the book's sentence "
+        "and embeddings)",
     )
     parser.add_argument(
         "--seed",
@@ -53,7 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument(
         "--only",
         metavar="SECTION",
-        help="show one section, e.g. 3.5.1, or all steps under a prefix, e.g. 3.5 "
+        help="show one section, e.g. 3.5.1 or mla.2, or all steps under a prefix, e.g. "
+        f"3.5, 3 (the book's) or a mechanism: {', '.join(WALKTHROUGH_MECHANISMS)} "
         "(default: every step)",
     )
     parser.set_defaults(run=run, prints_result=True)
@@ -62,6 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ..book.walkthrough import heatmap_panels, select_steps, walkthrough_steps
+    from ..book.walkthrough_variants import variant_steps
 
     # Validate the output path before any work so a typo fails at once.
     if args.heatmap:
@@ -69,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
         check_image_path(args.heatmap)
 
-    all_steps = walkthrough_steps(args.text, seed=args.seed)
+    all_steps = walkthrough_steps(args.text, seed=args.seed) + variant_steps(
+        args.text, seed=args.seed)
     steps = select_steps(all_steps, args.only) if args.only else all_steps
 
     panels = heatmap_panels(steps) if args.heatmap else None
