@@ -792,9 +792,8 @@ def gguf_state_dict(
         # Gemma's norms come as 1 + w; w keeps its precision only if 1 is subtracted
         # before rounding to bfloat16. Every other conversion only moves values.
         wide = any(_shifted(model_type, n) for n in names)
-        parts = read_gguf_tensors(path, names, torch.float32 if wide else dtype,
-                                  header=header)
-        out[hf_name] = _to_hf(parts, config).to(dtype)
+        out[hf_name] = _to_hf(read_gguf_tensors(path, names, torch.float32 if wide else dtype,
+                                                header=header), config).to(dtype)
     return out
 
 
