@@ -643,7 +643,8 @@ def _pack(stored: list[_Stored], raw: Mapping[str, Tensor],
             out[st.ours] = tensor
         else:
             pieces.setdefault(st.ours, {})[st.piece] = tensor
-    for name, parts in pieces.items():
+    for name in list(pieces):  # each expert's pieces let go once stacked
+        parts = pieces.pop(name)
         experts = 1 + max(e for e, _ in parts)
         if name.endswith("gate_up_proj"):
             out[name] = torch.stack([torch.cat((parts[e, 0], parts[e, 1])) for e in
