@@ -7,12 +7,30 @@ serves both:
 
 - :func:`gguf_config`: the ``config.json`` a Hugging Face folder of the model would hold
   (its keys as those files spell them: ``rope_theta``, ``rope_scaling``, ...);
-- :func:`gguf_state_dict`: every tensor under its Hugging Face name, with llama.cpp's
-  conventions undone: the RoPE row order of ``attn_q``/``attn_k`` in ``llama`` files,
-  Gemma's norm weights stored as ``1 + w``, GPT-2's ``Conv1D`` weights stored transposed.
+- :func:`gguf_state_dict`: every tensor under its Hugging Face name (as transformers'
+  modules hold it), with llama.cpp's conventions undone: the RoPE row order of
+  ``attn_q``/``attn_k`` in ``llama`` and ``smollm3`` files, Gemma's norm weights stored
+  as ``1 + w``, GPT-2's ``Conv1D`` weights stored transposed, experts split or
+  transposed, DeepSeek's latent up-projection split in two.
 
-Supported architectures (``general.architecture``): ``llama`` (Llama, SmolLM2 and Mistral
-files all say ``llama``), ``qwen2``, ``qwen3``, ``gemma3`` and ``gpt2``.
+Supported architectures (``general.architecture`` -> Hugging Face ``model_type``):
+
+=============  ==============  ===================================================
+``llama``      ``llama``       Llama, SmolLM2 and Mistral files (``mistral`` when
+                               ``general.name`` says Mistral)
+``qwen2``      ``qwen2``
+``qwen3``      ``qwen3``
+``gemma3``     ``gemma3_text``
+``gpt2``       ``gpt2``
+``smollm3``    ``smollm3``     NoPE every 4th layer
+``olmo2``      ``olmo3``       OLMo 2 and OLMo 3 files both say ``olmo2``
+``gpt-oss``    ``gpt_oss``     experts MXFP4 in published files, dequantized here
+``deepseek2``  ``deepseek_v3`` DeepSeek-V3/R1 (and Kimi K2) files
+=============  ==============  ===================================================
+
+DeepSeek-V3.2 (``deepseek_v32``) has no GGUF form: gguf 0.19 names no architecture for
+its sparse attention and llama.cpp's converter writes none; a ``deepseek2`` file with
+an indexer's metadata is refused.
 
 The configuration says what llama.cpp would run, which is not always what the original
 ``config.json`` said; llama.cpp's converter drops what its runtime does not use:
@@ -24,6 +42,28 @@ The configuration says what llama.cpp would run, which is not always what the or
   every layer otherwise; the sliding layers' RoPE base is 10000; the query scale is
   ``head_dim ** -0.5``, except for 62-layer models (Gemma 3 27B), where it is
   ``(hidden_size / num_attention_heads) ** -0.5`` (``query_pre_attn_scalar``).
+- ``smollm3`` files: llama.cpp skips RoPE in every 4th layer (``(i + 1) % 4 == 0``); the
+  file does not say which layers (SmolLM3's own ``no_rope_layer_interval``), and no
+  layer has a window.
+- ``olmo2`` files: with ``attention.sliding_window``, the layers the converter's
+  ``attention.sliding_window_pattern`` marks (a flag per layer; a period ``p`` marks
+  ``i % p < p - 1``; without it llama.cpp's period 4) attend within the window with
+  plain RoPE (base ``rope.freq_base_swa``, else ``rope.freq_base``), the others with the
+  file's RoPE scaling; without a window every layer is full (OLMo 2).
+- ``gpt-oss`` files: sliding and full layers alternate, the first sliding; the clamped
+  SwiGLU's limit is 7 (llama.cpp's constants); YaRN's correction range is rounded out
+  to whole dimensions (``truncate``), as llama.cpp rounds it for every model (the
+  original gpt-oss ``config.json`` says ``truncate: false``).
+- ``deepseek2`` files: routing must be sigmoid (``expert_gating_func`` 2, DeepSeek-V3's;
+  llama.cpp takes a file without it for DeepSeek-V2's softmax routing, which qkv does
+  not compute); groups of experts only with ``expert_group_count`` (older files have
+  none: no group limit); ``norm_topk_prob`` only with ``expert_weights_norm``; RoPE
+  pairs interleaved; YaRN's ``mscale`` and ``mscale_all_dim`` both
+  ``rope.scaling.yarn_log_multiplier / 0.1`` (the converter writes ``0.1 *
+  mscale_all_dim``; llama.cpp takes ``mscale`` equal to it). MLA files (``attention.
+  key_length_mla``, converters since 2025) hold the key and value up-projections
+  ``attn_k_b`` ``(heads, kv_lora_rank, qk_nope_head_dim)`` and ``attn_v_b``; older files
+  one ``attn_kv_b``; both read back as ``kv_b_proj``.
 - Llama 3's RoPE scaling (``rope_type`` ``"llama3"``) is stored as a ``rope_freqs.weight``
   tensor, not as metadata: per RoPE frequency, the divisor the scaling applies (its
   ``factor`` for the low frequencies, 1 for the high ones, a blend between).
@@ -33,18 +73,22 @@ The configuration says what llama.cpp would run, which is not always what the or
   older converters hold a copy of the embedding there: they come back untied, with
   ``lm_head.weight`` equal to ``transformer.wte.weight``.
 - ``qwen2`` files get no ``attention_bias`` key (Hugging Face's Qwen2 always has a query,
-  key and value bias and no output bias); the other families get
-  ``attention_bias = True`` iff the file has ``blk.0.attn_q.bias``.
+  key and value bias and no output bias); ``olmo2`` files none either (OLMo has no
+  biases); the other families get ``attention_bias = True`` iff the file has
+  ``blk.0.attn_q.bias`` (and SmolLM3 ``mlp_bias`` iff it has ``blk.0.ffn_up.bias``).
 
-Floats stored as float32 (``1e-5`` is ``9.99999974738e-06`` there) are given back as the
-shortest decimal that rounds to the same float32 (``1e-05``), as ``config.json`` spells it.
+Metadata that changes what a model computes and that qkv does not reproduce (a logit
+scale, a clamp on the projections, ...: :data:`_NOT_COMPUTED`) is refused, naming the
+key. Floats stored as float32 (``1e-5`` is ``9.99999974738e-06`` there) are given back as
+the shortest decimal that rounds to the same float32 (``1e-05``), as ``config.json``
+spells it.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +102,7 @@ from ..utils.fileio import fsync_dir, temp_path
 from .gguf_weights import (
     GGUFHeader,
     GGUFTensorInfo,
+    check_tensor_budget,
     import_gguf,
     open_gguf_reader,
     permute_rope,
@@ -72,18 +117,38 @@ __all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "llama3_scali
 
 # general.architecture -> Hugging Face's model_type
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
-                "gpt2": "gpt2"}
+                "gpt2": "gpt2", "smollm3": "smollm3", "olmo2": "olmo3", "gpt-oss": "gpt_oss",
+                "deepseek2": "deepseek_v3"}
 GGUF_ARCHITECTURES = tuple(_MODEL_TYPES)
+# The model_types whose attn_q/attn_k rows llama.cpp's converter reorders for its RoPE
+# (LlamaModel and its subclasses); the others are stored as Hugging Face holds them.
+_PERMUTED = ("llama", "mistral", "smollm3")
 
 _ROPE_BASE = 10000.0  # llama.cpp's rope.freq_base when a file has none
 _GEMMA3_GLOBAL_EVERY = 6
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GEMMA3_27B_LAYERS = 62
+_SMOLLM3_NOPE_EVERY = 4  # llama.cpp's n_no_rope_layer_step for smollm3
+_OLMO2_SWA_PERIOD = 4  # llama.cpp's sliding pattern for olmo2 files that give none
+_GPT_OSS_SWIGLU_LIMIT = 7.0  # llama.cpp's clamp in gpt-oss's SwiGLU
+# llama.cpp's expert_gating_func codes; DeepSeek-V3 routes with sigmoid scores.
+_GATING = {0: "none (llama.cpp reads softmax)", 1: "softmax", 2: "sigmoid"}
+_SIGMOID = 2
 # rope.scaling.* key -> the key of Hugging Face's rope_scaling ("type" and "factor" aside);
-# "finetuned" says only how the model was trained.
+# "finetuned" says only how the model was trained. The converter writes YaRN's
+# attention factor as yarn_attn_factor; older files as attn_factor.
 _ROPE_SCALING_KEYS = {"original_context_length": "original_max_position_embeddings",
-                      "attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast",
-                      "yarn_beta_slow": "beta_slow"}
+                      "attn_factor": "attention_factor", "yarn_attn_factor": "attention_factor",
+                      "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+# DeepSeek's YaRN: the converter writes 0.1 * mscale_all_dim under this key.
+_YARN_LOG_MUL = "yarn_log_multiplier"
+# Metadata that changes what llama.cpp computes, which no config.json of these families
+# says and qkv does not reproduce: refused when present (Gemma 3 reads its own softcap).
+_NOT_COMPUTED = ("attention.clamp_kqv", "attention.scale", "attention.temperature_scale",
+                 "logit_scale", "embedding_scale", "residual_scale",
+                 "attn_logit_softcapping", "router_logit_softcapping", "swiglu_clamp_exp",
+                 "swiglu_clamp_shexp", "expert_group_scale", "interleave_moe_layer_step",
+                 "moe_every_n_layers", "final_logit_softcapping")
 _ROPE_FREQS = "rope_freqs.weight"
 # Every Llama 3.x (3.1: factor 8, 3.2: factor 32) scales RoPE with these.
 _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR, _LLAMA3_ORIGINAL = 1.0, 4.0, 8192
@@ -109,23 +174,33 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
 
     Returns:
         ``model_type`` (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``,
-        ``"gemma3_text"`` or ``"gpt2"``) and the fields of that family's
-        ``config.json``: for GPT-2 ``vocab_size``, ``n_positions``, ``n_embd``,
-        ``n_layer``, ``n_head``, ``n_inner`` (None: ``4 * n_embd``),
-        ``layer_norm_epsilon``; for the others
-        ``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+        ``"gemma3_text"``, ``"gpt2"``, ``"smollm3"``, ``"olmo3"``, ``"gpt_oss"`` or
+        ``"deepseek_v3"``) and the fields of that family's ``config.json`` that its
+        reader (:func:`~qkv.models.hf_open.config_fields`) reads: for GPT-2
+        ``vocab_size``, ``n_positions``, ``n_embd``, ``n_layer``, ``n_head``, ``n_inner``
+        (None: ``4 * n_embd``), ``layer_norm_epsilon``; for the others ``vocab_size``,
+        ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
         ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
-        ``max_position_embeddings``, ``rms_norm_eps``, ``rope_theta``, ``rope_scaling``
-        (None or ``{"rope_type", "factor", ...}``), Gemma 3's ``sliding_window``,
-        ``layer_types``, ``rope_local_base_freq``, ``query_pre_attn_scalar`` and
-        ``final_logit_softcapping``; and ``tie_word_embeddings``.
+        ``max_position_embeddings``, ``rms_norm_eps``, RoPE (``rope_theta`` and
+        ``rope_scaling``, None or ``{"rope_type", "factor", ...}``; OLMo's
+        ``rope_parameters`` per layer type), ``tie_word_embeddings`` and each family's
+        own: Gemma 3's ``sliding_window``, ``layer_types``, ``rope_local_base_freq``,
+        ``query_pre_attn_scalar``, ``final_logit_softcapping``; SmolLM3's
+        ``no_rope_layers``; OLMo 3's and gpt-oss's ``sliding_window`` and
+        ``layer_types``; gpt-oss's experts (``num_local_experts``,
+        ``num_experts_per_tok``, ``swiglu_limit``); DeepSeek-V3's latent attention
+        (``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+        ``v_head_dim``, ``rope_interleave``) and routing (``n_routed_experts``,
+        ``n_shared_experts``, ``moe_intermediate_size``, ``first_k_dense_replace``,
+        ``routed_scaling_factor``, ``norm_topk_prob``, ``n_group``, ``topk_group``).
 
     Raises:
         ValueError: one line naming the file and the key: an architecture other than
             :data:`GGUF_ARCHITECTURES`, a missing or out-of-range size, sizes that do not
             divide, a ``block_count`` beyond the file's tensors, partial rotary
             embeddings, unknown RoPE scaling keys, a ``rope_freqs`` tensor that is no
-            llama3 scaling's (:func:`llama3_scaling`).
+            llama3 scaling's (:func:`llama3_scaling`), metadata qkv does not compute
+            (:data:`_NOT_COMPUTED`, DeepSeek-V2's softmax routing, sparse attention).
     """
     arch, meta, tensors, path = (header.architecture, header.config, header.tensors,
                                  header.path)
@@ -146,6 +221,10 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
             raise ValueError(f"{where}{key} is missing; a {arch} model needs it")
         return _decimal(check_float(f"{where}{key}", value, 0.0, lo_open=True))
 
+    for key in _NOT_COMPUTED:
+        if key in meta and not (arch == "gemma3" and key == "final_logit_softcapping"):
+            raise ValueError(f"{where}{key} is {show(meta[key])}; qkv does not compute it "
+                             f"(a {arch} model without it is read)")
     layers = integer("block_count")
     if layers > len(tensors):  # each layer has tensors: a lying count stops here
         raise ValueError(f"{where}block_count is {layers:,}, but the file holds only "
@@ -168,6 +247,15 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
                 "n_inner": None if inner == 4 * hidden else inner,
                 "layer_norm_epsilon": number("attention.layer_norm_epsilon"),
                 "activation_function": "gelu_new"}
+    rope = {"rope_theta": number("rope.freq_base", _ROPE_BASE),
+            "rope_scaling": _rope_scaling(meta, where, arch == "deepseek2")}
+    shared = {"model_type": _MODEL_TYPES[arch], **common, "hidden_size": hidden,
+              "num_hidden_layers": layers, "num_attention_heads": heads,
+              "max_position_embeddings": integer("context_length"),
+              "rms_norm_eps": number("attention.layer_norm_rms_epsilon"), **rope,
+              "hidden_act": "silu"}
+    if arch == "deepseek2":
+        return _deepseek2_config(meta, shared, integer, number, where)
 
     kv_heads = integer("attention.head_count_kv", heads)
     if heads % kv_heads:
@@ -189,14 +277,8 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
                              "qkv supports neither values of another size nor partial "
                              "rotary embeddings")
     config = {
-        "model_type": _MODEL_TYPES[arch], **common, "hidden_size": hidden,
-        "intermediate_size": integer("feed_forward_length"), "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "max_position_embeddings": integer("context_length"),
-        "rms_norm_eps": number("attention.layer_norm_rms_epsilon"),
-        "rope_theta": number("rope.freq_base", _ROPE_BASE),
-        "rope_scaling": _rope_scaling(meta, where), "hidden_act": "silu",
-        "sliding_window": None,
+        **shared, "intermediate_size": integer("feed_forward_length"),
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "sliding_window": None,
     }
     if arch == "llama" and _ROPE_FREQS in tensors:  # read now that the header is checked
         if config["rope_scaling"] is not None:
@@ -204,7 +286,7 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
                              f"{config['rope_scaling']['rope_type']!r} and the file holds a "
                              f"{_ROPE_FREQS} tensor too: two RoPE scalings, qkv reads one")
         config["rope_scaling"] = llama3_scaling(header, head_dim, config["rope_theta"])
-    if arch != "qwen2":
+    if arch not in ("qwen2", "olmo2"):
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "llama" and "mistral" in str(header.general.get("name", "")).lower():
         config["model_type"] = "mistral"
@@ -220,21 +302,129 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
                                    else head_dim),
             final_logit_softcapping=(number("final_logit_softcapping")
                                      if "final_logit_softcapping" in meta else None))
+    if arch == "smollm3":
+        config.update(no_rope_layers=[int((i + 1) % _SMOLLM3_NOPE_EVERY != 0)
+                                      for i in range(layers)],
+                      use_sliding_window=False, mlp_bias="blk.0.ffn_up.bias" in tensors)
+    if arch == "olmo2":
+        window = integer("attention.sliding_window", 0, lo=0)
+        sliding = _sliding_layers(meta, layers, where) if window else [False] * layers
+        full = {"rope_type": "default", **(config.pop("rope_scaling") or {}),
+                "rope_theta": config.pop("rope_theta")}
+        config.update(
+            sliding_window=window or None,
+            layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+            rope_parameters={"full_attention": full, "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": number("rope.freq_base_swa", full["rope_theta"])}})
+    if arch == "gpt-oss":
+        config.update(
+            intermediate_size=integer("expert_feed_forward_length"),
+            sliding_window=integer("attention.sliding_window"),
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                         for i in range(layers)],
+            num_local_experts=integer("expert_count"),
+            num_experts_per_tok=integer("expert_used_count"),
+            swiglu_limit=_GPT_OSS_SWIGLU_LIMIT)
     return config
 
 
-def _rope_scaling(meta: dict[str, Any], where: str) -> dict[str, Any] | None:
+def _sliding_layers(meta: Mapping[str, Any], layers: int, where: str) -> list[bool]:
+    """Which layers attend within the window, from ``attention.sliding_window_pattern``
+    as llama.cpp reads it: a flag per layer, or a period ``p`` (layer ``i`` slides iff
+    ``i % p < p - 1``; 0: every layer), llama.cpp's 4 when the file gives none."""
+    key = "attention.sliding_window_pattern"
+    pattern = meta.get(key, _OLMO2_SWA_PERIOD)
+    if isinstance(pattern, list):
+        if len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
+            raise ValueError(f"{where}{key} must flag each of the {layers} layers "
+                             f"(true: sliding), got {show(pattern)}")
+        return list(pattern)
+    period = check_int(f"{where}{key}", pattern, 0, MAX_SIZE)
+    return [period == 0 or i % period < period - 1 for i in range(layers)]
+
+
+def _deepseek2_config(meta: Mapping[str, Any], shared: dict[str, Any], integer: Any,
+                      number: Any, where: str) -> dict[str, Any]:
+    """DeepSeek-V3's ``config.json`` from a ``deepseek2`` file's metadata: latent
+    attention's sizes, the experts and their routing (``shared`` holds the sizes every
+    family has, RoPE read)."""
+    indexer = sorted(k for k in meta if k.startswith("attention.indexer."))
+    if indexer:
+        raise ValueError(f"{where}{indexer[0]} says the model has DeepSeek's sparse "
+                         "attention; qkv reads it from Hugging Face folders only "
+                         "(deepseek_v32: gguf 0.19 names no GGUF architecture for it)")
+    gating = integer("expert_gating_func", 0, lo=0)
+    if gating != _SIGMOID:
+        raise ValueError(f"{where}expert_gating_func is {gating} "
+                         f"({_GATING.get(gating, 'unknown')}); qkv reads DeepSeek-V3's "
+                         f"sigmoid routing ({_SIGMOID}), not DeepSeek-V2's softmax routing")
+    heads, rope_dim = shared["num_attention_heads"], integer("rope.dimension_count")
+    kv_rank = integer("attention.kv_lora_rank")
+    if "attention.key_length_mla" in meta:  # MLA files: attention over the latent
+        qk, v = integer("attention.key_length_mla"), integer("attention.value_length_mla")
+        for key, want in (("attention.key_length", kv_rank + rope_dim),
+                          ("attention.value_length", kv_rank),
+                          ("attention.head_count_kv", 1)):
+            if integer(key, want) != want:
+                raise ValueError(f"{where}{key} is {meta[key]}; latent attention of rank "
+                                 f"{kv_rank} with {rope_dim} RoPE dimensions implies {want}")
+    else:  # older files: the heads' sizes once decompressed
+        qk, v = integer("attention.key_length"), integer("attention.value_length")
+        if integer("attention.head_count_kv", heads) != heads:
+            raise ValueError(f"{where}attention.head_count_kv is "
+                             f"{meta['attention.head_count_kv']}; a file without "
+                             f"attention.key_length_mla has {heads} (one per head)")
+    if qk <= rope_dim:
+        raise ValueError(f"{where}the heads' key size {qk} leaves no dimensions beside "
+                         f"rope.dimension_count {rope_dim}")
+    for key in ("rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor"):
+        if meta.get(key, 1.0) != 1.0:  # llama.cpp scales the softmax by its square too
+            raise ValueError(f"{where}{key} is {show(meta[key])}; qkv reads DeepSeek's "
+                             "YaRN without one (1)")
+    experts = integer("expert_count")
+    return {
+        **shared, "intermediate_size": integer("feed_forward_length"),
+        "num_key_value_heads": heads, "head_dim": rope_dim, "attention_bias": False,
+        "kv_lora_rank": kv_rank,
+        "q_lora_rank": (integer("attention.q_lora_rank")
+                        if "attention.q_lora_rank" in meta else None),
+        "qk_nope_head_dim": qk - rope_dim, "qk_rope_head_dim": rope_dim, "v_head_dim": v,
+        "rope_interleave": True, "n_routed_experts": experts,
+        "num_experts_per_tok": integer("expert_used_count"),
+        "moe_intermediate_size": integer("expert_feed_forward_length"),
+        "n_shared_experts": integer("expert_shared_count", 0, lo=0),
+        "first_k_dense_replace": integer("leading_dense_block_count", 0, lo=0),
+        "routed_scaling_factor": number("expert_weights_scale", 1.0),
+        "norm_topk_prob": _flag(meta, "expert_weights_norm", where),
+        "n_group": integer("expert_group_count", 1),
+        "topk_group": integer("expert_group_used_count", 1),
+    }
+
+
+def _flag(meta: Mapping[str, Any], key: str, where: str) -> bool:
+    value = meta.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}{key} must be a bool, got {show(value)}")
+    return value
+
+
+def _rope_scaling(meta: dict[str, Any], where: str,
+                  deepseek: bool = False) -> dict[str, Any] | None:
     """Hugging Face's ``rope_scaling`` from the ``rope.scaling.*`` keys, as llama.cpp
     reads them: a factor without a type is linear; type "none" or a linear factor of 1
-    is no scaling."""
+    is no scaling. ``deepseek``: YaRN's ``yarn_log_multiplier`` is read too (the
+    converter's ``0.1 * mscale_all_dim``) and needed."""
     keys = {k.removeprefix("rope.scaling."): v for k, v in meta.items()
             if k.startswith("rope.scaling.") and k != "rope.scaling.finetuned"}
     kind = keys.pop("type", "linear")
     factor = keys.pop("factor", meta.get("rope.scale_linear"))  # its older name
+    log_mul = keys.pop(_YARN_LOG_MUL, None) if deepseek else None
     unknown = sorted(set(keys) - set(_ROPE_SCALING_KEYS))
     if unknown:
         raise ValueError(f"{where}rope.scaling.{unknown[0]} is not understood by qkv (known: "
-                         f"type, factor, {', '.join(_ROPE_SCALING_KEYS)})")
+                         f"type, factor, {', '.join(_ROPE_SCALING_KEYS)}"
+                         f"{', ' + _YARN_LOG_MUL if deepseek else ''})")
     if not isinstance(kind, str):
         raise ValueError(f"{where}rope.scaling.type must be a string, got {show(kind)}")
     if kind == "none" or (kind == "linear" and factor in (None, 1.0)):
@@ -248,6 +438,12 @@ def _rope_scaling(meta: dict[str, Any], where: str) -> dict[str, Any] | None:
     for key, value in keys.items():
         scaling[_ROPE_SCALING_KEYS[key]] = value if isinstance(value, int) else _decimal(
             check_float(f"{where}rope.scaling.{key}", value))
+    if deepseek and kind == "yarn":
+        if log_mul is None:
+            raise ValueError(f"{where}rope.scaling.{_YARN_LOG_MUL} is missing; DeepSeek's "
+                             "YaRN needs it (0.1 * mscale_all_dim)")
+        mscale = check_float(f"{where}rope.scaling.{_YARN_LOG_MUL}", log_mul, 0.0) / 0.1
+        scaling["mscale"] = scaling["mscale_all_dim"] = _decimal(float(np.float32(mscale)))
     return scaling
 
 
@@ -316,9 +512,17 @@ def _llama3_from_divisors(divisors: Tensor, head_dim: int, rope_theta: float,
                      f"factor {factor:.7g}, original_max_position_embeddings {original})")
 
 
-def _plan(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+def _plan(config: dict[str, Any],
+          stored: Container[str] = ()) -> dict[str, tuple[str, tuple[int, ...]]]:
     """llama.cpp's tensor name -> (Hugging Face's name, the shape the GGUF file holds,
-    PyTorch's order), every tensor the configuration implies, in llama.cpp's order."""
+    PyTorch's order), every tensor the configuration implies, in llama.cpp's order.
+
+    Two llama.cpp tensors may make one Hugging Face tensor (gate and up experts,
+    DeepSeek's key and value up-projections): both then name it. Where llama.cpp writes
+    a tensor in two forms, ``stored`` (the file's tensor names) picks the one the file
+    has: DeepSeek's ``attn_kv_b`` (older files) or ``attn_k_b`` and ``attn_v_b``; the
+    experts' ``ffn_gate_up_exps`` (``--fuse-gate-up-exps``) or ``ffn_gate_exps`` and
+    ``ffn_up_exps``."""
     vocab, model_type = config["vocab_size"], config["model_type"]
     if model_type == "gpt2":
         d = config["n_embd"]
@@ -339,39 +543,137 @@ def _plan(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
                                                   (rows,) if cols is None else (rows, cols))
                 plan[f"blk.{i}.{name}.bias"] = (f"{hf}.bias", (rows,))
     else:
-        d, f, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
-        q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+        d = config["hidden_size"]
         plan = {"token_embd.weight": ("model.embed_tokens.weight", (vocab, d)),
                 "output_norm.weight": ("model.norm.weight", (d,))}
-        block = {"attn_norm.weight": ("input_layernorm.weight", (d,)),
-                 "attn_q.weight": ("self_attn.q_proj.weight", (q, d)),
-                 "attn_k.weight": ("self_attn.k_proj.weight", (kv, d)),
-                 "attn_v.weight": ("self_attn.v_proj.weight", (kv, d)),
-                 "attn_output.weight": ("self_attn.o_proj.weight", (d, q)),
-                 "ffn_gate.weight": ("mlp.gate_proj.weight", (f, d)),
-                 "ffn_up.weight": ("mlp.up_proj.weight", (f, d)),
-                 "ffn_down.weight": ("mlp.down_proj.weight", (d, f))}
-        if model_type == "gemma3_text":
-            block.update({"post_attention_norm.weight": ("post_attention_layernorm.weight", (d,)),
-                          "ffn_norm.weight": ("pre_feedforward_layernorm.weight", (d,)),
-                          "post_ffw_norm.weight": ("post_feedforward_layernorm.weight", (d,))})
-        else:
-            block["ffn_norm.weight"] = ("post_attention_layernorm.weight", (d,))
-        if model_type in ("qwen3", "gemma3_text"):
-            block["attn_q_norm.weight"] = ("self_attn.q_norm.weight", (hd,))
-            block["attn_k_norm.weight"] = ("self_attn.k_norm.weight", (hd,))
-        if model_type == "qwen2" or config.get("attention_bias", False):  # Mistral: none
-            block["attn_q.bias"] = ("self_attn.q_proj.bias", (q,))
-            block["attn_k.bias"] = ("self_attn.k_proj.bias", (kv,))
-            block["attn_v.bias"] = ("self_attn.v_proj.bias", (kv,))
-        if model_type != "qwen2" and config.get("attention_bias", False):
-            block["attn_output.bias"] = ("self_attn.o_proj.bias", (d,))
         for i in range(config["num_hidden_layers"]):
-            for name, (hf, shape) in block.items():
+            for name, (hf, shape) in _block(config, i, stored).items():
                 plan[f"blk.{i}.{name}"] = (f"model.layers.{i}.{hf}", shape)
     if not config["tie_word_embeddings"]:
         plan["output.weight"] = ("lm_head.weight", (vocab, plan["token_embd.weight"][1][1]))
     return plan
+
+
+def _block(config: dict[str, Any], i: int,
+           stored: Container[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Layer ``i``'s tensors, as :func:`_plan` gives them, names after ``blk.{i}.`` and
+    ``model.layers.{i}.``."""
+    model_type, d = config["model_type"], config["hidden_size"]
+    if model_type == "deepseek_v3":
+        return _deepseek_block(config, i, stored)
+    f, hd = config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    block = {} if model_type == "olmo3" else {
+        "attn_norm.weight": ("input_layernorm.weight", (d,))}
+    block.update({"attn_q.weight": ("self_attn.q_proj.weight", (q, d)),
+                  "attn_k.weight": ("self_attn.k_proj.weight", (kv, d)),
+                  "attn_v.weight": ("self_attn.v_proj.weight", (kv, d)),
+                  "attn_output.weight": ("self_attn.o_proj.weight", (d, q))})
+    if model_type == "qwen2" or config.get("attention_bias", False):  # Mistral: none
+        block["attn_q.bias"] = ("self_attn.q_proj.bias", (q,))
+        block["attn_k.bias"] = ("self_attn.k_proj.bias", (kv,))
+        block["attn_v.bias"] = ("self_attn.v_proj.bias", (kv,))
+    if model_type != "qwen2" and config.get("attention_bias", False):
+        block["attn_output.bias"] = ("self_attn.o_proj.bias", (d,))
+    if model_type in ("qwen3", "gemma3_text"):
+        block["attn_q_norm.weight"] = ("self_attn.q_norm.weight", (hd,))
+        block["attn_k_norm.weight"] = ("self_attn.k_norm.weight", (hd,))
+    if model_type == "olmo3":  # over all heads at once
+        block["attn_q_norm.weight"] = ("self_attn.q_norm.weight", (q,))
+        block["attn_k_norm.weight"] = ("self_attn.k_norm.weight", (kv,))
+    if model_type == "gpt_oss":
+        block["attn_sinks.weight"] = ("self_attn.sinks", (config["num_attention_heads"],))
+    if model_type in ("gemma3_text", "olmo3", "gpt_oss"):
+        block["post_attention_norm.weight"] = ("post_attention_layernorm.weight", (d,))
+    if model_type == "gemma3_text":
+        block["ffn_norm.weight"] = ("pre_feedforward_layernorm.weight", (d,))
+    elif model_type not in ("olmo3", "gpt_oss"):
+        block["ffn_norm.weight"] = ("post_attention_layernorm.weight", (d,))
+    if model_type == "gpt_oss":
+        block.update(_experts(config, i, stored, f))
+        return block
+    block.update({"ffn_gate.weight": ("mlp.gate_proj.weight", (f, d)),
+                  "ffn_up.weight": ("mlp.up_proj.weight", (f, d)),
+                  "ffn_down.weight": ("mlp.down_proj.weight", (d, f))})
+    if config.get("mlp_bias", False):  # SmolLM3
+        block.update({"ffn_gate.bias": ("mlp.gate_proj.bias", (f,)),
+                      "ffn_up.bias": ("mlp.up_proj.bias", (f,)),
+                      "ffn_down.bias": ("mlp.down_proj.bias", (d,))})
+    if model_type in ("gemma3_text", "olmo3"):
+        block["post_ffw_norm.weight"] = ("post_feedforward_layernorm.weight", (d,))
+    return block
+
+
+def _deepseek_block(config: dict[str, Any], i: int,
+                    stored: Container[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A DeepSeek-V3 layer's tensors: latent attention, then a dense MLP (the first
+    ``first_k_dense_replace`` layers) or routed and shared experts."""
+    d, heads = config["hidden_size"], config["num_attention_heads"]
+    rank, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    nope, v, q_rank = config["qk_nope_head_dim"], config["v_head_dim"], config["q_lora_rank"]
+    block = {"attn_norm.weight": ("input_layernorm.weight", (d,))}
+    if q_rank is None:
+        block["attn_q.weight"] = ("self_attn.q_proj.weight", (heads * (nope + rope), d))
+    else:
+        block.update({"attn_q_a.weight": ("self_attn.q_a_proj.weight", (q_rank, d)),
+                      "attn_q_a_norm.weight": ("self_attn.q_a_layernorm.weight", (q_rank,)),
+                      "attn_q_b.weight": ("self_attn.q_b_proj.weight",
+                                          (heads * (nope + rope), q_rank))})
+    block.update({"attn_kv_a_mqa.weight": ("self_attn.kv_a_proj_with_mqa.weight",
+                                           (rank + rope, d)),
+                  "attn_kv_a_norm.weight": ("self_attn.kv_a_layernorm.weight", (rank,))})
+    kv_b = "self_attn.kv_b_proj.weight"
+    if f"blk.{i}.attn_kv_b.weight" in stored:
+        block["attn_kv_b.weight"] = (kv_b, (heads * (nope + v), rank))
+    else:  # split for the absorbed form: the key's part transposed
+        block["attn_k_b.weight"] = (kv_b, (heads, rank, nope))
+        block["attn_v_b.weight"] = (kv_b, (heads, v, rank))
+    block["attn_output.weight"] = ("self_attn.o_proj.weight", (d, heads * v))
+    block["ffn_norm.weight"] = ("post_attention_layernorm.weight", (d,))
+    if i < config["first_k_dense_replace"]:
+        f = config["intermediate_size"]
+        block.update({"ffn_gate.weight": ("mlp.gate_proj.weight", (f, d)),
+                      "ffn_up.weight": ("mlp.up_proj.weight", (f, d)),
+                      "ffn_down.weight": ("mlp.down_proj.weight", (d, f))})
+        return block
+    block["exp_probs_b.bias"] = ("mlp.gate.e_score_correction_bias",
+                                 (config["n_routed_experts"],))
+    block.update(_experts(config, i, stored, config["moe_intermediate_size"]))
+    shared = config["n_shared_experts"] * config["moe_intermediate_size"]
+    if shared:
+        block.update({"ffn_gate_shexp.weight": ("mlp.shared_experts.gate_proj.weight",
+                                                (shared, d)),
+                      "ffn_up_shexp.weight": ("mlp.shared_experts.up_proj.weight",
+                                              (shared, d)),
+                      "ffn_down_shexp.weight": ("mlp.shared_experts.down_proj.weight",
+                                                (d, shared))})
+    return block
+
+
+def _experts(config: dict[str, Any], i: int, stored: Container[str],
+             f: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A layer's router and routed experts of ``f`` hidden units each: llama.cpp's 3-D
+    ``ffn_*_exps`` tensors ``(experts, rows, columns)``, as transformers' modules hold
+    them fused (gpt-oss's router and experts have biases)."""
+    d, gpt_oss = config["hidden_size"], config["model_type"] == "gpt_oss"
+    e = config["num_local_experts" if gpt_oss else "n_routed_experts"]
+    router = "mlp.router" if gpt_oss else "mlp.gate"
+    block = {"ffn_gate_inp.weight": (f"{router}.weight", (e, d))}
+    if gpt_oss:
+        block["ffn_gate_inp.bias"] = (f"{router}.bias", (e,))
+    biases = ("weight", "bias") if gpt_oss else ("weight",)
+    for kind in biases:
+        hf = "mlp.experts.gate_up_proj" + ("_bias" if kind == "bias" else "")
+        shape = (e, f, d) if kind == "weight" else (e, f)
+        if f"blk.{i}.ffn_gate_up_exps.weight" in stored:  # gate rows, then up rows
+            block[f"ffn_gate_up_exps.{kind}"] = (hf, (e, 2 * f, *shape[2:]))
+        else:
+            block[f"ffn_gate_exps.{kind}"] = (hf, shape)
+            block[f"ffn_up_exps.{kind}"] = (hf, shape)
+    block["ffn_down_exps.weight"] = ("mlp.experts.down_proj", (e, d, f))
+    if gpt_oss:
+        block["ffn_down_exps.bias"] = ("mlp.experts.down_proj_bias", (e, d))
+    return block
 
 
 def _kept_out(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -405,16 +707,33 @@ def _shifted(model_type: str, name: str) -> bool:
     return model_type == "gemma3_text" and name.endswith("norm.weight")
 
 
-def _to_hf(name: str, tensor: Tensor, config: dict[str, Any]) -> Tensor:
-    """One tensor as llama.cpp stores it -> as Hugging Face holds it."""
-    model_type, kind = config["model_type"], name.split(".")[-2]
-    if model_type in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
+def _to_hf(parts: dict[str, Tensor], config: dict[str, Any]) -> Tensor:
+    """The llama.cpp tensors that make one Hugging Face tensor (one, or two in
+    :func:`_plan`'s order) -> that tensor as transformers' module holds it."""
+    model_type = config["model_type"]
+    (name, tensor), *rest = parts.items()
+    kind = name.split(".")[-2]
+    if model_type in _PERMUTED and kind in ("attn_q", "attn_k"):
         return unpermute_rope(tensor, config["num_attention_heads" if kind == "attn_q"
                                              else "num_key_value_heads"])
     if _shifted(model_type, name):
         return tensor - 1
     if model_type == "gpt2" and name.startswith("blk.") and tensor.dim() == 2:
         return tensor.t().contiguous()  # nn.Linear's (out, in) -> Conv1D's (in, out)
+    if kind == "attn_k_b":  # (heads, rank, nope) and (heads, v, rank) -> (heads*(nope+v), rank)
+        k_b, v_b = tensor, rest[0][1]
+        return torch.cat((k_b.transpose(1, 2), v_b), dim=1).flatten(0, 1).contiguous()
+    if kind in ("ffn_gate_exps", "ffn_gate_up_exps"):
+        gate, up = (tensor, rest[0][1]) if rest else tensor.chunk(2, dim=1)
+        if model_type != "gpt_oss":  # (E, 2I, d): gate rows, then up rows
+            return torch.cat((gate, up), dim=1) if rest else tensor
+        # gpt-oss: (E, d, 2I), gate and up in alternate columns (biases: (E, 2I))
+        pairs = torch.stack((gate, up), dim=-1)  # (E, I, [d,] 2)
+        if pairs.dim() == 4:
+            pairs = pairs.transpose(1, 2)
+        return pairs.flatten(-2).contiguous()
+    if model_type == "gpt_oss" and name.endswith("ffn_down_exps.weight"):
+        return tensor.transpose(1, 2).contiguous()  # (E, d, I) -> (E, I, d)
     return tensor
 
 
@@ -429,7 +748,10 @@ def gguf_state_dict(
 
     Before any tensor is read, the header must list exactly the tensors ``config``
     implies, each of the shape it implies: ``rope_freqs.weight`` too when ``config``'s
-    ``rope_scaling`` is llama3's (which stands for it; it is not returned).
+    ``rope_scaling`` is llama3's (which stands for it; it is not returned); and they must
+    fit in ``max_bytes``. Then they are read and converted one Hugging Face tensor at a
+    time (two llama.cpp tensors at most): beside the result, one tensor's conversion is
+    held, never the file's whole model twice.
 
     Args:
         path: the ``.gguf`` file.
@@ -441,30 +763,38 @@ def gguf_state_dict(
             (see :func:`~qkv.models.gguf_weights.read_gguf_tensors`).
 
     Returns:
-        Hugging Face name -> tensor: ``model.embed_tokens.weight`` ``(vocab, hidden)``,
+        Hugging Face name -> tensor, as transformers' ``*ForCausalLM`` holds it:
+        ``model.embed_tokens.weight`` ``(vocab, hidden)``,
         ``model.layers.{i}.self_attn.q_proj.weight`` ``(heads * head_dim, hidden)``, ...,
         ``lm_head.weight`` only when untied; for GPT-2 ``transformer.wte.weight``,
         ``transformer.h.{i}.attn.c_attn.weight`` ``(n_embd, 3 * n_embd)`` (``Conv1D``'s
-        ``(in, out)``), .... Everything the matching ``*ForCausalLM`` holds, its tied
-        ``lm_head.weight`` aside.
+        ``(in, out)``), ...; experts fused: DeepSeek's
+        ``model.layers.{i}.mlp.experts.gate_up_proj`` ``(experts, 2 * moe_intermediate,
+        hidden)`` (gate rows, then up rows) and ``down_proj`` ``(experts, hidden,
+        moe_intermediate)``, gpt-oss's ``gate_up_proj`` ``(experts, hidden, 2 *
+        intermediate)`` (gate and up columns alternating) and ``down_proj`` ``(experts,
+        intermediate, hidden)``. Everything the matching ``*ForCausalLM`` holds, its
+        tied ``lm_head.weight`` aside.
 
     Raises:
         ValueError: one line: a tensor missing, of another shape or not part of the
-            model; as :func:`~qkv.models.gguf_weights.read_gguf_tensors`.
+            model; too many bytes; as :func:`~qkv.models.gguf_weights.read_gguf_tensors`.
     """
     model_type = config["model_type"]
-    plan = _plan(config)
+    plan = _plan(config, header.tensors)
     _check_tensors(header, {**plan, **_kept_out(config)}, model_type)
-    # Gemma's norms come as 1 + w; w keeps its precision only if 1 is subtracted before
-    # rounding to bfloat16. They are a few KiB, read first, and counted in the budget.
-    wide = [n for n in plan if dtype != torch.float32 and _shifted(model_type, n)]
-    tensors = read_gguf_tensors(path, wide, torch.float32, max_bytes=max_bytes, header=header)
-    if max_bytes is not None:
-        max_bytes -= sum(t.numel() * t.element_size() for t in tensors.values())
-    tensors.update(read_gguf_tensors(path, [n for n in plan if n not in tensors], dtype,
-                                     max_bytes=max_bytes, header=header))
-    return {hf_name: _to_hf(name, tensors.pop(name), config).to(dtype)
-            for name, (hf_name, _) in plan.items()}
+    check_tensor_budget(header, plan, dtype, max_bytes)
+    groups: dict[str, list[str]] = {}  # Hugging Face name -> its llama.cpp tensors
+    for name, (hf_name, _) in plan.items():
+        groups.setdefault(hf_name, []).append(name)
+    out = {}
+    for hf_name, names in groups.items():
+        # Gemma's norms come as 1 + w; w keeps its precision only if 1 is subtracted
+        # before rounding to bfloat16. Every other conversion only moves values.
+        wide = any(_shifted(model_type, n) for n in names)
+        out[hf_name] = _to_hf(read_gguf_tensors(path, names, torch.float32 if wide else dtype,
+                                                header=header), config).to(dtype)
+    return out
 
 
 def read_gguf_model(

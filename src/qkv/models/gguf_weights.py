@@ -57,6 +57,7 @@ from ..utils.fileio import open_regular
 
 __all__ = [
     "import_gguf",
+    "check_tensor_budget",
     "GGUFHeader",
     "GGUFTensorInfo",
     "QKV_DECODED_TYPES",
@@ -426,13 +427,7 @@ def read_gguf_tensors(
         infos = [header.tensors[n] for n in wanted]
         for info in infos:
             _check_readable(path, info)
-        item = torch.empty((), dtype=dtype).element_size()
-        total = sum(info.numel for info in infos) * item
-        limit = _MAX_TOTAL_BYTES if max_bytes is None else min(max_bytes, _MAX_TOTAL_BYTES)
-        if total > limit:
-            raise ValueError(f"{path}: the {len(infos):,} tensors take {total:,} bytes as "
-                             f"{str(dtype).removeprefix('torch.')}; at most {limit:,} "
-                             "are available")
+        check_tensor_budget(header, wanted, dtype, max_bytes)
         if not infos:
             return {}
         data = np.memmap(f, dtype=np.uint8, mode="r")
@@ -440,6 +435,21 @@ def read_gguf_tensors(
             return {info.name: _expand(path, data, info, dtype, gguf) for info in infos}
         finally:
             del data
+
+
+def check_tensor_budget(header: GGUFHeader, names: Iterable[str], dtype: torch.dtype,
+                        max_bytes: int | None) -> None:
+    """Refuse, in one line, tensors of ``header`` that take more than ``max_bytes`` bytes
+    once expanded to ``dtype`` (``None``: no bound but a sanity limit of 1 TiB); checked
+    before any is read, by :func:`read_gguf_tensors` and by callers that read a file's
+    tensors a few at a time."""
+    infos = [header.tensors[n] for n in dict.fromkeys(names)]
+    total = sum(info.numel for info in infos) * torch.empty((), dtype=dtype).element_size()
+    limit = _MAX_TOTAL_BYTES if max_bytes is None else min(max_bytes, _MAX_TOTAL_BYTES)
+    if total > limit:
+        raise ValueError(f"{header.path}: the {len(infos):,} tensors take {total:,} bytes as "
+                         f"{str(dtype).removeprefix('torch.')}; at most {limit:,} are "
+                         "available")
 
 
 def _halves(b: Tensor) -> Tensor:

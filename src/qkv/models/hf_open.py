@@ -588,10 +588,14 @@ def _layout_meta_model(fields: Mapping[str, Any]) -> Any:
         return GPTModel(GPTConfig.from_dict(fields))
 
 
-def _layout_tensors(fields: Mapping[str, Any]) -> Iterator[_Stored]:
+def _layout_tensors(fields: Mapping[str, Any], fused: bool = False) -> Iterator[_Stored]:
     """Every tensor a folder of a model of ``fields`` with a layout holds, derived from
     the model itself built on the ``meta`` device: its state dict's names mapped by
-    :data:`_BLOCK_NAMES`, experts split per expert (or transposed, for gpt-oss)."""
+    :data:`_BLOCK_NAMES`, experts split per expert (or transposed, for gpt-oss).
+
+    ``fused``: the experts as transformers' modules hold them instead, one 3-D tensor
+    each: ``mlp.experts.gate_up_proj (E, 2I, d)`` (gate rows, then up rows) and
+    ``mlp.experts.down_proj (E, d, I)``, qkv's own layout (gpt-oss's are unchanged)."""
     gpt_oss = bool((fields.get("moe") or {}).get("expert_bias"))
     rules = (*(_GPT_OSS_NAMES if gpt_oss else _OTHER_NAMES), *_BLOCK_NAMES)
     top = {"tok_emb.weight": "model.embed_tokens.weight", "final_norm.scale": "model.norm.weight",
@@ -609,6 +613,8 @@ def _layout_tensors(fields: Mapping[str, Any]) -> Iterator[_Stored]:
         if transform is not None:
             stored = tuple(transform[1](torch.empty(shape, device="meta")).shape)
             yield _Stored(hf, name, stored, transform=transform)
+        elif fused and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            yield _Stored(hf, name, shape)
         elif name.endswith("experts.gate_up_proj"):
             experts, rows, width = shape
             for e in range(experts):
@@ -623,20 +629,22 @@ def _layout_tensors(fields: Mapping[str, Any]) -> Iterator[_Stored]:
             yield _Stored(hf, name, shape)
 
 
-def _pack(stored: list[_Stored], raw: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def _pack(stored: list[_Stored], raw: Mapping[str, Tensor],
+          consume: bool = False) -> dict[str, Tensor]:
     """qkv's state dict from a folder's tensors ``raw`` (Hugging Face's names), experts
-    stacked into their 3-D tensors."""
+    stacked into their 3-D tensors (``consume``: each taken out of ``raw``, a dict)."""
     out: dict[str, Tensor] = {}
     pieces: dict[str, dict[tuple[int, int | None], Tensor]] = {}
     for st in stored:
-        tensor = raw[st.hf]
+        tensor = raw.pop(st.hf) if consume else raw[st.hf]  # type: ignore[attr-defined]
         if st.transform is not None:
             tensor = st.transform[0](tensor).contiguous()
         if st.piece is None:
             out[st.ours] = tensor
         else:
             pieces.setdefault(st.ours, {})[st.piece] = tensor
-    for name, parts in pieces.items():
+    for name in list(pieces):  # each expert's pieces let go once stacked
+        parts = pieces.pop(name)
         experts = 1 + max(e for e, _ in parts)
         if name.endswith("gate_up_proj"):
             out[name] = torch.stack([torch.cat((parts[e, 0], parts[e, 1])) for e in
@@ -724,13 +732,17 @@ def expected_tensors(fields: Mapping[str, Any]) -> Iterator[tuple[str, tuple[int
 
 
 def _check_names(where: str, shapes: Mapping[str, tuple[int, ...]],
-                 fields: Mapping[str, Any], ours: bool = False) -> dict[str, tuple[int, ...]]:
-    """The expected names (Hugging Face's, or qkv's if ``ours``) and shapes, after a
-    one-line ``ValueError`` for a missing, unexpected or misshapen tensor in ``shapes``."""
+                 fields: Mapping[str, Any], ours: bool = False,
+                 fused: bool = False) -> dict[str, tuple[int, ...]]:
+    """The expected names (Hugging Face's, or qkv's if ``ours``; experts ``fused`` as
+    :func:`_layout_tensors` says) and shapes, after a one-line ``ValueError`` for a
+    missing, unexpected or misshapen tensor in ``shapes``."""
     if ours and _has_layout(fields):  # experts: 3-D in qkv, stored otherwise
         expected = {name: tuple(t.shape) for name, t in
                     _layout_meta_model(fields).state_dict().items()
                     if name != "out_head.weight" or not fields["tie_weights"]}
+    elif fused:
+        expected = {st.hf: st.shape for st in _layout_tensors(fields, fused=True)}
     else:
         expected = {(q if ours else hf): shape for hf, q, shape in _names(fields)}
     missing = [k for k in expected if k not in shapes]
@@ -751,14 +763,30 @@ def _check_names(where: str, shapes: Mapping[str, tuple[int, ...]],
     return expected
 
 
-def to_qkv(raw: Mapping[str, Tensor], fields: Mapping[str, Any]) -> dict[str, Tensor]:
+def to_qkv(raw: Mapping[str, Tensor], fields: Mapping[str, Any],
+           consume: bool = False) -> dict[str, Tensor]:
     """Hugging Face names -> ``GPTModel``'s; the tensors themselves are unchanged (Gemma's
-    norm weights stay ``w``). A tied model's ``out_head.weight`` is ``tok_emb.weight``."""
-    _check_names("state dict", {k: tuple(v.shape) for k, v in raw.items()}, fields)
+    norm weights stay ``w``). A tied model's ``out_head.weight`` is ``tok_emb.weight``.
+
+    Experts come as a folder stores them (one tensor per expert, gpt-oss's fused) or, for
+    the families that store them per expert, fused as transformers' modules hold them
+    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``: qkv's layout, used as
+    they are). ``consume``: take each tensor out of ``raw`` (a dict) as it is converted,
+    so that a tensor stored in another layout (gpt-oss's experts) and its converted copy
+    are held together one at a time, not the whole model twice.
+    """
+    if consume and not isinstance(raw, dict):
+        raise ValueError(f"to_qkv: consume=True takes a dict, got {type(raw).__name__}")
+    gpt_oss = bool((fields.get("moe") or {}).get("expert_bias"))
+    fused = _has_layout(fields) and not gpt_oss and any(
+        k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for k in raw)
+    _check_names("state dict", {k: tuple(v.shape) for k, v in raw.items()}, fields,
+                 fused=fused)
     if _has_layout(fields):
-        out = _pack(list(_layout_tensors(fields)), raw)
+        out = _pack(list(_layout_tensors(fields, fused)), raw, consume)
     else:
-        out = {ours: raw[theirs] for theirs, ours, _ in _names(fields)}
+        take = raw.pop if consume else raw.__getitem__  # type: ignore[attr-defined]
+        out = {ours: take(theirs) for theirs, ours, _ in _names(fields)}
     if fields["tie_weights"]:
         out["out_head.weight"] = out["tok_emb.weight"]
     return out
@@ -933,7 +961,7 @@ def read_open_weights(
                                      f"of {tensor.numel():,} as {dtype}; the weights are "
                                      "damaged or do not fit the dtype")
                 raw[name] = tensor
-    return to_qkv(raw, fields)
+    return to_qkv(raw, fields, consume=True)
 
 
 def write_hf_folder(

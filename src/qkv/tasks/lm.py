@@ -825,11 +825,14 @@ def _import_gguf(path: Path, origin: dict[str, str], run_dir: Path, dtype: torch
     fields = config_fields(config, str(path))
     cfg = GPTConfig(**fields)
     tokenizer = _fit_tokenizer(tokenizer_from_gguf(path), cfg, path)
-    convert = gpt2_to_qkv if config.get("model_type") == "gpt2" else to_qkv
+    gpt2 = config.get("model_type") == "gpt2"
 
     def read(budget: int | None) -> dict[str, Tensor]:
         raw = gguf_state_dict(path, header, config, dtype, max_bytes=budget)
-        return {name: t.to(dtype) for name, t in convert(raw, fields).items()}
+        # consume: a tensor converted to qkv's layout (gpt-oss's experts) leaves raw as
+        # its copy is made, so the model is not held twice
+        ours = gpt2_to_qkv(raw, fields) if gpt2 else to_qkv(raw, fields, consume=True)
+        return {name: t.to(dtype) for name, t in ours.items()}
 
     # The model card's line: what the file holds, as a user compares quantizations.
     card = f"tensors in the file: {quantization_mix(header)}"
