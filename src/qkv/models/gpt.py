@@ -463,8 +463,9 @@ class GPTConfig:
         """Bytes of the caches that decoding ``tokens`` positions for ``batch_size``
         sequences holds: every layer's own cache (its attention's ``new_cache``) made on
         the ``meta`` device and its buffers counted, ``bytes_per_value`` each. So each
-        kind counts what it keeps: key/value heads (a sliding layer at most its window),
-        latent attention's latent and RoPE key, nothing for a layer sharing another's."""
+        kind counts what it keeps: key/value heads (a sliding layer its ring, allocated
+        at its window's size whatever ``tokens``), latent attention's latent and RoPE key,
+        a linear-attention layer its fixed state, nothing for a layer sharing another's."""
         check_int("batch_size", batch_size, 1, MAX_SIZE)
         check_int("tokens", tokens, 1, MAX_SIZE)
         check_int("bytes_per_value", bytes_per_value, 1, 8)
