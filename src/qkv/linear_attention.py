@@ -390,7 +390,7 @@ class GatedDeltaNet(nn.Module):
     Parameters, named as in Qwen3.5's Hugging Face checkpoints (``...linear_attn.NAME``),
     so that a Qwen3.5 layer's state dict loads as it is:
 
-    =====================  ==================================================
+    ======================  =========================================================
     ``in_proj_qkv.weight``  ``(2 num_k_heads head_k_dim + num_v_heads head_v_dim, d_in)``:
                             q's heads, then k's, then v's
     ``in_proj_z.weight``    ``(num_v_heads head_v_dim, d_in)``
@@ -401,7 +401,7 @@ class GatedDeltaNet(nn.Module):
     ``dt_bias``, ``A_log``  ``(num_v_heads,)``
     ``norm.weight``         ``(head_v_dim,)``
     ``out_proj.weight``     ``(d_out, num_v_heads head_v_dim)``
-    =====================  ==================================================
+    ======================  =========================================================
 
     Qwen3-Next fuses the first four into ``in_proj_qkvz`` and ``in_proj_ba``, interleaved
     per key head; :func:`split_qkvz_ba` turns its state dict into these names. The

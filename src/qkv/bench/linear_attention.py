@@ -396,7 +396,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, loc="upper left")
     cfg = report["config"]
     fig.suptitle(f"gated delta rule, {cfg['key_heads']} key / {cfg['value_heads']} value "
                  f"heads of {cfg['head_dim']}, float32, CPU", fontsize=10)
