@@ -402,22 +402,3 @@ def plot(report: dict[str, Any], path: Path) -> Path:
                  f"heads of {cfg['head_dim']}, float32, CPU", fontsize=10)
     return save_figure(fig, path)
 
-
-if __name__ == "__main__":
-    # Until `qkv bench` names this suite:
-    #     python -m qkv.bench.linear_attention [--quick] [--threads N] [--out DIR]
-    # The suite is imported under its own name, so that run_isolated's children can find
-    # measure_case.
-    import argparse
-
-    from qkv.bench import linear_attention as suite
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes, seconds")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench"))
-    args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    suite.run_linear(suite.LinearBenchConfig.quick() if args.quick
-                     else suite.LinearBenchConfig(), args.out)

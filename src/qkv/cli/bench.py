@@ -12,6 +12,8 @@
     qkv bench save                     # what a periodic checkpoint costs a training run
     qkv bench gguf                     # importing a 135M-parameter GGUF file of each
                                        # tensor type (Q4_K, Q5_0, IQ4_XS, MXFP4, ...)
+    qkv bench linear                   # the gated delta rule, chunked and recurrent, beside
+                                       # transformers' (and fla's) PyTorch forms
     qkv bench all --quick              # every suite on small shapes, in under two minutes
 
 Each suite prints markdown tables (medians, min-max, ratios, targets) and writes
@@ -28,7 +30,8 @@ from ..checks import check_threads, show
 from ..options import BENCH_DTYPES, MEMORY_MODES
 from ..utils.fileio import check_writable
 
-SUITES = ("attention", "generate", "translate", "data", "flops", "train", "save", "gguf")
+SUITES = ("attention", "generate", "translate", "data", "flops", "train", "save", "gguf",
+          "linear")
 # Most timed (or warm-up) runs per case: a median over more moves by less than the
 # machine's own noise, while each run costs the case's whole time again.
 MAX_REPEATS = 10_000
@@ -130,6 +133,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                 "of training a periodic checkpoint costs",
         "gguf": "qkv lm import of a 135M-parameter GGUF file of each tensor type: "
                 "seconds, and qkv's decoders against the gguf package's",
+        "linear": "Gated DeltaNet's delta rule, chunked and recurrent, against "
+                  "transformers' and fla's PyTorch forms: time and peak memory, 512 to "
+                  "32,768 tokens",
         "all": "every suite, one after the other",
     }
     extra_flags = {"attention": [sweep_flag, compile_flag], "all": [sweep_flag, compile_flag],
@@ -243,6 +249,13 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
             kwargs["types"] = tuple(args.types)
         config = GGUFImportConfig.quick(**kwargs) if args.quick else GGUFImportConfig(**kwargs)
         return run_gguf_import(config, args.out)
+    if name == "linear":
+        from ..bench.linear_attention import LinearBenchConfig, run_linear
+
+        # CPU float32, the families' head shapes; --memory picks how peaks are measured.
+        kwargs = {**_overrides(args), "memory": args.memory}
+        config = LinearBenchConfig.quick(**kwargs) if args.quick else LinearBenchConfig(**kwargs)
+        return run_linear(config, args.out)
     from ..bench.data import DataBenchConfig, run_data
 
     # Building a dataset is CPU work whatever --device says; there is no warm-up either:
