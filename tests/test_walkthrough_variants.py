@@ -509,3 +509,66 @@ def test_labels_fit_their_columns():
             rows, cols = step.labels.get(name, (None, None))
             text = format_tensor(tensor, rows, name=name, col_labels=cols)
             assert ".." not in text.split("\n", 1)[1], (step.section, name)
+
+
+# ---------------------------------------------------------------------------
+# Linear attention up to the gated delta rule
+# ---------------------------------------------------------------------------
+
+
+def delta_inputs64(steps):
+    """The delta sections' q, k, v, decays and write strengths, recomputed in float64 from
+    the toy input and the step's own maps: q and k L2-normalised, g = log sigmoid(a x),
+    beta = sigmoid(b x)."""
+    w = f64(steps["delta.1"].modules["maps"])
+    x = x64(steps)
+
+    def unit(t):
+        return t / t.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+
+    q, k, v = unit(x @ w["q.weight"].T), unit(x @ w["k.weight"].T), x @ w["v.weight"].T
+    a = (x @ w["a.weight"].T + w["a.bias"])[:, 0]
+    b = (x @ w["b.weight"].T + w["b.bias"])[:, 0]
+    return q, k, v, torch.sigmoid(a), torch.sigmoid(b)
+
+
+def test_linear_attention_is_a_running_sum(steps, printed):
+    q, k, v, _, _ = delta_inputs64(steps)
+    step = steps["delta.1"]
+    # the state after the last token: sum_u k_u v_u^T
+    close(step.tensors["S_T (the state after the last token)"], k.T @ v)
+    out = torch.stack([sum(float(q[t] @ k[u]) * v[u] for u in range(t + 1))
+                       for t in range(T)])
+    close(step.tensors["out"], out)
+    printed_close(block(printed["delta"], "out  (6, 3)"), out)
+
+
+def test_decay_weighs_each_write_by_the_decays_after_it(steps):
+    q, k, v, a, _ = delta_inputs64(steps)
+    step = steps["delta.2"]
+    out = torch.stack([sum(float(q[t] @ k[u]) * float(torch.prod(a[u + 1 : t + 1])) * v[u]
+                           for u in range(t + 1)) for t in range(T)])
+    close(step.tensors["a = exp(g)"], a)
+    close(step.tensors["out"], out)
+
+
+def test_delta_rule_token_by_token_and_chunked(steps, printed):
+    q, k, v, a, beta = delta_inputs64(steps)
+    state = torch.zeros(k.shape[1], v.shape[1], dtype=torch.float64)
+    outs = []
+    for t in range(T):  # S_t = a S + beta k (v - a S^T k)^T, o_t = S_t^T q_t
+        state = a[t] * state
+        state = state + beta[t] * torch.outer(k[t], v[t] - state.T @ k[t])
+        outs.append(state.T @ q[t])
+    out = torch.stack(outs)
+    step = steps["delta.3"]
+    close(step.tensors["out (token by token)"], out)
+    close(step.tensors["out (gated_delta_rule, chunked)"], out)
+    close(step.tensors["effective weights W"].to(torch.float64) @ v, out)
+
+
+def test_state_stays_fixed_while_the_cache_grows(steps, printed):
+    per_token = 4 * (4 + 3)  # float32 key of 4 and value of 3
+    want = torch.tensor([[4 * 4 * 3, per_token * (t + 1)] for t in range(T)])
+    assert torch.equal(steps["delta.4"].tensors["cache bytes after each token"], want)
+    printed_close(block(printed["delta"], "cache bytes after each token  (6, 2)"), want)

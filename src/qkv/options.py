@@ -111,6 +111,9 @@ WALKTHROUGH_MECHANISMS = {
              "and where the rest goes",
     "kvshare": "Gemma 3n's and Gemma 4's KV sharing: a later layer attends with an earlier "
                "layer's keys and values, cached once",
+    "delta": "linear attention to Gated DeltaNet (Qwen3-Next, Qwen3.5): a running sum of "
+             "k v^T, then a decay, then the delta correction; a state of fixed size "
+             "against a cache that grows",
 }
 
 

@@ -18,7 +18,10 @@ cache a decoder keeps, counted token by token. The sections (prefixes of
   less than one, and where the rest goes;
 - ``kvshare``: :class:`~qkv.attention_variants.SharedKVAttention`: a later layer attends
   with an earlier layer's keys and values (a :class:`~qkv.attention_variants.KVHandoff`),
-  which only the earlier layer caches.
+  which only the earlier layer caches;
+- ``delta``: linear attention built up to the gated delta rule of
+  :class:`qkv.linear_attention.GatedDeltaNet`: a running sum of ``k v^T``, a decay, the
+  delta correction, and a state of fixed size against a cache that grows.
 
 The toy input is the book's sentence (or the caller's text), each distinct word a
 seeded random row of width :data:`D_MODEL` (:func:`~qkv.book.walkthrough.toy_embedding`),
@@ -40,6 +43,7 @@ from ..attention_variants import KVHandoff, SharedKVAttention, SinkAttention
 from ..functional import causal_mask
 from ..kv_cache import KVCache, LatentCache
 from ..latent_attention import LatentAttention, SparseLatentAttention
+from ..linear_attention import gated_delta_rule, gated_delta_weights, l2_normalize
 from ..multihead import MultiHeadAttention
 from ..options import BOOK_TEXT, WALKTHROUGH_MECHANISMS
 from ..positional import apply_rope, apply_rope_interleaved, rope_angles
@@ -73,7 +77,10 @@ BYTES = 4  # float32
 
 MECHANISMS = tuple(WALKTHROUGH_MECHANISMS)
 VARIANT_SECTIONS = ("mla.1", "mla.2", "mla.3", "absorbed.1", "absorbed.2", "dsa.1", "dsa.2",
-                    "dsa.3", "sinks.1", "sinks.2", "kvshare.1", "kvshare.2")
+                    "dsa.3", "sinks.1", "sinks.2", "kvshare.1", "kvshare.2", "delta.1",
+                    "delta.2", "delta.3", "delta.4")
+# The linear-attention head: keys and queries of 4, values of 3 (a state of 4 x 3).
+DELTA_KEY, DELTA_VALUE = 4, 3
 
 
 @dataclass
@@ -598,6 +605,153 @@ def _step_kvshare_2(c: _Toy, source: MultiHeadAttention, later: SharedKVAttentio
 
 
 # ---------------------------------------------------------------------------
+# Linear attention, up to the gated delta rule
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Delta:
+    """One linear-attention head's inputs on the toy: ``q, k (T, d_k)`` L2-normalised (as
+    Gated DeltaNet normalises them), ``v (T, d_v)``, and per token the decay ``a = exp(g)``
+    and the write strength ``beta``."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    g: Tensor
+    beta: Tensor
+    maps: nn.Module
+
+
+def _delta_inputs(c: _Toy) -> _Delta:
+    _seeded(c.seed)
+    maps = nn.ModuleDict({"q": nn.Linear(D_MODEL, DELTA_KEY, bias=False),
+                          "k": nn.Linear(D_MODEL, DELTA_KEY, bias=False),
+                          "v": nn.Linear(D_MODEL, DELTA_VALUE, bias=False),
+                          "a": nn.Linear(D_MODEL, 1), "b": nn.Linear(D_MODEL, 1)})
+    x = c.x[0]
+    g = torch.nn.functional.logsigmoid(maps["a"](x))[:, 0]  # log of a decay in (0, 1)
+    return _Delta(l2_normalize(maps["q"](x)), l2_normalize(maps["k"](x)), maps["v"](x), g,
+                  maps["b"](x).sigmoid()[:, 0], maps)
+
+
+def _states(d: _Delta, decay: bool, delta: bool) -> tuple[Tensor, Tensor]:
+    """The state after each token ``(T, d_k, d_v)`` and the outputs ``o_t = S_t^T q_t``
+    ``(T, d_v)`` of linear attention, with the decay and the delta correction or not:
+    the definition, one token at a time."""
+    state = torch.zeros(DELTA_KEY, DELTA_VALUE)
+    states, outputs = [], []
+    for t in range(len(d.k)):
+        a = d.g[t].exp() if decay else torch.tensor(1.0)
+        state = a * state
+        if delta:  # write only what the state does not already recall at k_t
+            state = state + d.beta[t] * torch.outer(d.k[t], d.v[t] - state.T @ d.k[t])
+        else:
+            state = state + torch.outer(d.k[t], d.v[t])
+        states.append(state)
+        outputs.append(state.T @ d.q[t])
+    return torch.stack(states), torch.stack(outputs)
+
+
+def _step_delta_1(c: _Toy, d: _Delta) -> Step:
+    states, out = _states(d, decay=False, delta=False)
+    scores = (d.q @ d.k.T).masked_fill(~causal_mask(c.num_tokens), 0.0)
+    return Step(
+        "delta.1",
+        "Linear attention: a running sum",
+        "Drop the softmax and attention is associative: o_t = sum_{u<=t} (q_t . k_u) v_u = "
+        "(sum_{u<=t} k_u v_u^T)^T q_t. The sum in brackets is the state S_t (d_k x d_v): "
+        "each token adds its k v^T, a query reads it back with one product. The weights "
+        "q_t . k_u are those of attention without its softmax (masked to u <= t).",
+        {"k": d.k, "v": d.v, "S_T (the state after the last token)": states[-1],
+         "weights q_t . k_u": scores, "out": out,
+         "max |out - weights @ v|": _max_difference(out, scores @ d.v)},
+        labels={"k": c.by_token, "v": c.by_token, "weights q_t . k_u": c.attn,
+                "out": c.by_token},
+        weights=scores,
+        weights_title="linear attention (no softmax)",
+        tokens=c.tokens,
+        modules={"maps": d.maps},
+    )
+
+
+def _step_delta_2(c: _Toy, d: _Delta) -> Step:
+    states, out = _states(d, decay=True, delta=False)
+    # token u's write, decayed by every token after it up to t: prod_{u<j<=t} a_j
+    cum = torch.cumsum(d.g, 0)
+    keep = causal_mask(c.num_tokens)
+    decays = torch.exp((cum[:, None] - cum[None, :]).masked_fill(~keep, float("-inf")))
+    weights = (d.q @ d.k.T) * decays
+    return Step(
+        "delta.2",
+        "Forgetting: a decay per token",
+        "A sum only grows, so an old token weighs as much as a new one. A decay a_t = "
+        "exp(g_t) in (0, 1) shrinks the state before each write: S_t = a_t S_{t-1} + k_t "
+        "v_t^T. Token u then reaches query t through the product of the decays in between: "
+        "weight (q_t . k_u) prod_{u<j<=t} a_j (Gated DeltaNet's g = -exp(A_log) "
+        "softplus(a + dt_bias); here a seeded log-sigmoid).",
+        {"a = exp(g)": d.g.exp(), "decay from u to t": decays, "weights": weights,
+         "out": out, "max |out - weights @ v|": _max_difference(out, weights @ d.v)},
+        labels={"a = exp(g)": c.by_token, "decay from u to t": c.attn, "weights": c.attn,
+                "out": c.by_token},
+        weights=weights,
+        weights_title="decayed linear attention",
+        tokens=c.tokens,
+        modules={"maps": d.maps},
+    )
+
+
+def _step_delta_3(c: _Toy, d: _Delta) -> Step:
+    states, out = _states(d, decay=True, delta=True)
+    args = (d.q[None, None], d.k[None, None], d.v[None, None], d.g[None, None],
+            d.beta[None, None])
+    rule, _ = gated_delta_rule(*args, scale=1.0, backend="chunked", chunk_size=4)
+    weights = gated_delta_weights(*args[:2], *args[3:], scale=1.0, chunk_size=4)[0, 0]
+    return Step(
+        "delta.3",
+        "The delta rule: write only what is new",
+        "Writing k_t v_t^T twice doubles it. The delta rule first reads what the decayed "
+        "state recalls at k_t, a_t S_{t-1}^T k_t, and writes only the difference from v_t, "
+        "scaled by beta_t in (0, 1): S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T "
+        "k_t)^T. qkv's gated_delta_rule computes the same in chunks of matrix products; its "
+        "effective weights W (out = W @ v) are not a softmax's: rows need not sum to 1 and "
+        "may be negative.",
+        {"beta": d.beta, "out (token by token)": out, "out (gated_delta_rule, chunked)":
+             rule[0, 0], "max |token by token - chunked|": _max_difference(out, rule[0, 0]),
+         "effective weights W": weights,
+         "max |W @ v - out|": _max_difference(weights @ d.v, out)},
+        labels={"beta": c.by_token, "out (token by token)": c.by_token,
+                "out (gated_delta_rule, chunked)": c.by_token,
+                "effective weights W": c.attn},
+        weights=weights,
+        weights_title="gated delta rule (effective weights)",
+        tokens=c.tokens,
+        modules={"maps": d.maps},
+    )
+
+
+def _step_delta_4(c: _Toy, d: _Delta) -> Step:
+    state = torch.zeros(DELTA_KEY, DELTA_VALUE)
+    cache = KVCache(1, 1, c.num_tokens, DELTA_KEY, value_dim=DELTA_VALUE)
+    held = []
+    for t in range(c.num_tokens):
+        cache.append(d.k[None, None, t : t + 1], d.v[None, None, t : t + 1])
+        held.append([_bytes(state), _kv_cache_bytes(cache)])
+    return Step(
+        "delta.4",
+        "A state of fixed size against a cache that grows",
+        f"Decoding, a linear-attention head keeps its state: d_k x d_v = {DELTA_KEY} x "
+        f"{DELTA_VALUE} numbers whatever the context. Softmax attention's head keeps every "
+        "key and value, d_k + d_v numbers more per token. So Qwen3-Next's and Qwen3.5's "
+        "DeltaNet layers (3 of every 4) cost the same memory at 1k tokens as at 1M; only "
+        "their full-attention layers' caches grow.",
+        {"cache bytes after each token": torch.tensor(held)},
+        labels={"cache bytes after each token": (c.tokens, ("state", "KV cache"))},
+        modules={"maps": d.maps},
+    )
+
+
+# ---------------------------------------------------------------------------
 # All sections
 # ---------------------------------------------------------------------------
 
@@ -621,6 +775,7 @@ def variant_steps(text: str | None = None, *, seed: int = 123) -> list[Step]:
         dsa = _latent_layer(seed, SparseLatentAttention, **SPARSE)
         sinks = _sink_layer(c)
         source, later = _shared_pair(c)
+        delta = _delta_inputs(c)
         steps = [
             _step_mla_1(c, mla),
             _step_mla_2(c, mla),
@@ -634,6 +789,10 @@ def variant_steps(text: str | None = None, *, seed: int = 123) -> list[Step]:
             _step_sinks_2(c, sinks),
             _step_kvshare_1(c, source, later),
             _step_kvshare_2(c, source, later),
+            _step_delta_1(c, delta),
+            _step_delta_2(c, delta),
+            _step_delta_3(c, delta),
+            _step_delta_4(c, delta),
         ]
     for step in steps:
         step.tensors = {name: t.detach().cpu() for name, t in step.tensors.items()}
