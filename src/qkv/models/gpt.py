@@ -461,20 +461,26 @@ class GPTConfig:
 
     def kv_cache_bytes(self, batch_size: int, tokens: int, *, bytes_per_value: int = 4) -> int:
         """Bytes of the caches that decoding ``tokens`` positions for ``batch_size``
-        sequences holds: every layer's own cache (its attention's ``new_cache``) made on
-        the ``meta`` device and its buffers counted, ``bytes_per_value`` each. So each
+        sequences holds, with the weights in the dtype of ``bytes_per_value`` (2:
+        bfloat16, 4: float32, 8: float64): every layer's own cache (its attention's
+        ``new_cache``) made on the ``meta`` device and its buffers' bytes counted. So each
         kind counts what it keeps: key/value heads (a sliding layer its ring, allocated
         at its window's size whatever ``tokens``), latent attention's latent and RoPE key,
-        a linear-attention layer its fixed state, nothing for a layer sharing another's."""
+        a linear-attention layer its fixed state (float32 whatever the weights' dtype),
+        nothing for a layer sharing another's."""
         check_int("batch_size", batch_size, 1, MAX_SIZE)
         check_int("tokens", tokens, 1, MAX_SIZE)
-        check_int("bytes_per_value", bytes_per_value, 1, 8)
-        values = 0
-        for block in self.meta_model().trf_blocks:
+        dtypes = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+        if bytes_per_value not in dtypes:
+            raise ValueError(f"bytes_per_value must be 2 (bfloat16), 4 (float32) or 8 "
+                             f"(float64), got {show(bytes_per_value)}")
+        total = 0
+        for block in self.meta_model().to(dtypes[bytes_per_value]).trf_blocks:
             cache = block.att.new_cache(batch_size, tokens)
             if cache is not None:
-                values += sum(t.numel() for t in vars(cache).values() if isinstance(t, Tensor))
-        return values * bytes_per_value
+                total += sum(t.numel() * t.element_size() for t in vars(cache).values()
+                             if isinstance(t, Tensor))
+        return total
 
     def training_flops_per_token(self, tokens: int | None = None) -> float:
         """Floating-point operations of one training step per token of a ``tokens``-long
