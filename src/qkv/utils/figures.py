@@ -274,9 +274,13 @@ def _color_scale(m: np.ndarray) -> tuple[float, float]:
     """``(vmin, vmax)`` of the finite values of ``m`` (non-finite ones stay off the scale)."""
     finite = m[np.isfinite(m)]
     vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
-    # Anchor non-negative data (attention weights) at 0 so "no attention" is white.
+    # Anchor non-negative data (attention weights) at 0 so "no attention" is white; data
+    # of both signs (the delta rule's weights) is centred on 0, the middle of the map (the
+    # white of a diverging one such as "RdBu_r").
     if vmin > 0:
         vmin = 0.0
+    if vmin < 0 < vmax:
+        vmin, vmax = -max(-vmin, vmax), max(-vmin, vmax)
     if vmax <= vmin:
         vmax = vmin + 1.0
     return vmin, vmax
@@ -452,7 +456,8 @@ def plot_attention_grid(
             None returns the ``Figure``.
         suptitle: title over the whole figure.
         ncols: panels per row; default ``ceil(sqrt(n))``, at most 4.
-        cmap, annotate, xlabel, ylabel: as in :func:`plot_attention`.
+        cmap: as in :func:`plot_attention`, or a list of ``n``, one per panel.
+        annotate, xlabel, ylabel: as in :func:`plot_attention`.
 
     Returns:
         ``path`` as a :class:`pathlib.Path`, or the ``Figure`` when ``path`` is None.
@@ -464,6 +469,9 @@ def plot_attention_grid(
         titles = [None] * n
     elif len(titles) != n:
         raise ValueError(f"titles has {len(titles)} entries for {n} matrices")
+    cmaps = list(cmap) if isinstance(cmap, (list, tuple)) else [cmap] * n
+    if len(cmaps) != n:
+        raise ValueError(f"cmap lists {len(cmaps)} colour maps for {n} matrices")
     rows = [
         _check_labels(labels, m.shape[0], "row_labels", "rows")
         for labels, m in zip(_per_panel(row_labels, n, "row_labels"), mats, strict=True)
@@ -509,7 +517,8 @@ def plot_attention_grid(
             unused += axes[len(ks) :]
     for ax in unused:
         ax.set_visible(False)
-    for ax, m, r, c, title, size in zip(panels, mats, rows, cols, titles, sizes, strict=True):
+    for ax, m, r, c, title, size, colours in zip(panels, mats, rows, cols, titles, sizes, cmaps,
+                                                 strict=True):
         _draw(
             fig,
             ax,
@@ -517,7 +526,7 @@ def plot_attention_grid(
             rows=r,
             cols=c,
             title=title,
-            cmap=cmap,
+            cmap=colours,
             annotate=annotate,
             cell=cell,
             xlabel=xlabel,
