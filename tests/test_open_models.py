@@ -402,6 +402,35 @@ def test_attention_heatmap_of_an_imported_model(imported, tmp_path):
     assert out.stat().st_size > 1000
 
 
+def test_a_hybrid_heatmap_has_a_row_per_layer_and_centres_the_delta_rule(imported, tmp_path,
+                                                                         monkeypatch):
+    """lm attention on Qwen3-Next: layer 0 (DeltaNet, 6 value heads) fills a row, layer 1
+    (softmax, 4 heads) the next with two slots empty; the delta rule's panels (weights of
+    either sign) on a scale symmetric about 0, the softmax ones from 0."""
+    import qkv.utils.figures as figures
+
+    drawn = {}
+    real = figures.plot_attention_grid
+
+    def keep(matrices, **kwargs):
+        drawn["fig"] = real(matrices, **{**kwargs, "path": None})
+        return real(matrices, **kwargs)
+
+    monkeypatch.setattr(figures, "plot_attention_grid", keep)
+    lm = LanguageModel.load(imported["qwen3_next"][2])
+    lm.heatmap("The quick brown", tmp_path / "att.png", layers=[0, 1])
+    images = [(ax, ax.images[0]) for ax in drawn["fig"].axes if ax.images]
+    assert len(images) == 10
+    rows = sorted({round(ax.get_position().y0, 3) for ax, _ in images}, reverse=True)
+    per_row = [[im for ax, im in images if round(ax.get_position().y0, 3) == y] for y in rows]
+    assert [len(r) for r in per_row] == [6, 4]
+    for image in per_row[0]:
+        assert image.norm.vmin == -image.norm.vmax and image.get_cmap().name == "RdBu_r"
+    assert any(float(image.get_array().min()) < 0 for image in per_row[0])
+    for image in per_row[1]:
+        assert image.norm.vmin == 0.0 and image.get_cmap().name == "Reds"
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v32", "olmo3", *HYBRIDS])
 def test_new_families_run_every_command(imported, family, tmp_path, capsys):
     """What works on a run works on these: lm generate (--chat), lm attention, qkv view
@@ -413,8 +442,10 @@ def test_new_families_run_every_command(imported, family, tmp_path, capsys):
     assert main(["lm", "generate", "--ckpt", str(run), "--chat", "--prompt", "hi",
                  "--max-new-tokens", "4"]) == 0
     out = tmp_path / "att.png"
+    # (a hybrid's first two layers: a DeltaNet layer of 6 value heads, a softmax one of 4)
+    layers = ["--layers", "0", "1"] if family in HYBRIDS else []
     assert main(["lm", "attention", "--ckpt", str(run), "--prompt", "The quick brown fox",
-                 "--heatmap", str(out)]) == 0
+                 "--heatmap", str(out), *layers]) == 0
     assert out.stat().st_size > 1000
     page = tmp_path / "view.html"
     assert main(["view", "--ckpt", str(run), "--text", "The quick brown fox jumps over "

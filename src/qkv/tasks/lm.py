@@ -415,7 +415,9 @@ class LanguageModel:
             if not 0 <= layer < len(weights):
                 raise ValueError(f"layer {layer} does not exist; the model has layers "
                                  f"0..{len(weights) - 1}")
-        panels, titles, cmaps = [], [], []
+        # One row per layer: a layer with fewer heads than the widest leaves slots empty.
+        ncols = max(weights[layer].shape[0] for layer in layers)
+        panels, titles, cmaps, centred = [], [], [], []
         for layer in layers:
             # a class with a section of its own on qkv view's page: not softmax weights
             signed = getattr(self.model.trf_blocks[layer].att, "weights_section", None)
@@ -423,11 +425,13 @@ class LanguageModel:
                 panels.append(matrix)
                 titles.append(f"layer {layer}, head {head}{' (not softmax)' if signed else ''}")
                 cmaps.append("RdBu_r" if signed else "Reds")
+                centred.append(bool(signed))
+            panels += [None] * (ncols - len(weights[layer]))
         # Make whitespace tokens visible on the axes.
         shown = [t.replace(" ", "·").replace("\n", "\\n").replace("\t", "\\t") for t in labels]
         return plot_attention_grid(
             panels, titles=titles, row_labels=shown, col_labels=shown, path=path,
-            ncols=max(w.shape[0] for w in weights), cmap=cmaps,
+            ncols=ncols, cmap=cmaps, centred=centred,
             suptitle=f"Causal self-attention on {prompt!r}",
         )
 
