@@ -1,4 +1,4 @@
-"""Read a Hugging Face Llama, Mistral, Qwen2, Qwen3 or Gemma 3 folder as :class:`GPTModel` parts.
+"""Read a Hugging Face folder of an open model as :class:`GPTModel` parts.
 
 These families share one layout, the one ``LlamaForCausalLM`` saves: ``nn.Linear``
 weights ``(out, in)`` under ``model.layers.{i}.self_attn.{q,k,v,o}_proj`` and
@@ -32,6 +32,14 @@ The other direction writes a model out for the Hugging Face tools:
 layouts, so that transformers 4 and 5 read it), :func:`from_qkv` renames a state dict
 back, and :func:`write_hf_folder` writes both as a folder. A field a family cannot
 express is refused: the config must read back (:func:`config_fields`) as the same fields.
+
+The families of 2025-26 (SmolLM3, OLMo 3, gpt-oss, DeepSeek-V3/V3.2, Qwen3.5 and
+Qwen3-Next) mix kinds of layers: their fields hold a ``layout``, and their tensors'
+names follow from the model built on the ``meta`` device (:func:`_layout_tensors`).
+Where a folder stores the same model differently from its family's causal-LM class (a
+multimodal ``qwen3_5`` folder nests the text model under ``model.language_model.``;
+``qwen3_next`` fuses its linear-attention projections), the functions that name tensors
+take the folder's ``model_type``.
 
 GPT-2 folders keep their own reader (:mod:`.hf_gpt2`); :func:`config_fields` hands a
 GPT-2 config to it. This module imports :mod:`qkv.models.gpt` only for
