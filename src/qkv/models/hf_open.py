@@ -318,7 +318,8 @@ def _hybrid_layers(config: Mapping[str, Any], kind: str, n_layers: int, head_dim
     ``layer_types`` (or every ``full_attention_interval``-th layer) a gated full-attention
     layer turning ``partial_rotary_factor`` of each head, the others Gated DeltaNet;
     Qwen3-Next's experts with a gated shared expert in every ``decoder_sparse_step``-th
-    layer but those of ``mlp_only_layers``."""
+    layer but those of ``mlp_only_layers``. (Qwen3.5's multimodal RoPE, ``mrope_section``,
+    turns a text token as plain RoPE does: its three position ids are equal.)"""
     def size(name: str, lo: int = 1) -> int:
         return check_int(f"{where}: {name}", get(name), lo, MAX_SIZE)
 
