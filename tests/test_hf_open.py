@@ -694,3 +694,43 @@ def test_new_family_configs_qkv_cannot_build_are_one_line(config, match):
     with pytest.raises(ValueError, match=match) as error:
         GPTConfig(**config_fields(config, "config.json")).meta_model()
     _one_line(error)
+
+
+@pytest.mark.parametrize("kind, cls", [("qwen3_next", "Qwen3NextConfig"),
+                                       ("qwen3_5_text", "Qwen3_5TextConfig")])
+@pytest.mark.parametrize("style", ["transformers 4", "left out"])
+def test_hybrid_configs_read_as_transformers_reads_them(kind, cls, style):
+    """Qwen3-Next's and Qwen3.5's configs as older files spell them (``rope_theta`` and
+    ``partial_rotary_factor`` at the top, no ``layer_types``: every
+    ``full_attention_interval``-th layer is a full one), or with the keys left out: the
+    same layer schedule, turned dimensions, RoPE base and experts as the model
+    transformers builds from them."""
+    config = {**SMALL, "num_hidden_layers": 8, "head_dim": 32, "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+              "linear_value_head_dim": 8}
+    if style == "transformers 4":
+        config.update(full_attention_interval=2, rope_theta=1e6, partial_rotary_factor=0.5,
+                      rope_scaling=None)
+    if kind == "qwen3_next":
+        config.update(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2,
+                      mlp_only_layers=[3], moe_intermediate_size=16,
+                      shared_expert_intermediate_size=24)
+    theirs = getattr(transformers, cls)(**config)
+    fields = config_fields({**config, "model_type": kind}, "config.json")
+    kinds = {"linear_attention": "gated_deltanet", "full_attention": "gated"}
+    assert [e["attention"] for e in fields["layout"]] == [kinds[t] for t in theirs.layer_types]
+    assert len(set(theirs.layer_types)) == 2
+    rope = theirs.rope_parameters
+    assert fields["attention_options"]["gated"]["rotary_dim"] == int(
+        32 * rope["partial_rotary_factor"])
+    assert fields["rope_base"] == rope["rope_theta"] and fields["rope_scaling"] is None
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(theirs)
+    sparse = ["experts" in dict(layer.mlp.named_children()) for layer in model.model.layers]
+    assert [e["mlp"] == "moe" for e in fields["layout"]] == sparse
+    if kind == "qwen3_next":  # experts in every other layer but layer 3
+        assert sparse == [False, True, False, False, False, True, False, True]
+    else:
+        assert not any(sparse)
+    from qkv.models.gpt import GPTConfig
+    assert GPTConfig(**fields).num_parameters() == sum(p.numel() for p in model.parameters())

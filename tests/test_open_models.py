@@ -41,6 +41,12 @@ DEEPSEEK = dict(
     rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10_000.0,
                      "original_max_position_embeddings": 64, "mscale": 1.0,
                      "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
+# Qwen3.5 and Qwen3-Next: Gated DeltaNet layers (two key heads, each serving three value
+# heads) and gated full-attention layers turning a quarter of each head (8 of 32)
+HYBRID = dict(**{**COMMON, "num_hidden_layers": 4}, head_dim=32, linear_num_key_heads=2,
+              linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=12,
+              pad_token_id=0)
+HYBRIDS = ("qwen3_5_text", "qwen3_next")
 # Families whose cached and uncached greedy tokens differ in transformers itself.
 TOP_K_TIES = {"deepseek_v32"}
 FAMILIES = {
@@ -90,6 +96,15 @@ FAMILIES = {
     # DeepSeek-V3.2: the same with sparse attention, each query's 8 best keys
     "deepseek_v32": lambda: transformers.DeepseekV32Config(
         **DEEPSEEK, index_n_heads=2, index_head_dim=16, index_topk=8),
+    # Qwen3.5: three DeltaNet layers, then a full one (full_attention_interval 4); tied
+    "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**HYBRID, tie_word_embeddings=True),
+    # Qwen3-Next: its own schedule, experts with a gated shared expert but in layer 2
+    # (mlp_only_layers), its projections fused in the folder
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        **HYBRID, layer_types=["linear_attention", "full_attention", "linear_attention",
+                               "full_attention"],
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=32, mlp_only_layers=[2]),
 }
 
 
@@ -109,7 +124,9 @@ def byte_level_tokenizer():
 
 def hf_model(family: str, seed: int = 0):
     """A random model of ``family``, its norms moved off their initial values (so that a
-    norm applied as ``w`` instead of ``1 + w`` could not pass)."""
+    norm applied as ``w`` instead of ``1 + w`` could not pass); the hybrids' matrices
+    (all but the embedding) scaled up 4 times, so that their greedy tokens vary (at
+    transformers' initial scale, the tied Qwen3.5 repeats one token)."""
     config = FAMILIES[family]()
     config.eos_token_id = 2  # <|im_end|>
     torch.manual_seed(seed)
@@ -119,6 +136,8 @@ def hf_model(family: str, seed: int = 0):
             # (DeepSeek's e_score_correction_bias is a buffer, zero as initialised)
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            elif family in HYBRIDS and p.dim() >= 2 and "embed" not in name:
+                p.mul_(4.0)
     return model.eval()
 
 
@@ -185,6 +204,123 @@ def test_gemma_sliding_layers_past_their_window(imported):
     assert generate(model, prompt, 40, use_cache=False).tolist() == want.tolist()
 
 
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrids_over_several_chunks_and_exactly_one(imported, family):
+    """The DeltaNet layers run their chunked form 64 tokens at a time: prompts of exactly
+    one chunk and of three and a bit give transformers' logits, and a 150-token prompt
+    continued greedily (its state carried over from the chunked prompt, one token at a
+    time) transformers' tokens, with the cache and without."""
+    hf, _, run = imported[family]
+    model = LanguageModel.load(run).model
+    chunks = {block.att.chunk_size for block in model.trf_blocks
+              if block.spec.attention == "gated_deltanet"}
+    assert chunks == {64}
+    rng = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for tokens in (64, 200):
+            ids = torch.randint(0, VOCAB, (1, tokens), generator=rng)
+            torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-4, rtol=0)
+    prompt = torch.randint(0, VOCAB, (1, 150), generator=rng)
+    want = hf.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None,
+                       pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    for use_cache in (True, False):
+        assert generate(model, prompt, 20, use_cache=use_cache).tolist() == want.tolist()
+
+
+def test_a_qwen3_5_folder_imports_its_text_model(tmp_path):
+    """A multimodal Qwen3.5 folder, as Qwen3_5ForConditionalGeneration saves it: the text
+    model's config under text_config, its weights under model.language_model., a vision
+    tower and (as published folders hold) multi-token-prediction layers beside. The text
+    model imports and gives the multimodal model's logits on text; the rest is not read."""
+    from safetensors.torch import load_file, save_file
+
+    text = {**FAMILIES["qwen3_5_text"]().to_dict(), "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0,
+                                "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                "mrope_section": [2, 1, 1]}}
+    config = transformers.Qwen3_5Config(
+        text_config=text, tie_word_embeddings=False,
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2,
+                           out_hidden_size=64, patch_size=4, num_position_embeddings=16))
+    torch.manual_seed(7)
+    hf = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif p.dim() >= 2 and "language_model" in name and "embed" not in name:
+                p.mul_(4.0)
+    folder = tmp_path / "hf"
+    hf.save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    assert any(k.startswith("model.visual.") for k in weights)
+    weights["mtp.fc.weight"] = torch.randn(64, 128)
+    weights["mtp.layers.0.input_layernorm.weight"] = torch.randn(64)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    byte_level_tokenizer().save(str(folder / "tokenizer.json"))
+    run = tmp_path / "run"
+    assert main(["lm", "import", str(folder), "--run-dir", str(run)]) == 0
+    lm = LanguageModel.load(run)
+    ids = torch.randint(0, VOCAB, (1, 70), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(ids), hf(input_ids=ids).logits, atol=1e-4, rtol=0)
+    assert lm.model.cfg.num_parameters() == sum(
+        p.numel() for name, p in hf.named_parameters() if not name.startswith("model.visual."))
+
+
+def test_hybrid_configs_qkv_cannot_build_are_one_line(imported, tmp_path, capsys):
+    """What the hybrids' configs can say that qkv does not compute is refused before a
+    weight is read, in one line naming the value."""
+    _, folder, _ = imported["qwen3_next"]
+    run = str(tmp_path / "run")
+    cases = [
+        # 32 * 0.1 = 3.2: transformers would turn 3 dimensions, an odd number
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0,
+                              "partial_rotary_factor": 0.1}}, r"partial_rotary_factor=0.1"),
+        ({"hidden_act": "gelu_pytorch_tanh"}, r"hidden_act='gelu_pytorch_tanh'.*silu"),
+        ({"layer_types": ["linear_attention", "sliding_attention", "linear_attention",
+                          "full_attention"]}, r"layer_types must list 4 of"),
+        ({"linear_num_value_heads": 3}, r"linear_num_value_heads \(3\).*multiple"),
+        ({"mlp_only_layers": "all"}, r"mlp_only_layers must list"),
+        ({"num_experts_per_tok": 5}, r"num_experts_per_tok \(5\).*num_experts \(4\)"),
+        ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config"),
+    ]
+    for n, (change, pattern) in enumerate(cases):
+        one_line_error(capsys, ["lm", "import", str(edit_config(folder, tmp_path / str(n),
+                                                                 **change)),
+                                "--run-dir", run], pattern)
+    # the other families still turn every dimension
+    _, llama, _ = imported["llama"]
+    one_line_error(capsys, ["lm", "import", str(edit_config(llama, tmp_path / "llama",
+                                                             partial_rotary_factor=0.5)),
+                            "--run-dir", run], r"partial_rotary_factor=0.5 is not supported")
+    # a multimodal folder whose two configs disagree on tying the head
+    _, qwen35, _ = imported["qwen3_5_text"]
+    nested = json.loads((qwen35 / "config.json").read_text())
+    one_line_error(capsys, ["lm", "import", str(edit_config(
+        qwen35, tmp_path / "mm", model_type="qwen3_5", tie_word_embeddings=False,
+        text_config=nested)), "--run-dir", run], r"text_config.tie_word_embeddings is True")
+    assert not (tmp_path / "run").exists()
+
+
+def test_qwen3_next_fused_projections_round_trip(imported):
+    """Qwen3-Next's in_proj_qkvz and in_proj_ba are split on import and fused back on
+    export: from_qkv gives the folder's tensors themselves."""
+    from safetensors.torch import load_file
+
+    from qkv.models.hf_open import expected_tensors, from_qkv
+
+    _, folder, run = imported["qwen3_next"]
+    lm = LanguageModel.load(run)
+    fields = lm.model.cfg.to_dict()
+    back = from_qkv(lm.model.state_dict(), fields, "qwen3_next")
+    stored = load_file(folder / "model.safetensors")
+    assert set(back) == set(stored) == {name for name, _ in
+                                        expected_tensors(fields, "qwen3_next")}
+    assert all(torch.equal(back[k], stored[k]) for k in stored)
+    assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in back
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_architecture_facts_come_from_the_model(imported, family):
     hf, _, run = imported[family]
@@ -194,18 +330,26 @@ def test_architecture_facts_come_from_the_model(imported, family):
     assert list(cfg.parameter_shapes()) == [(k, tuple(v.shape))
                                            for k, v in built.state_dict().items()]
     # the KV cache holds each layer's key/value heads, a sliding layer only its window;
-    # latent attention its latent and RoPE key, sparse attention the index key beside
+    # latent attention its latent and RoPE key, sparse attention the index key beside; a
+    # DeltaNet layer the same bytes at any length: the convolution's last K - 1 inputs
+    # (q, k and v) and a head_k_dim x head_v_dim state per value head
     c = hf.config
     if family.startswith("deepseek"):
         kv = c.kv_lora_rank + c.qk_rope_head_dim + getattr(c, "index_head_dim", 0)
     else:
         kv = 2 * c.num_key_value_heads * cfg.attention_head_dim
-    per_token = [kv * 4] * cfg.n_layers
-    tokens = 100
-    want = sum(p * (tokens if w is None else min(tokens, w))
-               for p, w in zip(per_token, [cfg.layer_window(i) for i in range(cfg.n_layers)],
-                                   strict=True))
-    assert cfg.kv_cache_bytes(1, tokens) == want
+    linear = c.layer_types.count("linear_attention") if family in HYBRIDS else 0
+    per_token = [kv * 4] * (cfg.n_layers - linear)
+    windows = [cfg.layer_window(i) for i in range(cfg.n_layers - linear)]
+    for tokens in (100, 200):
+        want = sum(p * (tokens if w is None else min(tokens, w))
+                   for p, w in zip(per_token, windows, strict=True))
+        if linear:
+            conv = 2 * c.linear_num_key_heads * c.linear_key_head_dim + \
+                c.linear_num_value_heads * c.linear_value_head_dim
+            state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+            want += linear * 4 * (conv * (c.linear_conv_kernel_dim - 1) + state)
+        assert cfg.kv_cache_bytes(1, tokens) == want
 
 
 def test_the_run_keeps_the_tokenizer_and_pads_to_the_model(imported):
@@ -258,25 +402,58 @@ def test_attention_heatmap_of_an_imported_model(imported, tmp_path):
     assert out.stat().st_size > 1000
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v32", "olmo3"])
+def test_a_hybrid_heatmap_has_a_row_per_layer_and_centres_the_delta_rule(imported, tmp_path,
+                                                                         monkeypatch):
+    """lm attention on Qwen3-Next: layer 0 (DeltaNet, 6 value heads) fills a row, layer 1
+    (softmax, 4 heads) the next with two slots empty; the delta rule's panels (weights of
+    either sign) on a scale symmetric about 0, the softmax ones from 0."""
+    import qkv.utils.figures as figures
+
+    drawn = {}
+    real = figures.plot_attention_grid
+
+    def keep(matrices, **kwargs):
+        drawn["fig"] = real(matrices, **{**kwargs, "path": None})
+        return real(matrices, **kwargs)
+
+    monkeypatch.setattr(figures, "plot_attention_grid", keep)
+    lm = LanguageModel.load(imported["qwen3_next"][2])
+    lm.heatmap("The quick brown", tmp_path / "att.png", layers=[0, 1])
+    images = [(ax, ax.images[0]) for ax in drawn["fig"].axes if ax.images]
+    assert len(images) == 10
+    rows = sorted({round(ax.get_position().y0, 3) for ax, _ in images}, reverse=True)
+    per_row = [[im for ax, im in images if round(ax.get_position().y0, 3) == y] for y in rows]
+    assert [len(r) for r in per_row] == [6, 4]
+    for image in per_row[0]:
+        assert image.norm.vmin == -image.norm.vmax and image.get_cmap().name == "RdBu_r"
+    assert any(float(image.get_array().min()) < 0 for image in per_row[0])
+    for image in per_row[1]:
+        assert image.norm.vmin == 0.0 and image.get_cmap().name == "Reds"
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v32", "olmo3", *HYBRIDS])
 def test_new_families_run_every_command(imported, family, tmp_path, capsys):
     """What works on a run works on these: lm generate (--chat), lm attention, qkv view
-    (saying what sparse attention's and sinks' weights are), lm train --init."""
+    (saying what sparse attention's, sinks' and the delta rule's weights are), lm train
+    --init."""
     _, _, run = imported[family]
     assert main(["lm", "generate", "--ckpt", str(run), "--prompt", "The quick",
                  "--max-new-tokens", "4"]) == 0
     assert main(["lm", "generate", "--ckpt", str(run), "--chat", "--prompt", "hi",
                  "--max-new-tokens", "4"]) == 0
     out = tmp_path / "att.png"
+    # (a hybrid's first two layers: a DeltaNet layer of 6 value heads, a softmax one of 4)
+    layers = ["--layers", "0", "1"] if family in HYBRIDS else []
     assert main(["lm", "attention", "--ckpt", str(run), "--prompt", "The quick brown fox",
-                 "--heatmap", str(out)]) == 0
+                 "--heatmap", str(out), *layers]) == 0
     assert out.stat().st_size > 1000
     page = tmp_path / "view.html"
     assert main(["view", "--ckpt", str(run), "--text", "The quick brown fox jumps over "
                  "the lazy dog", "--generate", "3", "--html", str(page)]) == 0
     html = page.read_text(encoding="utf-8")
     note = {"gpt_oss": "learned sinks", "deepseek_v32": "lightning indexer selected",
-            "olmo3": None}[family]
+            "olmo3": None, "qwen3_5_text": "effective token-to-token weights",
+            "qwen3_next": "effective token-to-token weights"}[family]
     assert note is None or note in html
     text = tmp_path / "text.txt"
     text.write_text(" ".join(CORPUS) * 5, encoding="utf-8")

@@ -152,6 +152,63 @@ def test_encoding_refuses_what_is_not_an_attention_map():
         encode_section("x", "t", ["a", "b"], ["a", "b", "c"], w, generated_from=3)
 
 
+def test_signed_weights_keep_their_sign_and_their_layers_their_numbers():
+    """A signed section (the delta rule's weights are not a softmax) stores magnitudes
+    as any section does and one sign bit per stored entry; its layers keep the model's
+    numbers."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(2, 3, 6, 6, generator=g, dtype=torch.float64).tril()
+    labels = list("abcdef")
+    section = encode_section("delta", "t", labels, labels, w, causal=True, signed=True,
+                             layer_ids=[0, 2])
+    assert section["layer_ids"] == [0, 2]
+    assert len(section["signs"]) == math.ceil(math.ceil(2 * 3 * 21 / 8) / 3) * 4
+    got = decode_section(section).double()
+    close_to_8_bits(got.abs(), w.abs())
+    shown = got != 0
+    assert bool((got[shown].sign() == w[shown].sign()).all())
+    assert bool((w < 0).any() & (got < 0).any())
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        encode_section("x", "t", labels, labels, w, causal=True)
+    with pytest.raises(ValueError, match=r"layer_ids must name each of the 2 layers once"):
+        encode_section("x", "t", labels, labels, w, causal=True, signed=True,
+                       layer_ids=[1, 1])
+
+
+def test_a_hybrid_model_page_has_a_section_per_kind_of_layer():
+    """Gated DeltaNet layers (3 value heads) between gated softmax ones (2 heads): a
+    section of the softmax layers and one of the DeltaNet layers' effective weights,
+    each layer under its number in the model, the weights those the model's forward
+    returns (signs included), and the page says what the DeltaNet weights are."""
+    cfg = GPTConfig(vocab_size=257, context_length=64, emb_dim=32, n_heads=2, n_layers=3,
+                    drop_rate=0.0, rope=True, norm="rmsnorm", mlp="swiglu", hidden_dim=48,
+                    layout=[{"attention": "gated_deltanet"}, {"attention": "gated"},
+                            {"attention": "gated_deltanet"}],
+                    attention_options={"gated_deltanet": {"num_k_heads": 1, "head_k_dim": 8,
+                                                          "num_v_heads": 3, "head_v_dim": 8},
+                                       "gated": {"rotary_dim": 8}})
+    torch.manual_seed(0)
+    lm = LanguageModel(GPTModel(cfg).init_weights(0.2).eval(), get_tokenizer("bytes"),
+                       LMSettings(preset="tiny"))
+    data = page_data(lm, ["The cat sat on the mat"])
+    assert "effective token-to-token weights" in data["model"]["name"]
+    softmax, delta = data["examples"][0]["sections"]
+    assert (softmax["id"], softmax["heads"], softmax["layer_ids"]) == ("self", 2, [1])
+    assert "signs" not in softmax
+    assert (delta["id"], delta["heads"], delta["layer_ids"]) == ("gated-deltanet", 3, [0, 2])
+    assert "Gated DeltaNet" in delta["title"]
+    ids = torch.tensor([lm.tokenizer.encode("The cat sat on the mat")])
+    with torch.no_grad():
+        _, weights = lm.model(ids, need_weights=True)
+    want = torch.stack([weights[0][0], weights[2][0]]).double()
+    got = decode_section(delta).double()
+    assert bool((want < 0).any())  # the case the signs are for
+    close_to_8_bits(got.abs(), want.abs())
+    shown = got != 0
+    assert bool((got[shown].sign() == want[shown].sign()).all())
+    close_to_8_bits(decode_section(softmax)[0], weights[1][0])
+
+
 # ---------------------------------------------------------------------------- models
 
 def test_language_model_page_holds_each_layers_attention(runs):

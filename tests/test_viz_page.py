@@ -77,6 +77,18 @@ def encode_section(sid, title, queries, keys, weights, causal, generated_from=No
     }
 
 
+def encode_signed_section(sid, title, tokens, weights, layer_ids):
+    """A causal section of weights of either sign, as the schema says: the bytes and
+    row_max of the magnitudes, ``signs`` one bit per stored entry (1: negative; packed
+    eight to a byte, least significant bit first), ``layer_ids`` the model's layers."""
+    sec = encode_section(sid, title, tokens, tokens, np.abs(weights), causal=True)
+    ti, tj = np.tril_indices(len(tokens))
+    bits = (weights[:, :, ti, tj] < 0).reshape(-1)
+    sec["signs"] = base64.b64encode(np.packbits(bits, bitorder="little").tobytes()).decode()
+    sec["layer_ids"] = list(layer_ids)
+    return sec
+
+
 def decoded(weights):
     """What the page should show: the weights after the 8-bit round trip."""
     row_max = weights.max(-1).astype("<f4").astype(np.float64)
@@ -607,11 +619,12 @@ def sink_data(rng, tokens=LM_TOKENS, L=2, H=3, generated_from=8):
     return data, decoded(w)
 
 
-def legend_colour(page, s):
-    """The colour the legend's ramp gives to strength ``s`` (its gradient's stops)."""
+def legend_colour(page, s, ramp="#legend-grad"):
+    """The colour the legend's ramp gives to strength ``s`` (its gradient's stops);
+    ``ramp="#legend-neg"``: a signed section's ramp of negative weights."""
     stops = page.eval_on_selector_all(
-        "#legend-grad stop", "els => els.map(e => [Number(e.getAttribute('offset')),"
-                             " e.getAttribute('stop-color')])")
+        f"{ramp} stop", "els => els.map(e => [Number(e.getAttribute('offset')),"
+                        " e.getAttribute('stop-color')])")
     stops = [(t, [int(c) for c in re.findall(r"\d+", colour)]) for t, colour in stops]
     for (t0, c0), (t1, c1) in zip(stops, stops[1:], strict=False):
         if t0 <= s <= t1:
@@ -725,3 +738,80 @@ def test_colour_scales_legend_and_generated_tokens(browser, tmp_path):
         root = exported_svg("model.svg")
         rules = [p for p in root.iter(f"{svg_ns}path") if p.get("stroke") == "#1a7f37"]
         assert len(rules) == 2 * 3  # one per layer and head
+
+
+def test_a_signed_section_shows_both_signs_and_its_layers_numbers(browser, tmp_path):
+    """Weights that are not a softmax (the delta rule's, in Gated DeltaNet layers 0 and 2
+    of a hybrid model): the colour of a cell is the blue ramp's for a positive weight and
+    the red ramp's for a negative one, at its magnitude's place on the scale; the tooltip
+    and the head view's dashed lines keep the sign; the layers keep their numbers."""
+    rng = np.random.default_rng(4)
+    Q = len(LM_TOKENS)
+    signed = np.tril(rng.standard_normal((2, 3, Q, Q)))
+    soft = softmax_rows(rng, 1, 2, Q, Q, causal=True)
+    softmax_section = encode_section("self", "Causal self-attention", LM_TOKENS, LM_TOKENS,
+                                     soft, True)
+    softmax_section["layer_ids"] = [1]
+    data = {"version": 2, "model": {"kind": "lm", "name": "hybrid", "run": None},
+            "examples": [{"text": "".join(LM_TOKENS), "output": None, "sections": [
+                softmax_section,
+                encode_signed_section("delta", "Delta rule", LM_TOKENS, signed, [0, 2])]}]}
+    magnitude = decoded(np.abs(signed))
+    with opened(browser, tmp_path, data) as watch:
+        page = watch.page
+        assert texts(page, "#layer option") == ["Layer 1"]
+        page.locator(".section-tab").nth(1).click()
+        assert texts(page, "#layer option") == ["Layer 0", "Layer 2"]
+        caption = page.inner_text("#section-caption")
+        assert "2 layers (0, 2)" in caption and "not a softmax" in caption
+        # the head view: a line is dashed exactly when its weight is negative
+        page.select_option("#layer", "1")
+        dashed = page.eval_on_selector_all(
+            ".link", "els => els.map(e => [+e.dataset.q, +e.dataset.k, +e.dataset.head,"
+                     " e.classList.contains('negative')])")
+        assert dashed and any(d for *_, d in dashed) and not all(d for *_, d in dashed)
+        assert all((signed[1, h, q, k] < 0) == d for q, k, h, d in dashed)
+        assert "dashed" in page.inner_text("#legend-text")
+        shot(page, "signed_head")
+
+        set_view(page, "matrix")
+        page.select_option("#head", "2")
+        assert "blue positive, red negative" in page.inner_text("#legend-text")
+        m = magnitude[1, 2].max()
+        cells = [(i, j) for i in range(Q) for j in range(i + 1)
+                 if magnitude[1, 2, i, j] > 0.05 * m]
+        negative = next((i, j) for i, j in cells if signed[1, 2, i, j] < 0)
+        positive = next((i, j) for i, j in cells if signed[1, 2, i, j] > 0)
+        for scale in ("linear", "log"):
+            page.select_option("#scale", scale)
+            for (i, j), ramp in ((negative, "#legend-neg"), (positive, "#legend-grad")):
+                v = magnitude[1, 2, i, j]
+                s = v / m if scale == "linear" else min(1, max(0, 1 + np.log10(v / m) / 4))
+                got, want = cell_colour(page, i, j), legend_colour(page, s, ramp)
+                assert all(abs(a - b) <= 3 for a, b in zip(got, want, strict=True)), \
+                    (scale, ramp, got, want)
+        ticks = texts(page, "#legend-svg text.tick")
+        assert ticks[0].startswith("\u2212") and ticks[2] != ticks[0]
+        i, j = negative
+        page.locator("canvas#matrix").scroll_into_view_if_needed()
+        box = page.locator("canvas#matrix").bounding_box()
+        geo = page.eval_on_selector("canvas#matrix", "c => c.dataset")
+        cell = float(geo["cell"])
+        page.mouse.move(box["x"] + float(geo["originX"]) + (j + 0.5) * cell,
+                        box["y"] + float(geo["originY"]) + (i + 0.5) * cell)
+        tip = page.inner_text("#tooltip")
+        match = re.search(r": (-[0-9.e+-]+)\n", tip)
+        assert match, tip
+        assert float(match[1]) == pytest.approx(signed[1, 2, i, j], rel=0.03)
+        assert "layer 2 " in tip
+        shot(page, "signed_matrix")
+        with page.expect_download() as info:
+            page.click("#export-svg")
+        assert info.value.suggested_filename == "qkv-delta-layer2-head2.svg"
+        path = tmp_path / "signed.svg"
+        info.value.save_as(path)
+        assert "red negative" in path.read_text(encoding="utf-8")
+        set_view(page, "model")
+        page.wait_for_selector("#model-panel[data-complete='true']")
+        assert texts(page, ".model-grid .axis.row") == ["layer 0", "layer 2"]
+        shot(page, "signed_model")

@@ -51,6 +51,7 @@ __all__ = [
     "gated_delta_weights",
     "l2_normalize",
     "split_qkvz_ba",
+    "fused_row_order",
 ]
 
 # Added under the root of ||x||^2 when queries and keys are normalised: Qwen3-Next's and
@@ -408,6 +409,14 @@ class GatedDeltaNet(nn.Module):
     other names are the same in both families.
     """
 
+    # What its weights are, for a page that draws them (qkv view): not a softmax, so they
+    # get a section of their own (titled so), drawn on a scale for either sign.
+    weights_note = ("Gated DeltaNet layers: no softmax; their weights are the delta rule's "
+                    "effective token-to-token weights (how much of each earlier token's "
+                    "value reaches a token's output, after the decays and the later tokens' "
+                    "corrections): rows do not sum to 1 and may be negative")
+    weights_section = "Gated DeltaNet: the delta rule's effective weights"
+
     def __init__(
         self,
         d_in: int,
@@ -571,17 +580,20 @@ class GatedDeltaNet(nn.Module):
                 f"chunk_size={self.chunk_size}, backend={self.backend!r}")
 
 
-def split_qkvz_ba(state_dict: dict[str, Any], *, num_k_heads: int, num_v_heads: int,
-                  head_k_dim: int, head_v_dim: int, prefix: str = "") -> dict[str, Any]:
-    """Qwen3-Next's fused projections as :class:`GatedDeltaNet`'s separate ones.
+def fused_row_order(num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                    head_v_dim: int) -> tuple[Tensor, Tensor]:
+    """Where the rows of Qwen3-Next's fused projections come from in :class:`GatedDeltaNet`'s.
 
     Qwen3-Next stores ``in_proj_qkvz.weight`` with, for each key head ``h`` in turn, the
     rows of its query (``head_k_dim``), key (``head_k_dim``), its group's values and its
     group's ``z`` (``r head_v_dim`` each, ``r = num_v_heads / num_k_heads``), and
     ``in_proj_ba.weight`` with, per key head, its group's ``b`` then ``a`` (``r`` rows
-    each). Returns a new dict in which ``PREFIX in_proj_qkvz.weight`` and ``PREFIX
-    in_proj_ba.weight`` are replaced by ``in_proj_qkv`` (all queries, all keys, all values),
-    ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``; every other entry is kept as it is.
+    each). Returns ``(qkvz, ba)``, integer indices such that
+
+        in_proj_qkvz = torch.cat((in_proj_qkv, in_proj_z))[qkvz]
+        in_proj_ba = torch.cat((in_proj_b, in_proj_a))[ba]
+
+    (and the separate ones are the fused rows put back: ``unfused[qkvz] = in_proj_qkvz``).
     """
     for name, size in (("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
                        ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
@@ -590,27 +602,51 @@ def split_qkvz_ba(state_dict: dict[str, Any], *, num_k_heads: int, num_v_heads: 
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads "
                          f"({num_k_heads})")
     group = num_v_heads // num_k_heads
+    key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+    # The rows of torch.cat((in_proj_qkv, in_proj_z)), one row of this table per key head:
+    # all queries, all keys, all values, all z; a key head's values and z are those of its
+    # group of value heads, consecutive.
+    start = 0
+    per_head = []
+    for size in (key_dim, key_dim, value_dim, value_dim):
+        per_head.append(torch.arange(start, start + size).view(num_k_heads, -1))
+        start += size
+    qkvz = torch.cat(per_head, dim=1).flatten()
+    b = torch.arange(num_v_heads).view(num_k_heads, group)
+    ba = torch.cat((b, b + num_v_heads), dim=1).flatten()
+    return qkvz, ba
+
+
+def split_qkvz_ba(state_dict: dict[str, Any], *, num_k_heads: int, num_v_heads: int,
+                  head_k_dim: int, head_v_dim: int, prefix: str = "") -> dict[str, Any]:
+    """Qwen3-Next's fused projections as :class:`GatedDeltaNet`'s separate ones.
+
+    Returns a new dict in which ``PREFIX in_proj_qkvz.weight`` and ``PREFIX
+    in_proj_ba.weight`` (their rows in the order :func:`fused_row_order` describes) are
+    replaced by ``in_proj_qkv`` (all queries, all keys, all values), ``in_proj_z``,
+    ``in_proj_b`` and ``in_proj_a``; every other entry is kept as it is.
+    """
+    qkvz_rows, ba_rows = fused_row_order(num_k_heads, num_v_heads, head_k_dim, head_v_dim)
     out = dict(state_dict)
     qkvz, ba = out.pop(prefix + "in_proj_qkvz.weight", None), out.pop(prefix + "in_proj_ba.weight",
                                                                       None)
     if qkvz is None or ba is None:
         raise ValueError(f"state dict lacks {prefix}in_proj_qkvz.weight or "
                          f"{prefix}in_proj_ba.weight (Qwen3-Next's fused projections)")
-    per_head = 2 * head_k_dim + 2 * group * head_v_dim
-    if qkvz.dim() != 2 or qkvz.shape[0] != num_k_heads * per_head:
-        raise ValueError(f"{prefix}in_proj_qkvz.weight must have {num_k_heads * per_head} "
+    per_head = len(qkvz_rows) // num_k_heads
+    if qkvz.dim() != 2 or qkvz.shape[0] != len(qkvz_rows):
+        raise ValueError(f"{prefix}in_proj_qkvz.weight must have {len(qkvz_rows)} "
                          f"rows ({num_k_heads} key heads x {per_head}), got "
                          f"{tuple(qkvz.shape)}")
     if ba.dim() != 2 or ba.shape != (2 * num_v_heads, qkvz.shape[1]):
         raise ValueError(f"{prefix}in_proj_ba.weight must have shape "
                          f"({2 * num_v_heads}, {qkvz.shape[1]}), got {tuple(ba.shape)}")
-    d_in = qkvz.shape[1]
-    q, k, v, z = qkvz.view(num_k_heads, per_head, d_in).split(
-        (head_k_dim, head_k_dim, group * head_v_dim, group * head_v_dim), dim=1)
-    b, a = ba.view(num_k_heads, 2 * group, d_in).split((group, group), dim=1)
-    out[prefix + "in_proj_qkv.weight"] = torch.cat(
-        [t.reshape(-1, d_in) for t in (q, k, v)])
-    out[prefix + "in_proj_z.weight"] = z.reshape(-1, d_in).clone()
-    out[prefix + "in_proj_b.weight"] = b.reshape(-1, d_in).clone()
-    out[prefix + "in_proj_a.weight"] = a.reshape(-1, d_in).clone()
+    value_dim = num_v_heads * head_v_dim
+    qkv, z = torch.empty_like(qkvz).index_copy_(0, qkvz_rows, qkvz).split(
+        (len(qkvz_rows) - value_dim, value_dim))
+    b, a = torch.empty_like(ba).index_copy_(0, ba_rows, ba).split(num_v_heads)
+    # each its own tensor, not a view into the others' storage
+    for name, tensor in (("in_proj_qkv", qkv), ("in_proj_z", z), ("in_proj_b", b),
+                         ("in_proj_a", a)):
+        out[f"{prefix}{name}.weight"] = tensor.clone()
     return out

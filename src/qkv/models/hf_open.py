@@ -1,4 +1,4 @@
-"""Read a Hugging Face Llama, Mistral, Qwen2, Qwen3 or Gemma 3 folder as :class:`GPTModel` parts.
+"""Read a Hugging Face folder of an open model as :class:`GPTModel` parts.
 
 These families share one layout, the one ``LlamaForCausalLM`` saves: ``nn.Linear``
 weights ``(out, in)`` under ``model.layers.{i}.self_attn.{q,k,v,o}_proj`` and
@@ -33,6 +33,14 @@ layouts, so that transformers 4 and 5 read it), :func:`from_qkv` renames a state
 back, and :func:`write_hf_folder` writes both as a folder. A field a family cannot
 express is refused: the config must read back (:func:`config_fields`) as the same fields.
 
+The families of 2025-26 (SmolLM3, OLMo 3, gpt-oss, DeepSeek-V3/V3.2, Qwen3.5 and
+Qwen3-Next) mix kinds of layers: their fields hold a ``layout``, and their tensors'
+names follow from the model built on the ``meta`` device (:func:`_layout_tensors`).
+Where a folder stores the same model differently from its family's causal-LM class (a
+multimodal ``qwen3_5`` folder nests the text model under ``model.language_model.``;
+``qwen3_next`` fuses its linear-attention projections), the functions that name tensors
+take the folder's ``model_type``.
+
 GPT-2 folders keep their own reader (:mod:`.hf_gpt2`); :func:`config_fields` hands a
 GPT-2 config to it. This module imports :mod:`qkv.models.gpt` only for
 :func:`hf_config`'s check of the fields.
@@ -65,10 +73,16 @@ __all__ = ["SUPPORTED_TYPES", "config_fields", "expected_tensors", "to_qkv",
            "from_qkv", "write_hf_folder"]
 
 SUPPORTED_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3",
-                   "olmo3", "gpt_oss", "deepseek_v3", "deepseek_v32")
+                   "olmo3", "gpt_oss", "deepseek_v3", "deepseek_v32", "qwen3_5_text",
+                   "qwen3_5", "qwen3_next")
+# The hybrids of Gated DeltaNet ("linear_attention") and gated softmax attention
+# ("full_attention") layers. A "qwen3_5" folder is the multimodal model: its config holds
+# the text model's under "text_config", and its weights the text model's under
+# "model.language_model." beside a vision tower, which qkv leaves unread.
+_HYBRID = ("qwen3_5_text", "qwen3_next")
 # The families whose layers are not all multi-head attention and a dense MLP: their
 # GPTConfig has a layout, and their tensors' names follow from the modules it builds.
-_MIXED = ("gpt_oss", "deepseek_v3", "deepseek_v32")
+_MIXED = ("gpt_oss", "deepseek_v3", "deepseek_v32", *_HYBRID)
 _DEEPSEEK = ("deepseek_v3", "deepseek_v32")
 _MAX_CONFIG_BYTES = 1 << 20
 _MAX_INDEX_BYTES = 16 << 20  # an index of a 70B model is ~100 KB
@@ -139,6 +153,22 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 _DEFAULTS["deepseek_v32"] = {**_DEFAULTS["deepseek_v3"], "max_position_embeddings": 163_840,
                              "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64}
+# Both hybrids' linear-attention layers; their full-attention layers turn a quarter of
+# each head (transformers' default partial_rotary_factor for them).
+_LINEAR_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "full_attention_interval": 4, "partial_rotary_factor": 0.25}
+_DEFAULTS["qwen3_5_text"] = {
+    **_LINEAR_DEFAULTS, "vocab_size": 248_320, "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "max_position_embeddings": 32768}
+_DEFAULTS["qwen3_next"] = {
+    **_LINEAR_DEFAULTS, "vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "max_position_embeddings": 32768, "decoder_sparse_step": 1, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "num_experts_per_tok": 10, "num_experts": 512,
+    "norm_topk_prob": True, "mlp_only_layers": []}
 # The families whose RoPE may differ between sliding and full layers (rope_parameters
 # holds one dict per layer type).
 _ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
@@ -156,6 +186,8 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
                          f"{', '.join(SUPPORTED_TYPES)}")
     if kind == "gpt2":
         return gpt2_fields(config, where)
+    if kind == "qwen3_5":
+        return config_fields(_qwen3_5_text_config(config, where), where)
     defaults = {**_COMMON_DEFAULTS, **_DEFAULTS[kind]}
 
     def get(name: str) -> Any:
@@ -177,6 +209,12 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     if kind == "gemma3_text" and flag("use_bidirectional_attention"):
         raise ValueError(f"{where}: use_bidirectional_attention=True is not supported "
                          "(qkv's GPTModel is causal)")
+    rotary_fraction = None
+    if kind in _HYBRID:
+        # Their full-attention layers (GatedAttention) turn part of each head; the
+        # factor is taken out here, and the other families' RoPE readers refuse it.
+        config, rotary_fraction = _partial_rotary_factor(config, get("partial_rotary_factor"),
+                                                         where)
     emb_dim, n_heads, n_layers = (size("hidden_size"), size("num_attention_heads"),
                                   size("num_hidden_layers"))
     kv_heads = n_heads if get("num_key_value_heads") is None else size("num_key_value_heads")
@@ -186,6 +224,10 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     head_dim = emb_dim // n_heads if get("head_dim") is None else size("head_dim")
     act_key = "hidden_activation" if kind == "gemma3_text" else "hidden_act"
     mlp = _MLPS.get(get(act_key)) if isinstance(get(act_key), str) else None
+    if kind in _HYBRID and mlp != "swiglu":
+        raise ValueError(f"{where}: hidden_act={show(get(act_key))} is not supported for "
+                         f"{kind}; qkv reproduces 'silu' (its MLPs and its linear-attention "
+                         "layers' convolution)")
     if mlp is None:
         raise ValueError(f"{where}: {act_key}={show(get(act_key))} is not supported; qkv "
                          f"reproduces {', '.join(map(repr, _MLPS))}")
@@ -207,7 +249,7 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         rope_local_base = local[0]
     else:
         rope_local_base = None
-    gemma, olmo = kind == "gemma3_text", kind == "olmo3"
+    gemma, olmo, hybrid = kind == "gemma3_text", kind == "olmo3", kind in _HYBRID
     return {
         "vocab_size": size("vocab_size"), "context_length": context, "emb_dim": emb_dim,
         "n_heads": n_heads, "n_layers": n_layers, "drop_rate": 0.0,
@@ -216,9 +258,11 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         "hidden_dim": size("intermediate_size"), "mlp": mlp,
         "qkv_bias": kind == "qwen2" or attention_bias, "out_bias": attention_bias,
         "mlp_bias": flag("mlp_bias") if kind in ("llama", "smollm3") else False,
-        "norm": "gemma_rmsnorm" if gemma else "rmsnorm", "norm_eps": positive("rms_norm_eps"),
+        # Qwen3-Next's and Qwen3.5's norms are zero-centred too: x_hat * (1 + w)
+        "norm": "gemma_rmsnorm" if gemma or hybrid else "rmsnorm",
+        "norm_eps": positive("rms_norm_eps"),
         "post_norms": gemma or olmo, "pre_norms": not olmo,
-        "qk_norm": kind in ("qwen3", "gemma3_text", "olmo3"), "qk_norm_full": olmo,
+        "qk_norm": kind in ("qwen3", "gemma3_text", "olmo3", *_HYBRID), "qk_norm_full": olmo,
         "query_scale": positive("query_pre_attn_scalar") ** -0.5 if gemma else None,
         "embed_scale": gemma, "tie_weights": flag("tie_word_embeddings"),
         "window_size": window if "sliding" in kinds else None,
@@ -226,8 +270,103 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         "rope": True, "rope_base": full[0], "rope_scaling": full[1],
         "rope_local_base": rope_local_base,
         "layout": _nope_layout(config, n_layers, get, where) if kind == "smollm3" else None,
-        **(_mixed_layers(kind, n_layers, get, where) if kind in _MIXED else {}),
+        **(_hybrid_layers(config, kind, n_layers, head_dim, rotary_fraction, get, where)
+           if hybrid else _mixed_layers(kind, n_layers, get, where) if kind in _MIXED else {}),
     }
+
+
+def _qwen3_5_text_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The text model's config of a multimodal Qwen3.5 folder (``model_type`` "qwen3_5"):
+    its ``text_config``, tied or not as the folder's own class (``Qwen3_5ForConditional
+    Generation``) reads it, from the top level. The vision tower is not imported."""
+    text = config.get("text_config")
+    if text is None:
+        text = {}
+    if not isinstance(text, Mapping):
+        raise ValueError(f"{where}: text_config must be an object, got {show(text)}")
+    if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+        raise ValueError(f"{where}: text_config.model_type is {show(text['model_type'])}; a "
+                         "qwen3_5 folder's text model is 'qwen3_5_text'")
+    tie = config.get("tie_word_embeddings", False)
+    if "tie_word_embeddings" in text and text["tie_word_embeddings"] != tie:
+        raise ValueError(f"{where}: tie_word_embeddings is {show(tie)} but "
+                         f"text_config.tie_word_embeddings is {show(text['tie_word_embeddings'])}"
+                         "; transformers' two Qwen3.5 classes would read them differently")
+    return {**text, "model_type": "qwen3_5_text", "tie_word_embeddings": tie}
+
+
+def _partial_rotary_factor(config: Mapping[str, Any], default: Any,
+                           where: str) -> tuple[dict[str, Any], float]:
+    """``config`` without its ``partial_rotary_factor`` and the factor itself, read as
+    transformers reads it: the RoPE dict's (``rope_parameters`` or ``rope_scaling``),
+    else the top level's, else the family's ``default``."""
+    config = dict(config)
+    top = config.pop("partial_rotary_factor", default)
+    factor = top
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = config.get(key)
+        if isinstance(rope, Mapping) and "partial_rotary_factor" in rope:
+            factor = rope["partial_rotary_factor"]
+            config[key] = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+    factor = check_float(f"{where}: partial_rotary_factor", factor, 0.0, 1.0, lo_open=True)
+    return config, factor
+
+
+def _hybrid_layers(config: Mapping[str, Any], kind: str, n_layers: int, head_dim: int,
+                   rotary_fraction: float, get: Any, where: str) -> dict[str, Any]:
+    """The ``layout``, ``attention_options`` and ``moe`` fields of Qwen3-Next and Qwen3.5:
+    ``layer_types`` (or every ``full_attention_interval``-th layer) a gated full-attention
+    layer turning ``partial_rotary_factor`` of each head, the others Gated DeltaNet;
+    Qwen3-Next's experts with a gated shared expert in every ``decoder_sparse_step``-th
+    layer but those of ``mlp_only_layers``. (Qwen3.5's multimodal RoPE, ``mrope_section``,
+    turns a text token as plain RoPE does: its three position ids are equal.)"""
+    def size(name: str, lo: int = 1) -> int:
+        return check_int(f"{where}: {name}", get(name), lo, MAX_SIZE)
+
+    declared = config.get("layer_types")
+    if declared is None:
+        every = size("full_attention_interval")
+        declared = ["linear_attention" if (i + 1) % every else "full_attention"
+                    for i in range(n_layers)]
+    kinds = {"linear_attention": "gated_deltanet", "full_attention": "gated"}
+    if not (isinstance(declared, list) and len(declared) == n_layers
+            and all(isinstance(k, str) and k in kinds for k in declared)):
+        raise ValueError(f"{where}: layer_types must list {n_layers} of "
+                         f"{', '.join(map(repr, kinds))}, got {show(declared)}")
+    # transformers' head size of the turned part: int(head_dim * factor), rounded down
+    rotary_dim = int(head_dim * rotary_fraction)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"{where}: partial_rotary_factor={rotary_fraction} turns "
+                         f"{rotary_dim} of each head's {head_dim} dimensions; qkv turns an "
+                         "even number of them, at least 2")
+    k_heads, v_heads = size("linear_num_key_heads"), size("linear_num_value_heads")
+    if v_heads % k_heads:
+        raise ValueError(f"{where}: linear_num_value_heads ({v_heads}) must be a multiple of "
+                         f"linear_num_key_heads ({k_heads})")
+    linear = {"num_k_heads": k_heads, "head_k_dim": size("linear_key_head_dim"),
+              "num_v_heads": v_heads, "head_v_dim": size("linear_value_head_dim"),
+              "conv_kernel_size": size("linear_conv_kernel_dim")}
+    mlps, moe = ["dense"] * n_layers, None
+    if kind == "qwen3_next" and size("num_experts", 0):
+        step = size("decoder_sparse_step")
+        dense = get("mlp_only_layers")
+        if not (isinstance(dense, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in dense)):
+            raise ValueError(f"{where}: mlp_only_layers must list layer indices, got "
+                             f"{show(dense)}")
+        mlps = ["dense" if i in dense or (i + 1) % step else "moe" for i in range(n_layers)]
+        moe = {"hidden_dim": size("moe_intermediate_size"), "num_experts": size("num_experts"),
+               "top_k": size("num_experts_per_tok"), "score": "softmax",
+               "norm_topk_prob": check_bool(f"{where}: norm_topk_prob", get("norm_topk_prob")),
+               "shared_hidden_dim": size("shared_expert_intermediate_size"),
+               "shared_gate": True}
+        if moe["top_k"] > moe["num_experts"]:
+            raise ValueError(f"{where}: num_experts_per_tok ({moe['top_k']}) must be at most "
+                             f"num_experts ({moe['num_experts']})")
+    layout = [{"attention": kinds[k], "mlp": m} for k, m in zip(declared, mlps, strict=True)]
+    return {"layout": layout, "moe": moe if "moe" in mlps else None,
+            "attention_options": {"gated": {"rotary_dim": rotary_dim},
+                                  "gated_deltanet": linear}}
 
 
 def _mixed_layers(kind: str, n_layers: int, get: Any, where: str) -> dict[str, Any]:
@@ -303,7 +442,7 @@ def _layer_kinds(config: Mapping[str, Any], kind: str, n_layers: int, get: Any,
                  where: str) -> tuple[list[str], int | None]:
     """Each layer's kind as the config declares it ("sliding" or "full") and the window
     in tokens (``None``: no layer is windowed, whatever the kinds say)."""
-    if kind in ("llama", *_DEEPSEEK):
+    if kind in ("llama", *_DEEPSEEK, *_HYBRID):
         return ["full"] * n_layers, None
     window = get("sliding_window")
     if window is not None:
@@ -534,6 +673,8 @@ _BLOCK_NAMES = (
     ("norm2.scale", "post_attention_layernorm.weight"),
     ("att.W_query.", "self_attn.q_proj."), ("att.W_key.", "self_attn.k_proj."),
     ("att.W_value.", "self_attn.v_proj."), ("att.out_proj.", "self_attn.o_proj."),
+    ("att.q_norm.scale", "self_attn.q_norm.weight"),
+    ("att.k_norm.scale", "self_attn.k_norm.weight"),
     ("att.", "self_attn."),
     ("ff.fc1.", "mlp.gate_proj."), ("ff.fc2.", "mlp.up_proj."), ("ff.fc3.", "mlp.down_proj."),
     ("ff.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
@@ -546,6 +687,22 @@ _BLOCK_NAMES = (
 # (the others "gate") and stores its experts transposed, gate and up columns interleaved.
 _GPT_OSS_NAMES = (("ff.router.", "mlp.router."),)
 _OTHER_NAMES = (("ff.router.", "mlp.gate."),)
+# Qwen, the family whose shared expert is gated, names it in the singular.
+_QWEN_NAMES = (("ff.shared_expert.fc1.", "mlp.shared_expert.gate_proj."),
+               ("ff.shared_expert.fc2.", "mlp.shared_expert.up_proj."),
+               ("ff.shared_expert.fc3.", "mlp.shared_expert.down_proj."))
+# Linear-attention layers keep their module's own names, under "linear_attn.".
+_LINEAR_NAMES = (("att.", "linear_attn."),)
+# Where a folder of these types keeps its text model (else "model."), and the tensors it
+# holds beside it that qkv leaves unread, as transformers' causal-LM classes do: the
+# vision tower, and the multi-token-prediction layers ("mtp.", a draft head for
+# speculative decoding that the model's own logits do not go through).
+_MODEL_PREFIX = {"qwen3_5": "model.language_model."}
+_UNREAD = {"qwen3_5": ("model.visual.", "mtp."), "qwen3_5_text": ("mtp.",),
+           "qwen3_next": ("mtp.",)}
+# The types whose linear-attention layers store q, k, v and z as one fused projection,
+# and b and a as another, interleaved per key head (qkv.linear_attention.fused_row_order).
+_FUSED_DELTANET = ("qwen3_next",)
 
 
 def _gpt_oss_experts(name: str) -> tuple[Any, Any] | None:
@@ -571,13 +728,17 @@ class _Stored:
     qkv 3-D expert tensor (DeepSeek and Qwen store ``experts.{e}.gate_proj.weight``,
     ``up_proj`` and ``down_proj``: half 0 and 1 of ``gate_up_proj``'s rows, or None for
     ``down_proj``); ``transform`` is ``(to qkv, to Hugging Face)`` for a tensor stored in
-    another layout (gpt-oss's experts)."""
+    another layout (gpt-oss's experts). ``fused`` is the other way round: the stored
+    tensor holds several of qkv's, ``ours`` and then ``fused[0]``'s names, and
+    ``fused[1:]`` is ``(split: stored -> a tuple of them, fuse: the tuple -> stored)``
+    (Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``)."""
 
     hf: str
     ours: str
     shape: tuple[int, ...]
     piece: tuple[int, int | None] | None = None
     transform: tuple[Any, Any] | None = None
+    fused: tuple[tuple[str, ...], Any, Any] | None = None
 
 
 def _layout_meta_model(fields: Mapping[str, Any]) -> Any:
@@ -588,32 +749,79 @@ def _layout_meta_model(fields: Mapping[str, Any]) -> Any:
         return GPTModel(GPTConfig.from_dict(fields))
 
 
-def _layout_tensors(fields: Mapping[str, Any], fused: bool = False) -> Iterator[_Stored]:
+def _fused_deltanet(att: Any, hf: str, ours: str) -> dict[str, _Stored | None]:
+    """Qwen3-Next's two fused projections of the linear-attention layer ``att``, keyed by
+    the first of the qkv tensors each holds: ``hf`` and ``ours`` are the layer's
+    ``...linear_attn.`` and ``...att.`` prefixes."""
+    from ..linear_attention import fused_row_order
+
+    qkvz, ba = fused_row_order(att.num_k_heads, att.num_v_heads, att.head_k_dim,
+                               att.head_v_dim)
+    stored: dict[str, _Stored | None] = {}
+    for order, fused, first, second in ((qkvz, "in_proj_qkvz", "in_proj_qkv", "in_proj_z"),
+                                        (ba, "in_proj_ba", "in_proj_b", "in_proj_a")):
+        first_rows = getattr(att, first).out_features
+        # split: the stored rows put back in qkv's order (unfused[order] = stored), cut in
+        # two; fuse: the two side by side, their rows taken in the stored order
+        def split(w: Tensor, order: Tensor = order, rows: int = first_rows) -> tuple[Tensor, ...]:
+            unfused = torch.empty_like(w).index_copy_(0, order, w)
+            return tuple(t.clone() for t in unfused.split((rows, len(order) - rows)))
+
+        def fuse(parts: tuple[Tensor, ...], order: Tensor = order) -> Tensor:
+            return torch.cat(parts)[order]
+
+        stored[f"{ours}{first}.weight"] = _Stored(
+            f"{hf}{fused}.weight", f"{ours}{first}.weight", (len(order), att.d_in),
+            fused=((f"{ours}{second}.weight",), split, fuse))
+        stored[f"{ours}{second}.weight"] = None  # held by the first
+    return stored
+
+
+def _layout_tensors(fields: Mapping[str, Any], model_type: str | None = None,
+                    fused_experts: bool = False) -> Iterator[_Stored]:
     """Every tensor a folder of a model of ``fields`` with a layout holds, derived from
     the model itself built on the ``meta`` device: its state dict's names mapped by
     :data:`_BLOCK_NAMES`, experts split per expert (or transposed, for gpt-oss).
+    ``model_type``, the folder's, says where it keeps the text model
+    (:data:`_MODEL_PREFIX`) and whether it fuses the linear-attention projections
+    (:data:`_FUSED_DELTANET`); None: as the family's causal-LM class saves it.
 
-    ``fused``: the experts as transformers' modules hold them instead, one 3-D tensor
-    each: ``mlp.experts.gate_up_proj (E, 2I, d)`` (gate rows, then up rows) and
+    ``fused_experts``: the experts as transformers' modules hold them instead, one 3-D
+    tensor each: ``mlp.experts.gate_up_proj (E, 2I, d)`` (gate rows, then up rows) and
     ``mlp.experts.down_proj (E, d, I)``, qkv's own layout (gpt-oss's are unchanged)."""
-    gpt_oss = bool((fields.get("moe") or {}).get("expert_bias"))
-    rules = (*(_GPT_OSS_NAMES if gpt_oss else _OTHER_NAMES), *_BLOCK_NAMES)
-    top = {"tok_emb.weight": "model.embed_tokens.weight", "final_norm.scale": "model.norm.weight",
+    moe = fields.get("moe") or {}
+    gpt_oss = bool(moe.get("expert_bias"))
+    rules = (*(_GPT_OSS_NAMES if gpt_oss else _OTHER_NAMES),
+             *(_QWEN_NAMES if moe.get("shared_gate") else ()), *_BLOCK_NAMES)
+    base = _MODEL_PREFIX.get(model_type, "model.")
+    top = {"tok_emb.weight": f"{base}embed_tokens.weight", "final_norm.scale": f"{base}norm.weight",
            "out_head.weight": "lm_head.weight"}
-    for name, tensor in _layout_meta_model(fields).state_dict().items():
+    model = _layout_meta_model(fields)
+    fused: dict[str, _Stored | None] = {}
+    for name, tensor in model.state_dict().items():
         shape = tuple(tensor.shape)
         if name in top:
             if name != "out_head.weight" or not fields["tie_weights"]:
                 yield _Stored(top[name], name, shape)
             continue
         _, layer, rest = name.split(".", 2)  # trf_blocks.{i}.rest
-        ours, theirs = next((a, b) for a, b in rules if rest.startswith(a))
-        hf = f"model.layers.{layer}.{theirs}{rest[len(ours):]}"
+        linear = model.trf_blocks[int(layer)].spec.attention == "gated_deltanet"
+        ours, theirs = next((a, b) for a, b in (*(_LINEAR_NAMES if linear else ()), *rules)
+                            if rest.startswith(a))
+        hf = f"{base}layers.{layer}.{theirs}{rest[len(ours):]}"
+        if linear and model_type in _FUSED_DELTANET and name.endswith("in_proj_qkv.weight"):
+            fused.update(_fused_deltanet(model.trf_blocks[int(layer)].att,
+                                         hf[:-len("in_proj_qkv.weight")],
+                                         name[:-len("in_proj_qkv.weight")]))
+        if name in fused:
+            if fused[name] is not None:
+                yield fused[name]
+            continue
         transform = _gpt_oss_experts(name) if gpt_oss else None
         if transform is not None:
             stored = tuple(transform[1](torch.empty(shape, device="meta")).shape)
             yield _Stored(hf, name, stored, transform=transform)
-        elif fused and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        elif fused_experts and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             yield _Stored(hf, name, shape)
         elif name.endswith("experts.gate_up_proj"):
             experts, rows, width = shape
@@ -637,6 +845,10 @@ def _pack(stored: list[_Stored], raw: Mapping[str, Tensor],
     pieces: dict[str, dict[tuple[int, int | None], Tensor]] = {}
     for st in stored:
         tensor = raw.pop(st.hf) if consume else raw[st.hf]  # type: ignore[attr-defined]
+        if st.fused is not None:
+            names, split, _ = st.fused
+            out.update(zip((st.ours, *names), split(tensor), strict=True))
+            continue
         if st.transform is not None:
             tensor = st.transform[0](tensor).contiguous()
         if st.piece is None:
@@ -658,6 +870,10 @@ def _unpack(stored: list[_Stored], state: Mapping[str, Tensor]) -> dict[str, Ten
     """:func:`_pack`'s inverse: qkv's state dict as a folder stores it."""
     out: dict[str, Tensor] = {}
     for st in stored:
+        if st.fused is not None:
+            names, _, fuse = st.fused
+            out[st.hf] = fuse(tuple(state[n] for n in (st.ours, *names))).contiguous()
+            continue
         tensor = state[st.ours]
         if st.transform is not None:
             tensor = st.transform[1](tensor).contiguous()
@@ -673,11 +889,13 @@ def _has_layout(fields: Mapping[str, Any]) -> bool:
                                           for entry in fields.get("layout") or [])
 
 
-def _names(fields: Mapping[str, Any]) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+def _names(fields: Mapping[str, Any], model_type: str | None = None
+           ) -> Iterator[tuple[str, str, tuple[int, ...]]]:
     """``(Hugging Face name, qkv name, shape)`` of every tensor a model of ``fields``
-    holds; ``lm_head`` only when untied."""
+    holds (in a folder of ``model_type``, see :func:`_layout_tensors`); ``lm_head`` only
+    when untied."""
     if _has_layout(fields):
-        yield from ((st.hf, st.ours, st.shape) for st in _layout_tensors(fields))
+        yield from ((st.hf, st.ours, st.shape) for st in _layout_tensors(fields, model_type))
         return
     if fields.get("mlp", "gelu") not in ("swiglu", "geglu"):
         raise ValueError(f"mlp={show(fields.get('mlp', 'gelu'))}: GPT-2's weights are read by "
@@ -725,26 +943,32 @@ def _names(fields: Mapping[str, Any]) -> Iterator[tuple[str, str, tuple[int, ...
         yield "lm_head.weight", "out_head.weight", (V, d)
 
 
-def expected_tensors(fields: Mapping[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
+def expected_tensors(fields: Mapping[str, Any], model_type: str | None = None
+                     ) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Hugging Face name and shape of every tensor a folder of ``fields`` must hold
-    (``lm_head.weight`` only when untied; a tied model's file may hold it too)."""
-    return ((theirs, shape) for theirs, _, shape in _names(fields))
+    (``lm_head.weight`` only when untied; a tied model's file may hold it too).
+    ``model_type``: the folder's, where its storage differs from its family's causal-LM
+    class (a "qwen3_5" folder's text model sits under ``model.language_model.``, a
+    "qwen3_next" folder fuses its linear-attention projections); None: that class's."""
+    return ((theirs, shape) for theirs, _, shape in _names(fields, model_type))
 
 
 def _check_names(where: str, shapes: Mapping[str, tuple[int, ...]],
                  fields: Mapping[str, Any], ours: bool = False,
-                 fused: bool = False) -> dict[str, tuple[int, ...]]:
-    """The expected names (Hugging Face's, or qkv's if ``ours``; experts ``fused`` as
-    :func:`_layout_tensors` says) and shapes, after a one-line ``ValueError`` for a
-    missing, unexpected or misshapen tensor in ``shapes``."""
+                 model_type: str | None = None,
+                 fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """The expected names (Hugging Face's, or qkv's if ``ours``; a folder of
+    ``model_type``, experts as ``fused_experts`` says: see :func:`_layout_tensors`) and
+    shapes, after a one-line ``ValueError`` for a missing, unexpected or misshapen tensor
+    in ``shapes``."""
     if ours and _has_layout(fields):  # experts: 3-D in qkv, stored otherwise
         expected = {name: tuple(t.shape) for name, t in
                     _layout_meta_model(fields).state_dict().items()
                     if name != "out_head.weight" or not fields["tie_weights"]}
-    elif fused:
-        expected = {st.hf: st.shape for st in _layout_tensors(fields, fused=True)}
+    elif fused_experts:
+        expected = {st.hf: st.shape for st in _layout_tensors(fields, model_type, True)}
     else:
-        expected = {(q if ours else hf): shape for hf, q, shape in _names(fields)}
+        expected = {(q if ours else hf): shape for hf, q, shape in _names(fields, model_type)}
     missing = [k for k in expected if k not in shapes]
     if missing:
         raise ValueError(f"{where}: missing {len(missing)} tensors, e.g. {missing[0]!r}")
@@ -764,9 +988,11 @@ def _check_names(where: str, shapes: Mapping[str, tuple[int, ...]],
 
 
 def to_qkv(raw: Mapping[str, Tensor], fields: Mapping[str, Any],
-           consume: bool = False) -> dict[str, Tensor]:
-    """Hugging Face names -> ``GPTModel``'s; the tensors themselves are unchanged (Gemma's
-    norm weights stay ``w``). A tied model's ``out_head.weight`` is ``tok_emb.weight``.
+           model_type: str | None = None, consume: bool = False) -> dict[str, Tensor]:
+    """Hugging Face names (a folder of ``model_type``, see :func:`expected_tensors`) ->
+    ``GPTModel``'s; the tensors themselves are unchanged (Gemma's norm weights stay
+    ``w``), but for Qwen3-Next's fused projections, split. A tied model's
+    ``out_head.weight`` is ``tok_emb.weight``.
 
     Experts come as a folder stores them (one tensor per expert, gpt-oss's fused) or, for
     the families that store them per expert, fused as transformers' modules hold them
@@ -781,9 +1007,9 @@ def to_qkv(raw: Mapping[str, Tensor], fields: Mapping[str, Any],
     fused = _has_layout(fields) and not gpt_oss and any(
         k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for k in raw)
     _check_names("state dict", {k: tuple(v.shape) for k, v in raw.items()}, fields,
-                 fused=fused)
+                 model_type=model_type, fused_experts=fused)
     if _has_layout(fields):
-        out = _pack(list(_layout_tensors(fields, fused)), raw, consume)
+        out = _pack(list(_layout_tensors(fields, model_type, fused)), raw, consume)
     else:
         take = raw.pop if consume else raw.__getitem__  # type: ignore[attr-defined]
         out = {ours: take(theirs) for theirs, ours, _ in _names(fields)}
@@ -792,11 +1018,12 @@ def to_qkv(raw: Mapping[str, Tensor], fields: Mapping[str, Any],
     return out
 
 
-def from_qkv(state: Mapping[str, Tensor], fields: Mapping[str, Any]) -> dict[str, Tensor]:
-    """``GPTModel``'s names -> Hugging Face's, the inverse of :func:`to_qkv`; the tensors
-    themselves are unchanged. A tied model's ``out_head.weight`` (the embedding again)
-    is left out, as transformers saves it; one that differs from the embedding is
-    refused."""
+def from_qkv(state: Mapping[str, Tensor], fields: Mapping[str, Any],
+             model_type: str | None = None) -> dict[str, Tensor]:
+    """``GPTModel``'s names -> Hugging Face's (a folder of ``model_type``), the inverse of
+    :func:`to_qkv`; the tensors themselves are unchanged (Qwen3-Next's projections fused
+    back). A tied model's ``out_head.weight`` (the embedding again) is left out, as
+    transformers saves it; one that differs from the embedding is refused."""
     fields = _complete(fields)
     _check_names("state dict", {k: tuple(v.shape) for k, v in state.items()}, fields,
                  ours=True)
@@ -806,7 +1033,7 @@ def from_qkv(state: Mapping[str, Tensor], fields: Mapping[str, Any]) -> dict[str
         raise ValueError("state dict: out_head.weight differs from tok_emb.weight, but "
                          "tie_weights=True says they are one matrix")
     if _has_layout(fields):
-        return _unpack(list(_layout_tensors(fields)), state)
+        return _unpack(list(_layout_tensors(fields, model_type)), state)
     return {theirs: state[ours] for theirs, ours, _ in _names(fields)}
 
 
@@ -882,6 +1109,8 @@ def read_open_weights(
     fields: Mapping[str, Any],
     dtype: torch.dtype = torch.float32,
     max_bytes: int | None = None,
+    *,
+    model_type: str | None = None,
 ) -> dict[str, Tensor]:
     """A ``GPTModel(GPTConfig(**fields))`` state dict (qkv names, ``dtype``) from the
     folder's ``model.safetensors`` or the shards its ``model.safetensors.index.json`` names.
@@ -891,6 +1120,11 @@ def read_open_weights(
     or BF16 values; each in the shard the index names), and the state dict must fit in
     ``max_bytes`` bytes (in ``dtype``; ``None``: no bound). A tensor holding NaN or an
     infinity after conversion is refused too. Every error is one line.
+
+    ``model_type`` is the folder's ``config.json``'s (None: the family's causal-LM class's
+    storage, see :func:`expected_tensors`). A Qwen3.5 or Qwen3-Next folder may also hold
+    tensors that are not the text model's (:data:`_UNREAD`: a vision tower,
+    multi-token-prediction layers); those are left unread.
     """
     from safetensors import safe_open
 
@@ -938,7 +1172,10 @@ def read_open_weights(
         if absent:
             raise ValueError(f"{folder / WEIGHTS_INDEX}: puts {absent[0]} in "
                              f"{weight_map[absent[0]]}, which does not hold it")
-    expected = _check_names(str(folder), {k: v[1] for k, v in found.items()}, fields)
+    unread = _UNREAD.get(model_type, ())
+    expected = _check_names(str(folder), {k: v[1] for k, v in found.items()
+                                          if not k.startswith(unread)}, fields,
+                            model_type=model_type)
     for name in expected:
         path, _, stored = found[name]
         if stored not in _DTYPES:
@@ -961,7 +1198,7 @@ def read_open_weights(
                                      f"of {tensor.numel():,} as {dtype}; the weights are "
                                      "damaged or do not fit the dtype")
                 raw[name] = tensor
-    return to_qkv(raw, fields, consume=True)
+    return to_qkv(raw, fields, model_type, consume=True)
 
 
 def write_hf_folder(

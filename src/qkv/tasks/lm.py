@@ -403,7 +403,10 @@ class LanguageModel:
         return labels, [w[0].cpu() for w in weights]
 
     def heatmap(self, prompt: str, path: str | Path, layers: Sequence[int] | None = None):
-        """Per-layer, per-head attention of ``prompt``: one row of panels per layer."""
+        """Per-layer, per-head attention of ``prompt``: one row of panels per layer. A
+        layer whose weights are not a softmax (the delta rule's, of a Gated DeltaNet layer:
+        rows need not sum to 1, weights may be negative) is drawn on a scale centred on 0:
+        blue negative, white 0, red positive."""
         from ..utils.figures import plot_attention_grid
 
         labels, weights = self.attention(prompt)
@@ -412,16 +415,24 @@ class LanguageModel:
             if not 0 <= layer < len(weights):
                 raise ValueError(f"layer {layer} does not exist; the model has layers "
                                  f"0..{len(weights) - 1}")
-        panels, titles = [], []
+        # One row per layer: a layer with fewer heads than the widest leaves slots empty.
+        ncols = max(weights[layer].shape[0] for layer in layers)
+        panels, titles, cmaps, centred = [], [], [], []
         for layer in layers:
+            # a class with a section of its own on qkv view's page: not softmax weights
+            signed = getattr(self.model.trf_blocks[layer].att, "weights_section", None)
             for head, matrix in enumerate(weights[layer]):
                 panels.append(matrix)
-                titles.append(f"layer {layer}, head {head}")
+                titles.append(f"layer {layer}, head {head}{' (not softmax)' if signed else ''}")
+                cmaps.append("RdBu_r" if signed else "Reds")
+                centred.append(bool(signed))
+            panels += [None] * (ncols - len(weights[layer]))
         # Make whitespace tokens visible on the axes.
         shown = [t.replace(" ", "·").replace("\n", "\\n").replace("\t", "\\t") for t in labels]
         return plot_attention_grid(
             panels, titles=titles, row_labels=shown, col_labels=shown, path=path,
-            ncols=weights[0].shape[0], suptitle=f"Causal self-attention on {prompt!r}",
+            ncols=ncols, cmap=cmaps, centred=centred,
+            suptitle=f"Causal self-attention on {prompt!r}",
         )
 
 
@@ -812,7 +823,8 @@ def import_model(
     fields = dataclasses.asdict(cfg)
 
     def read(budget: int | None) -> dict[str, Tensor]:
-        return read_open_weights(path, fields, torch_dtype, max_bytes=budget)
+        return read_open_weights(path, fields, torch_dtype, max_bytes=budget,
+                                 model_type=config["model_type"])
 
     return _save_import(cfg, {"model_type": str(config["model_type"]), **origin}, tokenizer,
                         read, torch_dtype, run_dir, overwrite, log)

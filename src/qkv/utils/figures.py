@@ -226,13 +226,14 @@ def _draw(
     xlabel: str | None,
     ylabel: str | None,
     width: float,
+    centred: bool = False,
 ) -> None:
     """One heatmap with its colour bar on ``ax``, in a panel ``width`` inches wide."""
     from matplotlib.ticker import MaxNLocator
 
     # -inf (masked scores) and nan cannot be coloured: shown as grey cells.
     data = np.ma.masked_invalid(m)
-    vmin, vmax = _color_scale(m)
+    vmin, vmax = _color_scale(m, centred)
     num_rows, num_cols = m.shape
     # Square cells unless the matrix is very elongated (e.g. 1 x 60).
     aspect = "equal" if max(num_rows, num_cols) <= 8 * min(num_rows, num_cols) else "auto"
@@ -270,10 +271,15 @@ def _draw(
         _annotate(ax, m, image, cell)
 
 
-def _color_scale(m: np.ndarray) -> tuple[float, float]:
-    """``(vmin, vmax)`` of the finite values of ``m`` (non-finite ones stay off the scale)."""
+def _color_scale(m: np.ndarray, centred: bool = False) -> tuple[float, float]:
+    """``(vmin, vmax)`` of the finite values of ``m`` (non-finite ones stay off the scale);
+    ``centred``: symmetric about 0, so that 0 is the middle of the colour map (the white
+    of a diverging one such as "RdBu_r", for weights of either sign)."""
     finite = m[np.isfinite(m)]
     vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    if centred:
+        vmax = max(-vmin, vmax)
+        return (-vmax, vmax) if vmax > 0 else (-1.0, 1.0)
     # Anchor non-negative data (attention weights) at 0 so "no attention" is white.
     if vmin > 0:
         vmin = 0.0
@@ -438,13 +444,16 @@ def plot_attention_grid(
     annotate: bool | None = None,
     xlabel: str | None = "keys (attended to)",
     ylabel: str | None = "queries",
+    centred: bool | Sequence[bool] = False,
 ) -> Path | Figure:
     """Draw several attention matrices in a grid, each with its own colour bar.
 
     Args:
         matrices: a ``(n, num_queries, num_keys)`` tensor or array (e.g. the
             heads of one layer), or a sequence of ``n`` 2-D matrices, which may
-            differ in shape (e.g. different layers or models).
+            differ in shape (e.g. different layers or models). In a sequence of
+            matrices of one shape, None leaves a slot of the grid empty (a layer with
+            fewer heads than the next ends its row early); it is not one of the ``n``.
         titles: ``n`` panel titles (None entries allowed).
         row_labels, col_labels: one label list shared by every panel, or a
             list of ``n`` label lists (None entries allowed), one per panel.
@@ -452,18 +461,35 @@ def plot_attention_grid(
             None returns the ``Figure``.
         suptitle: title over the whole figure.
         ncols: panels per row; default ``ceil(sqrt(n))``, at most 4.
-        cmap, annotate, xlabel, ylabel: as in :func:`plot_attention`.
+        cmap: as in :func:`plot_attention`, or a list of ``n``, one per panel.
+        annotate, xlabel, ylabel: as in :func:`plot_attention`.
+        centred: each panel's colour scale symmetric about 0 (weights of either sign,
+            with a diverging ``cmap``), or a list of ``n`` such flags; default: from 0
+            (or the smallest value) to the largest.
 
     Returns:
         ``path`` as a :class:`pathlib.Path`, or the ``Figure`` when ``path`` is None.
     """
     target = None if path is None else check_image_path(path)
+    places = None  # the grid slot of each matrix, when some slots are left empty
+    if isinstance(matrices, (list, tuple)) and any(m is None for m in matrices):
+        places = [k for k, m in enumerate(matrices) if m is not None]
+        slots = len(matrices)
+        matrices = [matrices[k] for k in places]
     mats = _as_matrices(matrices)
     n = len(mats)
+    if places is None:
+        slots = n
     if titles is None:
         titles = [None] * n
     elif len(titles) != n:
         raise ValueError(f"titles has {len(titles)} entries for {n} matrices")
+    cmaps = list(cmap) if isinstance(cmap, (list, tuple)) else [cmap] * n
+    if len(cmaps) != n:
+        raise ValueError(f"cmap lists {len(cmaps)} colour maps for {n} matrices")
+    centres = list(centred) if isinstance(centred, (list, tuple)) else [centred] * n
+    if len(centres) != n:
+        raise ValueError(f"centred lists {len(centres)} flags for {n} matrices")
     rows = [
         _check_labels(labels, m.shape[0], "row_labels", "rows")
         for labels, m in zip(_per_panel(row_labels, n, "row_labels"), mats, strict=True)
@@ -476,8 +502,8 @@ def plot_attention_grid(
         ncols = min(n, 4, math.ceil(math.sqrt(n)))
     if ncols <= 0:
         raise ValueError(f"ncols must be a positive integer, got {ncols}")
-    ncols = min(ncols, n)
-    nrows = math.ceil(n / ncols)
+    ncols = min(ncols, slots)
+    nrows = math.ceil(slots / ncols)
 
     cell = _cell_size(mats)
     sizes = [_panel_size(m.shape, cell, r, c) for m, r, c in zip(mats, rows, cols, strict=True)]
@@ -489,8 +515,11 @@ def plot_attention_grid(
         w, h = sizes[0]
         fig = new_figure(ncols * w, nrows * h + extra)
         grid = fig.subplots(nrows, ncols, squeeze=False).ravel()
-        panels = list(grid[:n])
-        unused = list(grid[n:])  # the last row may not be full
+        where = list(range(n)) if places is None else places
+        panels = [grid[k] for k in where]
+        unused = [ax for k, ax in enumerate(grid) if k not in set(where)]  # and the last row
+    elif places is not None:
+        raise ValueError("empty slots (None) in matrices need matrices of one shape")
     else:
         # Panels of different shapes (sentences of different lengths): a grid of its own
         # for each row, each panel at its own width, so that a narrow panel leaves no gap.
@@ -509,7 +538,8 @@ def plot_attention_grid(
             unused += axes[len(ks) :]
     for ax in unused:
         ax.set_visible(False)
-    for ax, m, r, c, title, size in zip(panels, mats, rows, cols, titles, sizes, strict=True):
+    for ax, m, r, c, title, size, colours, centre in zip(panels, mats, rows, cols, titles, sizes,
+                                                         cmaps, centres, strict=True):
         _draw(
             fig,
             ax,
@@ -517,12 +547,13 @@ def plot_attention_grid(
             rows=r,
             cols=c,
             title=title,
-            cmap=cmap,
+            cmap=colours,
             annotate=annotate,
             cell=cell,
             xlabel=xlabel,
             ylabel=ylabel,
             width=size[0],
+            centred=centre,
         )
     if suptitle:
         suptitle = _fit(fig, _printable(suptitle), fig.get_figwidth(), 12)

@@ -22,6 +22,14 @@ A language model's example can continue its text greedily (``generate``): its se
 then covers the prompt and the generated tokens, and ``generated_from`` is the index of
 the first generated one (``None`` when there is none).
 
+A language model whose layers are not all softmax attention (Qwen3.5's and Qwen3-Next's
+Gated DeltaNet layers: an attention class with a ``weights_section`` title) has a section
+per kind: the softmax layers', and one per such class. ``layer_ids`` then names each
+section's layers in the model (absent: ``0, 1, ...``). Such weights need not be
+non-negative: their section is ``signed``, its bytes and ``row_max`` those of the
+magnitudes ``|w|`` and ``signs`` one bit per stored entry (1: negative), packed eight to
+a byte, least significant bit first, in the bytes' order.
+
 Shapes: ``weights`` are ``(layers, heads, queries, keys)``.
 """
 
@@ -32,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -65,13 +74,17 @@ def encode_section(
     *,
     causal: bool = False,
     generated_from: int | None = None,
+    signed: bool = False,
+    layer_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """One attention map in the page's format (see the module docstring).
 
-    ``weights (layers, heads, len(queries), len(keys))``: non-negative and finite (rows
-    of a softmax, in practice). With ``causal``, ``queries`` and ``keys`` have one
-    length and only entries ``j <= i`` are stored (the others must be 0 and read as 0).
-    ``generated_from``: the first query (and key) that the model generated, if any.
+    ``weights (layers, heads, len(queries), len(keys))``: finite, and non-negative (rows
+    of a softmax, in practice) unless ``signed``. With ``causal``, ``queries`` and
+    ``keys`` have one length and only entries ``j <= i`` are stored (the others must be 0
+    and read as 0). ``generated_from``: the first query (and key) that the model
+    generated, if any. ``layer_ids``: the model's numbers of the ``layers`` (default
+    ``0, 1, ...``).
     """
     if weights.dim() != 4:
         raise ValueError(f"weights must be (layers, heads, queries, keys), got shape "
@@ -86,16 +99,34 @@ def encode_section(
             isinstance(generated_from, int) and 0 <= generated_from <= min(n_q, n_k)):
         raise ValueError(f"generated_from must be an index in 0..{min(n_q, n_k)}, got "
                          f"{generated_from!r}")
+    if layer_ids is not None and (
+            len(layer_ids) != layers or len(set(layer_ids)) != layers or
+            any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layer_ids)):
+        raise ValueError(f"layer_ids must name each of the {layers} layers once, got "
+                         f"{list(layer_ids)!r}")
     w = weights.detach().to("cpu", torch.float64)
-    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
-        raise ValueError(f"{title}: attention weights must be finite and >= 0")
+    if not bool(torch.isfinite(w).all()) or (not signed and bool((w < 0).any())):
+        raise ValueError(f"{title}: attention weights must be finite" +
+                         ("" if signed else " and >= 0"))
+    negative = w < 0
+    w = w.abs()
     row_max = w.amax(dim=-1)
     scaled = w / row_max.clamp_min(torch.finfo(torch.float64).tiny).unsqueeze(-1)
     # log10 of 0 is -inf: it clamps to the byte 0, as does anything under the range.
     steps = torch.round(255 + torch.log10(scaled) * (254 / DECADES))
     q = steps.clamp(0, 255).to(torch.uint8)
     if causal:
-        q = q[:, :, torch.ones(n_q, n_k, dtype=torch.bool).tril()]  # (L, H, entries)
+        stored = torch.ones(n_q, n_k, dtype=torch.bool).tril()
+        q = q[:, :, stored]  # (L, H, entries)
+        negative = negative[:, :, stored]
+    extra: dict[str, Any] = {}
+    if layer_ids is not None:
+        extra["layer_ids"] = list(layer_ids)
+    if signed:
+        # A weight that rounds to the byte 0 reads as 0 either way: its sign is dropped.
+        bits = (negative & (q > 0)).contiguous().numpy().reshape(-1)
+        extra["signs"] = base64.b64encode(
+            np.packbits(bits, bitorder="little").tobytes()).decode("ascii")
     return {
         "id": section_id,
         "title": title,
@@ -109,12 +140,14 @@ def encode_section(
         "weights": base64.b64encode(q.contiguous().numpy().tobytes()).decode("ascii"),
         "row_max": base64.b64encode(
             row_max.to(torch.float32).numpy().astype("<f4").tobytes()).decode("ascii"),
+        **extra,
     }
 
 
 def decode_section(section: dict[str, Any]) -> Tensor:
     """The ``(layers, heads, queries, keys)`` float32 weights :func:`encode_section`
-    stored (8 bits each, log scale): what the page reads, for tests and notebooks."""
+    stored (8 bits each, log scale; negative where a signed section's bit says so): what
+    the page reads, for tests and notebooks."""
     layers, heads = section["layers"], section["heads"]
     n_q, n_k = len(section["queries"]), len(section["keys"])
     q = torch.frombuffer(bytearray(base64.b64decode(section["weights"])), dtype=torch.uint8)
@@ -122,6 +155,10 @@ def decode_section(section: dict[str, Any]) -> Tensor:
                                dtype=torch.float32).reshape(layers, heads, n_q)
     levels = q.double()
     values = torch.where(levels > 0, 10 ** ((levels - 255) * (DECADES / 254)), 0.0)
+    if section.get("signs") is not None:
+        bits = np.unpackbits(np.frombuffer(base64.b64decode(section["signs"]), np.uint8),
+                             count=len(values), bitorder="little")
+        values = torch.where(torch.from_numpy(bits.astype(bool)), -values, values)
     full = torch.zeros(layers, heads, n_q, n_k, dtype=torch.float64)
     if section["causal"]:
         full[:, :, torch.ones(n_q, n_k, dtype=torch.bool).tril()] = \
@@ -174,12 +211,25 @@ def _lm_example(lm: LanguageModel, text: str, generate: int,
     _, weights = lm.model(idx, need_weights=True)  # per layer (1, heads, T, T)
     ids = idx[0].tolist()
     labels = [lm.tokenizer.decode([i]) for i in ids]
-    title = "Causal self-attention" + (" (prompt and greedy continuation)" if generate else "")
-    section = encode_section("self", title, labels, labels,
-                             torch.stack([w[0] for w in weights]), causal=True,
-                             generated_from=prompt if generate else None)
+    # The layers of each kind of weights (softmax attention first) and head count.
+    groups: dict[tuple[str | None, int], list[int]] = {}
+    for i, block in enumerate(lm.model.trf_blocks):
+        kind = getattr(block.att, "weights_section", None)
+        groups.setdefault((kind, weights[i].shape[1]), []).append(i)
+    sections = []
+    for (kind, _), layers in sorted(groups.items(), key=lambda g: (g[0][0] is not None,
+                                                                   g[1][0])):
+        title = kind or "Causal self-attention"
+        sid = "self" if kind is None else "-".join(kind.split(":")[0].lower().split())
+        if any(s["id"] == sid for s in sections):  # another head count of one kind
+            sid = f"{sid}-{len(sections)}"
+        sections.append(encode_section(
+            sid, title + (" (prompt and greedy continuation)" if generate else ""),
+            labels, labels, torch.stack([weights[i][0] for i in layers]), causal=True,
+            generated_from=prompt if generate else None, signed=kind is not None,
+            layer_ids=None if len(groups) == 1 else layers))
     output = lm.tokenizer.decode(ids[prompt:]) if generate else None
-    return {"text": text, "output": output, "sections": [section]}
+    return {"text": text, "output": output, "sections": sections}
 
 
 @torch.no_grad()
