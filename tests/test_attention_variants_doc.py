@@ -44,6 +44,10 @@ BY_HAND = {
     "DeepSeek-V3": (61 * (512 + 64) * BF16, 0),
     # and the indexer's key, 128 wide
     "DeepSeek-V3.2": (61 * (512 + 64 + 128) * BF16, 0),
+    # 12 full-attention layers of 2 key/value heads x 256; 36 Gated DeltaNet layers keep
+    # a float32 state of 32 value heads x 128 x 128 and 3 inputs of the convolution
+    # (2 x 16 x 128 + 32 x 128 = 8,192 channels, bfloat16) whatever the length
+    "Qwen3-Next-80B": (12 * 2 * 256 * KV * BF16, 36 * (32 * 128 * 128 * 4 + 3 * 8192 * BF16)),
 }
 
 
@@ -74,9 +78,15 @@ def test_windows_are_capped_and_shared_layers_cache_nothing(rows):
         3 * 32_768 * GEMMA3N_LAYER + 12 * 512 * GEMMA3N_LAYER)
     # Sparse attention caches more (its index keys) but each query reads 2,048 keys
     assert rows["DeepSeek-V3.2"].keys_read == 2048
-    assert rows["DeepSeek-V3"].keys_read == TOKENS[-1]
-    assert rows["gpt-oss-20b"].keys_read == (128 + TOKENS[-1]) / 2
-    assert rows["Gemma 3 27B"].keys_read == (52 * 1024 + 10 * TOKENS[-1]) / 62
+    # (at the longest length, 1M tokens, or the model's context where shorter)
+    assert rows["DeepSeek-V3"].keys_read == 163_840
+    assert rows["gpt-oss-20b"].keys_read == (128 + 131_072) / 2
+    assert rows["Gemma 3 27B"].keys_read == (52 * 1024 + 10 * 131_072) / 62
+    # linear attention reads a state, no cached key: only the 12 full layers of 48 read
+    assert rows["Qwen3-Next-80B"].keys_read == 12 * TOKENS[-1] / 48
+    # and its 36 DeltaNet layers hold the same at 1k tokens as at 1M
+    qwen = rows["Qwen3-Next-80B"]
+    assert qwen.total[TOKENS[-1]] - qwen.total[1024] == (TOKENS[-1] - 1024) * qwen.per_token
     # at its context of 32k: 28 sliding layers read 512 keys, 7 full ones 32,768
     assert rows["Gemma 3n E4B"].keys_read == (28 * 512 + 7 * 32_768) / 35
     assert rows["GPT-2 XL"].keys_read == 1024

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..linear_attention import GatedDeltaNet
 from ..models.gpt import GPTConfig
 from ..models.hf_open import config_fields
 from ..utils.figures import new_figure, save_figure
@@ -31,7 +32,7 @@ from ..utils.figures import new_figure, save_figure
 __all__ = ["TOKENS", "BYTES_PER_VALUE", "Published", "PUBLISHED", "CacheRow", "cache_rows",
            "markdown_tables", "plot_cache", "main"]
 
-TOKENS = (1024, 4096, 16_384, 32_768, 131_072)
+TOKENS = (1024, 4096, 16_384, 32_768, 131_072, 262_144, 1_048_576)
 BYTES_PER_VALUE = 2  # bfloat16
 
 
@@ -102,6 +103,22 @@ DEEPSEEK_V3 = {"model_type": "deepseek_v3", "vocab_size": 129_280, "hidden_size"
                                 "original_max_position_embeddings": 4096}}
 DEEPSEEK_V32 = {**DEEPSEEK_V3, "model_type": "deepseek_v32", "index_n_heads": 64,
                 "index_head_dim": 128, "index_topk": 2048}
+# Qwen3-Next-80B-A3B (transformers' Qwen3NextConfig defaults are its sizes): 48 layers,
+# three Gated DeltaNet layers (16 key heads, 32 value heads of 128) to one gated
+# full-attention layer (16 query heads, 2 key/value heads of 256), 512 experts.
+QWEN3_NEXT_80B = {"model_type": "qwen3_next", "vocab_size": 151_936, "hidden_size": 2048,
+                  "intermediate_size": 5120, "num_hidden_layers": 48,
+                  "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                  "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                  "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                  "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+                  "num_experts": 512, "num_experts_per_tok": 10,
+                  "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                  "max_position_embeddings": 1_048_576, "rope_theta": 10_000_000.0,
+                  "partial_rotary_factor": 0.25,
+                  # its 256k context stretched to 1M by YaRN, as Qwen's model card runs it
+                  "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                   "original_max_position_embeddings": 262_144}}
 # Gemma 3n E4B's text model (transformers' Gemma3nTextConfig defaults, documented as
 # google/gemma-3n-E4B): 35 layers, 8 query heads sharing 2 key/value heads of 256, a
 # full-attention layer every 5th and a 512-token window on the others, and the last 15
@@ -149,6 +166,9 @@ PUBLISHED = (
               "deepseek-ai/DeepSeek-V3", _imported(DEEPSEEK_V3)),
     Published("DeepSeek-V3.2", "MLA + DSA: index key 128 more; each query reads 2,048 keys",
               "deepseek-ai/DeepSeek-V3.2-Exp", _imported(DEEPSEEK_V32)),
+    Published("Qwen3-Next-80B", "Gated DeltaNet on 3 layers of 4 (a fixed state); GQA (2 of "
+              "16) on the rest", "Qwen/Qwen3-Next-80B-A3B-Instruct",
+              _imported(QWEN3_NEXT_80B)),
 )
 
 
@@ -187,6 +207,9 @@ def _keys_read(cfg: GPTConfig, tokens: int) -> float:
     counts = []
     for block in cfg.meta_model().trf_blocks:
         att = block.att
+        if isinstance(att, GatedDeltaNet):  # a query reads the state, no cached key
+            counts.append(0)
+            continue
         cap = getattr(att, "window_size", None)
         indexer = getattr(att, "indexer", None)
         if indexer is not None:
