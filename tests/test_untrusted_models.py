@@ -463,34 +463,56 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             "regex": tiny_run(root / "regex", tokenizer_json=backtracking_tokenizer_json())}
 
 
+# Starts a command as its own child and writes that child's peak RSS (KiB) to argv[1].
+# The test process cannot measure its child itself: Linux folds the memory a process held
+# at exec into its peak, and a child spawned by pytest holds pytest's pages (hundreds of MB
+# after the suite's heavier tests) until it execs. This launcher is small when it forks.
+LAUNCHER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+os._exit(os.waitstatus_to_exitcode(status) % 256)
+"""
+
+
 class Qkv:
-    """``python -m qkv ARGS`` started as a real process; :meth:`result` waits for it."""
+    """``python -m qkv ARGS`` started as a real process (through :data:`LAUNCHER`, which
+    measures its peak memory); :meth:`result` waits for it."""
 
     def __init__(self, *args: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1",
                "RUST_BACKTRACE": "1"}  # a panic's report would be a backtrace
         self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115
+        self.rss = tempfile.NamedTemporaryFile(delete=False)  # noqa: SIM115
+        self.rss.close()
         self.start = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "qkv", *args], env=env,
-                                     stdout=self.out, stderr=self.err)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", LAUNCHER, self.rss.name, sys.executable, "-m", "qkv",
+             *args], env=env, stdout=self.out, stderr=self.err, start_new_session=True)
 
     def result(self, timeout: float = 120) -> tuple[int, str, str, float, int]:
         """Exit status, stdout, stderr, seconds, and peak resident memory in bytes (the
-        process's own or its children's, whichever was larger: ``wait4``'s)."""
-        timer = threading.Timer(timeout, self.proc.kill)
+        process's own or its children's, whichever was larger)."""
+        timer = threading.Timer(timeout, lambda: os.killpg(self.proc.pid, 9))
         timer.start()
         try:
-            _, status, usage = os.wait4(self.proc.pid, 0)
+            self.proc.wait()
         finally:
             timer.cancel()
-        self.proc.returncode = os.waitstatus_to_exitcode(status)
         seconds = time.monotonic() - self.start
         texts = []
         for f in (self.out, self.err):
             f.seek(0)
             texts.append(f.read().decode())
             f.close()
-        return self.proc.returncode, *texts, seconds, usage.ru_maxrss * 1024
+        with open(self.rss.name) as f:
+            kib = int(f.read() or 0)
+        os.unlink(self.rss.name)
+        return self.proc.returncode, *texts, seconds, kib * 1024
 
 
 # A tiny model's process: Python, torch and the model take about 350 MB.
