@@ -576,6 +576,8 @@ def _q6_k(b: Tensor) -> Tensor:  # 128 bytes low 4 bits, 64 bytes high 2 bits, 1
 # can dequantize goes through its NumPy decoders (:func:`gguf_weight_types`).
 _DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
              "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+# Values decoded per call of a PyTorch decoder (see _expand).
+_DECODE_VALUES = 1 << 20
 # Types whose bytes are the values themselves.
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "F64": torch.float64}
@@ -650,7 +652,14 @@ def _expand(path: Path, data: np.ndarray, info: GGUFTensorInfo, dtype: torch.dty
             values = raw.view(_FLOATS[info.type_name])
             values = values if values.dtype == torch.float64 else values.float()
         else:
-            values = _DECODERS[info.type_name](raw.reshape(-1, block_bytes))
+            # A million values at a time into one output: the decoders' temporaries (a
+            # few bytes per value each) stay in cache instead of faulting in and out
+            # hundreds of MB for a large tensor.
+            blocks = raw.reshape(-1, block_bytes)
+            values = torch.empty(len(blocks), block)
+            step = max(1, _DECODE_VALUES // block)
+            for i in range(0, len(blocks), step):
+                values[i:i + step] = _DECODERS[info.type_name](blocks[i:i + step])
     else:
         # The gguf package's decoder, given whole rows (it works through them 16 at a
         # time) straight from the map; its float32 result is the one expanded copy.
