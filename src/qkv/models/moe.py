@@ -332,11 +332,12 @@ class MoE(nn.Module):
 
     def _routed_grouped(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """As :meth:`_routed_loop`, with the ``N * top_k`` token copies sorted by expert
-        once (one sort, one gather, one scatter) instead of searched once per expert; each
-        expert then projects its contiguous block, experts with no token not at all. The
-        gated unit between the two projections runs once over all the copies, ``(N *
-        top_k, hidden_dim)``, not once per expert: a few large element-wise passes instead
-        of many small ones (gpt-oss's clamped SwiGLU alone is seven per expert)."""
+        once (one sort, one gather, then a gather back and a sum) instead of searched once
+        per expert; each expert then projects its contiguous block, experts with no token
+        not at all. The gated unit between the two projections runs once over all the
+        copies, ``(N * top_k, hidden_dim)``, not once per expert: a few large element-wise
+        passes instead of many small ones (gpt-oss's clamped SwiGLU alone is seven per
+        expert)."""
         flat = experts.flatten()  # (N * top_k,): the expert of copy t * top_k + j
         order = flat.argsort(stable=True)
         token = order // self.top_k  # the token of each sorted copy
@@ -358,7 +359,12 @@ class MoE(nn.Module):
         hidden_blocks = hidden.split([counts[e] for e in used])
         routed = torch.cat([F.linear(h, ex.down_proj[e], bias(ex.down_proj_bias, e))
                             for e, h in zip(used, hidden_blocks, strict=True)])
-        return torch.zeros_like(x).index_add_(0, token, routed * weights.flatten()[order, None])
+        routed = routed * weights.flatten()[order, None]
+        # Back to token order (copy t * top_k + j is row inverse[t * top_k + j] of routed),
+        # then each token's top_k outputs summed: a gather and a sum, deterministic on any
+        # device, where a scatter-add would be a parallel region of its own on the CPU.
+        inverse = order.argsort()
+        return routed[inverse].view(len(x), self.top_k, -1).sum(dim=1)
 
     def active_parameters(self) -> int:
         """Parameters one token runs through: the router, the shared expert (and its gate)
