@@ -46,9 +46,11 @@ run.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,10 +111,10 @@ class VariantsConfig:
     """
 
     mechanisms: tuple[str, ...] = tuple(MECHANISMS)
-    tokens: int = 1024
+    tokens: int = 512
     long_cache: int = 4096
     repeats: int = 5
-    decode_repeats: int = 30
+    decode_repeats: int = 20
     warmup: int = 1
     seed: int = 0
     peers: bool = True
@@ -160,34 +162,48 @@ class _Path:
     decode: Callable[[Tensor, Tensor], Callable[[], Tensor]]
 
 
-def _qkv_path(name: str, role: str, layer: nn.Module, backend: str) -> _Path:
-    """A qkv layer run with ``backend``; its cache is filled by the layer's own default
-    backend (the cache holds the same numbers whichever backend attends)."""
+def _qkv_paths(layer: nn.Module, backends: list[tuple[str, str, str]]) -> list[_Path]:
+    """A qkv layer run with each backend of ``backends`` (``(path name, role,
+    backend)``), one module and one set of weights for all. A decoding step's cache is
+    filled by a forward over the prompt with the layer's own default backend, once, and
+    each path steps on a copy of it (the cache holds the same numbers whichever backend
+    attends)."""
     default = layer.backend
+    filled: dict[tuple[int, ...], Any] = {}  # the prompt's cache, made once
 
-    def run(x: Tensor, **kwargs: Any) -> Tensor:
-        layer.backend = backend  # one module, one set of weights, for every path
+    def run(backend: str, x: Tensor, **kwargs: Any) -> Tensor:
+        layer.backend = backend
         return layer(x, **kwargs)
 
-    def prompt(x: Tensor) -> Callable[[], Tensor]:
-        return lambda: run(x)
+    def prompt_cache(x: Tensor, extra: int) -> Any:
+        key = (x.data_ptr(), *x.shape, extra)
+        if key not in filled:
+            filled.clear()
+            cache = layer.new_cache(x.shape[0], x.shape[1] + extra)
+            run(default, x, cache=cache)
+            filled[key] = cache
+        return copy.deepcopy(filled[key])
 
-    def decode(x: Tensor, x1: Tensor) -> Callable[[], Tensor]:
-        if not hasattr(layer, "new_cache"):  # a feed-forward: a step is one token
-            return lambda: run(x1)
-        cache = layer.new_cache(x.shape[0], x.shape[1] + x1.shape[1])
-        layer.backend = default
-        layer(x, cache=cache)
-        filled = cache.pos
+    def path(name: str, role: str, backend: str) -> _Path:
+        def prompt(x: Tensor) -> Callable[[], Tensor]:
+            return lambda: run(backend, x)
 
-        def step() -> Tensor:
-            out = run(x1, cache=cache)
-            cache.pos = filled  # forget the step: each call sees the prompt's cache
-            return out
+        def decode(x: Tensor, x1: Tensor) -> Callable[[], Tensor]:
+            if not hasattr(layer, "new_cache"):  # a feed-forward: a step is one token
+                return lambda: run(backend, x1)
+            cache = prompt_cache(x, x1.shape[1])
+            n = cache.pos
 
-        return step
+            def step() -> Tensor:
+                out = run(backend, x1, cache=cache)
+                cache.pos = n  # forget the step: each call sees the prompt's cache
+                return out
 
-    return _Path(name, role, prompt, decode)
+            return step
+
+        return _Path(name, role, prompt, decode)
+
+    return [path(*spec) for spec in backends]
 
 
 @dataclass
@@ -355,6 +371,9 @@ class _Group:
     paths: list[_Path]
 
 
+_EAGER_FUSED = [("qkv eager", "readable", "eager"), ("qkv fused", "default", "fused")]
+
+
 def _rope(theta: float, **extra: Any) -> dict[str, Any]:
     return {"rope_type": "default", "rope_theta": theta, **extra}
 
@@ -364,8 +383,7 @@ def _mha(tiny: bool, seed: int, peers: bool) -> list[_Group]:
     d, heads, kv, hd, base = (32, 4, 2, 8, 100.0) if tiny else (2048, 32, 8, 64, 500_000.0)
     layer = MultiHeadAttention(d, d, None, 0.0, heads, num_kv_groups=kv, rope=True,
                                rope_base=base, out_bias=False).eval()
-    paths = [_qkv_path("qkv eager", "readable", layer, "eager"),
-             _qkv_path("qkv fused", "default", layer, "fused")]
+    paths = _qkv_paths(layer, _EAGER_FUSED)
     if peers:
         import transformers
 
@@ -386,8 +404,7 @@ def _sink(tiny: bool, seed: int, peers: bool) -> list[_Group]:
     d, heads, kv, hd, base = (32, 4, 2, 8, 100.0) if tiny else (2880, 64, 8, 64, 150_000.0)
     layer = SinkAttention(d, d, None, 0.0, heads, qkv_bias=True, num_kv_groups=kv,
                           head_dim=hd, rope=True, rope_base=base).eval()
-    paths = [_qkv_path("qkv eager", "readable", layer, "eager"),
-             _qkv_path("qkv fused", "default", layer, "fused")]
+    paths = _qkv_paths(layer, _EAGER_FUSED)
     if peers:
         import transformers
 
@@ -413,8 +430,7 @@ def _gated(tiny: bool, seed: int, peers: bool) -> list[_Group]:
                            out_bias=False, rope=True, rope_base=base, rotary_dim=rot,
                            q_norm=RMSNorm(hd, eps, gemma=True),
                            k_norm=RMSNorm(hd, eps, gemma=True)).eval()
-    paths = [_qkv_path("qkv eager", "readable", layer, "eager"),
-             _qkv_path("qkv fused", "default", layer, "fused")]
+    paths = _qkv_paths(layer, _EAGER_FUSED)
     if peers:
         import transformers
 
@@ -441,9 +457,9 @@ def _latent_sizes(tiny: bool) -> tuple[int, int, dict[str, int]]:
 
 
 def _latent_paths(layer: LatentAttention) -> list[_Path]:
-    return [_qkv_path("qkv decompress", "readable", layer, "decompress"),
-            _qkv_path("qkv absorbed", "fast", layer, "absorbed"),
-            _qkv_path("qkv auto", "default", layer, "auto")]
+    return _qkv_paths(layer, [("qkv decompress", "readable", "decompress"),
+                              ("qkv absorbed", "fast", "absorbed"),
+                              ("qkv auto", "default", "auto")])
 
 
 def _latent(tiny: bool, seed: int, peers: bool, key: str = "latent") -> list[_Group]:
@@ -529,8 +545,8 @@ def _moe(tiny: bool, seed: int, peers: bool) -> list[_Group]:
     ]
     for model_type, module_name, options, routing in families:
         ours = MoE(d, inner, experts, k, **options).eval()
-        paths = [_qkv_path("qkv loop", "readable", ours, "loop"),
-                 _qkv_path("qkv grouped", "default", ours, "grouped")]
+        paths = _qkv_paths(ours, [("qkv loop", "readable", "loop"),
+                                  ("qkv grouped", "default", "grouped")])
         if peers:
             import transformers
 
@@ -645,6 +661,9 @@ def run_variants(config: VariantsConfig, out_dir: str | Path,
     config.validate()
     out_dir = Path(out_dir)
     machine = machine_info(_CPU)
+    # Other people's work slows every case alike (the rounds interleave them) but
+    # stretches the spread: say how busy the machine was.
+    load = {"start": _load_average()}
     skipped: dict[str, str] = {}
     peers = config.peers
     if peers and importlib.util.find_spec("transformers") is None:
@@ -660,6 +679,7 @@ def run_variants(config: VariantsConfig, out_dir: str | Path,
            "latent" in config.mechanisms else "")
         + f"; float32, batch 1, {machine['cpu']}, {torch.get_num_threads()} threads"
         + (f"; transformers {version}" if version else "")
+        + (f"; load average {load['start']:.1f}" if load["start"] is not None else "")
         + (" (toy widths)" if config.tiny else ""))
     results: dict[str, Any] = {}
     with torch.no_grad():
@@ -686,9 +706,10 @@ def run_variants(config: VariantsConfig, out_dir: str | Path,
                            "decode": _measure(group, ("decode",), config.long_cache,
                                               config, log)["decode"]}
             del group
+    load["end"] = _load_average()
     report: dict[str, Any] = {
         "suite": "variants", "config": dataclasses.asdict(config), "machine": machine,
-        "dtype": "float32", "transformers": version, "skipped": skipped,
+        "load_average": load, "dtype": "float32", "transformers": version, "skipped": skipped,
         "results": results, "long_decode": long_decode,
     }
     for mode in MODES:
@@ -709,6 +730,15 @@ def run_variants(config: VariantsConfig, out_dir: str | Path,
     plot(report, out_dir / "variants.png")
     log(f"\nwrote {out_dir / 'variants.json'} and {out_dir / 'variants.png'}")
     return report
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (runnable processes; 2 means both cores busy), or None
+    where the system does not keep one."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def _x(entry: dict[str, Any], what: str) -> str:

@@ -122,7 +122,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "(default: all)")
     variants_flags.add_argument("--tokens", type=int, default=None, metavar="N",
                                 help="prompt length, and the tokens cached before a decoding "
-                                     "step (default: 1,024)")
+                                     "step (default: 512)")
     variants_flags.add_argument("--long-cache", type=int, default=None, metavar="N",
                                 help="tokens cached before MLA's long decoding step, 0: none "
                                      "(default: 4,096)")

@@ -361,8 +361,8 @@ class MoE(nn.Module):
                             for e, h in zip(used, hidden_blocks, strict=True)])
         routed = routed * weights.flatten()[order, None]
         # Back to token order (copy t * top_k + j is row inverse[t * top_k + j] of routed),
-        # then each token's top_k outputs summed: a gather and a sum, deterministic on any
-        # device, where a scatter-add would be a parallel region of its own on the CPU.
+        # then each token's top_k outputs summed: deterministic on any device, and on a busy
+        # 2-core CPU an index_add_ cost a one-token step tens of ms more (docs/benchmarks.md).
         inverse = order.argsort()
         return routed[inverse].view(len(x), self.top_k, -1).sum(dim=1)
 
