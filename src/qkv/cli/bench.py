@@ -14,6 +14,8 @@
                                        # tensor type (Q4_K, Q5_0, IQ4_XS, MXFP4, ...)
     qkv bench linear                   # the gated delta rule, chunked and recurrent, beside
                                        # transformers' (and fla's) PyTorch forms
+    qkv bench variants                 # sinks, gates, MLA, DSA and MoE: fast vs readable
+                                       # path vs transformers, prompt and decoding
     qkv bench all --quick              # every suite on small shapes, in under two minutes
 
 Each suite prints markdown tables (medians, min-max, ratios, targets) and writes
@@ -31,7 +33,7 @@ from ..options import BENCH_DTYPES, MEMORY_MODES
 from ..utils.fileio import check_writable
 
 SUITES = ("attention", "generate", "translate", "data", "flops", "train", "save", "gguf",
-          "linear")
+          "linear", "variants")
 # Most timed (or warm-up) runs per case: a median over more moves by less than the
 # machine's own noise, while each run costs the case's whole time again.
 MAX_REPEATS = 10_000
@@ -116,6 +118,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                             help="GGML types to time, e.g. Q4_K Q5_0 IQ4_XS (default: every "
                                  "type qkv reads with the installed gguf package)")
 
+    variants_flags = argparse.ArgumentParser(add_help=False)
+    variants_flags.add_argument("--mechanisms", nargs="+", metavar="NAME", default=None,
+                                help="which to time: mha sink gated latent sparse_latent moe "
+                                     "(default: all)")
+    variants_flags.add_argument("--tokens", type=int, default=None, metavar="N",
+                                help="prompt length, and the tokens cached before a decoding "
+                                     "step (default: 512)")
+    variants_flags.add_argument("--long-cache", type=int, default=None, metavar="N",
+                                help="tokens cached before MLA's long decoding step, 0: none "
+                                     "(default: 4,096)")
+    variants_flags.add_argument("--no-peers", action="store_true",
+                                help="time qkv's paths only, not transformers' modules")
+
     suites = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
     helps = {
         "attention": "ten attention paths: forward and forward+backward time, peak memory",
@@ -136,11 +151,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "linear": "Gated DeltaNet's delta rule, chunked and recurrent, against "
                   "transformers' and fla's PyTorch forms: time and peak memory, 512 to "
                   "32,768 tokens",
+        "variants": "sinks, gated outputs, latent (MLA) and sparse (DSA) attention and "
+                    "mixture-of-experts: each fast path against its readable one and "
+                    "transformers' module on the same weights, over a prompt and one "
+                    "decoding step; MLA decoding at 4,096 cached tokens",
         "all": "every suite, one after the other",
     }
     extra_flags = {"attention": [sweep_flag, compile_flag], "all": [sweep_flag, compile_flag],
                    "flops": [compile_flag], "train": [train_flags],
-                   "generate": [generate_flags], "gguf": [gguf_flags]}
+                   "generate": [generate_flags], "gguf": [gguf_flags],
+                   "variants": [variants_flags]}
     for name, text in helps.items():
         parents = [common, *extra_flags.get(name, [])]
         suite = suites.add_parser(name, parents=parents, help=text, description=text,
@@ -256,6 +276,28 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
         kwargs = {**_overrides(args), "memory": args.memory}
         config = LinearBenchConfig.quick(**kwargs) if args.quick else LinearBenchConfig(**kwargs)
         return run_linear(config, args.out)
+    if name == "variants":
+        from ..bench.variants import VariantsConfig, run_variants
+
+        # CPU float32: the comparison the suite exists for (under "all" too); --memory
+        # does not apply.
+        if args.suite == "variants" and (args.device not in ("auto", "cpu")
+                                         or args.dtype not in ("auto", "float32")):
+            raise ValueError("the variants suite times float32 on the CPU: leave --device "
+                             "and --dtype out")
+        kwargs = _overrides(args)
+        if "repeats" in kwargs:
+            kwargs["decode_repeats"] = kwargs["repeats"]
+        # Under "all", the variants-only flags are absent: the suite's defaults.
+        for flag, field in (("mechanisms", "mechanisms"), ("tokens", "tokens"),
+                            ("long_cache", "long_cache")):
+            value = getattr(args, flag, None)
+            if value is not None:
+                kwargs[field] = tuple(value) if isinstance(value, list) else value
+        if getattr(args, "no_peers", False):
+            kwargs["peers"] = False
+        config = VariantsConfig.quick(**kwargs) if args.quick else VariantsConfig(**kwargs)
+        return run_variants(config, args.out)
     from ..bench.data import DataBenchConfig, run_data
 
     # Building a dataset is CPU work whatever --device says; there is no warm-up either:

@@ -332,18 +332,39 @@ class MoE(nn.Module):
 
     def _routed_grouped(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """As :meth:`_routed_loop`, with the ``N * top_k`` token copies sorted by expert
-        once (one sort, one gather, one scatter) instead of searched once per expert; each
-        expert then runs on its contiguous block, and experts with no token not at all."""
+        once (one sort, one gather, then a gather back and a sum) instead of searched once
+        per expert; each expert then projects its contiguous block, experts with no token
+        not at all. The gated unit between the two projections runs once over all the
+        copies, ``(N * top_k, hidden_dim)``, not once per expert: a few large element-wise
+        passes instead of many small ones (gpt-oss's clamped SwiGLU alone is seven per
+        expert)."""
         flat = experts.flatten()  # (N * top_k,): the expert of copy t * top_k + j
         order = flat.argsort(stable=True)
         token = order // self.top_k  # the token of each sorted copy
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        blocks = x[token].split(counts)  # block e: the tokens routed to expert e
-        outs = [self.experts.expert(e, block) for e, block in enumerate(blocks) if len(block)]
-        if not outs:  # no tokens at all
+        used = [e for e, n in enumerate(counts) if n]
+        if not used:  # no tokens at all
             return torch.zeros_like(x)
-        routed = torch.cat(outs) * weights.flatten()[order, None]
-        return torch.zeros_like(x).index_add_(0, token, routed)
+        ex = self.experts
+        blocks = x[token].split(counts)  # block e: the tokens routed to expert e
+
+        def bias(b: Tensor | None, e: int) -> Tensor | None:
+            return None if b is None else b[e]
+
+        # Every copy's gate and up projection by its expert's weights, (N * top_k, 2I).
+        gate_up = torch.cat([F.linear(blocks[e], ex.gate_up_proj[e],
+                                      bias(ex.gate_up_proj_bias, e)) for e in used])
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = gated_activation(gate, up, ex.activation, alpha=ex.alpha, limit=ex.limit)
+        hidden_blocks = hidden.split([counts[e] for e in used])
+        routed = torch.cat([F.linear(h, ex.down_proj[e], bias(ex.down_proj_bias, e))
+                            for e, h in zip(used, hidden_blocks, strict=True)])
+        routed = routed * weights.flatten()[order, None]
+        # Back to token order (copy t * top_k + j is row inverse[t * top_k + j] of routed),
+        # then each token's top_k outputs summed: deterministic on any device, and on a busy
+        # 2-core CPU an index_add_ cost a one-token step tens of ms more (docs/benchmarks.md).
+        inverse = order.argsort()
+        return routed[inverse].view(len(x), self.top_k, -1).sum(dim=1)
 
     def active_parameters(self) -> int:
         """Parameters one token runs through: the router, the shared expert (and its gate)
