@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.kernels import ACT_GELU, ACT_SILU, decode_kernels, unavailable_reason
+from qkv.kernels import ACT_GELU, ACT_SILU, Mat, decode_kernels, unavailable_reason
 from qkv.kv_cache import KVCache
 from qkv.models.gpt import GPTConfig, GPTModel, generate
 from qkv.models.gpt import native_unsupported as unsupported
@@ -33,6 +33,11 @@ DT = {torch.float32: 0, torch.bfloat16: 1}
 
 def ptr(t):
     return None if t is None else t.data_ptr()
+
+
+def mat(w):
+    """A weight matrix as the kernels take it (by reference)."""
+    return ctypes.byref(Mat() if w is None else Mat(data=w.data_ptr(), type=DT[w.dtype]))
 
 
 def tiny(dtype=torch.float32, **overrides) -> GPTModel:
@@ -88,7 +93,7 @@ def test_linear_kernel(dtype, rows, n, mode, bias):
     b = torch.randn(rows, generator=g) if bias else None
     y = torch.randn(rows, generator=g)
     before = y.clone()
-    LIB.qkv_linear(ptr(w), DT[dtype], ptr(x), ptr(b), ptr(y), rows, n, mode, 2)
+    LIB.qkv_linear(mat(w), ptr(x), ptr(b), ptr(y), rows, n, mode, 2)
     ref = w.double() @ x.double() + (b.double() if bias else 0)
     if mode == 1:
         ref = before.double() + ref
@@ -106,8 +111,8 @@ def test_gated_kernel(dtype, act, gated):
     w1, w2 = (torch.randn(rows, n, generator=g).to(dtype) for _ in range(2))
     b1, b2 = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
     x, f = torch.randn(n, generator=g), torch.empty(rows)
-    LIB.qkv_gated(ptr(w1), ptr(b1), ptr(w2) if gated else None, ptr(b2) if gated else None,
-                  DT[dtype], ptr(x), ptr(f), rows, n, act, 2)
+    LIB.qkv_gated(mat(w1), ptr(b1), mat(w2 if gated else None), ptr(b2) if gated else None,
+                  ptr(x), ptr(f), rows, n, act, 2)
     pre = w1.double() @ x.double() + b1.double()
     ref = F.silu(pre) if act == ACT_SILU else F.gelu(pre, approximate="tanh")
     if gated:
@@ -127,11 +132,11 @@ def test_norm_rope_and_embed_kernels():
     ref = F.rms_norm(x.double(), (37,), scale.double(), 1e-6)
     assert torch.allclose(y.double(), ref, atol=1e-6)
     for dtype in DT:
-        tok, pos = torch.randn(37, generator=g).to(dtype), torch.randn(37, generator=g).to(dtype)
-        LIB.qkv_embed(ptr(tok), ptr(pos), DT[dtype], 1.0, ptr(y), 37)
-        assert torch.equal(y, tok.float() + pos.float())
-        LIB.qkv_embed(ptr(tok), None, DT[dtype], 2.5, ptr(y), 37)
-        assert torch.equal(y, tok.float() * 2.5)
+        tok, pos = (torch.randn(5, 37, generator=g).to(dtype) for _ in range(2))
+        LIB.qkv_embed(mat(tok), 3, mat(pos), 4, 1.0, ptr(y), 37)
+        assert torch.equal(y, tok[3].float() + pos[4].float())
+        LIB.qkv_embed(mat(tok), 2, mat(None), 0, 2.5, ptr(y), 37)
+        assert torch.equal(y, tok[2].float() * 2.5)
     # RoPE at position 11 of three heads, against apply_rope in float64
     heads, hd = 3, 10
     cos, sin = rope_angles(torch.arange(16), hd, 500.0)

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ACT_GELU", "ACT_SILU", "AVX512_FLAGS", "FLAGS", "Layer", "Model", "NORM_LAYER",
+__all__ = ["ACT_GELU", "ACT_SILU", "AVX512_FLAGS", "FLAGS", "Layer", "Mat", "Model",
+           "NORM_LAYER",
            "NORM_NONE", "NORM_RMS", "Norm", "decode_kernels", "flags", "unavailable_reason"]
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
@@ -99,6 +100,13 @@ class Norm(ctypes.Structure):
 
 
 NORM_NONE, NORM_LAYER, NORM_RMS = 0, 1, 2
+
+
+class Mat(ctypes.Structure):
+    """``qkv_mat`` of decode.c: a weight matrix's address (``data``, row-major ``(rows,
+    n)``) and its type code (0 float32, 1 bfloat16); ``data`` None where there is none."""
+
+    _fields_ = [("data", _P), ("type", _I)]
 ACT_GELU, ACT_SILU = 0, 1
 
 
@@ -106,8 +114,8 @@ class Layer(ctypes.Structure):
     """``qkv_layer`` of decode.c: one block's parameters, norms, RoPE table and KV cache
     (addresses)."""
 
-    _fields_ = [*((name, _P) for name in ("wq", "wk", "wv", "wo", "w1", "w2", "w3",
-                                          "bq", "bk", "bv", "bo", "b1", "b2", "b3")),
+    _fields_ = [*((name, Mat) for name in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")),
+                *((name, _P) for name in ("bq", "bk", "bv", "bo", "b1", "b2", "b3")),
                 *((name, Norm) for name in ("norm1", "norm2", "post_norm1", "post_norm2",
                                             "q_norm", "k_norm")),
                 ("rope_cos", _P), ("rope_sin", _P), ("keys", _P), ("values", _P),
@@ -115,25 +123,26 @@ class Layer(ctypes.Structure):
 
 
 class Model(ctypes.Structure):
-    """``qkv_model`` of decode.c: sizes, embeddings, head, layers and work buffers."""
+    """``qkv_model`` of decode.c: sizes, embeddings, head, layers and work buffers;
+    ``dt`` is the caches' dtype code."""
 
     _fields_ = [("dt", _I), ("n_layers", _I), ("act", _I),
                 *((name, _N) for name in ("dim", "hidden", "heads", "kv_heads", "head_dim",
                                           "vocab")),
                 ("scale", _F), ("embed_scale", _F),
-                ("tok_emb", _P), ("pos_emb", _P), ("head", _P), ("final_norm", Norm),
+                ("tok_emb", Mat), ("pos_emb", Mat), ("head", Mat), ("final_norm", Norm),
                 ("layers", ctypes.POINTER(Layer)),
                 *((name, _P) for name in ("x", "o", "h", "q", "k", "v", "a", "f", "logits",
                                           "scores"))]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    p, i, n, f = _P, _I, _N, _F
-    lib.qkv_linear.argtypes = [p, i, p, p, p, n, n, i, i]
-    lib.qkv_gated.argtypes = [p, p, p, p, i, p, p, n, n, i, i]
+    p, i, n, f, m = _P, _I, _N, _F, ctypes.POINTER(Mat)
+    lib.qkv_linear.argtypes = [m, p, p, p, n, n, i, i]
+    lib.qkv_gated.argtypes = [m, p, m, p, p, p, n, n, i, i]
     lib.qkv_layer_norm.argtypes = [p, p, p, p, n, f]
     lib.qkv_rms_norm.argtypes = [p, p, p, n, f]
-    lib.qkv_embed.argtypes = [p, p, i, f, p, n]
+    lib.qkv_embed.argtypes = [m, n, m, n, f, p, n]
     lib.qkv_rope.argtypes = [p, p, p, n, n]
     lib.qkv_attend.argtypes = [p, p, p, p, p, i, p, n, n, n, n, n, n, f, p, i]
     lib.qkv_step.argtypes = [ctypes.POINTER(Model), n, n, i]

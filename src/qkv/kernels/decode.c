@@ -22,7 +22,8 @@
    SiLU/GELU MLPs, post-norms, sliding-window layers on ring caches, scaled embeddings).
 
    The caller (Python, through ctypes) owns every buffer. dtype codes: 0 = float32,
-   1 = bfloat16. */
+   1 = bfloat16. Each weight matrix carries its own type (a qkv_mat), so one model may
+   mix them; the activations and the caches' dtype are the model's. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -30,6 +31,12 @@
 
 #define QKV_F32 0
 #define QKV_BF16 1
+
+/* A weight matrix, (rows, n) row-major: its address and its type code. */
+typedef struct {
+    const void *data;
+    int type;
+} qkv_mat;
 
 /* ---------------------------------------------------------------------------------
    Scalar conversions */
@@ -189,7 +196,7 @@ static float dot_row_bf16(const uint16_t *w, long n, const float *x, const float
    Linear layer for one token: y = W x + b, W (rows, n) row-major.
 
    mode 0: y = W x + b;  mode 1: y += W x + b (a residual connection).
-   bias may be NULL. x, y, bias: float32; W: dt.
+   bias may be NULL. x, y, bias: float32; W: a qkv_mat of any type.
    Called by every thread of a parallel region; the rows are shared out in one
    contiguous range per thread. For bfloat16 each thread de-interleaves x itself
    (n floats: cheaper than a barrier). */
@@ -197,26 +204,31 @@ static float dot_row_bf16(const uint16_t *w, long n, const float *x, const float
 #define STORE 0
 #define ADD 1
 
-#define DEINTERLEAVE(x, n, dt)                                                            \
-    float xe[dt == QKV_BF16 ? n / 2 + 1 : 1], xo[dt == QKV_BF16 ? n / 2 + 1 : 1];      \
-    if (dt == QKV_BF16)                                                                   \
+#define DEINTERLEAVE(x, n, need)                                                          \
+    float xe[(need) ? n / 2 + 1 : 1], xo[(need) ? n / 2 + 1 : 1];                        \
+    if (need)                                                                             \
         for (long k_ = 0; k_ + 1 < n; k_ += 2) {                                          \
             xe[k_ / 2] = x[k_];                                                           \
             xo[k_ / 2] = x[k_ + 1];                                                       \
         }
 
-static inline float dot_row(const void *W, int dt, long r, long n, const float *x,
-                            const float *xe, const float *xo) {
-    return dt == QKV_BF16 ? dot_row_bf16((const uint16_t *)W + r * n, n, x, xe, xo)
-                          : dot_row_f32((const float *)W + r * n, n, x);
+static inline float dot_row(const qkv_mat *W, long r, long n, const float *x, const float *xe,
+                            const float *xo) {
+    return W->type == QKV_BF16 ? dot_row_bf16((const uint16_t *)W->data + r * n, n, x, xe, xo)
+                               : dot_row_f32((const float *)W->data + r * n, n, x);
 }
 
-static void linear_shared(const void *W, int dt, const float *x, const float *bias, float *y,
+/* Row r of W (n values) as float32. */
+static void row_to_f32(const qkv_mat *W, long r, long n, float *y) {
+    for (long i = 0; i < n; i++) y[i] = load1(W->data, r * n + i, W->type);
+}
+
+static void linear_shared(const qkv_mat *W, const float *x, const float *bias, float *y,
                           long rows, long n, int mode) {
-    DEINTERLEAVE(x, n, dt)
+    DEINTERLEAVE(x, n, W->type == QKV_BF16)
 #pragma omp for schedule(static)
     for (long r = 0; r < rows; r++) {
-        float v = dot_row(W, dt, r, n, x, xe, xo) + (bias ? bias[r] : 0.0f);
+        float v = dot_row(W, r, n, x, xe, xo) + (bias ? bias[r] : 0.0f);
         if (mode == ADD)
             y[r] += v;
         else
@@ -224,32 +236,33 @@ static void linear_shared(const void *W, int dt, const float *x, const float *bi
     }
 }
 
-void qkv_linear(const void *W, int dt, const float *x, const float *bias, float *y,
-                long rows, long n, int mode, int threads) {
+void qkv_linear(const qkv_mat *W, const float *x, const float *bias, float *y, long rows,
+                long n, int mode, int threads) {
 #pragma omp parallel num_threads(threads)
-    linear_shared(W, dt, x, bias, y, rows, n, mode);
+    linear_shared(W, x, bias, y, rows, n, mode);
 }
 
 /* The MLP's first half for one token, f (rows) from x (n):
      act(W_1 x + b_1)                      without W_2 (GPT-2's MLP)
      act(W_1 x + b_1) * (W_2 x + b_2)      with W_2 (gated: SwiGLU, GeGLU)
    Row r of both matrices is read in the same pass, so each thread streams its share of
-   the two once. */
-static void gated_shared(const void *W1, const float *b1, const void *W2, const float *b2,
-                         int dt, const float *x, float *f, long rows, long n, int act) {
-    DEINTERLEAVE(x, n, dt)
+   the two once. W2->data NULL: no gate. */
+static void gated_shared(const qkv_mat *W1, const float *b1, const qkv_mat *W2,
+                         const float *b2, const float *x, float *f, long rows, long n, int act) {
+    const int gate = W2->data != NULL;
+    DEINTERLEAVE(x, n, W1->type == QKV_BF16 || (gate && W2->type == QKV_BF16))
 #pragma omp for schedule(static)
     for (long r = 0; r < rows; r++) {
-        float g = activate(dot_row(W1, dt, r, n, x, xe, xo) + (b1 ? b1[r] : 0.0f), act);
-        if (W2) g *= dot_row(W2, dt, r, n, x, xe, xo) + (b2 ? b2[r] : 0.0f);
+        float g = activate(dot_row(W1, r, n, x, xe, xo) + (b1 ? b1[r] : 0.0f), act);
+        if (gate) g *= dot_row(W2, r, n, x, xe, xo) + (b2 ? b2[r] : 0.0f);
         f[r] = g;
     }
 }
 
-void qkv_gated(const void *W1, const float *b1, const void *W2, const float *b2, int dt,
+void qkv_gated(const qkv_mat *W1, const float *b1, const qkv_mat *W2, const float *b2,
                const float *x, float *f, long rows, long n, int act, int threads) {
 #pragma omp parallel num_threads(threads)
-    gated_shared(W1, b1, W2, b2, dt, x, f, rows, n, act);
+    gated_shared(W1, b1, W2, b2, x, f, rows, n, act);
 }
 
 /* ---------------------------------------------------------------------------------
@@ -296,12 +309,17 @@ static void norm(const qkv_norm *nm, const float *x, float *y, long n) {
         memcpy(y, x, (size_t)n * sizeof *y);
 }
 
-/* Token (times scale) plus, where the model has them, position embedding rows (dt)
-   -> float32. pos_row may be NULL. */
-void qkv_embed(const void *tok_row, const void *pos_row, int dt, float scale, float *y,
-               long n) {
-    for (long i = 0; i < n; i++)
-        y[i] = load1(tok_row, i, dt) * scale + (pos_row ? load1(pos_row, i, dt) : 0.0f);
+/* Row `token` of tok (times scale) plus, where the model has them (pos->data not NULL),
+   row `position` of pos -> float32 y (n). */
+void qkv_embed(const qkv_mat *tok, long token, const qkv_mat *pos, long position, float scale,
+               float *y, long n) {
+    row_to_f32(tok, token, n, y);
+    for (long i = 0; i < n; i++) y[i] *= scale;
+    if (pos->data) {
+        float p[n];
+        row_to_f32(pos, position, n, p);
+        for (long i = 0; i < n; i++) y[i] += p[i];
+    }
 }
 
 /* Rotary position embedding, "rotate half" layout, in place on `heads` vectors of hd:
@@ -417,7 +435,7 @@ void qkv_attend(const float *q, const float *k, const float *v, void *K, void *V
    The structs mirror qkv.kernels' ctypes declarations field for field. */
 
 typedef struct {
-    const void *wq, *wk, *wv, *wo, *w1, *w2, *w3; /* dt, (out, in); w2 NULL: no gate */
+    qkv_mat wq, wk, wv, wo, w1, w2, w3;            /* (out, in); w2.data NULL: no gate */
     const float *bq, *bk, *bv, *bo, *b1, *b2, *b3; /* float32 or NULL */
     qkv_norm norm1, norm2, post_norm1, post_norm2, q_norm, k_norm;
     const float *rope_cos, *rope_sin; /* (rope_len, head_dim) float32, or NULL */
@@ -427,10 +445,11 @@ typedef struct {
 } qkv_layer;
 
 typedef struct {
-    int dt, n_layers, act;
+    int dt; /* the caches' dtype */
+    int n_layers, act;
     long dim, hidden, heads, kv_heads, head_dim, vocab;
     float scale, embed_scale;
-    const void *tok_emb, *pos_emb, *head; /* (vocab, dim), (context, dim) or NULL, (vocab, dim) */
+    qkv_mat tok_emb, pos_emb, head; /* (vocab, dim), (context, dim) or data NULL, (vocab, dim) */
     qkv_norm final_norm;
     const qkv_layer *layers;
     /* float32 work buffers: x, o (dim); h (dim); q, a (heads * hd); k, v (kv_heads * hd);
@@ -440,21 +459,21 @@ typedef struct {
 
 /* q, k, v = W_q x (+b), W_k x (+b), W_v x (+b) as one work-shared loop over the rows of
    all three: one barrier where three separate products would need three. */
-static void project_qkv_shared(const qkv_layer *L, int dt, const float *x, float *q, float *k,
+static void project_qkv_shared(const qkv_layer *L, const float *x, float *q, float *k,
                                float *v, long qd, long kvd, long n) {
-    DEINTERLEAVE(x, n, dt)
+    DEINTERLEAVE(x, n, L->wq.type == QKV_BF16 || L->wk.type == QKV_BF16 || L->wv.type == QKV_BF16)
 #pragma omp for schedule(static)
     for (long r = 0; r < qd + 2 * kvd; r++) {
-        const void *W = L->wq;
+        const qkv_mat *W = &L->wq;
         const float *b = L->bq;
         float *y = q;
         long i = r;
         if (r >= qd + kvd) {
-            W = L->wv, b = L->bv, y = v, i = r - qd - kvd;
+            W = &L->wv, b = L->bv, y = v, i = r - qd - kvd;
         } else if (r >= qd) {
-            W = L->wk, b = L->bk, y = k, i = r - qd;
+            W = &L->wk, b = L->bk, y = k, i = r - qd;
         }
-        y[i] = dot_row(W, dt, i, n, x, xe, xo) + (b ? b[i] : 0.0f);
+        y[i] = dot_row(W, i, n, x, xe, xo) + (b ? b[i] : 0.0f);
     }
 }
 
@@ -467,18 +486,15 @@ static void add_branch(const qkv_norm *post, float *o, float *x, long n) {
 void qkv_step(const qkv_model *m, long token, long pos, int threads) {
     const long d = m->dim, hd = m->head_dim, qd = m->heads * hd, kvd = m->kv_heads * hd;
     const int dt = m->dt;
-    const size_t row = (size_t)d * (dt == QKV_BF16 ? 2 : 4);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp single
-        qkv_embed((const char *)m->tok_emb + token * row,
-                  m->pos_emb ? (const char *)m->pos_emb + pos * row : NULL, dt, m->embed_scale,
-                  m->x, d);
+        qkv_embed(&m->tok_emb, token, &m->pos_emb, pos, m->embed_scale, m->x, d);
         for (int l = 0; l < m->n_layers; l++) {
             const qkv_layer *L = &m->layers[l];
 #pragma omp single
             norm(&L->norm1, m->x, m->h, d);
-            project_qkv_shared(L, dt, m->h, m->q, m->k, m->v, qd, kvd, d);
+            project_qkv_shared(L, m->h, m->q, m->k, m->v, qd, kvd, d);
             const long slot = L->ring ? pos % L->cache_len : pos;
             const long n = L->ring && pos + 1 > L->cache_len ? L->cache_len : pos + 1;
 #pragma omp single
@@ -496,25 +512,25 @@ void qkv_step(const qkv_model *m, long token, long pos, int threads) {
             attend_heads_shared(m->q, L->keys, L->values, dt, m->a, m->heads, m->kv_heads, hd,
                                 L->cache_len, n, m->scale, m->scores);
             if (L->post_norm1.kind == NORM_NONE) {
-                linear_shared(L->wo, dt, m->a, L->bo, m->x, d, qd, ADD);
+                linear_shared(&L->wo, m->a, L->bo, m->x, d, qd, ADD);
             } else {
-                linear_shared(L->wo, dt, m->a, L->bo, m->o, d, qd, STORE);
+                linear_shared(&L->wo, m->a, L->bo, m->o, d, qd, STORE);
 #pragma omp single
                 add_branch(&L->post_norm1, m->o, m->x, d);
             }
 #pragma omp single
             norm(&L->norm2, m->x, m->h, d);
-            gated_shared(L->w1, L->b1, L->w2, L->b2, dt, m->h, m->f, m->hidden, d, m->act);
+            gated_shared(&L->w1, L->b1, &L->w2, L->b2, m->h, m->f, m->hidden, d, m->act);
             if (L->post_norm2.kind == NORM_NONE) {
-                linear_shared(L->w3, dt, m->f, L->b3, m->x, d, m->hidden, ADD);
+                linear_shared(&L->w3, m->f, L->b3, m->x, d, m->hidden, ADD);
             } else {
-                linear_shared(L->w3, dt, m->f, L->b3, m->o, d, m->hidden, STORE);
+                linear_shared(&L->w3, m->f, L->b3, m->o, d, m->hidden, STORE);
 #pragma omp single
                 add_branch(&L->post_norm2, m->o, m->x, d);
             }
         }
 #pragma omp single
         norm(&m->final_norm, m->x, m->h, d);
-        linear_shared(m->head, dt, m->h, NULL, m->logits, m->vocab, d, STORE);
+        linear_shared(&m->head, m->h, NULL, m->logits, m->vocab, d, STORE);
     }
 }

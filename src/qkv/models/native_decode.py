@@ -53,6 +53,7 @@ from ..kernels import (
     NORM_NONE,
     NORM_RMS,
     Layer,
+    Mat,
     Model,
     Norm,
     decode_kernels,
@@ -142,7 +143,7 @@ class NativeDecoder:
             hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             vocab=cfg.vocab_size, scale=scale, embed_scale=embed_scale,
             tok_emb=self._weight(model.tok_emb.weight),
-            pos_emb=None if model.pos_emb is None else self._weight(model.pos_emb.weight),
+            pos_emb=self._weight(None if model.pos_emb is None else model.pos_emb.weight),
             head=self._weight(model.out_head.weight), final_norm=self._norm(model.final_norm),
             layers=self._layers, **{name: t.data_ptr() for name, t in buffers.items()})
         self._grow_rope(caches[0].pos + 1)
@@ -160,10 +161,14 @@ class NativeDecoder:
         self._keep.append(t)
         return t.data_ptr()
 
-    def _weight(self, w: Tensor) -> int:
+    def _weight(self, w: Tensor | None) -> Mat:
+        """A weight matrix as the kernels read it: its address and type (``Mat()``, no
+        matrix, for None)."""
+        if w is None:
+            return Mat()
         if not w.is_contiguous():
             raise ValueError("weights must be contiguous (nn.Linear's (out, in) layout)")
-        return self._hold(w.detach())  # type: ignore[return-value]
+        return Mat(data=self._hold(w.detach()), type=DTYPES[w.dtype])
 
     def _norm(self, norm: nn.Module | None) -> Norm:
         """A norm module read by its attributes: ``shift`` makes it a LayerNorm, ``gemma``
@@ -187,7 +192,8 @@ class NativeDecoder:
                            (att.W_query, att.W_key, att.W_value, att.out_proj, *mlp),
                            strict=True))
         return Layer(
-            **{f"w{n}": None if m is None else self._weight(m.weight) for n, m in linears.items()},
+            **{f"w{n}": self._weight(None if m is None else m.weight)
+               for n, m in linears.items()},
             **{f"b{n}": None if m is None else self._hold(_vector(m.bias))
                for n, m in linears.items()},
             norm1=self._norm(block.norm1), norm2=self._norm(block.norm2),
