@@ -85,10 +85,10 @@ from .checks import check_bool, check_dropout, check_float, check_positive_int
 from .functional import attention, causal_mask
 from .kv_cache import LatentCache
 from .positional import (
+    RopeTable,
     apply_rope,
     apply_rope_interleaved,
     check_rope_scaling,
-    rope_angles,
     yarn_mscale,
 )
 
@@ -209,7 +209,7 @@ class LatentAttention(nn.Module):
         # DeepSeek sparse attention's indexer (SparseLatentAttention); None: dense MLA.
         self.indexer: LightningIndexer | None = None
         self.selected: Tensor | None = None
-        self._rope_cache: tuple[Tensor, Tensor] | None = None
+        self._rope_table = RopeTable(context_length)
 
     # -- the steps ------------------------------------------------------------------
 
@@ -301,7 +301,8 @@ class LatentAttention(nn.Module):
         self._check_call(x, cache)
         b, t, _ = x.shape
         past = 0 if cache is None else cache.pos
-        cos, sin = self._rope_table(past + t, x.dtype, x.device)
+        cos, sin = self._rope_table(past + t, self.qk_rope_head_dim, self.rope_base,
+                                    self.rope_scaling, x.dtype, x.device)
         cos, sin = cos[past:], sin[past:]  # (T, d_r): the new tokens' positions
 
         c_q, q_n, q_r = self._queries(x, cos, sin)
@@ -335,21 +336,6 @@ class LatentAttention(nn.Module):
         if self.context_length is not None and span > self.context_length:
             raise ValueError(f"sequence of {span} tokens is longer than "
                              f"context_length={self.context_length}")
-
-    def _rope_table(self, length: int, dtype: torch.dtype, device: torch.device
-                    ) -> tuple[Tensor, Tensor]:
-        """RoPE's ``cos, sin`` for positions ``0 .. length - 1``, ``(length, d_r)`` in
-        ``dtype``; kept between calls (derived, never saved) and recomputed in float64,
-        twice as long, only when a longer one is needed."""
-        table = self._rope_cache
-        if table is None or table[0].shape[0] < length or table[0].dtype != dtype or \
-                table[0].device != device:
-            have = 0 if table is None else table[0].shape[0]
-            n = max(length, min(2 * have, self.context_length or 2 * have), 256)
-            cos, sin = rope_angles(torch.arange(n, device=device), self.qk_rope_head_dim,
-                                   self.rope_base, self.rope_scaling)
-            table = self._rope_cache = (cos.to(dtype), sin.to(dtype))
-        return table[0][:length], table[1][:length]
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> LatentCache:
         """A :class:`~qkv.kv_cache.LatentCache` for this layer of ``max_len`` positions
