@@ -955,6 +955,15 @@ def check_weights(
     return path.stat().st_size
 
 
+def _finite(tensor: Tensor) -> bool:
+    """Whether every value is finite: NaN propagates through min and max, and an
+    infinity is one of them, so one pass that allocates nothing the tensor's size."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
 def _describe(keys: list[str], limit: int = 3) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
@@ -1002,7 +1011,7 @@ def load_weights(
     if bad:
         raise _fail(path, f"{len(bad)} tensor(s) do not match the model: {_describe(bad)}")
     nonfinite = [k for k, v in found.items()
-                 if k in expected and v.is_floating_point() and not bool(v.isfinite().all())]
+                 if k in expected and v.is_floating_point() and not _finite(v)]
     if nonfinite:
         raise _fail(path, f"{len(nonfinite)} tensor(s) hold NaN or infinite values "
                           f"({_describe(nonfinite)}); refusing weights no model can use")
