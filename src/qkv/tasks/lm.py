@@ -506,6 +506,12 @@ def _empty_model(run_dir: str | Path, cfg: GPTConfig, qtypes: dict[str, str]
     against it (names, shapes, dtypes): a config that does not match its weights is a
     ``CheckpointError``, whatever size it claims."""
     found = read_weights_header(run_dir).shapes()
+    unlisted = [name for name in found if name.endswith(".blocks")
+                and name.rpartition(".")[0] not in qtypes]
+    if unlisted:
+        raise CheckpointError(f"{run_dir}: the weights hold {unlisted[0]}, quantized blocks "
+                              f"that config.json's settings.extra.{QUANTIZED_KEY} does not "
+                              "list")
     floats = sorted({dtype for name, (dtype, _) in found.items()
                      if name.rpartition(".")[0] not in qtypes})
     if len(floats) != 1 or floats[0] not in _STORED_DTYPES:
