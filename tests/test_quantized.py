@@ -9,6 +9,7 @@ a damaged block in one line.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -334,3 +335,58 @@ def test_load_holds_the_weights_once(runs, tmp_path):
                          capture_output=True, text=True, timeout=120, check=True)
     base, peak = map(int, out.stdout.split()[-2:])
     assert peak - base < 1.1 * weights, (peak - base, weights)
+
+
+def test_quality_against_a_float64_computation(runs, tmp_path, capsys):
+    """``qkv bench quality``'s numbers are llama-perplexity's, computed here from the
+    logits in float64: a quantized run against its float32 import is exactly 0 KL; a
+    perturbed model against the float one is not, and matches the equations."""
+    from qkv.bench.quality import next_token_quality
+
+    ours, ref = LanguageModel.load(runs["quantized"]).model, LanguageModel.load(runs["float"]).model
+    ids = torch.arange(48).mul(5).remainder(V)
+    same = next_token_quality(ours, ref, ids, 16)
+    assert same["positions"] == 3 * 7 and same["kl_max"] == 0.0
+    assert same["top1_agreement"] == 1.0 and same["ppl"] == same["ref_ppl"]
+
+    torch.manual_seed(0)
+    other = LanguageModel.load(runs["float"]).model
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p) * p.abs().mean())
+    got = next_token_quality(other, ref, ids, 16)
+    kl, nll, ref_nll, agree = [], [], [], []
+    for c in range(3):
+        chunk = ids[16 * c:16 * (c + 1)].reshape(1, 16)
+        with torch.no_grad():
+            q_logits = other(chunk)[0].double().numpy()
+            p_logits = ref(chunk)[0].double().numpy()
+        for t in range(8, 15):
+            p = np.exp(p_logits[t] - p_logits[t].max())
+            p /= p.sum()
+            q = np.exp(q_logits[t] - q_logits[t].max())
+            q /= q.sum()
+            kl.append(float(np.sum(p * np.log(p / q))))
+            nxt = int(chunk[0, t + 1])
+            nll.append(-np.log(q[nxt]))
+            ref_nll.append(-np.log(p[nxt]))
+            agree.append(p.argmax() == q.argmax())
+    assert got["positions"] == len(kl) and min(kl) > 0
+    np.testing.assert_allclose(got["kl"], kl, rtol=1e-9, atol=1e-12)
+    assert got["kl_mean"] == pytest.approx(np.mean(kl), rel=1e-9)
+    assert got["kl_p99"] == pytest.approx(np.percentile(kl, 99), rel=1e-9)
+    assert got["ppl"] == pytest.approx(np.exp(np.mean(nll)), rel=1e-9)
+    assert got["ref_ppl"] == pytest.approx(np.exp(np.mean(ref_nll)), rel=1e-9)
+    assert got["top1_agreement"] == pytest.approx(np.mean(agree))
+
+    text = tmp_path / "text.txt"
+    text.write_text("".join(LETTERS[i % V] for i in range(0, 700, 7)))
+    assert main(["bench", "quality", "--ckpt", str(runs["quantized"]), "--ref",
+                 str(runs["float"]), "--text", str(text), "--tokens", "64", "--window", "32",
+                 "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "quality.json").read_text())
+    assert report["positions"] == 2 * 15 and report["kl_max"] == 0.0
+    assert "| positions |" in capsys.readouterr().out
+    assert main(["bench", "quality", "--ckpt", str(runs["quantized"]), "--ref",
+                 str(runs["float"]), "--text", str(text), "--out", str(tmp_path / "out")]) != 0
+    assert "has 100 tokens; at least 4,096 are read" in capsys.readouterr().err
