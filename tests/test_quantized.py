@@ -281,8 +281,8 @@ def test_import_refuses_a_damaged_block_in_one_line(tmp_path, capsys):
     assert main(["lm", "import", str(bad), "--run-dir", str(tmp_path / "r"),
                  "--keep-quantized"]) != 0
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "tensor blk.0.attn_output.weight holds 32 NaN or infinite " \
-        "value(s) of 65,536; the weights are damaged" in err, err
+    assert "\n" not in err and "tensor blk.0.attn_output.weight has 1 block(s) of 2,048 " \
+        "with a NaN or infinite scale; the weights are damaged" in err, err
     short = tmp_path / "short.gguf"
     short.write_bytes(bytes(data[:len(data) - 1000]))
     assert main(["lm", "import", str(short), "--run-dir", str(tmp_path / "s"),
@@ -315,18 +315,18 @@ print(base, peak())
 
 
 def test_load_holds_the_weights_once(runs, tmp_path):
-    """``LanguageModel.load`` of a 100 MB float32 run peaks at its weights above the
+    """``LanguageModel.load`` of a 70 MB float32 run peaks at its weights above the
     interpreter (torch with the modules a meta-device build imports): the buffer the
     file is read into is the model's memory, not a state dict copied into a second,
     randomly initialised model."""
     config = load_config(runs["float"])
-    fields = {**config["model"], "emb_dim": 512, "n_heads": 8, "n_layers": 12,
+    fields = {**config["model"], "emb_dim": 512, "n_heads": 8, "n_layers": 8,
               "hidden_dim": 1024}
     cfg = GPTConfig.from_dict(fields)
     assert not cfg.tie_weights
     state = {name: torch.full(t.shape, 0.01) for name, t in cfg.meta_model().state_dict().items()}
     weights = sum(t.numel() for t in state.values()) * 4
-    assert weights > 100e6
+    assert weights > 64e6
     config["model"] = config["settings"]["architecture"] = cfg.to_dict()
     save_checkpoint(tmp_path / "run", state, config)
     del state

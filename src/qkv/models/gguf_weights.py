@@ -434,7 +434,7 @@ def read_gguf_tensors(
             return {}
         data = np.memmap(f, dtype=np.uint8, mode="r")
         try:
-            return {info.name: _expand(path, data, info, dtype, gguf) for info in infos}
+            return {info.name: _expand(path, f, data, info, dtype, gguf) for info in infos}
         finally:
             del data
 
@@ -479,33 +479,50 @@ def read_gguf_blocks(
             infos.append(info)
         if not infos:
             return {}
-        data = np.memmap(f, dtype=np.uint8, mode="r")
         out = {}
-        try:
-            for info in infos:
-                _, block_bytes = gguf.GGML_QUANT_SIZES[
-                    gguf.GGMLQuantizationType[info.type_name]]
-                blocks = torch.from_numpy(np.array(
-                    data[info.offset:info.offset + info.nbytes])).reshape(info.shape[0], -1)
-                _check_blocks(path, info, blocks.reshape(-1, block_bytes))
-                out[info.name] = blocks
-        finally:
-            del data
+        for info in infos:
+            _, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[info.type_name]]
+            blocks = _read_bytes(path, f, info).reshape(info.shape[0], -1)
+            _check_blocks(path, info, blocks.reshape(-1, block_bytes))
+            out[info.name] = blocks
     return out
 
 
+def _read_bytes(path: Path, f: Any, info: GGUFTensorInfo) -> Tensor:
+    """A tensor's bytes, read into memory of their own (uint8 ``(nbytes,)``): read, not
+    copied out of a map, so the file's pages are not counted in the process's memory
+    beside the copy."""
+    out = torch.empty(info.nbytes, dtype=torch.uint8)
+    view, got = memoryview(out.numpy()), 0
+    f.seek(info.offset)
+    while got < info.nbytes and (n := f.readinto(view[got:])):
+        got += n
+    view.release()
+    if got != info.nbytes:
+        raise ValueError(f"{path}: tensor {info.name} ends past the file's end: the file "
+                         "was truncated while it was read")
+    return out
+
+
+# Where each type's float16 scales sit in its block (byte offsets). A block's values are
+# its scales times small integers (minus a scaled minimum): they are all finite exactly
+# when its scales are, so these fields alone say whether a tensor is damaged.
+_SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+                 "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                 "Q6_K": (208,)}
+
+
 def _check_blocks(path: Path, info: GGUFTensorInfo, blocks: Tensor) -> None:
-    """One line if ``blocks`` (``(n, block_bytes)``) decode to a NaN or an infinity."""
-    step = max(1, _DECODE_VALUES // max(1, info.numel // max(1, len(blocks))))
-    bad = 0
-    for i in range(0, len(blocks), step):
-        values = _DECODERS[info.type_name](blocks[i:i + step])
-        low, high = torch.aminmax(values)
-        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
-            bad += int((~torch.isfinite(values)).sum())
-    if bad:
-        raise ValueError(f"{path}: tensor {info.name} holds {bad:,} NaN or infinite "
-                         f"value(s) of {info.numel:,}; the weights are damaged")
+    """One line if a block of ``blocks`` (``(n, block_bytes)``) has a NaN or infinite
+    scale, which would make its values NaN or infinite. Nothing the tensor's size is
+    allocated (a value decoded would be 4 bytes; a scale checked is 3)."""
+    bad = torch.zeros(len(blocks), dtype=torch.bool)
+    for at in _SCALE_FIELDS[info.type_name]:
+        bad |= ~torch.isfinite(blocks[:, at:at + 2].contiguous().view(torch.float16)[:, 0])
+    if bool(bad.any()):
+        raise ValueError(f"{path}: tensor {info.name} has {int(bad.sum()):,} block(s) of "
+                         f"{len(blocks):,} with a NaN or infinite scale; the weights are "
+                         "damaged")
 
 
 def check_tensor_budget(header: GGUFHeader, names: Iterable[str], dtype: torch.dtype,
@@ -747,13 +764,14 @@ def quantization_mix(header: GGUFHeader) -> str:
     return ", ".join(f"{name} x {n}" for name, n in counts.most_common())
 
 
-def _expand(path: Path, data: np.ndarray, info: GGUFTensorInfo, dtype: torch.dtype,
+def _expand(path: Path, f: Any, data: np.ndarray, info: GGUFTensorInfo, dtype: torch.dtype,
             gguf: Any) -> Tensor:
     """One tensor's bytes -> a contiguous tensor of ``info.shape`` and ``dtype``."""
     block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[info.type_name]]
     if info.type_name in QKV_DECODED_TYPES:
-        # A copy of the bytes, out of the read-only map (torch wants writable memory).
-        raw = torch.from_numpy(np.array(data[info.offset:info.offset + info.nbytes]))
+        # The bytes read into memory of their own (torch wants writable memory; pages
+        # of a map would count in the process's memory beside them).
+        raw = _read_bytes(path, f, info)
         if info.type_name in _FLOATS:
             values = raw.view(_FLOATS[info.type_name])
             values = values if values.dtype == torch.float64 else values.float()
