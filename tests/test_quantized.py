@@ -334,7 +334,9 @@ def test_load_holds_the_weights_once(runs, tmp_path):
     out = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "run")], env=env,
                          capture_output=True, text=True, timeout=120, check=True)
     base, peak = map(int, out.stdout.split()[-2:])
-    assert peak - base < 1.1 * weights, (peak - base, weights)
+    # (16 MiB: the run's config and tokenizer, whatever the model's size; the load of
+    # a state dict copied into a built model peaked at 3x the weights)
+    assert peak - base < 1.1 * weights + 16 * 2**20, (peak - base, weights)
 
 
 def test_quality_against_a_float64_computation(runs, tmp_path, capsys):
