@@ -266,7 +266,7 @@ def test_reload_refuses_a_mismatched_type_or_shape_in_one_line(runs, tmp_path):
             "settings.extra.quantized does not list")
     refused(resaved(run, tmp_path / "e", state=lambda s: {
         **s, "trf_blocks.0.att.W_query.blocks": s["trf_blocks.0.att.W_query.blocks"].char()}),
-            "trf_blocks.0.att.W_query.blocks is stored as I8; the model's is U8")
+            "trf_blocks.0.att.W_query.blocks is stored as I8; the model is U8")
     refused(resaved(run, tmp_path / "f", qtypes=lambda q: [1, 2]),
             "settings.extra.quantized is a list of 2 item(s); expected module name -> GGML type")
 

@@ -942,7 +942,7 @@ def check_weights(
                               f"{_show_shape(stored_shape)}")
         wanted = (dtypes or {}).get(name, dtype)
         if stored_dtype != wanted:
-            raise _fail(path, f"{name} is stored as {stored_dtype}; the model's is {wanted}")
+            raise _fail(path, f"{name} is stored as {stored_dtype}; the model is {wanted}")
         described.add(name)
     extra = sorted(set(found) - described)
     if extra:
