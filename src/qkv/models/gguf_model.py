@@ -106,11 +106,13 @@ from .gguf_weights import (
     import_gguf,
     open_gguf_reader,
     permute_rope,
+    read_gguf_blocks,
     read_gguf_header,
     read_gguf_tensors,
     unpermute_rope,
 )
 from .hf_open import config_fields, field_difference, hf_config, to_qkv
+from .quantized import QuantizedWeight
 
 __all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "llama3_scaling",
            "read_gguf_model", "write_gguf"]
@@ -743,7 +745,8 @@ def gguf_state_dict(
     config: dict[str, Any],
     dtype: torch.dtype = torch.float32,
     max_bytes: int | None = None,
-) -> dict[str, Tensor]:
+    keep: Container[str] = (),
+) -> dict[str, Tensor | QuantizedWeight]:
     """The GGUF file's tensors under Hugging Face's names, in Hugging Face's conventions.
 
     Before any tensor is read, the header must list exactly the tensors ``config``
@@ -761,6 +764,10 @@ def gguf_state_dict(
             float32, then rounded; Gemma's norms have 1 subtracted before rounding).
         max_bytes: refuse before expanding if the tensors would take more than this
             (see :func:`~qkv.models.gguf_weights.read_gguf_tensors`).
+        keep: GGML types (of :data:`~qkv.models.quantized.KEPT_TYPES`) whose 2-D
+            tensors come back as their blocks, a :class:`~qkv.models.quantized.
+            QuantizedWeight` (rows reordered as the float tensor's would be), not
+            expanded; GPT-2's transposed weights are always expanded.
 
     Returns:
         Hugging Face name -> tensor, as transformers' ``*ForCausalLM`` holds it:
@@ -783,18 +790,39 @@ def gguf_state_dict(
     model_type = config["model_type"]
     plan = _plan(config, header.tensors)
     _check_tensors(header, {**plan, **_kept_out(config)}, model_type)
-    check_tensor_budget(header, plan, dtype, max_bytes)
     groups: dict[str, list[str]] = {}  # Hugging Face name -> its llama.cpp tensors
     for name, (hf_name, _) in plan.items():
         groups.setdefault(hf_name, []).append(name)
-    out = {}
+    kept = {names[0] for names in groups.values()
+            if len(names) == 1 and model_type != "gpt2"
+            and header.tensors[names[0]].type_name in keep
+            and len(header.tensors[names[0]].shape) == 2}
+    check_tensor_budget(header, [n for n in plan if n not in kept], dtype, max_bytes)
+    out: dict[str, Tensor | QuantizedWeight] = {}
     for hf_name, names in groups.items():
+        if names[0] in kept:
+            out[hf_name] = _blocks_to_hf(path, header, names[0], config)
+            continue
         # Gemma's norms come as 1 + w; w keeps its precision only if 1 is subtracted
         # before rounding to bfloat16. Every other conversion only moves values.
         wide = any(_shifted(model_type, n) for n in names)
         out[hf_name] = _to_hf(read_gguf_tensors(path, names, torch.float32 if wide else dtype,
                                                 header=header), config).to(dtype)
     return out
+
+
+def _blocks_to_hf(path: str | os.PathLike[str], header: GGUFHeader, name: str,
+                  config: dict[str, Any]) -> QuantizedWeight:
+    """One 2-D quantized tensor's blocks as :func:`_to_hf` would give its values: the
+    rows of a ``llama`` file's ``attn_q``/``attn_k`` reordered (whole rows move, so
+    their blocks move with them); every other such tensor is used as stored."""
+    info = header.tensors[name]
+    blocks = read_gguf_blocks(path, [name], header)[name]
+    kind = name.split(".")[-2]
+    if config["model_type"] in _PERMUTED and kind in ("attn_q", "attn_k"):
+        blocks = unpermute_rope(blocks, config["num_attention_heads" if kind == "attn_q"
+                                               else "num_key_value_heads"])
+    return QuantizedWeight(info.type_name, blocks, torch.Size(info.shape))
 
 
 def read_gguf_model(

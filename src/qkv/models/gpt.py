@@ -56,6 +56,7 @@ from ..positional import check_rope_scaling
 from .moe import MoE
 from .native_decode import DTYPES as NATIVE_DTYPES
 from .native_decode import NativeDecoder
+from .quantized import quantized_modules
 
 __all__ = [
     "GPTEmbedding",
@@ -1037,6 +1038,8 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
     steps) cannot decode ``model`` at ``batch_size`` (None when it can)."""
     if type(model) is not GPTModel:
         return f"a plain GPTModel is needed, got {type(model).__name__}"
+    if quantized_modules(model):
+        return "its layers are kept in quantized blocks, which only the PyTorch forward runs"
     weight = model.out_head.weight
     if weight.device.type != "cpu":
         return f"the kernels run on the CPU, the model is on {weight.device}"
