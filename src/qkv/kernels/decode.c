@@ -419,6 +419,181 @@ void qkv_attend(const float *q, const float *k, const float *v, void *K, void *V
 }
 
 /* ---------------------------------------------------------------------------------
+   Mixture of experts for one token (qkv.models.moe.MoE).
+
+   route: logits = W_router x (+b), E of them (float32, whatever the weights' dtype);
+     scores = softmax(logits) or sigmoid(logits);  choice = scores (+ correction bias);
+     with n_group > 1 each group of E / n_group experts is scored by the sum of its two
+     best choices and only the topk_group best groups stay candidates;
+     the top_k candidates by choice, weighted by their *scores* (divided by their sum
+     with norm_topk), times `scaling`.
+   experts: out = sum_j w_j (D_j glu(G_j x + bg_j, U_j x + bu_j) + bd_j)
+     (+ s * shared expert, s = sigmoid(w_sg . x) with a shared gate, else 1).
+
+   The experts live in two 3-D tensors, as qkv's Experts keeps them: gate_up (E, 2I, d),
+   expert e's gate rows e 2I .. e 2I + I - 1 then its up rows; down (E, d, I), expert
+   e's rows e d .. e d + d - 1. Only the chosen experts' rows are read, so a token
+   streams the active parameters, not all of them. The shared expert's three matrices
+   are separate (S, d), (S, d), (d, S). */
+
+#define SCORE_SOFTMAX 0
+#define SCORE_SIGMOID 1
+
+#define GLU_SWIGLU 0  /* silu(g) u */
+#define GLU_GEGLU 1   /* gelu_tanh(g) u */
+#define GLU_CLAMPED 2 /* gpt-oss: g <= limit, |u| <= limit, (u + 1) g sigmoid(alpha g) */
+
+typedef struct {
+    int experts, top_k, score, norm_topk, n_group, topk_group, glu;
+    long width, shared_width; /* I, and S (0: no shared expert) */
+    float scaling, alpha, limit;
+    qkv_mat router;                          /* (E, d) */
+    const float *router_bias, *choice_bias;  /* (E,) float32 or NULL */
+    qkv_mat gate_up, down;                   /* (E, 2I, d), (E, d, I) */
+    const float *gate_up_bias, *down_bias;   /* (E, 2I), (E, d) float32 or NULL */
+    qkv_mat shared1, shared2, shared3;       /* gate (S, d), up (S, d), down (d, S) */
+    const float *shared_b1, *shared_b2, *shared_b3;
+    qkv_mat shared_gate;                     /* (1, d), or data NULL */
+    /* float32 work buffers: logits (E + 1), weights (top_k), hidden (top_k I + S);
+       chosen (top_k) int32 */
+    float *logits, *weights, *hidden;
+    int *chosen;
+} qkv_moe;
+
+static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+static inline float glu(float g, float u, const qkv_moe *e) {
+    if (e->glu == GLU_SWIGLU) return silu(g) * u;
+    if (e->glu == GLU_GEGLU) return gelu_tanh(g) * u;
+    g = fminf(g, e->limit);
+    u = fminf(fmaxf(u, -e->limit), e->limit);
+    return (u + 1.0f) * g * sigmoidf(e->alpha * g);
+}
+
+/* The routing above, from e->logits (E router logits) into e->chosen, e->weights.
+   Exported (serial) for the tests. */
+void qkv_route(const qkv_moe *e) {
+    const int E = e->experts, size = E / e->n_group;
+    float scores[E], choice[E];
+    if (e->score == SCORE_SOFTMAX) {
+        float mx = -INFINITY, total = 0.0f;
+        for (int i = 0; i < E; i++) mx = fmaxf(mx, e->logits[i]);
+        for (int i = 0; i < E; i++) total += scores[i] = expf(e->logits[i] - mx);
+        for (int i = 0; i < E; i++) scores[i] /= total;
+    } else {
+        for (int i = 0; i < E; i++) scores[i] = sigmoidf(e->logits[i]);
+    }
+    for (int i = 0; i < E; i++) choice[i] = scores[i] + (e->choice_bias ? e->choice_bias[i] : 0.0f);
+    if (e->n_group > 1) { /* hide every expert of all but the topk_group best groups */
+        float group[e->n_group];
+        for (int g = 0; g < e->n_group; g++) {
+            float a = -INFINITY, b = -INFINITY; /* the two best of the group */
+            for (int i = g * size; i < (g + 1) * size; i++) {
+                if (choice[i] > a) b = a, a = choice[i];
+                else if (choice[i] > b) b = choice[i];
+            }
+            group[g] = a + b;
+        }
+        int kept[e->n_group];
+        memset(kept, 0, sizeof kept);
+        for (int t = 0; t < e->topk_group; t++) {
+            int best = -1;
+            for (int g = 0; g < e->n_group; g++)
+                if (!kept[g] && (best < 0 || group[g] > group[best])) best = g;
+            kept[best] = 1;
+        }
+        for (int i = 0; i < E; i++)
+            if (!kept[i / size]) choice[i] = -INFINITY;
+    }
+    float total = 0.0f;
+    for (int j = 0; j < e->top_k; j++) { /* the best remaining candidate, k times */
+        int best = -1;
+        for (int i = 0; i < E; i++) {
+            int taken = 0;
+            for (int t = 0; t < j; t++) taken |= e->chosen[t] == i;
+            if (!taken && (best < 0 || choice[i] > choice[best])) best = i;
+        }
+        e->chosen[j] = best;
+        total += e->weights[j] = scores[best];
+    }
+    for (int j = 0; j < e->top_k; j++)
+        e->weights[j] = (e->norm_topk ? e->weights[j] / total : e->weights[j]) * e->scaling;
+}
+
+/* One expert the token runs through: its three matrices, the first row of each it
+   reads, biases (NULL or at their first row), width and weight. */
+typedef struct {
+    const qkv_mat *gate, *up, *down;
+    long g0, u0, d0, width, offset; /* offset: where its hidden values start */
+    const float *bg, *bu, *bd;
+    float weight;
+} active_expert;
+
+static int active_experts(const qkv_moe *e, long d, active_expert *a) {
+    const long I = e->width;
+    int n = 0;
+    for (int j = 0; j < e->top_k; j++) {
+        const long x = e->chosen[j];
+        const float *bgu = e->gate_up_bias ? e->gate_up_bias + x * 2 * I : NULL;
+        a[n++] = (active_expert){&e->gate_up, &e->gate_up, &e->down, x * 2 * I, x * 2 * I + I,
+                                 x * d, I, j * I, bgu, bgu ? bgu + I : NULL,
+                                 e->down_bias ? e->down_bias + x * d : NULL, e->weights[j]};
+    }
+    if (e->shared_width) {
+        float s = e->shared_gate.data ? sigmoidf(e->logits[e->experts]) : 1.0f;
+        a[n++] = (active_expert){&e->shared1, &e->shared2, &e->shared3, 0, 0, 0,
+                                 e->shared_width, e->top_k * I, e->shared_b1, e->shared_b2,
+                                 e->shared_b3, s};
+    }
+    return n;
+}
+
+/* y = (or +=, mode ADD) the experts' output for x (d). Called by every thread. */
+static void moe_shared(const qkv_moe *e, const float *x, float *y, long d, int mode) {
+    linear_shared(&e->router, x, e->router_bias, e->logits, e->experts, d, STORE);
+    if (e->shared_gate.data) linear_shared(&e->shared_gate, x, NULL, e->logits + e->experts, 1, d, STORE);
+#pragma omp single
+    qkv_route(e);
+    active_expert a[e->top_k + 1]; /* each thread lists them itself: no barrier */
+    const int n = active_experts(e, d, a);
+    const long rows = e->top_k * e->width + e->shared_width;
+    /* every active expert's gate and up rows in one work-shared loop */
+    {
+        const int need = e->gate_up.type == QKV_BF16 ||
+                         (e->shared_width && (e->shared1.type == QKV_BF16 || e->shared2.type == QKV_BF16));
+        DEINTERLEAVE(x, d, need)
+#pragma omp for schedule(static)
+        for (long r = 0; r < rows; r++) {
+            int j = 0;
+            while (j + 1 < n && r >= a[j + 1].offset) j++;
+            const long i = r - a[j].offset;
+            float g = dot_row(a[j].gate, a[j].g0 + i, d, x, xe, xo) + (a[j].bg ? a[j].bg[i] : 0.0f);
+            float u = dot_row(a[j].up, a[j].u0 + i, d, x, xe, xo) + (a[j].bu ? a[j].bu[i] : 0.0f);
+            e->hidden[r] = glu(g, u, e);
+        }
+    }
+    /* then each expert's down rows, weighted, into y. The loops share the rows out
+       alike (static schedule, d rows each), so each thread adds to its own rows of y in
+       every loop and none waits for the others until the last. */
+    for (int j = 0; j < n; j++) {
+        const float *h = e->hidden + a[j].offset;
+        const long w = a[j].width;
+        DEINTERLEAVE(h, w, a[j].down->type == QKV_BF16)
+#pragma omp for schedule(static) nowait
+        for (long r = 0; r < d; r++) {
+            float v = a[j].weight * (dot_row(a[j].down, a[j].d0 + r, w, h, xe, xo) + (a[j].bd ? a[j].bd[r] : 0.0f));
+            y[r] = (j == 0 && mode == STORE) ? v : y[r] + v;
+        }
+    }
+#pragma omp barrier
+}
+
+void qkv_moe_forward(const qkv_moe *e, const float *x, float *y, long d, int mode, int threads) {
+#pragma omp parallel num_threads(threads)
+    moe_shared(e, x, y, d, mode);
+}
+
+/* ---------------------------------------------------------------------------------
    A whole step of a qkv.models.gpt.GPTModel. With x the residual stream (float32):
 
      x = tok_emb[token] * embed_scale (+ pos_emb[pos])
@@ -442,18 +617,21 @@ typedef struct {
     void *keys, *values;              /* the layer's cache (dt, (kv_heads, cache_len, hd)) */
     long cache_len;
     int ring; /* the cache is a ring of cache_len slots (a sliding window) */
+    int act;  /* the dense MLP's activation */
+    long hidden; /* the dense MLP's width */
+    const qkv_moe *moe; /* a mixture of experts in place of the dense MLP, or NULL */
 } qkv_layer;
 
 typedef struct {
     int dt; /* the caches' dtype */
-    int n_layers, act;
-    long dim, hidden, heads, kv_heads, head_dim, vocab;
+    int n_layers;
+    long dim, heads, kv_heads, head_dim, vocab;
     float scale, embed_scale;
     qkv_mat tok_emb, pos_emb, head; /* (vocab, dim), (context, dim) or data NULL, (vocab, dim) */
     qkv_norm final_norm;
     const qkv_layer *layers;
     /* float32 work buffers: x, o (dim); h (dim); q, a (heads * hd); k, v (kv_heads * hd);
-       f (hidden); logits (vocab); scores (heads * the longest cache) */
+       f (the widest dense MLP); logits (vocab); scores (heads * the longest cache) */
     float *x, *o, *h, *q, *k, *v, *a, *f, *logits, *scores;
 } qkv_model;
 
@@ -520,11 +698,15 @@ void qkv_step(const qkv_model *m, long token, long pos, int threads) {
             }
 #pragma omp single
             norm(&L->norm2, m->x, m->h, d);
-            gated_shared(&L->w1, L->b1, &L->w2, L->b2, m->h, m->f, m->hidden, d, m->act);
-            if (L->post_norm2.kind == NORM_NONE) {
-                linear_shared(&L->w3, m->f, L->b3, m->x, d, m->hidden, ADD);
+            float *y = L->post_norm2.kind == NORM_NONE ? m->x : m->o;
+            const int mode = L->post_norm2.kind == NORM_NONE ? ADD : STORE;
+            if (L->moe) {
+                moe_shared(L->moe, m->h, y, d, mode);
             } else {
-                linear_shared(&L->w3, m->f, L->b3, m->o, d, m->hidden, STORE);
+                gated_shared(&L->w1, L->b1, &L->w2, L->b2, m->h, m->f, L->hidden, d, L->act);
+                linear_shared(&L->w3, m->f, L->b3, y, d, L->hidden, mode);
+            }
+            if (mode == STORE) {
 #pragma omp single
                 add_branch(&L->post_norm2, m->o, m->x, d);
             }

@@ -53,7 +53,7 @@ from ..multihead import MultiHeadAttention
 from ..options import GPT_PRESETS as PRESETS
 from ..options import MAX_NEW_TOKENS
 from ..positional import check_rope_scaling
-from .moe import MoE
+from .moe import Experts, GatedMLP, MoE
 from .native_decode import DTYPES as NATIVE_DTYPES
 from .native_decode import NativeDecoder
 
@@ -1028,10 +1028,6 @@ class GPTModel(nn.Module):
 # Decoding
 
 
-def _mlp_kind(ff: nn.Module) -> tuple[type, type]:
-    return type(ff), type(getattr(ff, "act", None))
-
-
 def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
     """Why :class:`~qkv.models.native_decode.NativeDecoder` (``generate``'s ``native``
     steps) cannot decode ``model`` at ``batch_size`` (None when it can)."""
@@ -1051,9 +1047,9 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
             return f"a block of type {type(block).__name__}"
         att, ff = block.att, block.ff
         if type(att) is not MultiHeadAttention or type(ff) not in (FeedForward,
-                                                                   GatedFeedForward):
+                                                                   GatedFeedForward, MoE):
             return ("attention and feed-forward must be qkv's MultiHeadAttention and "
-                    "FeedForward or GatedFeedForward")
+                    "FeedForward, GatedFeedForward or MoE")
         if (not att.causal or att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim
                 or att.kdim != att.d_in or att.vdim != att.d_in):
             return "causal self-attention over the residual stream is needed"
@@ -1067,8 +1063,10 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
             return "the feed-forward must be Linear, GELU, Linear"
         if type(ff) is GatedFeedForward and type(ff.act) not in (nn.SiLU, GELU):
             return "the gated feed-forward's activation must be SiLU or GELU"
-        if _mlp_kind(ff) != _mlp_kind(model.trf_blocks[0].ff):
-            return "every layer must have the same kind of feed-forward"
+        if type(ff) is MoE and (type(ff.experts) is not Experts or type(ff.router) is not
+                                nn.Linear or (ff.shared_expert is not None
+                                              and type(ff.shared_expert) is not GatedMLP)):
+            return "a mixture of experts must be built from qkv's Experts and GatedMLP"
         if any(m is not None and type(m) not in norms for m in
                (block.norm1, block.norm2, block.post_norm1, block.post_norm2)):
             return "the norms must be qkv's LayerNorm or RMSNorm"

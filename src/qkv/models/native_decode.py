@@ -49,12 +49,18 @@ from torch import Tensor, nn
 from ..kernels import (
     ACT_GELU,
     ACT_SILU,
+    GLU_CLAMPED,
+    GLU_GEGLU,
+    GLU_SWIGLU,
     NORM_LAYER,
     NORM_NONE,
     NORM_RMS,
+    SCORE_SIGMOID,
+    SCORE_SOFTMAX,
     Layer,
     Mat,
     Model,
+    Moe,
     Norm,
     decode_kernels,
     unavailable_reason,
@@ -66,6 +72,15 @@ __all__ = ["DTYPES", "NativeDecoder"]
 
 # the weight dtypes the kernels read, and their codes in decode.c
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# a mixture of experts' router scores and gated units (qkv.models.moe), as decode.c codes them
+_SCORES = {"softmax": SCORE_SOFTMAX, "sigmoid": SCORE_SIGMOID}
+_GLUS = {"swiglu": GLU_SWIGLU, "geglu": GLU_GEGLU, "clamped_swiglu": GLU_CLAMPED}
+
+
+def _dense_mlp(ff: nn.Module) -> tuple[nn.Linear, nn.Linear | None, nn.Linear]:
+    """A dense MLP's three layers: gated ``act(fc1 h) * fc2 h``, then ``fc3``; GPT-2's
+    ``act(layers[0] h)`` (no second), then ``layers[2]``."""
+    return (ff.fc1, ff.fc2, ff.fc3) if hasattr(ff, "fc1") else (ff.layers[0], None, ff.layers[2])
 
 
 def _vector(t: Tensor | None) -> Tensor | None:
@@ -118,11 +133,12 @@ class NativeDecoder:
         full = [cache.max_len for cache in caches if not cache.ring]
         ends = full + ([cfg.context_length] if model.pos_emb is not None else [])
         self.limit = min(ends) if ends else None
-        first = model.trf_blocks[0].ff
-        hidden = (first.fc1 if hasattr(first, "fc1") else first.layers[0]).out_features
+        hidden = max([_dense_mlp(block.ff)[0].out_features for block in model.trf_blocks
+                       if not hasattr(block.ff, "router")], default=1)
         longest = max(cache.max_len for cache in caches)
         # Every tensor whose address the kernels get, kept alive with the decoder.
         self._keep: list[Tensor] = []
+        self._moes: list[Moe] = []  # the structs the layers point to
         buffers = {name: self._zeros(size) for name, size in (
             ("x", cfg.emb_dim), ("o", cfg.emb_dim), ("h", cfg.emb_dim),
             ("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim),
@@ -137,10 +153,9 @@ class NativeDecoder:
         if cfg.embed_scale:  # rounded to the weights' dtype, as the module path rounds it
             embed_scale = float(torch.tensor(cfg.emb_dim ** 0.5, dtype=self.dtype))
         scale = att0.scale if att0.scale is not None else 1.0 / math.sqrt(head_dim)
-        act = ACT_SILU if isinstance(getattr(first, "act", None), nn.SiLU) else ACT_GELU
         self.struct = Model(
-            dt=DTYPES[self.dtype], n_layers=cfg.n_layers, act=act, dim=cfg.emb_dim,
-            hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+            dt=DTYPES[self.dtype], n_layers=cfg.n_layers, dim=cfg.emb_dim, heads=heads,
+            kv_heads=kv_heads, head_dim=head_dim,
             vocab=cfg.vocab_size, scale=scale, embed_scale=embed_scale,
             tok_emb=self._weight(model.tok_emb.weight),
             pos_emb=self._weight(None if model.pos_emb is None else model.pos_emb.weight),
@@ -183,11 +198,43 @@ class NativeDecoder:
             scale = 1.0 + scale
         return Norm(kind=NORM_RMS, eps=norm.eps, scale=self._hold(scale))
 
+    def _moe(self, moe: nn.Module) -> Moe:
+        """A mixture of experts (:class:`qkv.models.moe.MoE`, read by its attributes),
+        with its work buffers."""
+        ex, shared = moe.experts, moe.shared_expert
+        chosen = torch.zeros(moe.top_k, dtype=torch.int32)
+        self._keep.append(chosen)
+        width = ex.hidden_dim
+        shared_width = 0 if shared is None else shared.fc1.out_features
+        fields = {}
+        if shared is not None:
+            for n, m in zip("123", (shared.fc1, shared.fc2, shared.fc3), strict=True):
+                fields[f"shared{n}"] = self._weight(m.weight)
+                fields[f"shared_b{n}"] = self._hold(_vector(m.bias))
+        moe_struct = Moe(
+            experts=moe.num_experts, top_k=moe.top_k, score=_SCORES[moe.score],
+            norm_topk=int(moe.norm_topk_prob), n_group=moe.n_group,
+            topk_group=moe.topk_group, glu=_GLUS[ex.activation], width=width,
+            shared_width=shared_width, scaling=moe.routed_scaling_factor, alpha=ex.alpha,
+            limit=ex.limit, router=self._weight(moe.router.weight),
+            router_bias=self._hold(_vector(moe.router.bias)),
+            choice_bias=self._hold(_vector(moe.e_score_correction_bias)),
+            gate_up=self._weight(ex.gate_up_proj), down=self._weight(ex.down_proj),
+            gate_up_bias=self._hold(_vector(ex.gate_up_proj_bias)),
+            down_bias=self._hold(_vector(ex.down_proj_bias)),
+            shared_gate=self._weight(None if moe.shared_expert_gate is None
+                                     else moe.shared_expert_gate.weight),
+            logits=self._zeros(moe.num_experts + 1).data_ptr(),
+            weights=self._zeros(moe.top_k).data_ptr(),
+            hidden=self._zeros(moe.top_k * width + shared_width).data_ptr(),
+            chosen=chosen.data_ptr(), **fields)
+        self._moes.append(moe_struct)
+        return moe_struct
+
     def _layer(self, block: nn.Module, cache: KVCache) -> Layer:
         att, ff = block.att, block.ff
-        # gated: act(fc1 h) * fc2 h, then fc3; GPT-2's: act(layers[0] h), then layers[2]
-        mlp = (ff.fc1, ff.fc2, ff.fc3) if hasattr(ff, "fc1") else \
-            (ff.layers[0], None, ff.layers[2])
+        moe = self._moe(ff) if hasattr(ff, "router") else None
+        mlp = (None, None, None) if moe is not None else _dense_mlp(ff)
         linears = dict(zip(("q", "k", "v", "o", "1", "2", "3"),
                            (att.W_query, att.W_key, att.W_value, att.out_proj, *mlp),
                            strict=True))
@@ -200,7 +247,10 @@ class NativeDecoder:
             post_norm1=self._norm(block.post_norm1), post_norm2=self._norm(block.post_norm2),
             q_norm=self._norm(att.q_norm), k_norm=self._norm(att.k_norm),
             keys=self._hold(cache.keys), values=self._hold(cache.values),
-            cache_len=cache.max_len, ring=int(cache.ring))
+            cache_len=cache.max_len, ring=int(cache.ring),
+            act=ACT_SILU if isinstance(getattr(ff, "act", None), nn.SiLU) else ACT_GELU,
+            hidden=0 if mlp[0] is None else mlp[0].out_features,
+            moe=None if moe is None else ctypes.pointer(moe))
 
     def _grow_rope(self, length: int) -> None:
         """Give every RoPE layer a float32 cos/sin table of at least ``length`` positions
