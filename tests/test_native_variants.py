@@ -1,0 +1,222 @@
+"""decode.c's layers of the models of 2025-26 against float64 references: mixtures of
+experts (routing and experts, kernel by kernel against :class:`qkv.models.moe.MoE` in
+float64), then each family's native steps against the float64 model and its greedy
+tokens against the module path's. ``tests/test_native_decode.py`` covers the dense
+families the same way."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from qkv.kernels import Mat, Moe, decode_kernels, unavailable_reason
+from qkv.models.gpt import GPTConfig, GPTModel, generate
+from qkv.models.gpt import native_unsupported as unsupported
+from qkv.models.moe import MoE
+from qkv.models.native_decode import NativeDecoder
+
+LIB = decode_kernels()
+needs_kernels = pytest.mark.skipif(LIB is None, reason=f"no native kernels: "
+                                   f"{unavailable_reason()}")
+DT = {torch.float32: 0, torch.bfloat16: 1}
+
+# The routings qkv.models.moe supports, each in a family's shape.
+ROUTINGS = {
+    # Qwen3-MoE / Qwen3-Next: softmax, renormalised top-k, a sigmoid-gated shared expert
+    "qwen": dict(num_experts=8, top_k=2, norm_topk_prob=True, shared_hidden_dim=24,
+                 shared_gate=True),
+    # DeepSeek-V3: sigmoid scores, choice bias, 4 groups of which 2 stay, scaled weights
+    "deepseek": dict(num_experts=8, top_k=3, score="sigmoid", norm_topk_prob=True,
+                     routed_scaling_factor=2.5, n_group=4, topk_group=2,
+                     score_correction_bias=True, shared_hidden_dim=32),
+    # gpt-oss: softmax of the top k (= renormalised), biases, the clamped SwiGLU
+    "gpt_oss": dict(num_experts=4, top_k=2, norm_topk_prob=True, router_bias=True,
+                    expert_bias=True, activation="clamped_swiglu", swiglu_limit=1.5),
+    # Mixtral-like: softmax weights left unnormalised, GeGLU experts
+    "plain": dict(num_experts=6, top_k=2, activation="geglu"),
+}
+SCORE = {"softmax": 0, "sigmoid": 1}
+GLU = {"swiglu": 0, "geglu": 1, "clamped_swiglu": 2}
+
+
+def ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def mat(w):
+    return Mat() if w is None else Mat(data=w.data_ptr(), type=DT[w.dtype])
+
+
+def make_moe(routing: str, d_model: int = 32, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(d_model, 16, **ROUTINGS[routing], backend="loop").eval()
+    if moe.e_score_correction_bias is not None:  # a bias that moves the choice
+        moe.e_score_correction_bias.copy_(0.2 * torch.randn(moe.num_experts))
+    return moe
+
+
+def moe_struct(moe: MoE, keep: dict) -> Moe:
+    """decode.c's qkv_moe for ``moe``, written from the module's fields here; ``keep``
+    gets every tensor it points to (the work buffers by name)."""
+    def vec(t):
+        if t is None:
+            return None
+        t = t.detach().float().contiguous()
+        keep[len(keep)] = t
+        return t.data_ptr()
+
+    def buf(name, n, dtype=torch.float32):
+        keep[name] = torch.zeros(n, dtype=dtype)
+        return keep[name]
+
+    ex, sh = moe.experts, moe.shared_expert
+    s = Moe(experts=moe.num_experts, top_k=moe.top_k, score=SCORE[moe.score],
+            norm_topk=int(moe.norm_topk_prob), n_group=moe.n_group,
+            topk_group=moe.topk_group, glu=GLU[ex.activation], width=ex.hidden_dim,
+            shared_width=0 if sh is None else sh.fc1.out_features,
+            scaling=moe.routed_scaling_factor, alpha=ex.alpha, limit=ex.limit,
+            router=mat(moe.router.weight), router_bias=vec(moe.router.bias),
+            choice_bias=vec(moe.e_score_correction_bias), gate_up=mat(ex.gate_up_proj),
+            down=mat(ex.down_proj), gate_up_bias=vec(ex.gate_up_proj_bias),
+            down_bias=vec(ex.down_proj_bias),
+            shared_gate=mat(None if moe.shared_expert_gate is None
+                            else moe.shared_expert_gate.weight))
+    if sh is not None:
+        s.shared1, s.shared2, s.shared3 = mat(sh.fc1.weight), mat(sh.fc2.weight), \
+            mat(sh.fc3.weight)
+        s.shared_b1, s.shared_b2, s.shared_b3 = (vec(m.bias) for m in
+                                                 (sh.fc1, sh.fc2, sh.fc3))
+    s.logits = buf("logits", moe.num_experts + 1).data_ptr()
+    s.weights = buf("weights", moe.top_k).data_ptr()
+    s.hidden = buf("hidden", moe.top_k * ex.hidden_dim + s.shared_width).data_ptr()
+    s.chosen = buf("chosen", moe.top_k, torch.int32).data_ptr()
+    return s
+
+
+# ----------------------------------------------------------------------------
+# mixture of experts, kernel by kernel
+
+
+@needs_kernels
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_route_kernel_chooses_and_weighs_as_moe_route(routing):
+    # A router that is the identity hands MoE.route the logits as they are.
+    moe = make_moe(routing, d_model=ROUTINGS[routing]["num_experts"]).double()
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.eye(moe.num_experts))
+        if moe.router.bias is not None:
+            moe.router.bias.zero_()
+    keep: dict = {}
+    s = moe_struct(moe.float(), keep)
+    moe.double()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        x = 2 * torch.randn(moe.num_experts, generator=g, dtype=torch.float64)
+        keep["logits"][: moe.num_experts] = x
+        LIB.qkv_route(ctypes.byref(s))
+        ref_w, ref_e = moe.route(x[None])
+        # the same experts in the same order (best first), the same weights
+        assert keep["chosen"].tolist() == ref_e[0].tolist()
+        assert torch.allclose(keep["weights"].double(), ref_w[0], atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("mode", [0, 1])
+def test_moe_kernel_is_the_float64_moe(routing, dtype, mode):
+    moe = make_moe(routing).to(dtype)
+    keep: dict = {}
+    s = moe_struct(moe, keep)
+    ref_moe = make_moe(routing).double()
+    ref_moe.load_state_dict(moe.state_dict())  # the weights as rounded to dtype
+    g = torch.Generator().manual_seed(2)
+    # 3 x N(0, 1) tokens: gpt-oss's clamps (at 1.5 here) cut some of the projections
+    xs, ys = 3 * torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
+    with torch.no_grad():
+        ref = ref_moe(xs.double()) + (ys.double() if mode else 0)
+    for x, y, r in zip(xs, ys.clone(), ref, strict=True):
+        LIB.qkv_moe_forward(ctypes.byref(s), ptr(x), ptr(y), 32, mode, 2)
+        assert torch.allclose(y.double(), r, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# whole models
+
+
+def tiny(dtype=torch.float32, **overrides) -> GPTModel:
+    cfg = dict(vocab_size=61, context_length=24, emb_dim=32, n_heads=4, n_layers=2,
+               drop_rate=0.0, rope=True, norm="rmsnorm", mlp="swiglu", hidden_dim=48,
+               out_bias=False, mlp_bias=False, n_kv_groups=2)
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(**{**cfg, **overrides})).eval()
+    with torch.no_grad():  # norms and biases away from their ones and zeros, so they count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
+    return model.to(dtype)
+
+
+def moe_layers(routing: str, layout: list[dict]) -> dict:
+    return dict(moe=dict(hidden_dim=16, **ROUTINGS[routing]), layout=layout)
+
+
+FAMILIES = {
+    "qwen3_next_moe": moe_layers("qwen", [{"mlp": "moe"}] * 2),
+    "deepseek_moe": moe_layers("deepseek", [{"mlp": "dense"}, {"mlp": "moe"}]),
+    "gpt_oss_moe": {**moe_layers("gpt_oss", [{"mlp": "moe"}] * 2), "qkv_bias": True},
+}
+
+
+def as_float64(model: GPTModel) -> GPTModel:
+    copy = GPTModel(model.cfg).eval()
+    copy.load_state_dict(model.state_dict())
+    return copy.double()
+
+
+def step_logits(model, ids, prefix, native):
+    caches = model.new_caches(1)
+    out = []
+    with torch.no_grad():
+        model(ids[:, :prefix], caches=caches)
+        decoder = NativeDecoder(model, caches) if native else None
+        for t in range(prefix, ids.shape[1]):
+            if native:
+                out.append(decoder.step(int(ids[0, t]))[0, 0].clone())
+            else:
+                out.append(model(ids[:, t : t + 1], caches=caches)[0, 0])
+    return torch.stack(out).double()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_steps_match_the_float64_model(family, dtype):
+    model = tiny(dtype, **FAMILIES[family])
+    assert unsupported(model) is None
+    ids = torch.randint(0, 61, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = as_float64(model)(ids)[0, 4:]
+    native = step_logits(model, ids, 4, native=True)
+    module = step_logits(model, ids, 4, native=False)
+    native_err = (native - ref).abs().max().item()
+    module_err = (module - ref).abs().max().item()
+    if dtype == torch.float32:
+        assert native_err < 1e-5 and module_err < 1e-5
+    else:
+        assert native_err < 0.05 and native_err <= module_err + 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_generates_the_same_tokens_on_both_paths(family):
+    model = tiny(**FAMILIES[family])
+    idx = torch.randint(0, 61, (1, 5), generator=torch.Generator().manual_seed(1))
+    native = generate(model, idx, 30, native=True)
+    module = generate(model, idx, 30, native=False)
+    assert torch.equal(native, module)
