@@ -143,6 +143,42 @@ def test_moe_kernel_is_the_float64_moe(routing, dtype, mode):
 
 
 # ----------------------------------------------------------------------------
+# attention with sinks and gates
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sinks, gate", [(True, False), (False, True), (True, True),
+                                         (False, False)])
+def test_attend_cached_kernel_with_sinks_and_gates(dtype, sinks, gate):
+    heads, kv_heads, hd, cache_len, n = 6, 2, 12, 10, 7
+    g = torch.Generator().manual_seed(4)
+    keys, values = (torch.randn(kv_heads, cache_len, hd, generator=g).to(dtype)
+                    for _ in range(2))
+    before = keys.clone(), values.clone()
+    q = torch.randn(heads, hd, generator=g)
+    sink = 2 * torch.randn(heads, generator=g) if sinks else None
+    gates = torch.randn(heads, hd, generator=g) if gate else None
+    out, scores = torch.empty(heads * hd), torch.empty(heads * cache_len)
+    LIB.qkv_attend_cached(ptr(q), ptr(keys), ptr(values), DT[dtype], ptr(out), heads,
+                          kv_heads, hd, cache_len, n, 0.3, ptr(sink), ptr(gates),
+                          ptr(scores), 2)
+    assert torch.equal(keys, before[0]) and torch.equal(values, before[1])  # read only
+    # the definition: head h reads key/value head h // 3; its sink is one more logit
+    # with no value; then each output value times sigmoid(its gate)
+    k = keys[:, :n].double().repeat_interleave(3, dim=0)
+    v = values[:, :n].double().repeat_interleave(3, dim=0)
+    logits = (k @ q.double()[:, :, None])[..., 0] * 0.3  # (heads, n)
+    if sinks:
+        logits = torch.cat((logits, sink.double()[:, None]), dim=1)
+    weights = torch.softmax(logits, dim=1)[:, :n]
+    ref = (weights[:, None] @ v)[:, 0]
+    if gate:
+        ref = ref * torch.sigmoid(gates.double())
+    assert torch.allclose(out.double().view(heads, hd), ref, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
 # whole models
 
 
@@ -156,6 +192,8 @@ def tiny(dtype=torch.float32, **overrides) -> GPTModel:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
+            if name.endswith("sinks"):  # zero sinks would be a weak test
+                p.copy_(torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn_like(b))
@@ -167,9 +205,24 @@ def moe_layers(routing: str, layout: list[dict]) -> dict:
 
 
 FAMILIES = {
-    "qwen3_next_moe": moe_layers("qwen", [{"mlp": "moe"}] * 2),
+    # gated attention (a quarter of each head turned), QK-norm, experts and a gated
+    # shared expert (Qwen3-Next's attention layers)
+    "qwen3_next": {**moe_layers("qwen", [{"attention": "gated", "mlp": "moe"}] * 2),
+                   "attention_options": {"gated": {"rotary_dim": 4}}, "head_dim": 16,
+                   "qk_norm": True},
+    # a dense layer, then DeepSeek-V3's routing
     "deepseek_moe": moe_layers("deepseek", [{"mlp": "dense"}, {"mlp": "moe"}]),
-    "gpt_oss_moe": {**moe_layers("gpt_oss", [{"mlp": "moe"}] * 2), "qkv_bias": True},
+    # sinks, sliding and full layers in turn, biases, clamped SwiGLU experts (gpt-oss)
+    "gpt_oss": {**moe_layers("gpt_oss", [{"attention": "sink", "mlp": "moe"}] * 2),
+                "qkv_bias": True, "out_bias": True, "window_size": 5,
+                "layer_types": ["sliding", "full"]},
+    # a layer without positions (SmolLM3's every fourth)
+    "smollm3_nope": {"layout": [{}, {"rope": False}]},
+    # the last two layers read the first two's caches, sliding and full (Gemma 4)
+    "gemma4_shared_kv": {"n_layers": 4, "window_size": 5,
+                         "layer_types": ["sliding", "full"] * 2,
+                         "layout": [{}, {}, {"attention": "shared_kv", "kv_source": 0},
+                                    {"attention": "shared_kv", "kv_source": 1}]},
 }
 
 
@@ -220,3 +273,12 @@ def test_every_family_generates_the_same_tokens_on_both_paths(family):
     native = generate(model, idx, 30, native=True)
     module = generate(model, idx, 30, native=False)
     assert torch.equal(native, module)
+
+
+def test_native_unsupported_names_the_layers_without_a_step():
+    model = tiny(layout=[{"attention": "latent"}, {}],
+                 attention_options={"latent": {"kv_lora_rank": 16, "qk_rope_head_dim": 4,
+                                               "qk_nope_head_dim": 8, "v_head_dim": 8}})
+    assert unsupported(model).startswith("LatentAttention layers have no native step")
+    assert torch.equal(generate(model, torch.tensor([[1, 2]]), 3),
+                       generate(model, torch.tensor([[1, 2]]), 3, native=False))

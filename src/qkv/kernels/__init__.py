@@ -141,7 +141,8 @@ class Layer(ctypes.Structure):
                 *((name, Norm) for name in ("norm1", "norm2", "post_norm1", "post_norm2",
                                             "q_norm", "k_norm")),
                 ("rope_cos", _P), ("rope_sin", _P), ("keys", _P), ("values", _P),
-                ("cache_len", _N), ("ring", _I), ("act", _I), ("hidden", _N),
+                ("cache_len", _N), ("ring", _I), ("sinks", _P), ("gated", _I),
+                ("shared", _I), ("rotary_dim", _N), ("act", _I), ("hidden", _N),
                 ("moe", ctypes.POINTER(Moe))]
 
 
@@ -155,7 +156,7 @@ class Model(ctypes.Structure):
                 ("scale", _F), ("embed_scale", _F),
                 ("tok_emb", Mat), ("pos_emb", Mat), ("head", Mat), ("final_norm", Norm),
                 ("layers", ctypes.POINTER(Layer)),
-                *((name, _P) for name in ("x", "o", "h", "q", "k", "v", "a", "f", "logits",
+                *((name, _P) for name in ("x", "o", "h", "q", "g", "k", "v", "a", "f", "logits",
                                           "scores"))]
 
 
@@ -168,11 +169,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qkv_embed.argtypes = [m, n, m, n, f, p, n]
     lib.qkv_rope.argtypes = [p, p, p, n, n]
     lib.qkv_attend.argtypes = [p, p, p, p, p, i, p, n, n, n, n, n, n, f, p, i]
+    lib.qkv_attend_cached.argtypes = [p, p, p, i, p, n, n, n, n, n, f, p, p, p, i]
     lib.qkv_route.argtypes = [ctypes.POINTER(Moe)]
     lib.qkv_moe_forward.argtypes = [ctypes.POINTER(Moe), p, p, n, i, i]
     lib.qkv_step.argtypes = [ctypes.POINTER(Model), n, n, i]
     for fn in (lib.qkv_linear, lib.qkv_gated, lib.qkv_layer_norm, lib.qkv_rms_norm,
-               lib.qkv_embed, lib.qkv_rope, lib.qkv_attend, lib.qkv_route,
+               lib.qkv_embed, lib.qkv_rope, lib.qkv_attend, lib.qkv_attend_cached, lib.qkv_route,
                lib.qkv_moe_forward, lib.qkv_step):
         fn.restype = None
 

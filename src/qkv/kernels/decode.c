@@ -322,18 +322,26 @@ void qkv_embed(const qkv_mat *tok, long token, const qkv_mat *pos, long position
     }
 }
 
-/* Rotary position embedding, "rotate half" layout, in place on `heads` vectors of hd:
-   dimension i pairs with i + hd / 2; cos, sin: the position's row (hd) of the table. */
-void qkv_rope(float *x, const float *cos, const float *sin, long heads, long hd) {
-    const long half = hd / 2;
+/* Rotary position embedding, "rotate half" layout, in place on `heads` vectors of
+   `stride` values: the first rd of each turn (dimension i pairs with i + rd / 2), the
+   rest pass (partial RoPE, Qwen3-Next's); cos, sin: the position's row (rd) of a table
+   built for an rd-wide head. */
+static void rope_heads(float *x, const float *cos, const float *sin, long heads, long stride,
+                       long rd) {
+    const long half = rd / 2;
     for (long h = 0; h < heads; h++) {
-        float *v = x + h * hd;
+        float *v = x + h * stride;
         for (long i = 0; i < half; i++) {
             float a = v[i], b = v[i + half];
             v[i] = a * cos[i] - b * sin[i];
             v[i + half] = b * cos[i + half] + a * sin[i + half];
         }
     }
+}
+
+/* Every dimension of each of `heads` vectors of hd turns. */
+void qkv_rope(float *x, const float *cos, const float *sin, long heads, long hd) {
+    rope_heads(x, cos, sin, heads, hd, hd);
 }
 
 /* ---------------------------------------------------------------------------------
@@ -381,28 +389,35 @@ static void store_kv(const float *k, const float *v, void *K, void *V, int dt, l
         }
 }
 
-/* Every query head over slots 0 .. n - 1 of its key/value head, shared out by head. */
+/* Every query head over slots 0 .. n - 1 of its key/value head, shared out by head.
+   sinks (heads, or NULL): head h's softmax has one more logit, sinks[h], with no value
+   behind it (gpt-oss), so its weights over the slots sum to less than one. gate (heads
+   * hd, or NULL): each output value is then scaled by sigmoid(gate) (Qwen3-Next's
+   gated attention). */
 static void attend_heads_shared(const float *q, const void *K, const void *V, int dt,
                                 float *out, long heads, long kv_heads, long hd,
-                                long cache_len, long n, float scale, float *scores) {
+                                long cache_len, long n, float scale, const float *sinks,
+                                const float *gate, float *scores) {
     const long group = heads / kv_heads, stride = cache_len * hd;
 #pragma omp for schedule(static)
     for (long h = 0; h < heads; h++) {
         const long base = (h / group) * stride;
         float *s = scores + h * n, *o = out + h * hd;
         const float *qh = q + h * hd;
-        float m = -INFINITY;
+        float m = sinks ? sinks[h] : -INFINITY;
         for (long p = 0; p < n; p++) {
             s[p] = dot_hd(qh, K, base + p * hd, hd, dt) * scale;
             if (s[p] > m) m = s[p];
         }
-        float total = 0.0f;
+        float total = sinks ? expf(sinks[h] - m) : 0.0f;
         for (long p = 0; p < n; p++) {
             s[p] = expf(s[p] - m);
             total += s[p];
         }
         for (long d = 0; d < hd; d++) o[d] = 0.0f;
         for (long p = 0; p < n; p++) axpy_hd(s[p] / total, V, base + p * hd, o, hd, dt);
+        if (gate)
+            for (long d = 0; d < hd; d++) o[d] *= 1.0f / (1.0f + expf(-gate[h * hd + d]));
     }
 }
 
@@ -414,8 +429,19 @@ void qkv_attend(const float *q, const float *k, const float *v, void *K, void *V
 #pragma omp single
         store_kv(k, v, K, V, dt, kv_heads, head_dim, cache_len, slot);
         attend_heads_shared(q, K, V, dt, out, heads, kv_heads, head_dim, cache_len, n, scale,
-                            scores);
+                            NULL, NULL, scores);
     }
+}
+
+/* Attention over a cache without writing to it (a KV-sharing layer reads its source
+   layer's), with sinks and gate as attend_heads_shared takes them (NULL: none). */
+void qkv_attend_cached(const float *q, const void *K, const void *V, int dt, float *out,
+                       long heads, long kv_heads, long head_dim, long cache_len, long n,
+                       float scale, const float *sinks, const float *gate, float *scores,
+                       int threads) {
+#pragma omp parallel num_threads(threads)
+    attend_heads_shared(q, K, V, dt, out, heads, kv_heads, head_dim, cache_len, n, scale,
+                        sinks, gate, scores);
 }
 
 /* ---------------------------------------------------------------------------------
@@ -617,6 +643,10 @@ typedef struct {
     void *keys, *values;              /* the layer's cache (dt, (kv_heads, cache_len, hd)) */
     long cache_len;
     int ring; /* the cache is a ring of cache_len slots (a sliding window) */
+    const float *sinks; /* (heads,) float32: the sink logits (gpt-oss), or NULL */
+    int gated;          /* wq is (2 heads hd, dim): each head's query, then its gate */
+    int shared;         /* keys and values are an earlier layer's (wk, wv none; no store) */
+    long rotary_dim;    /* the dimensions of each head RoPE turns (the first ones) */
     int act;  /* the dense MLP's activation */
     long hidden; /* the dense MLP's width */
     const qkv_moe *moe; /* a mixture of experts in place of the dense MLP, or NULL */
@@ -630,9 +660,10 @@ typedef struct {
     qkv_mat tok_emb, pos_emb, head; /* (vocab, dim), (context, dim) or data NULL, (vocab, dim) */
     qkv_norm final_norm;
     const qkv_layer *layers;
-    /* float32 work buffers: x, o (dim); h (dim); q, a (heads * hd); k, v (kv_heads * hd);
+    /* float32 work buffers: x, o (dim); h (dim); q (2 heads hd with gated layers, else
+       heads hd); g, a (heads * hd); k, v (kv_heads * hd);
        f (the widest dense MLP); logits (vocab); scores (heads * the longest cache) */
-    float *x, *o, *h, *q, *k, *v, *a, *f, *logits, *scores;
+    float *x, *o, *h, *q, *g, *k, *v, *a, *f, *logits, *scores;
 } qkv_model;
 
 /* q, k, v = W_q x (+b), W_k x (+b), W_v x (+b) as one work-shared loop over the rows of
@@ -672,23 +703,33 @@ void qkv_step(const qkv_model *m, long token, long pos, int threads) {
             const qkv_layer *L = &m->layers[l];
 #pragma omp single
             norm(&L->norm1, m->x, m->h, d);
-            project_qkv_shared(L, m->h, m->q, m->k, m->v, qd, kvd, d);
+            project_qkv_shared(L, m->h, m->q, m->k, m->v, L->gated ? 2 * qd : qd,
+                               L->shared ? 0 : kvd, d);
             const long slot = L->ring ? pos % L->cache_len : pos;
             const long n = L->ring && pos + 1 > L->cache_len ? L->cache_len : pos + 1;
 #pragma omp single
             {
+                if (L->gated) /* [q_h | g_h] per head -> q (heads hd), g (heads hd) */
+                    for (long h = 0; h < m->heads; h++) {
+                        memcpy(m->g + h * hd, m->q + (2 * h + 1) * hd, (size_t)hd * sizeof(float));
+                        memmove(m->q + h * hd, m->q + 2 * h * hd, (size_t)hd * sizeof(float));
+                    }
                 if (L->q_norm.kind != NORM_NONE)
                     for (long h = 0; h < m->heads; h++) norm(&L->q_norm, m->q + h * hd, m->q + h * hd, hd);
-                if (L->k_norm.kind != NORM_NONE)
+                if (L->k_norm.kind != NORM_NONE && !L->shared)
                     for (long h = 0; h < m->kv_heads; h++) norm(&L->k_norm, m->k + h * hd, m->k + h * hd, hd);
                 if (L->rope_cos) {
-                    qkv_rope(m->q, L->rope_cos + pos * hd, L->rope_sin + pos * hd, m->heads, hd);
-                    qkv_rope(m->k, L->rope_cos + pos * hd, L->rope_sin + pos * hd, m->kv_heads, hd);
+                    const long rd = L->rotary_dim;
+                    rope_heads(m->q, L->rope_cos + pos * rd, L->rope_sin + pos * rd, m->heads, hd, rd);
+                    if (!L->shared)
+                        rope_heads(m->k, L->rope_cos + pos * rd, L->rope_sin + pos * rd, m->kv_heads, hd, rd);
                 }
-                store_kv(m->k, m->v, L->keys, L->values, dt, m->kv_heads, hd, L->cache_len, slot);
+                if (!L->shared) /* a sharing layer's source stored this token's already */
+                    store_kv(m->k, m->v, L->keys, L->values, dt, m->kv_heads, hd, L->cache_len, slot);
             }
             attend_heads_shared(m->q, L->keys, L->values, dt, m->a, m->heads, m->kv_heads, hd,
-                                L->cache_len, n, m->scale, m->scores);
+                                L->cache_len, n, m->scale, L->sinks, L->gated ? m->g : NULL,
+                                m->scores);
             if (L->post_norm1.kind == NORM_NONE) {
                 linear_shared(&L->wo, m->a, L->bo, m->x, d, qd, ADD);
             } else {

@@ -1028,6 +1028,10 @@ class GPTModel(nn.Module):
 # Decoding
 
 
+# The attention classes decode.c's step runs (NoPE layers are MultiHeadAttention's).
+_NATIVE_ATTENTION = (MultiHeadAttention, SinkAttention, GatedAttention, SharedKVAttention)
+
+
 def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
     """Why :class:`~qkv.models.native_decode.NativeDecoder` (``generate``'s ``native``
     steps) cannot decode ``model`` at ``batch_size`` (None when it can)."""
@@ -1046,10 +1050,12 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         if type(block) is not TransformerBlock:
             return f"a block of type {type(block).__name__}"
         att, ff = block.att, block.ff
-        if type(att) is not MultiHeadAttention or type(ff) not in (FeedForward,
-                                                                   GatedFeedForward, MoE):
-            return ("attention and feed-forward must be qkv's MultiHeadAttention and "
-                    "FeedForward, GatedFeedForward or MoE")
+        if type(att) not in _NATIVE_ATTENTION:
+            return (f"{type(att).__name__} layers have no native step (it runs "
+                    f"{', '.join(c.__name__ for c in _NATIVE_ATTENTION)})")
+        if type(ff) not in (FeedForward, GatedFeedForward, MoE):
+            return (f"{type(ff).__name__} feed-forwards have no native step (it runs "
+                    "FeedForward, GatedFeedForward and MoE)")
         if (not att.causal or att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim
                 or att.kdim != att.d_in or att.vdim != att.d_in):
             return "causal self-attention over the residual stream is needed"
@@ -1293,7 +1299,8 @@ def generate(
             elif caches[0].pos == 0 or (caches[0].pos == context_size and not endless):
                 # first step, or the cache is full: (re-)fill it from the last window
                 for cache in caches:
-                    cache.reset()
+                    if cache is not None:  # a shared_kv layer keeps none
+                        cache.reset()
                 logits = forward(ids[:, max(end - context_size, 0) : end], caches)
             elif decoder is not None:
                 logits = decoder.step(int(ids[0, end - 1]))

@@ -83,6 +83,12 @@ def _dense_mlp(ff: nn.Module) -> tuple[nn.Linear, nn.Linear | None, nn.Linear]:
     return (ff.fc1, ff.fc2, ff.fc3) if hasattr(ff, "fc1") else (ff.layers[0], None, ff.layers[2])
 
 
+def _gated(att: nn.Module) -> bool:
+    """Whether the layer's query projection carries a gate per head (twice as wide:
+    each head's query, then its gate)."""
+    return att.W_query.out_features == 2 * att.num_heads * att.head_dim
+
+
 def _vector(t: Tensor | None) -> Tensor | None:
     """A float32 contiguous copy of a small parameter (the parameter itself if it is one)."""
     return None if t is None else t.detach().float().contiguous()
@@ -107,11 +113,11 @@ class NativeDecoder:
         lib = decode_kernels()
         if lib is None:
             raise ValueError(f"cannot decode natively: {unavailable_reason()}")
-        if caches and caches[0].keys.shape[0] != 1:
-            raise ValueError(f"one sequence at a time, got a batch of {caches[0].keys.shape[0]}")
         if len(caches) != len(model.trf_blocks):
             raise ValueError(f"need one KVCache per layer ({len(model.trf_blocks)}), "
                              f"got {len(caches)}")
+        if caches and caches[0].keys.shape[0] != 1:
+            raise ValueError(f"one sequence at a time, got a batch of {caches[0].keys.shape[0]}")
         self.lib = lib
         self.model, self.caches = model, caches
         self.dtype = model.out_head.weight.dtype
@@ -119,7 +125,14 @@ class NativeDecoder:
         cfg = model.cfg
         att0 = model.trf_blocks[0].att
         heads, kv_heads, head_dim = att0.num_heads, att0.num_kv_groups, att0.head_dim
+        # The cache each layer attends over: its own, or (KV sharing) its source's.
+        read = []
         for block, cache in zip(model.trf_blocks, caches, strict=True):
+            source = block.spec.kv_source
+            if (source is None) == (cache is None):
+                raise ValueError(f"caches must be the model's own (new_caches), got {cache!r}")
+            read.append(cache if source is None else caches[source])
+        for block, cache in zip(model.trf_blocks, read, strict=True):
             window = block.att.window_size
             if (cache.keys.dtype != self.dtype or not cache.keys.is_contiguous()
                     or not cache.values.is_contiguous() or cache.ring != (window is not None)
@@ -130,25 +143,27 @@ class NativeDecoder:
                 raise ValueError(f"caches must be the model's own (new_caches), got {cache!r}")
         # The last position a step may take: a full cache's length (all are one length),
         # and learned positions' table; a model of ring caches and RoPE has no end.
-        full = [cache.max_len for cache in caches if not cache.ring]
+        full = [cache.max_len for cache in read if not cache.ring]
         ends = full + ([cfg.context_length] if model.pos_emb is not None else [])
         self.limit = min(ends) if ends else None
         hidden = max([_dense_mlp(block.ff)[0].out_features for block in model.trf_blocks
                        if not hasattr(block.ff, "router")], default=1)
-        longest = max(cache.max_len for cache in caches)
+        longest = max(cache.max_len for cache in read)
+        gated = any(_gated(block.att) for block in model.trf_blocks)
         # Every tensor whose address the kernels get, kept alive with the decoder.
         self._keep: list[Tensor] = []
         self._moes: list[Moe] = []  # the structs the layers point to
         buffers = {name: self._zeros(size) for name, size in (
             ("x", cfg.emb_dim), ("o", cfg.emb_dim), ("h", cfg.emb_dim),
-            ("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim),
+            ("q", (2 if gated else 1) * heads * head_dim), ("g", heads * head_dim),
+            ("k", kv_heads * head_dim), ("v", kv_heads * head_dim),
             ("a", heads * head_dim), ("f", hidden), ("logits", cfg.vocab_size),
             ("scores", heads * longest))}
         self.logits = buffers["logits"].view(1, 1, cfg.vocab_size)
         self._rope: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._rope_len = 0
         self._layers = (Layer * cfg.n_layers)(*(self._layer(b, c) for b, c in
-                                                 zip(model.trf_blocks, caches, strict=True)))
+                                                 zip(model.trf_blocks, read, strict=True)))
         embed_scale = 1.0
         if cfg.embed_scale:  # rounded to the weights' dtype, as the module path rounds it
             embed_scale = float(torch.tensor(cfg.emb_dim ** 0.5, dtype=self.dtype))
@@ -235,9 +250,11 @@ class NativeDecoder:
         att, ff = block.att, block.ff
         moe = self._moe(ff) if hasattr(ff, "router") else None
         mlp = (None, None, None) if moe is not None else _dense_mlp(ff)
+        shared = block.spec.kv_source is not None  # no keys or values of its own
         linears = dict(zip(("q", "k", "v", "o", "1", "2", "3"),
-                           (att.W_query, att.W_key, att.W_value, att.out_proj, *mlp),
-                           strict=True))
+                           (att.W_query, getattr(att, "W_key", None),
+                            getattr(att, "W_value", None), att.out_proj, *mlp), strict=True))
+        sinks = getattr(att, "sinks", None)
         return Layer(
             **{f"w{n}": self._weight(None if m is None else m.weight)
                for n, m in linears.items()},
@@ -245,7 +262,10 @@ class NativeDecoder:
                for n, m in linears.items()},
             norm1=self._norm(block.norm1), norm2=self._norm(block.norm2),
             post_norm1=self._norm(block.post_norm1), post_norm2=self._norm(block.post_norm2),
-            q_norm=self._norm(att.q_norm), k_norm=self._norm(att.k_norm),
+            q_norm=self._norm(att.q_norm), k_norm=self._norm(getattr(att, "k_norm", None)),
+            sinks=self._hold(_vector(sinks)),
+            gated=int(_gated(att)), shared=int(shared),
+            rotary_dim=getattr(att, "rotary_dim", att.head_dim),
             keys=self._hold(cache.keys), values=self._hold(cache.values),
             cache_len=cache.max_len, ring=int(cache.ring),
             act=ACT_SILU if isinstance(getattr(ff, "act", None), nn.SiLU) else ACT_GELU,
@@ -265,9 +285,10 @@ class NativeDecoder:
             att = block.att
             if not att.rope:
                 continue
-            key = (att.rope_base, repr(att.rope_scaling))
+            width = getattr(att, "rotary_dim", att.head_dim)  # partial RoPE: fewer
+            key = (att.rope_base, repr(att.rope_scaling), width)
             if key not in self._rope:
-                cos, sin = rope_angles(torch.arange(n), att.head_dim, att.rope_base,
+                cos, sin = rope_angles(torch.arange(n), width, att.rope_base,
                                        att.rope_scaling)
                 self._rope[key] = (cos.float().contiguous(), sin.float().contiguous())
             cos, sin = self._rope[key]
@@ -288,5 +309,6 @@ class NativeDecoder:
         self._grow_rope(pos + 1)
         self.lib.qkv_step(ctypes.byref(self.struct), token, pos, self.threads)
         for cache in self.caches:
-            cache.pos = pos + 1
+            if cache is not None:
+                cache.pos = pos + 1
         return self.logits
