@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["ACT_GELU", "ACT_SILU", "AVX512_FLAGS", "FLAGS", "GLU_CLAMPED", "GLU_GEGLU",
-           "GLU_SWIGLU", "Layer", "Mat", "Model", "Moe", "NORM_LAYER", "SCORE_SIGMOID",
+           "GLU_SWIGLU", "Latent", "Layer", "Mat", "Model", "Moe", "NORM_LAYER", "SCORE_SIGMOID",
            "SCORE_SOFTMAX",
            "NORM_NONE", "NORM_RMS", "Norm", "decode_kernels", "flags", "unavailable_reason"]
 
@@ -132,6 +132,24 @@ class Moe(ctypes.Structure):
                 *((name, _P) for name in ("logits", "weights", "hidden", "chosen"))]
 
 
+class Latent(ctypes.Structure):
+    """``qkv_latent`` of decode.c: a multi-head latent attention layer (absorbed form),
+    with DeepSeek sparse attention's indexer where ``index_heads`` is not 0, its latent
+    cache (and index keys) and its work buffers."""
+
+    _fields_ = [("heads", _I), ("interleave", _I),
+                *((name, _N) for name in ("rank", "nope", "rope", "vdim", "q_rank")),
+                ("scale", _F),
+                *((name, Mat) for name in ("wq_a", "wq", "wkv_a", "wkv_b")),
+                ("bq_a", _P), ("bkv_a", _P), ("q_norm", Norm), ("kv_norm", Norm),
+                ("kv", _P),
+                *((name, _N) for name in ("index_heads", "index_dim", "index_topk")),
+                *((name, Mat) for name in ("iwq", "iwk", "iww")),
+                ("ik_norm", Norm), ("index_keys", _P),
+                *((name, _P) for name in ("cq", "q", "ql", "kvn", "oc", "part", "o", "iq",
+                                          "ik", "iw", "iscore", "sel"))]
+
+
 class Layer(ctypes.Structure):
     """``qkv_layer`` of decode.c: one block's parameters, norms, RoPE table and KV cache
     (addresses)."""
@@ -143,7 +161,7 @@ class Layer(ctypes.Structure):
                 ("rope_cos", _P), ("rope_sin", _P), ("keys", _P), ("values", _P),
                 ("cache_len", _N), ("ring", _I), ("sinks", _P), ("gated", _I),
                 ("shared", _I), ("rotary_dim", _N), ("act", _I), ("hidden", _N),
-                ("moe", ctypes.POINTER(Moe))]
+                ("moe", ctypes.POINTER(Moe)), ("latent", ctypes.POINTER(Latent))]
 
 
 class Model(ctypes.Structure):

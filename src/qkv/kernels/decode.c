@@ -26,6 +26,7 @@
    mix them; the activations and the caches' dtype are the model's. */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -620,6 +621,204 @@ void qkv_moe_forward(const qkv_moe *e, const float *x, float *y, long d, int mod
 }
 
 /* ---------------------------------------------------------------------------------
+   Multi-head latent attention for one token, in the absorbed form (DeepSeek-V2/V3,
+   qkv.latent_attention.LatentAttention), and DeepSeek's sparse attention (V3.2).
+
+   With h heads, r = kv_lora_rank, dn, dr, dv the head widths (nope, RoPE, value):
+     c_q = RMSNorm(W_qa x (+b))            (or none: q = W_q x)
+     [q_n,i ; q_r,i] = W_qb c_q            q_r,i rotated at pos
+     [c ; k_r] = W_kva x (+b);  c = RMSNorm(c);  k_r rotated;  cache[pos] = [c ; k_r]
+     q_c,i = W_UK,i^T q_n,i                (r wide; W_UK,i: rows i (dn + dv) .. + dn of W_kvb)
+     s_i(u) = scale [q_c,i ; q_r,i] . cache[u]
+     o_c,i = sum_u softmax_u(s_i(u)) c(u)  (r wide)
+     o_i = W_UV,i o_c,i                    (dv; W_UV,i: rows i (dn + dv) + dn .. + dv)
+     out = W_o [o_1 .. o_h] (+b)
+   The cache holds [c ; k_r] only (r + dr per token), nothing is decompressed, and the
+   cache is read once per step for all heads: the positions are shared out among the
+   threads, each thread keeps every head's running softmax (max, sum, weighted sum of
+   latents) over its positions, and the threads' partial results are merged at the end.
+
+   Sparse (indexer present): per token the index key k^I = RoPE_half(LayerNorm(W_k^I x))
+   is cached too; the index queries q^I_j = RoPE_half(W_q^I c_q) (H heads of dI), weights
+   w_j = (W_w^I x)_j / sqrt(H); every cached position u gets
+     I(u) = sum_j w_j ReLU(q^I_j . k^I(u) / sqrt(dI)),
+   and attention reads only the latents of the index_topk positions of largest I(u). */
+
+typedef struct {
+    int heads, interleave; /* interleave: RoPE turns pairs (2i, 2i + 1) (DeepSeek's) */
+    long rank, nope, rope, vdim, q_rank; /* r, dn, dr, dv; q_rank 0: one q_proj */
+    float scale;
+    qkv_mat wq_a, wq, wkv_a, wkv_b; /* (q_rank, d); (h (dn + dr), q_rank or d); (r + dr, d); (h (dn + dv), r) */
+    const float *bq_a, *bkv_a;
+    qkv_norm q_norm, kv_norm; /* RMSNorms of c_q and c */
+    void *kv;                 /* the cache, (cache_len, r + dr) of the model's dtype */
+    /* the indexer (index_heads 0: dense MLA) */
+    long index_heads, index_dim, index_topk;
+    qkv_mat iwq, iwk, iww; /* (H dI, q_rank), (dI, d), (H, d) */
+    qkv_norm ik_norm;      /* LayerNorm of the index key */
+    void *index_keys;      /* (cache_len, dI) */
+    /* float32 work buffers: cq (q_rank), q (h (dn + dr)), ql (h (r + dr)), kvn (r + dr),
+       oc (h r), part (threads h (r + 2)), o (h dv); iq (H dI), ik (dI), iw (H),
+       iscore (cache_len); sel (index_topk) int32 */
+    float *cq, *q, *ql, *kvn, *oc, *part, *o, *iq, *ik, *iw, *iscore;
+    int *sel;
+} qkv_latent;
+
+/* RoPE on interleaved pairs (2i, 2i + 1) of one vector of rd; cos, sin: the position's
+   row of the rd-wide table (its first half holds one angle per pair). */
+static void rope_pairs(float *v, const float *cos, const float *sin, long rd) {
+    for (long i = 0; i < rd / 2; i++) {
+        float a = v[2 * i], b = v[2 * i + 1];
+        v[2 * i] = a * cos[i] - b * sin[i];
+        v[2 * i + 1] = b * cos[i] + a * sin[i];
+    }
+}
+
+/* y += a * row r of W (n values). */
+static void axpy_row(const qkv_mat *W, long r, long n, float a, float *y) {
+    if (W->type == QKV_F32 || W->type == QKV_BF16) {
+        axpy_hd(a, W->data, r * n, y, n, W->type);
+    } else {
+        float w[n];
+        row_to_f32(W, r, n, w);
+        for (long i = 0; i < n; i++) y[i] += a * w[i];
+    }
+}
+
+/* Store float32 x (n) into row `slot` of a (rows, n) buffer of dt. */
+static void store_row(const float *x, void *buf, int dt, long slot, long n) {
+    for (long i = 0; i < n; i++) {
+        if (dt == QKV_BF16)
+            ((uint16_t *)buf)[slot * n + i] = f32_to_bf16(x[i]);
+        else
+            ((float *)buf)[slot * n + i] = x[i];
+    }
+}
+
+/* y = (or +=) the layer's attention output for x (d) at pos, Wo/bo the output
+   projection. cos, sin: the position's rows of the dr-wide RoPE table. */
+static void latent_shared(const qkv_latent *A, const qkv_mat *Wo, const float *bo,
+                          const float *x, float *y, long d, long pos, const float *cos,
+                          const float *sin, int dt, int mode) {
+    const long h = A->heads, r = A->rank, dn = A->nope, dr = A->rope, dv = A->vdim;
+    const long qw = dn + dr, kw = r + dr, n = pos + 1, H = A->index_heads, dI = A->index_dim;
+    if (A->q_rank) linear_shared(&A->wq_a, x, A->bq_a, A->cq, A->q_rank, d, STORE);
+    linear_shared(&A->wkv_a, x, A->bkv_a, A->kvn, kw, d, STORE);
+    if (H) {
+        linear_shared(&A->iwk, x, NULL, A->ik, dI, d, STORE);
+        linear_shared(&A->iww, x, NULL, A->iw, H, d, STORE);
+    }
+#pragma omp single
+    {
+        if (A->q_rank) norm(&A->q_norm, A->cq, A->cq, A->q_rank);
+        norm(&A->kv_norm, A->kvn, A->kvn, r);
+        if (A->interleave)
+            rope_pairs(A->kvn + r, cos, sin, dr);
+        else
+            rope_heads(A->kvn + r, cos, sin, 1, dr, dr);
+        store_row(A->kvn, A->kv, dt, pos, kw);
+        if (H) {
+            norm(&A->ik_norm, A->ik, A->ik, dI);
+            rope_heads(A->ik, cos, sin, 1, dI, dr);
+            store_row(A->ik, A->index_keys, dt, pos, dI);
+        }
+    }
+    linear_shared(&A->wq, A->q_rank ? A->cq : x, NULL, A->q, h * qw, A->q_rank ? A->q_rank : d,
+                  STORE);
+    if (H) linear_shared(&A->iwq, A->cq, NULL, A->iq, H * dI, A->q_rank, STORE);
+    /* each head's query in latent coordinates, [q_c,i ; q_r,i] */
+#pragma omp for schedule(static)
+    for (long i = 0; i < h; i++) {
+        float *q = A->q + i * qw, *ql = A->ql + i * kw;
+        if (A->interleave)
+            rope_pairs(q + dn, cos, sin, dr);
+        else
+            rope_heads(q + dn, cos, sin, 1, dr, dr);
+        for (long j = 0; j < r; j++) ql[j] = 0.0f;
+        for (long k = 0; k < dn; k++) axpy_row(&A->wkv_b, i * (dn + dv) + k, r, q[k], ql);
+        memcpy(ql + r, q + dn, (size_t)dr * sizeof(float));
+    }
+    long count = n; /* the positions attention reads: 0 .. n - 1, or the selected ones */
+    const int *sel = NULL;
+    if (H) {
+#pragma omp single
+        for (long j = 0; j < H; j++) rope_heads(A->iq + j * dI, cos, sin, 1, dI, dr);
+        const float qscale = 1.0f / sqrtf((float)dI), wscale = 1.0f / sqrtf((float)H);
+#pragma omp for schedule(static)
+        for (long u = 0; u < n; u++) {
+            float s = 0.0f;
+            for (long j = 0; j < H; j++) {
+                float v = dot_hd(A->iq + j * dI, A->index_keys, u * dI, dI, dt) * qscale;
+                s += A->iw[j] * wscale * (v > 0.0f ? v : 0.0f);
+            }
+            A->iscore[u] = s;
+        }
+        count = A->index_topk < n ? A->index_topk : n;
+#pragma omp single
+        for (long t = 0; t < count; t++) { /* the best remaining position, count times */
+            long best = -1;
+            for (long u = 0; u < n; u++)
+                if (A->iscore[u] > -INFINITY && (best < 0 || A->iscore[u] > A->iscore[best])) best = u;
+            A->sel[t] = (int)best;
+            A->iscore[best] = -INFINITY;
+        }
+        sel = A->sel;
+    }
+    /* attention: each thread its share of the positions, every head's running softmax */
+    {
+        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const long lo = count * tid / nt, hi = count * (tid + 1) / nt;
+        float *P = A->part + (long)tid * h * (r + 2);
+        for (long i = 0; i < h; i++) {
+            P[i * (r + 2)] = -INFINITY, P[i * (r + 2) + 1] = 0.0f;
+            memset(P + i * (r + 2) + 2, 0, (size_t)r * sizeof(float));
+        }
+        for (long t = lo; t < hi; t++) {
+            const long off = (sel ? sel[t] : t) * kw;
+            for (long i = 0; i < h; i++) {
+                float *Pi = P + i * (r + 2), *acc = Pi + 2;
+                const float s = dot_hd(A->ql + i * kw, A->kv, off, kw, dt) * A->scale;
+                if (s > Pi[0]) { /* a new maximum: rescale what is summed so far */
+                    const float f = Pi[0] == -INFINITY ? 0.0f : expf(Pi[0] - s);
+                    Pi[1] *= f;
+                    for (long j = 0; j < r; j++) acc[j] *= f;
+                    Pi[0] = s;
+                }
+                const float p = expf(s - Pi[0]);
+                Pi[1] += p;
+                axpy_hd(p, A->kv, off, acc, r, dt);
+            }
+        }
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (long i = 0; i < h; i++) { /* merge the threads' partial softmaxes */
+        const int nt = omp_get_num_threads();
+        float M = -INFINITY, total = 0.0f, *oc = A->oc + i * r;
+        for (int t = 0; t < nt; t++) M = fmaxf(M, A->part[((long)t * h + i) * (r + 2)]);
+        for (long j = 0; j < r; j++) oc[j] = 0.0f;
+        for (int t = 0; t < nt; t++) {
+            const float *Pi = A->part + ((long)t * h + i) * (r + 2);
+            if (Pi[0] == -INFINITY) continue;
+            const float f = expf(Pi[0] - M);
+            total += f * Pi[1];
+            for (long j = 0; j < r; j++) oc[j] += f * Pi[2 + j];
+        }
+        for (long j = 0; j < r; j++) oc[j] /= total;
+    }
+    /* o_i = W_UV,i o_c,i: each head's value rows of W_kvb, with its own input */
+    for (long i = 0; i < h; i++) {
+        const float *oc = A->oc + i * r;
+        DEINTERLEAVE(oc, r, A->wkv_b.type == QKV_BF16)
+#pragma omp for schedule(static) nowait
+        for (long k = 0; k < dv; k++)
+            A->o[i * dv + k] = dot_row(&A->wkv_b, i * (dn + dv) + dn + k, r, oc, xe, xo);
+    }
+#pragma omp barrier
+    linear_shared(Wo, A->o, bo, y, d, h * dv, mode);
+}
+
+/* ---------------------------------------------------------------------------------
    A whole step of a qkv.models.gpt.GPTModel. With x the residual stream (float32):
 
      x = tok_emb[token] * embed_scale (+ pos_emb[pos])
@@ -650,6 +849,7 @@ typedef struct {
     int act;  /* the dense MLP's activation */
     long hidden; /* the dense MLP's width */
     const qkv_moe *moe; /* a mixture of experts in place of the dense MLP, or NULL */
+    const qkv_latent *latent; /* latent attention in place of wq .. wv and the KV cache */
 } qkv_layer;
 
 typedef struct {
@@ -692,55 +892,67 @@ static void add_branch(const qkv_norm *post, float *o, float *x, long n) {
     for (long i = 0; i < n; i++) x[i] += o[i];
 }
 
-void qkv_step(const qkv_model *m, long token, long pos, int threads) {
+/* Multi-head attention of one layer for the token at pos, with its variants: y = (or
+   +=) W_o a (+b). Called by every thread. */
+static void attention_shared(const qkv_model *m, const qkv_layer *L, long pos, float *y,
+                             int mode) {
     const long d = m->dim, hd = m->head_dim, qd = m->heads * hd, kvd = m->kv_heads * hd;
-    const int dt = m->dt;
+    project_qkv_shared(L, m->h, m->q, m->k, m->v, L->gated ? 2 * qd : qd, L->shared ? 0 : kvd,
+                       d);
+    const long slot = L->ring ? pos % L->cache_len : pos;
+    const long n = L->ring && pos + 1 > L->cache_len ? L->cache_len : pos + 1;
+#pragma omp single
+    {
+        if (L->gated) /* [q_h | g_h] per head -> q (heads hd), g (heads hd) */
+            for (long h = 0; h < m->heads; h++) {
+                memcpy(m->g + h * hd, m->q + (2 * h + 1) * hd, (size_t)hd * sizeof(float));
+                memmove(m->q + h * hd, m->q + 2 * h * hd, (size_t)hd * sizeof(float));
+            }
+        if (L->q_norm.kind != NORM_NONE)
+            for (long h = 0; h < m->heads; h++) norm(&L->q_norm, m->q + h * hd, m->q + h * hd, hd);
+        if (L->k_norm.kind != NORM_NONE && !L->shared)
+            for (long h = 0; h < m->kv_heads; h++) norm(&L->k_norm, m->k + h * hd, m->k + h * hd, hd);
+        if (L->rope_cos) {
+            const long rd = L->rotary_dim;
+            rope_heads(m->q, L->rope_cos + pos * rd, L->rope_sin + pos * rd, m->heads, hd, rd);
+            if (!L->shared)
+                rope_heads(m->k, L->rope_cos + pos * rd, L->rope_sin + pos * rd, m->kv_heads, hd, rd);
+        }
+        if (!L->shared) /* a sharing layer's source stored this token's already */
+            store_kv(m->k, m->v, L->keys, L->values, m->dt, m->kv_heads, hd, L->cache_len, slot);
+    }
+    attend_heads_shared(m->q, L->keys, L->values, m->dt, m->a, m->heads, m->kv_heads, hd,
+                        L->cache_len, n, m->scale, L->sinks, L->gated ? m->g : NULL, m->scores);
+    linear_shared(&L->wo, m->a, L->bo, y, d, qd, mode);
+}
+
+void qkv_step(const qkv_model *m, long token, long pos, int threads) {
+    const long d = m->dim;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp single
         qkv_embed(&m->tok_emb, token, &m->pos_emb, pos, m->embed_scale, m->x, d);
         for (int l = 0; l < m->n_layers; l++) {
             const qkv_layer *L = &m->layers[l];
+            /* each branch goes straight into x, or through o and its post-norm */
 #pragma omp single
             norm(&L->norm1, m->x, m->h, d);
-            project_qkv_shared(L, m->h, m->q, m->k, m->v, L->gated ? 2 * qd : qd,
-                               L->shared ? 0 : kvd, d);
-            const long slot = L->ring ? pos % L->cache_len : pos;
-            const long n = L->ring && pos + 1 > L->cache_len ? L->cache_len : pos + 1;
-#pragma omp single
-            {
-                if (L->gated) /* [q_h | g_h] per head -> q (heads hd), g (heads hd) */
-                    for (long h = 0; h < m->heads; h++) {
-                        memcpy(m->g + h * hd, m->q + (2 * h + 1) * hd, (size_t)hd * sizeof(float));
-                        memmove(m->q + h * hd, m->q + 2 * h * hd, (size_t)hd * sizeof(float));
-                    }
-                if (L->q_norm.kind != NORM_NONE)
-                    for (long h = 0; h < m->heads; h++) norm(&L->q_norm, m->q + h * hd, m->q + h * hd, hd);
-                if (L->k_norm.kind != NORM_NONE && !L->shared)
-                    for (long h = 0; h < m->kv_heads; h++) norm(&L->k_norm, m->k + h * hd, m->k + h * hd, hd);
-                if (L->rope_cos) {
-                    const long rd = L->rotary_dim;
-                    rope_heads(m->q, L->rope_cos + pos * rd, L->rope_sin + pos * rd, m->heads, hd, rd);
-                    if (!L->shared)
-                        rope_heads(m->k, L->rope_cos + pos * rd, L->rope_sin + pos * rd, m->kv_heads, hd, rd);
-                }
-                if (!L->shared) /* a sharing layer's source stored this token's already */
-                    store_kv(m->k, m->v, L->keys, L->values, dt, m->kv_heads, hd, L->cache_len, slot);
-            }
-            attend_heads_shared(m->q, L->keys, L->values, dt, m->a, m->heads, m->kv_heads, hd,
-                                L->cache_len, n, m->scale, L->sinks, L->gated ? m->g : NULL,
-                                m->scores);
-            if (L->post_norm1.kind == NORM_NONE) {
-                linear_shared(&L->wo, m->a, L->bo, m->x, d, qd, ADD);
-            } else {
-                linear_shared(&L->wo, m->a, L->bo, m->o, d, qd, STORE);
+            float *y = L->post_norm1.kind == NORM_NONE ? m->x : m->o;
+            int mode = L->post_norm1.kind == NORM_NONE ? ADD : STORE;
+            if (L->latent)
+                latent_shared(L->latent, &L->wo, L->bo, m->h, y, d, pos,
+                              L->rope_cos + pos * L->rotary_dim, L->rope_sin + pos * L->rotary_dim,
+                              m->dt, mode);
+            else
+                attention_shared(m, L, pos, y, mode);
+            if (mode == STORE) {
 #pragma omp single
                 add_branch(&L->post_norm1, m->o, m->x, d);
             }
 #pragma omp single
             norm(&L->norm2, m->x, m->h, d);
-            float *y = L->post_norm2.kind == NORM_NONE ? m->x : m->o;
-            const int mode = L->post_norm2.kind == NORM_NONE ? ADD : STORE;
+            y = L->post_norm2.kind == NORM_NONE ? m->x : m->o;
+            mode = L->post_norm2.kind == NORM_NONE ? ADD : STORE;
             if (L->moe) {
                 moe_shared(L->moe, m->h, y, d, mode);
             } else {
