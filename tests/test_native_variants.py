@@ -204,6 +204,10 @@ def moe_layers(routing: str, layout: list[dict]) -> dict:
     return dict(moe=dict(hidden_dim=16, **ROUTINGS[routing]), layout=layout)
 
 
+LATENT = {"kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8,
+          "v_head_dim": 8}
+SPARSE = {**LATENT, "q_lora_rank": 12, "index_n_heads": 4, "index_head_dim": 8,
+          "index_topk": 6}
 FAMILIES = {
     # gated attention (a quarter of each head turned), QK-norm, experts and a gated
     # shared expert (Qwen3-Next's attention layers)
@@ -216,6 +220,16 @@ FAMILIES = {
     "gpt_oss": {**moe_layers("gpt_oss", [{"attention": "sink", "mlp": "moe"}] * 2),
                 "qkv_bias": True, "out_bias": True, "window_size": 5,
                 "layer_types": ["sliding", "full"]},
+    # latent attention with a query latent (interleaved RoPE pairs), then with experts
+    "deepseek_v2_mla": {**moe_layers("qwen", [{"attention": "latent"},
+                                              {"attention": "latent", "mlp": "moe"}]),
+                        "attention_options": {"latent": {**LATENT, "q_lora_rank": 12}}},
+    # latent attention without a query latent, "rotate half" RoPE, beside an MHA layer
+    "mla_q_proj": {"layout": [{"attention": "latent"}, {}],
+                   "attention_options": {"latent": {**LATENT, "rope_interleave": False}}},
+    # DeepSeek sparse attention: 6 of up to 20 positions
+    "deepseek_v32_dsa": {"layout": [{"attention": "sparse_latent"}] * 2,
+                         "attention_options": {"sparse_latent": SPARSE}},
     # a layer without positions (SmolLM3's every fourth)
     "smollm3_nope": {"layout": [{}, {"rope": False}]},
     # the last two layers read the first two's caches, sliding and full (Gemma 4)
@@ -237,7 +251,8 @@ def step_logits(model, ids, prefix, native):
     out = []
     with torch.no_grad():
         model(ids[:, :prefix], caches=caches)
-        decoder = NativeDecoder(model, caches) if native else None
+        # two threads, whatever this process uses: their work-sharing counts
+        decoder = NativeDecoder(model, caches, threads=2) if native else None
         for t in range(prefix, ids.shape[1]):
             if native:
                 out.append(decoder.step(int(ids[0, t]))[0, 0].clone())
@@ -276,9 +291,21 @@ def test_every_family_generates_the_same_tokens_on_both_paths(family):
 
 
 def test_native_unsupported_names_the_layers_without_a_step():
-    model = tiny(layout=[{"attention": "latent"}, {}],
-                 attention_options={"latent": {"kv_lora_rank": 16, "qk_rope_head_dim": 4,
-                                               "qk_nope_head_dim": 8, "v_head_dim": 8}})
-    assert unsupported(model).startswith("LatentAttention layers have no native step")
+    model = tiny(layout=[{"attention": "gated_deltanet"}, {}],
+                 attention_options={"gated_deltanet": {"num_k_heads": 2, "head_k_dim": 8}})
+    assert unsupported(model).startswith("GatedDeltaNet layers have no native step")
     assert torch.equal(generate(model, torch.tensor([[1, 2]]), 3),
                        generate(model, torch.tensor([[1, 2]]), 3, native=False))
+
+
+@needs_kernels
+def test_sparse_attention_reads_only_the_selected_latents():
+    # The same weights with every position selected are dense MLA: the logits differ
+    # once there are more than index_topk positions, so the selection is in effect.
+    sparse = tiny(**FAMILIES["deepseek_v32_dsa"])
+    dense = tiny(**{**FAMILIES["deepseek_v32_dsa"], "attention_options": {
+        "sparse_latent": {**SPARSE, "index_topk": 24}}})
+    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(3))
+    a, b = step_logits(sparse, ids, 2, True), step_logits(dense, ids, 2, True)
+    assert torch.allclose(a[:4], b[:4], atol=1e-5)  # up to 6 positions: all selected
+    assert (a[5:] - b[5:]).abs().amax(dim=-1).min() > 1e-3

@@ -137,7 +137,7 @@ class Latent(ctypes.Structure):
     with DeepSeek sparse attention's indexer where ``index_heads`` is not 0, its latent
     cache (and index keys) and its work buffers."""
 
-    _fields_ = [("heads", _I), ("interleave", _I),
+    _fields_ = [("heads", _I), ("interleave", _I), ("threads", _I),
                 *((name, _N) for name in ("rank", "nope", "rope", "vdim", "q_rank")),
                 ("scale", _F),
                 *((name, Mat) for name in ("wq_a", "wq", "wkv_a", "wkv_b")),

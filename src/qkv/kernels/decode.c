@@ -646,6 +646,7 @@ void qkv_moe_forward(const qkv_moe *e, const float *x, float *y, long d, int mod
 
 typedef struct {
     int heads, interleave; /* interleave: RoPE turns pairs (2i, 2i + 1) (DeepSeek's) */
+    int threads;           /* the most threads `part` has room for */
     long rank, nope, rope, vdim, q_rank; /* r, dn, dr, dv; q_rank 0: one q_proj */
     float scale;
     qkv_mat wq_a, wq, wkv_a, wkv_b; /* (q_rank, d); (h (dn + dr), q_rank or d); (r + dr, d); (h (dn + dv), r) */
@@ -663,6 +664,8 @@ typedef struct {
     float *cq, *q, *ql, *kvn, *oc, *part, *o, *iq, *ik, *iw, *iscore;
     int *sel;
 } qkv_latent;
+
+static inline int min_int(int a, int b) { return a < b ? a : b; }
 
 /* RoPE on interleaved pairs (2i, 2i + 1) of one vector of rd; cos, sin: the position's
    row of the rd-wide table (its first half holds one angle per pair). */
@@ -766,8 +769,8 @@ static void latent_shared(const qkv_latent *A, const qkv_mat *Wo, const float *b
     }
     /* attention: each thread its share of the positions, every head's running softmax */
     {
-        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const long lo = count * tid / nt, hi = count * (tid + 1) / nt;
+        const int nt = min_int(omp_get_num_threads(), A->threads), tid = omp_get_thread_num();
+        const long lo = tid < nt ? count * tid / nt : 0, hi = tid < nt ? count * (tid + 1) / nt : 0;
         float *P = A->part + (long)tid * h * (r + 2);
         for (long i = 0; i < h; i++) {
             P[i * (r + 2)] = -INFINITY, P[i * (r + 2) + 1] = 0.0f;
@@ -793,7 +796,7 @@ static void latent_shared(const qkv_latent *A, const qkv_mat *Wo, const float *b
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (long i = 0; i < h; i++) { /* merge the threads' partial softmaxes */
-        const int nt = omp_get_num_threads();
+        const int nt = min_int(omp_get_num_threads(), A->threads);
         float M = -INFINITY, total = 0.0f, *oc = A->oc + i * r;
         for (int t = 0; t < nt; t++) M = fmaxf(M, A->part[((long)t * h + i) * (r + 2)]);
         for (long j = 0; j < r; j++) oc[j] = 0.0f;

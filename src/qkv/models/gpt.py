@@ -1029,7 +1029,8 @@ class GPTModel(nn.Module):
 
 
 # The attention classes decode.c's step runs (NoPE layers are MultiHeadAttention's).
-_NATIVE_ATTENTION = (MultiHeadAttention, SinkAttention, GatedAttention, SharedKVAttention)
+_NATIVE_ATTENTION = (MultiHeadAttention, SinkAttention, GatedAttention, SharedKVAttention,
+                     LatentAttention, SparseLatentAttention)
 
 
 def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
@@ -1046,6 +1047,8 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
     if batch_size != 1:
         return f"one sequence at a time, got a batch of {batch_size}"
     norms = (LayerNorm, RMSNorm)
+    mha = [block.att for block in model.trf_blocks
+           if not isinstance(block.att, LatentAttention)]
     for block in model.trf_blocks:
         if type(block) is not TransformerBlock:
             return f"a block of type {type(block).__name__}"
@@ -1056,13 +1059,16 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         if type(ff) not in (FeedForward, GatedFeedForward, MoE):
             return (f"{type(ff).__name__} feed-forwards have no native step (it runs "
                     "FeedForward, GatedFeedForward and MoE)")
-        if (not att.causal or att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim
+        if isinstance(att, LatentAttention):
+            if att.d_model != model.cfg.emb_dim:
+                return "latent attention over the residual stream is needed"
+        elif (not att.causal or att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim
                 or att.kdim != att.d_in or att.vdim != att.d_in):
             return "causal self-attention over the residual stream is needed"
-        if any(getattr(att, n) != getattr(model.trf_blocks[0].att, n) for n in
-               ("num_heads", "num_kv_groups", "head_dim", "scale")):
-            return "every layer must have the same heads, head size and scale"
-        if any(m is not None and type(m) not in norms for m in (att.q_norm, att.k_norm)):
+        elif any(getattr(att, n) != getattr(mha[0], n) for n in
+                 ("num_heads", "num_kv_groups", "head_dim", "scale")):
+            return "every multi-head attention layer must have the same heads, head size and scale"
+        elif any(m is not None and type(m) not in norms for m in (att.q_norm, att.k_norm)):
             return "QK-norms must be qkv's LayerNorm or RMSNorm"
         if type(ff) is FeedForward and \
                 [type(m) for m in ff.layers] != [nn.Linear, GELU, nn.Linear]:

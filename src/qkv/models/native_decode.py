@@ -57,6 +57,7 @@ from ..kernels import (
     NORM_RMS,
     SCORE_SIGMOID,
     SCORE_SOFTMAX,
+    Latent,
     Layer,
     Mat,
     Model,
@@ -83,6 +84,17 @@ def _dense_mlp(ff: nn.Module) -> tuple[nn.Linear, nn.Linear | None, nn.Linear]:
     return (ff.fc1, ff.fc2, ff.fc3) if hasattr(ff, "fc1") else (ff.layers[0], None, ff.layers[2])
 
 
+def _batch(cache: object) -> int:
+    """The batch size of a layer's cache (a KVCache or a LatentCache)."""
+    return (cache.kv if hasattr(cache, "kv") else cache.keys).shape[0]
+
+
+def _latent(att: nn.Module) -> bool:
+    """Whether ``att`` is a latent attention layer (its keys and values come from one
+    latent per token: ``kv_b_proj``)."""
+    return hasattr(att, "kv_b_proj")
+
+
 def _gated(att: nn.Module) -> bool:
     """Whether the layer's query projection carries a gate per head (twice as wide:
     each head's query, then its gate)."""
@@ -103,28 +115,34 @@ class NativeDecoder:
             here).
         caches: the model's caches (:meth:`GPTModel.new_caches` at batch 1), filled by
             the module path with the tokens so far; :meth:`step` appends to them.
+        threads: the threads each step runs on (default: PyTorch's).
 
     The decoder holds the addresses of the model's parameters and the caches' buffers
     (``decode.c``'s ``qkv_model``): use it only while neither is replaced or resized
     (one :func:`generate` call).
     """
 
-    def __init__(self, model: nn.Module, caches: list[KVCache]) -> None:
+    def __init__(self, model: nn.Module, caches: list[KVCache], threads: int | None = None
+                 ) -> None:
         lib = decode_kernels()
         if lib is None:
             raise ValueError(f"cannot decode natively: {unavailable_reason()}")
         if len(caches) != len(model.trf_blocks):
             raise ValueError(f"need one KVCache per layer ({len(model.trf_blocks)}), "
                              f"got {len(caches)}")
-        if caches and caches[0].keys.shape[0] != 1:
-            raise ValueError(f"one sequence at a time, got a batch of {caches[0].keys.shape[0]}")
+        if caches and _batch(caches[0]) != 1:
+            raise ValueError(f"one sequence at a time, got a batch of {_batch(caches[0])}")
         self.lib = lib
         self.model, self.caches = model, caches
         self.dtype = model.out_head.weight.dtype
-        self.threads = torch.get_num_threads()
+        self.threads = torch.get_num_threads() if threads is None else threads
         cfg = model.cfg
-        att0 = model.trf_blocks[0].att
-        heads, kv_heads, head_dim = att0.num_heads, att0.num_kv_groups, att0.head_dim
+        # The sizes of the multi-head attention layers (all alike); latent ones have
+        # their own.
+        mha = [block.att for block in model.trf_blocks if not _latent(block.att)]
+        att0 = mha[0] if mha else None
+        heads, kv_heads, head_dim = ((att0.num_heads, att0.num_kv_groups, att0.head_dim)
+                                     if att0 is not None else (1, 1, 1))
         # The cache each layer attends over: its own, or (KV sharing) its source's.
         read = []
         for block, cache in zip(model.trf_blocks, caches, strict=True):
@@ -133,13 +151,25 @@ class NativeDecoder:
                 raise ValueError(f"caches must be the model's own (new_caches), got {cache!r}")
             read.append(cache if source is None else caches[source])
         for block, cache in zip(model.trf_blocks, read, strict=True):
-            window = block.att.window_size
-            if (cache.keys.dtype != self.dtype or not cache.keys.is_contiguous()
-                    or not cache.values.is_contiguous() or cache.ring != (window is not None)
-                    or (window is not None and cache.max_len != window)
-                    or cache.keys.shape[1] != kv_heads
-                    or cache.keys.shape[3] != head_dim or cache.values.shape[3] != head_dim
-                    or cache.pos != caches[0].pos):
+            att = block.att
+            if _latent(att):
+                index = getattr(cache, "index_keys", None)
+                bad = (not hasattr(cache, "kv") or cache.kv.dtype != self.dtype
+                       or not cache.kv.is_contiguous() or cache.kv.shape[2] !=
+                       att.kv_lora_rank + att.qk_rope_head_dim
+                       or (index is None) != (att.indexer is None)
+                       or (index is not None and (not index.is_contiguous()
+                                                  or index.dtype != self.dtype
+                                                  or index.shape[2] != att.indexer.head_dim)))
+            else:
+                window = att.window_size
+                bad = (not hasattr(cache, "keys") or cache.keys.dtype != self.dtype
+                       or not cache.keys.is_contiguous()
+                       or not cache.values.is_contiguous() or cache.ring != (window is not None)
+                       or (window is not None and cache.max_len != window)
+                       or cache.keys.shape[1] != kv_heads
+                       or cache.keys.shape[3] != head_dim or cache.values.shape[3] != head_dim)
+            if bad or cache.pos != caches[0].pos:
                 raise ValueError(f"caches must be the model's own (new_caches), got {cache!r}")
         # The last position a step may take: a full cache's length (all are one length),
         # and learned positions' table; a model of ring caches and RoPE has no end.
@@ -148,11 +178,13 @@ class NativeDecoder:
         self.limit = min(ends) if ends else None
         hidden = max([_dense_mlp(block.ff)[0].out_features for block in model.trf_blocks
                        if not hasattr(block.ff, "router")], default=1)
-        longest = max(cache.max_len for cache in read)
-        gated = any(_gated(block.att) for block in model.trf_blocks)
+        longest = max(cache.max_len for cache, block in zip(read, model.trf_blocks,
+                                                            strict=True)
+                      if not _latent(block.att)) if mha else 1
+        gated = any(_gated(att) for att in mha)
         # Every tensor whose address the kernels get, kept alive with the decoder.
         self._keep: list[Tensor] = []
-        self._moes: list[Moe] = []  # the structs the layers point to
+        self._structs: list[Moe | Latent] = []  # the structs the layers point to
         buffers = {name: self._zeros(size) for name, size in (
             ("x", cfg.emb_dim), ("o", cfg.emb_dim), ("h", cfg.emb_dim),
             ("q", (2 if gated else 1) * heads * head_dim), ("g", heads * head_dim),
@@ -167,7 +199,8 @@ class NativeDecoder:
         embed_scale = 1.0
         if cfg.embed_scale:  # rounded to the weights' dtype, as the module path rounds it
             embed_scale = float(torch.tensor(cfg.emb_dim ** 0.5, dtype=self.dtype))
-        scale = att0.scale if att0.scale is not None else 1.0 / math.sqrt(head_dim)
+        scale = 1.0 if att0 is None else \
+            att0.scale if att0.scale is not None else 1.0 / math.sqrt(head_dim)
         self.struct = Model(
             dt=DTYPES[self.dtype], n_layers=cfg.n_layers, dim=cfg.emb_dim, heads=heads,
             kv_heads=kv_heads, head_dim=head_dim,
@@ -243,13 +276,67 @@ class NativeDecoder:
             weights=self._zeros(moe.top_k).data_ptr(),
             hidden=self._zeros(moe.top_k * width + shared_width).data_ptr(),
             chosen=chosen.data_ptr(), **fields)
-        self._moes.append(moe_struct)
+        self._structs.append(moe_struct)
         return moe_struct
+
+    def _torch_norm(self, norm: nn.Module) -> Norm:
+        """PyTorch's ``nn.RMSNorm`` or ``nn.LayerNorm`` (latent attention's norms)."""
+        eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        if isinstance(norm, nn.LayerNorm):
+            return Norm(kind=NORM_LAYER, eps=eps, scale=self._hold(_vector(norm.weight)),
+                        shift=self._hold(_vector(norm.bias)))
+        return Norm(kind=NORM_RMS, eps=eps, scale=self._hold(_vector(norm.weight)))
+
+    def _latent(self, att: nn.Module, cache: object) -> Latent:
+        """A latent attention layer (:class:`qkv.latent_attention.LatentAttention` or its
+        sparse kind, read by their attributes), its cache and its work buffers."""
+        h, r, dr = att.num_heads, att.kv_lora_rank, att.qk_rope_head_dim
+        q_rank = att.q_lora_rank or 0
+        fields: dict = {}
+        if q_rank:
+            fields.update(wq_a=self._weight(att.q_a_proj.weight),
+                          bq_a=self._hold(_vector(att.q_a_proj.bias)),
+                          q_norm=self._torch_norm(att.q_a_layernorm),
+                          wq=self._weight(att.q_b_proj.weight))
+        else:
+            fields.update(wq=self._weight(att.q_proj.weight))
+        ix = att.indexer
+        if ix is not None:
+            fields.update(index_heads=ix.num_heads, index_dim=ix.head_dim,
+                          index_topk=ix.top_k, iwq=self._weight(ix.wq_b.weight),
+                          iwk=self._weight(ix.wk.weight), iww=self._weight(ix.weights_proj.weight),
+                          ik_norm=self._torch_norm(ix.k_norm),
+                          index_keys=self._hold(cache.index_keys))
+            sel = torch.zeros(ix.top_k, dtype=torch.int32)
+            self._keep.append(sel)
+            fields["sel"] = sel.data_ptr()
+        sizes = {"cq": q_rank, "q": h * att.qk_head_dim, "ql": h * (r + dr), "kvn": r + dr,
+                 "oc": h * r, "part": self.threads * h * (r + 2), "o": h * att.v_head_dim,
+                 "iq": 0 if ix is None else ix.num_heads * ix.head_dim,
+                 "ik": 0 if ix is None else ix.head_dim,
+                 "iw": 0 if ix is None else ix.num_heads, "iscore": cache.max_len}
+        latent = Latent(
+            heads=h, interleave=int(att.rope_interleave), threads=self.threads, rank=r,
+            nope=att.qk_nope_head_dim, rope=dr, vdim=att.v_head_dim, q_rank=q_rank, scale=att.scale,
+            wkv_a=self._weight(att.kv_a_proj_with_mqa.weight),
+            bkv_a=self._hold(_vector(att.kv_a_proj_with_mqa.bias)),
+            kv_norm=self._torch_norm(att.kv_a_layernorm), wkv_b=self._weight(att.kv_b_proj.weight),
+            kv=self._hold(cache.kv),
+            **{name: self._zeros(max(size, 1)).data_ptr() for name, size in sizes.items()},
+            **fields)
+        self._structs.append(latent)
+        return latent
 
     def _layer(self, block: nn.Module, cache: KVCache) -> Layer:
         att, ff = block.att, block.ff
         moe = self._moe(ff) if hasattr(ff, "router") else None
         mlp = (None, None, None) if moe is not None else _dense_mlp(ff)
+        if _latent(att):
+            latent = self._latent(att, cache)
+            return Layer(
+                wo=self._weight(att.o_proj.weight), bo=self._hold(_vector(att.o_proj.bias)),
+                **self._mlp(block, mlp, moe), rotary_dim=att.qk_rope_head_dim,
+                latent=ctypes.pointer(latent))
         shared = block.spec.kv_source is not None  # no keys or values of its own
         linears = dict(zip(("q", "k", "v", "o", "1", "2", "3"),
                            (att.W_query, getattr(att, "W_key", None),
@@ -257,17 +344,27 @@ class NativeDecoder:
         sinks = getattr(att, "sinks", None)
         return Layer(
             **{f"w{n}": self._weight(None if m is None else m.weight)
-               for n, m in linears.items()},
+               for n, m in list(linears.items())[:4]},
             **{f"b{n}": None if m is None else self._hold(_vector(m.bias))
-               for n, m in linears.items()},
-            norm1=self._norm(block.norm1), norm2=self._norm(block.norm2),
-            post_norm1=self._norm(block.post_norm1), post_norm2=self._norm(block.post_norm2),
+               for n, m in list(linears.items())[:4]},
+            **self._mlp(block, mlp, moe),
             q_norm=self._norm(att.q_norm), k_norm=self._norm(getattr(att, "k_norm", None)),
             sinks=self._hold(_vector(sinks)),
             gated=int(_gated(att)), shared=int(shared),
             rotary_dim=getattr(att, "rotary_dim", att.head_dim),
             keys=self._hold(cache.keys), values=self._hold(cache.values),
-            cache_len=cache.max_len, ring=int(cache.ring),
+            cache_len=cache.max_len, ring=int(cache.ring))
+
+    def _mlp(self, block: nn.Module, mlp: tuple, moe: Moe | None) -> dict:
+        """The Layer fields of a block's norms and feed-forward (dense or experts)."""
+        ff = block.ff
+        return dict(
+            **{f"w{n}": self._weight(None if m is None else m.weight)
+               for n, m in zip("123", mlp, strict=True)},
+            **{f"b{n}": None if m is None else self._hold(_vector(m.bias))
+               for n, m in zip("123", mlp, strict=True)},
+            norm1=self._norm(block.norm1), norm2=self._norm(block.norm2),
+            post_norm1=self._norm(block.post_norm1), post_norm2=self._norm(block.post_norm2),
             act=ACT_SILU if isinstance(getattr(ff, "act", None), nn.SiLU) else ACT_GELU,
             hidden=0 if mlp[0] is None else mlp[0].out_features,
             moe=None if moe is None else ctypes.pointer(moe))
@@ -283,9 +380,9 @@ class NativeDecoder:
         self._rope = {}
         for block, layer in zip(self.model.trf_blocks, self._layers, strict=True):
             att = block.att
-            if not att.rope:
+            if not getattr(att, "rope", True):  # (latent attention always turns)
                 continue
-            width = getattr(att, "rotary_dim", att.head_dim)  # partial RoPE: fewer
+            width = layer.rotary_dim  # partial RoPE, latent attention's RoPE part: fewer
             key = (att.rope_base, repr(att.rope_scaling), width)
             if key not in self._rope:
                 cos, sin = rope_angles(torch.arange(n), width, att.rope_base,
