@@ -11,6 +11,7 @@ import ctypes
 import pytest
 import torch
 
+from qkv.attention_variants import GatedAttention
 from qkv.kernels import Mat, Moe, decode_kernels, unavailable_reason
 from qkv.models.gpt import GPTConfig, GPTModel, generate
 from qkv.models.gpt import native_unsupported as unsupported
@@ -208,12 +209,18 @@ LATENT = {"kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8,
           "v_head_dim": 8}
 SPARSE = {**LATENT, "q_lora_rank": 12, "index_n_heads": 4, "index_head_dim": 8,
           "index_topk": 6}
+DELTA = {"num_k_heads": 2, "head_k_dim": 8, "num_v_heads": 4, "head_v_dim": 6}
 FAMILIES = {
-    # gated attention (a quarter of each head turned), QK-norm, experts and a gated
-    # shared expert (Qwen3-Next's attention layers)
-    "qwen3_next": {**moe_layers("qwen", [{"attention": "gated", "mlp": "moe"}] * 2),
-                   "attention_options": {"gated": {"rotary_dim": 4}}, "head_dim": 16,
-                   "qk_norm": True},
+    # Gated DeltaNet (two value heads per key head, a 3-tap window), then gated attention
+    # (a quarter of each head turned), experts with a gated shared expert (Qwen3-Next)
+    "qwen3_next": {**moe_layers("qwen", [{"attention": "gated_deltanet", "mlp": "moe"},
+                                         {"attention": "gated", "mlp": "moe"}]),
+                   "attention_options": {"gated_deltanet": {**DELTA, "conv_kernel_size": 3},
+                                         "gated": {"rotary_dim": 4}},
+                   "head_dim": 16, "qk_norm": True},
+    # two Gated DeltaNet layers to one of gated attention, dense MLPs (Qwen3.5)
+    "qwen35": {"n_layers": 3, "layout": [{"attention": "gated_deltanet"}] * 2
+               + [{"attention": "gated"}], "attention_options": {"gated_deltanet": DELTA}},
     # a dense layer, then DeepSeek-V3's routing
     "deepseek_moe": moe_layers("deepseek", [{"mlp": "dense"}, {"mlp": "moe"}]),
     # sinks, sliding and full layers in turn, biases, clamped SwiGLU experts (gpt-oss)
@@ -246,13 +253,12 @@ def as_float64(model: GPTModel) -> GPTModel:
     return copy.double()
 
 
-def step_logits(model, ids, prefix, native):
+def step_logits(model, ids, prefix, native, threads=None):
     caches = model.new_caches(1)
     out = []
     with torch.no_grad():
         model(ids[:, :prefix], caches=caches)
-        # two threads, whatever this process uses: their work-sharing counts
-        decoder = NativeDecoder(model, caches, threads=2) if native else None
+        decoder = NativeDecoder(model, caches, threads=threads) if native else None
         for t in range(prefix, ids.shape[1]):
             if native:
                 out.append(decoder.step(int(ids[0, t]))[0, 0].clone())
@@ -291,11 +297,16 @@ def test_every_family_generates_the_same_tokens_on_both_paths(family):
 
 
 def test_native_unsupported_names_the_layers_without_a_step():
-    model = tiny(layout=[{"attention": "gated_deltanet"}, {}],
-                 attention_options={"gated_deltanet": {"num_k_heads": 2, "head_k_dim": 8}})
-    assert unsupported(model).startswith("GatedDeltaNet layers have no native step")
-    assert torch.equal(generate(model, torch.tensor([[1, 2]]), 3),
-                       generate(model, torch.tensor([[1, 2]]), 3, native=False))
+    # Every attention kind qkv builds has a step now; a class of one's own has not.
+    class MyAttention(GatedAttention):
+        pass
+
+    model = tiny(**FAMILIES["qwen35"])
+    assert unsupported(model) == unavailable_reason()
+    model.trf_blocks[2].att.__class__ = MyAttention
+    assert unsupported(model).startswith("MyAttention layers have no native step")
+    idx = torch.tensor([[1, 2]])
+    assert torch.equal(generate(model, idx, 3), generate(model, idx, 3, native=False))
 
 
 @needs_kernels
@@ -306,6 +317,39 @@ def test_sparse_attention_reads_only_the_selected_latents():
     dense = tiny(**{**FAMILIES["deepseek_v32_dsa"], "attention_options": {
         "sparse_latent": {**SPARSE, "index_topk": 24}}})
     ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(3))
-    a, b = step_logits(sparse, ids, 2, True), step_logits(dense, ids, 2, True)
+    a, b = step_logits(sparse, ids, 2, True, 1), step_logits(dense, ids, 2, True, 1)
     assert torch.allclose(a[:4], b[:4], atol=1e-5)  # up to 6 positions: all selected
     assert (a[5:] - b[5:]).abs().amax(dim=-1).min() > 1e-3
+
+
+@needs_kernels
+def test_deltanet_state_stays_float32_in_a_bfloat16_model():
+    model = tiny(torch.bfloat16, **FAMILIES["qwen35"])
+    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(3))
+    states = []
+    for native in (True, False):
+        caches = model.new_caches(1)
+        with torch.no_grad():
+            model(ids[:, :4], caches=caches)
+            decoder = NativeDecoder(model, caches) if native else None
+            for t in range(4, 12):
+                if native:
+                    decoder.step(int(ids[0, t]))
+                else:
+                    model(ids[:, t : t + 1], caches=caches)
+        states.append(caches[0].state)
+        assert caches[0].state.dtype == torch.float32 and caches[0].pos == 12
+    # the same state to bfloat16's rounding of the activations the module path makes
+    assert torch.allclose(states[0], states[1], atol=0.05)
+    assert states[0].abs().max() > 0.1
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["deepseek_v2_mla", "deepseek_v32_dsa", "gpt_oss"])
+def test_two_threads_give_one_threads_logits(family):
+    # The work each thread does alone: latent attention's share of the positions (and
+    # the merge of the threads' softmaxes), the experts' rows (added without a barrier).
+    model = tiny(**FAMILIES[family])
+    ids = torch.randint(0, 61, (1, 14), generator=torch.Generator().manual_seed(3))
+    one, two = (step_logits(model, ids, 2, True, threads) for threads in (1, 2))
+    assert torch.allclose(one, two, atol=1e-5)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ACT_GELU", "ACT_SILU", "AVX512_FLAGS", "FLAGS", "GLU_CLAMPED", "GLU_GEGLU",
+__all__ = ["ACT_GELU", "ACT_SILU", "AVX512_FLAGS", "DeltaNet", "FLAGS", "GLU_CLAMPED", "GLU_GEGLU",
            "GLU_SWIGLU", "Latent", "Layer", "Mat", "Model", "Moe", "NORM_LAYER", "SCORE_SIGMOID",
            "SCORE_SOFTMAX",
            "NORM_NONE", "NORM_RMS", "Norm", "decode_kernels", "flags", "unavailable_reason"]
@@ -150,6 +150,18 @@ class Latent(ctypes.Structure):
                                           "ik", "iw", "iscore", "sel"))]
 
 
+class DeltaNet(ctypes.Structure):
+    """``qkv_deltanet`` of decode.c: a Gated DeltaNet layer's sizes, projections, float32
+    taps, gates and norm weight, its cache (``window`` of the model's dtype, ``state``
+    float32) and its work buffers."""
+
+    _fields_ = [("k_heads", _I), ("v_heads", _I), ("kernel", _I), ("k_dim", _N),
+                ("v_dim", _N), ("eps", _F),
+                *((name, Mat) for name in ("wqkv", "wz", "wb", "wa", "wout")),
+                *((name, _P) for name in ("taps", "a_log", "dt_bias", "norm", "window",
+                                          "state", "m", "z", "b", "a", "o"))]
+
+
 class Layer(ctypes.Structure):
     """``qkv_layer`` of decode.c: one block's parameters, norms, RoPE table and KV cache
     (addresses)."""
@@ -161,7 +173,8 @@ class Layer(ctypes.Structure):
                 ("rope_cos", _P), ("rope_sin", _P), ("keys", _P), ("values", _P),
                 ("cache_len", _N), ("ring", _I), ("sinks", _P), ("gated", _I),
                 ("shared", _I), ("rotary_dim", _N), ("act", _I), ("hidden", _N),
-                ("moe", ctypes.POINTER(Moe)), ("latent", ctypes.POINTER(Latent))]
+                ("moe", ctypes.POINTER(Moe)), ("latent", ctypes.POINTER(Latent)),
+                ("deltanet", ctypes.POINTER(DeltaNet))]
 
 
 class Model(ctypes.Structure):

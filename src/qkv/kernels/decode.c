@@ -822,6 +822,113 @@ static void latent_shared(const qkv_latent *A, const qkv_mat *Wo, const float *b
 }
 
 /* ---------------------------------------------------------------------------------
+   Gated DeltaNet for one token (Qwen3-Next's and Qwen3.5's linear attention,
+   qkv.linear_attention.GatedDeltaNet). With Hk key heads of dk, Hv value heads of dv,
+   C = 2 Hk dk + Hv dv channels and a K-tap convolution:
+     m = W_qkv x (C);  z = W_z x (Hv dv);  b = W_b x, a = W_a x (Hv)
+     m_c = silu(sum_j taps[c, j] window_j[c] + taps[c, K-1] m_c), the window then
+       shifted by one with m (before the convolution) as its newest entry
+     q, k, v = the three parts of m; q, k L2-normalised per head (eps inside the root),
+       q times dk^-1/2
+     g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)   (per value head)
+     per value head j, on key head j / (Hv / Hk), with its state S (dk x dv, float32):
+       S = exp(g) S;  S += k (beta (v - k^T S))^T;  o_j = q^T S
+     o_j = w * o_j / rms(o_j) * silu(z_j)  (the gated RMSNorm)
+     out = W_out o
+   The state is float32 whatever the weights' dtype; the window holds the dtype's
+   values, as the module path keeps it. */
+
+typedef struct {
+    int k_heads, v_heads, kernel;
+    long k_dim, v_dim;
+    float eps; /* the gated norm's */
+    qkv_mat wqkv, wz, wb, wa, wout; /* (C, d), (Hv dv, d), (Hv, d), (Hv, d), (d_out, Hv dv) */
+    const float *taps, *a_log, *dt_bias, *norm; /* float32: (C, K), (Hv), (Hv), (dv) */
+    void *window; /* (K - 1, C) of the model's dtype: the last inputs */
+    float *state; /* (Hv, dk, dv) float32 */
+    /* float32 work buffers: m (C), z (Hv dv), b, a (Hv each), o (Hv dv) */
+    float *m, *z, *b, *a, *o;
+} qkv_deltanet;
+
+static void l2_normalize(float *x, long n) {
+    double squares = 0.0;
+    for (long i = 0; i < n; i++) squares += (double)x[i] * x[i];
+    const float inv = (float)(1.0 / sqrt(squares + 1e-6));
+    for (long i = 0; i < n; i++) x[i] *= inv;
+}
+
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+static void deltanet_shared(const qkv_deltanet *D, const float *x, float *y, long d,
+                            long d_out, int dt, int mode) {
+    const long Hk = D->k_heads, Hv = D->v_heads, dk = D->k_dim, dv = D->v_dim, K = D->kernel;
+    const long key_dim = Hk * dk, C = 2 * key_dim + Hv * dv;
+    linear_shared(&D->wqkv, x, NULL, D->m, C, d, STORE);
+    linear_shared(&D->wz, x, NULL, D->z, Hv * dv, d, STORE);
+    linear_shared(&D->wb, x, NULL, D->b, Hv, d, STORE);
+    linear_shared(&D->wa, x, NULL, D->a, Hv, d, STORE);
+    /* the short convolution, channel by channel, and the window moved on */
+#pragma omp for schedule(static)
+    for (long c = 0; c < C; c++) {
+        const float *w = D->taps + c * K;
+        float s = w[K - 1] * D->m[c];
+        for (long j = 0; j < K - 1; j++) s += w[j] * load1(D->window, j * C + c, dt);
+        for (long j = 0; j + 1 < K - 1; j++) { /* shift: entry j takes entry j + 1 */
+            if (dt == QKV_BF16)
+                ((uint16_t *)D->window)[j * C + c] = ((uint16_t *)D->window)[(j + 1) * C + c];
+            else
+                ((float *)D->window)[j * C + c] = ((float *)D->window)[(j + 1) * C + c];
+        }
+        if (K > 1) {
+            if (dt == QKV_BF16)
+                ((uint16_t *)D->window)[(K - 2) * C + c] = f32_to_bf16(D->m[c]);
+            else
+                ((float *)D->window)[(K - 2) * C + c] = D->m[c];
+        }
+        D->m[c] = silu(s);
+    }
+#pragma omp for schedule(static)
+    for (long h = 0; h < Hk; h++) {
+        l2_normalize(D->m + h * dk, dk);
+        for (long i = 0; i < dk; i++) D->m[h * dk + i] /= sqrtf((float)dk);
+        l2_normalize(D->m + key_dim + h * dk, dk);
+    }
+    /* the delta rule and the gated norm, value head by value head */
+#pragma omp for schedule(static)
+    for (long j = 0; j < Hv; j++) {
+        const long kh = j / (Hv / Hk);
+        const float *q = D->m + kh * dk, *k = D->m + key_dim + kh * dk;
+        const float *v = D->m + 2 * key_dim + j * dv;
+        float *S = D->state + j * dk * dv, *o = D->o + j * dv;
+        const float decay = expf(-expf(D->a_log[j]) * softplus(D->a[j] + D->dt_bias[j]));
+        const float beta = 1.0f / (1.0f + expf(-D->b[j]));
+        float recalled[dv];
+        for (long e = 0; e < dv; e++) recalled[e] = 0.0f;
+        for (long i = 0; i < dk; i++) { /* S = decay S;  recalled = k^T S */
+            float *row = S + i * dv;
+            for (long e = 0; e < dv; e++) {
+                row[e] *= decay;
+                recalled[e] += k[i] * row[e];
+            }
+        }
+        for (long e = 0; e < dv; e++) recalled[e] = beta * (v[e] - recalled[e]);
+        for (long e = 0; e < dv; e++) o[e] = 0.0f;
+        for (long i = 0; i < dk; i++) { /* S += k corr^T;  o = q^T S */
+            float *row = S + i * dv;
+            for (long e = 0; e < dv; e++) {
+                row[e] += k[i] * recalled[e];
+                o[e] += q[i] * row[e];
+            }
+        }
+        double squares = 0.0;
+        for (long e = 0; e < dv; e++) squares += (double)o[e] * o[e];
+        const float inv = (float)(1.0 / sqrt(squares / (double)dv + (double)D->eps));
+        for (long e = 0; e < dv; e++) o[e] = D->norm[e] * o[e] * inv * silu(D->z[j * dv + e]);
+    }
+    linear_shared(&D->wout, D->o, NULL, y, d_out, Hv * dv, mode);
+}
+
+/* ---------------------------------------------------------------------------------
    A whole step of a qkv.models.gpt.GPTModel. With x the residual stream (float32):
 
      x = tok_emb[token] * embed_scale (+ pos_emb[pos])
@@ -853,6 +960,7 @@ typedef struct {
     long hidden; /* the dense MLP's width */
     const qkv_moe *moe; /* a mixture of experts in place of the dense MLP, or NULL */
     const qkv_latent *latent; /* latent attention in place of wq .. wv and the KV cache */
+    const qkv_deltanet *deltanet; /* Gated DeltaNet in their place, or NULL */
 } qkv_layer;
 
 typedef struct {
@@ -946,6 +1054,8 @@ void qkv_step(const qkv_model *m, long token, long pos, int threads) {
                 latent_shared(L->latent, &L->wo, L->bo, m->h, y, d, pos,
                               L->rope_cos + pos * L->rotary_dim, L->rope_sin + pos * L->rotary_dim,
                               m->dt, mode);
+            else if (L->deltanet)
+                deltanet_shared(L->deltanet, m->h, y, d, d, m->dt, mode);
             else
                 attention_shared(m, L, pos, y, mode);
             if (mode == STORE) {

@@ -1030,7 +1030,7 @@ class GPTModel(nn.Module):
 
 # The attention classes decode.c's step runs (NoPE layers are MultiHeadAttention's).
 _NATIVE_ATTENTION = (MultiHeadAttention, SinkAttention, GatedAttention, SharedKVAttention,
-                     LatentAttention, SparseLatentAttention)
+                     LatentAttention, SparseLatentAttention, GatedDeltaNet)
 
 
 def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
@@ -1048,7 +1048,7 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         return f"one sequence at a time, got a batch of {batch_size}"
     norms = (LayerNorm, RMSNorm)
     mha = [block.att for block in model.trf_blocks
-           if not isinstance(block.att, LatentAttention)]
+           if not isinstance(block.att, (LatentAttention, GatedDeltaNet))]
     for block in model.trf_blocks:
         if type(block) is not TransformerBlock:
             return f"a block of type {type(block).__name__}"
@@ -1062,6 +1062,9 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         if isinstance(att, LatentAttention):
             if att.d_model != model.cfg.emb_dim:
                 return "latent attention over the residual stream is needed"
+        elif isinstance(att, GatedDeltaNet):
+            if att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim:
+                return "Gated DeltaNet over the residual stream is needed"
         elif (not att.causal or att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim
                 or att.kdim != att.d_in or att.vdim != att.d_in):
             return "causal self-attention over the residual stream is needed"

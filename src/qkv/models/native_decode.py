@@ -57,6 +57,7 @@ from ..kernels import (
     NORM_RMS,
     SCORE_SIGMOID,
     SCORE_SOFTMAX,
+    DeltaNet,
     Latent,
     Layer,
     Mat,
@@ -85,14 +86,20 @@ def _dense_mlp(ff: nn.Module) -> tuple[nn.Linear, nn.Linear | None, nn.Linear]:
 
 
 def _batch(cache: object) -> int:
-    """The batch size of a layer's cache (a KVCache or a LatentCache)."""
-    return (cache.kv if hasattr(cache, "kv") else cache.keys).shape[0]
+    """The batch size of a layer's cache (a KVCache, LatentCache or DeltaNetCache)."""
+    for name in ("kv", "keys", "state"):
+        if hasattr(cache, name):
+            return getattr(cache, name).shape[0]
+    raise ValueError(f"caches must be the model's own (new_caches), got {cache!r}")
 
 
-def _latent(att: nn.Module) -> bool:
-    """Whether ``att`` is a latent attention layer (its keys and values come from one
-    latent per token: ``kv_b_proj``)."""
-    return hasattr(att, "kv_b_proj")
+def _kind(att: nn.Module) -> str:
+    """What decode.c runs for an attention layer: ``"latent"`` (keys and values from one
+    latent per token: ``kv_b_proj``), ``"deltanet"`` (a state: ``in_proj_qkv``) or
+    ``"mha"`` (multi-head attention and its variants)."""
+    if hasattr(att, "kv_b_proj"):
+        return "latent"
+    return "deltanet" if hasattr(att, "in_proj_qkv") else "mha"
 
 
 def _gated(att: nn.Module) -> bool:
@@ -139,7 +146,7 @@ class NativeDecoder:
         cfg = model.cfg
         # The sizes of the multi-head attention layers (all alike); latent ones have
         # their own.
-        mha = [block.att for block in model.trf_blocks if not _latent(block.att)]
+        mha = [block.att for block in model.trf_blocks if _kind(block.att) == "mha"]
         att0 = mha[0] if mha else None
         heads, kv_heads, head_dim = ((att0.num_heads, att0.num_kv_groups, att0.head_dim)
                                      if att0 is not None else (1, 1, 1))
@@ -152,7 +159,12 @@ class NativeDecoder:
             read.append(cache if source is None else caches[source])
         for block, cache in zip(model.trf_blocks, read, strict=True):
             att = block.att
-            if _latent(att):
+            if _kind(att) == "deltanet":
+                bad = (not hasattr(cache, "state") or cache.conv.dtype != self.dtype
+                       or cache.state.dtype != torch.float32
+                       or tuple(cache.conv.shape[1:]) != (att.conv_kernel_size - 1,
+                                                          att.conv_dim))
+            elif _kind(att) == "latent":
                 index = getattr(cache, "index_keys", None)
                 bad = (not hasattr(cache, "kv") or cache.kv.dtype != self.dtype
                        or not cache.kv.is_contiguous() or cache.kv.shape[2] !=
@@ -173,18 +185,20 @@ class NativeDecoder:
                 raise ValueError(f"caches must be the model's own (new_caches), got {cache!r}")
         # The last position a step may take: a full cache's length (all are one length),
         # and learned positions' table; a model of ring caches and RoPE has no end.
-        full = [cache.max_len for cache in read if not cache.ring]
+        full = [cache.max_len for cache, block in zip(read, model.trf_blocks, strict=True)
+                if _kind(block.att) != "deltanet" and not cache.ring]
         ends = full + ([cfg.context_length] if model.pos_emb is not None else [])
         self.limit = min(ends) if ends else None
         hidden = max([_dense_mlp(block.ff)[0].out_features for block in model.trf_blocks
                        if not hasattr(block.ff, "router")], default=1)
         longest = max(cache.max_len for cache, block in zip(read, model.trf_blocks,
                                                             strict=True)
-                      if not _latent(block.att)) if mha else 1
+                      if _kind(block.att) == "mha") if mha else 1
         gated = any(_gated(att) for att in mha)
         # Every tensor whose address the kernels get, kept alive with the decoder.
         self._keep: list[Tensor] = []
-        self._structs: list[Moe | Latent] = []  # the structs the layers point to
+        self._structs: list[Moe | Latent | DeltaNet] = []  # the structs layers point to
+        self._deltas: list[tuple[DeltaNet, object]] = []
         buffers = {name: self._zeros(size) for name, size in (
             ("x", cfg.emb_dim), ("o", cfg.emb_dim), ("h", cfg.emb_dim),
             ("q", (2 if gated else 1) * heads * head_dim), ("g", heads * head_dim),
@@ -327,11 +341,44 @@ class NativeDecoder:
         self._structs.append(latent)
         return latent
 
+    def _deltanet(self, att: nn.Module, cache: object) -> DeltaNet:
+        """A Gated DeltaNet layer (:class:`qkv.linear_attention.GatedDeltaNet`, read by
+        its attributes), its cache (:meth:`_follow` keeps the addresses current) and its
+        work buffers."""
+        hv, dv = att.num_v_heads, att.head_v_dim
+        delta = DeltaNet(
+            k_heads=att.num_k_heads, v_heads=hv, kernel=att.conv_kernel_size,
+            k_dim=att.head_k_dim, v_dim=dv, eps=att.norm.eps,
+            wqkv=self._weight(att.in_proj_qkv.weight), wz=self._weight(att.in_proj_z.weight),
+            wb=self._weight(att.in_proj_b.weight), wa=self._weight(att.in_proj_a.weight),
+            wout=self._weight(att.out_proj.weight),
+            taps=self._hold(_vector(att.conv1d.weight[:, 0, :])),
+            a_log=self._hold(_vector(att.A_log)), dt_bias=self._hold(_vector(att.dt_bias)),
+            norm=self._hold(_vector(att.norm.weight)),
+            **{name: self._zeros(size).data_ptr() for name, size in (
+                ("m", att.conv_dim), ("z", hv * dv), ("b", hv), ("a", hv), ("o", hv * dv))})
+        self._structs.append(delta)
+        self._deltas.append((delta, cache))
+        return delta
+
+    def _follow(self) -> None:
+        """Point each Gated DeltaNet layer at its cache's current window and state: the
+        module path replaces those tensors (a prompt, a re-fill) rather than writing
+        into them."""
+        for delta, cache in self._deltas:
+            for name in ("conv", "state"):
+                if not getattr(cache, name).is_contiguous():
+                    setattr(cache, name, getattr(cache, name).contiguous())
+            delta.window, delta.state = cache.conv.data_ptr(), cache.state.data_ptr()
+
     def _layer(self, block: nn.Module, cache: KVCache) -> Layer:
         att, ff = block.att, block.ff
         moe = self._moe(ff) if hasattr(ff, "router") else None
         mlp = (None, None, None) if moe is not None else _dense_mlp(ff)
-        if _latent(att):
+        if _kind(att) == "deltanet":
+            delta = self._deltanet(att, cache)
+            return Layer(**self._mlp(block, mlp, moe), deltanet=ctypes.pointer(delta))
+        if _kind(att) == "latent":
             latent = self._latent(att, cache)
             return Layer(
                 wo=self._weight(att.o_proj.weight), bo=self._hold(_vector(att.o_proj.bias)),
@@ -380,7 +427,7 @@ class NativeDecoder:
         self._rope = {}
         for block, layer in zip(self.model.trf_blocks, self._layers, strict=True):
             att = block.att
-            if not getattr(att, "rope", True):  # (latent attention always turns)
+            if not getattr(att, "rope", _kind(att) == "latent"):  # (latent always turns)
                 continue
             width = layer.rotary_dim  # partial RoPE, latent attention's RoPE part: fewer
             key = (att.rope_base, repr(att.rope_scaling), width)
@@ -404,6 +451,7 @@ class NativeDecoder:
             raise ValueError(f"token id {token} is outside the vocabulary of "
                              f"{self.struct.vocab}")
         self._grow_rope(pos + 1)
+        self._follow()
         self.lib.qkv_step(ctypes.byref(self.struct), token, pos, self.threads)
         for cache in self.caches:
             if cache is not None:
