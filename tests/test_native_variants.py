@@ -7,6 +7,9 @@ families the same way."""
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -353,3 +356,24 @@ def test_two_threads_give_one_threads_logits(family):
     ids = torch.randint(0, 61, (1, 14), generator=torch.Generator().manual_seed(3))
     one, two = (step_logits(model, ids, 2, True, threads) for threads in (1, 2))
     assert torch.allclose(one, two, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.slow
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512"
+                    or os.environ.get("QKV_NATIVE_AVX512") == "0",
+                    reason="the AVX2 build is the one these tests ran")
+def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
+    # The kernels above and two families' steps, in the build a CPU without AVX-512 runs.
+    # (test_native_decode.py checks that build's dot products in the default run; the
+    # code of these layers is the same in both builds, so this one is QKV_SLOW=1 only.)
+    if os.environ.get("QKV_SLOW") != "1":
+        pytest.skip("set QKV_SLOW=1 to run these kernels' tests on the AVX2 build too")
+    env = {**os.environ, "QKV_NATIVE_AVX512": "0", "QKV_KERNEL_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+         "-k", "kernel and not avx2 or float64 and (deepseek_v32 or qwen3_next)"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "passed" in proc.stdout
+    assert len(list(tmp_path.glob("decode-*.so"))) == 1  # the AVX2 build, on its own key

@@ -3,12 +3,13 @@
 :func:`decode_kernels` returns the library built from ``decode.c`` (one-token decoding
 of every model :mod:`qkv.models.gpt` builds: linear layers and gated MLPs that read
 float32 or bfloat16 weights in place, LayerNorm and RMSNorm, RoPE, grouped-query
-attention over a full or ring KV cache, mixtures of experts that read only the chosen
-experts' rows; see the file), or None when it cannot be had
-here; :func:`unavailable_reason` then says why. It needs an x86-64 CPU with AVX2 and
-FMA (the same check as PyTorch's own kernel dispatch), a C compiler with OpenMP
-(``$CC``, else ``cc``), and is switched off by ``QKV_NATIVE=0``. Nothing else in qkv
-needs it: every caller has a PyTorch path that does the same maths
+attention over a full or ring KV cache with sinks, gates, partial RoPE and shared
+caches, latent and sparse latent attention in the absorbed form, Gated DeltaNet, and
+mixtures of experts that read only the chosen experts' rows; see the file), or None
+when it cannot be had here; :func:`unavailable_reason` then says why. It needs an
+x86-64 CPU with AVX2 and FMA (the same check as PyTorch's own kernel dispatch), a C
+compiler with OpenMP (``$CC``, else ``cc``), and is switched off by ``QKV_NATIVE=0``.
+Nothing else in qkv needs it: every caller has a PyTorch path that does the same maths
 (:func:`qkv.models.gpt.generate`'s ``native`` switch).
 
 Where PyTorch reports AVX-512, the library is built with ``-mavx512f`` too (its dot

@@ -19,7 +19,12 @@
    One step serves every model qkv.models.gpt builds: GPT-2 (LayerNorm, learned
    positions, GELU MLP) and the open families (RMSNorm, Gemma's 1 + w norms given here
    as their float32 scale, rotary positions, grouped-query attention, QK-norm, gated
-   SiLU/GELU MLPs, post-norms, sliding-window layers on ring caches, scaled embeddings).
+   SiLU/GELU MLPs, post-norms, sliding-window layers on ring caches, scaled embeddings),
+   and the layer kinds of 2025-26, chosen per layer: attention sinks, gated outputs
+   with partial RoPE, NoPE layers, KV sharing, multi-head latent attention (absorbed)
+   and DeepSeek's sparse attention, Gated DeltaNet, and mixtures of experts. Each of
+   these was designed to read fewer bytes per token, and the kernels read only those:
+   the latent cache once for all heads, the selected latents, the chosen experts' rows.
 
    The caller (Python, through ctypes) owns every buffer. dtype codes: 0 = float32,
    1 = bfloat16. Each weight matrix carries its own type (a qkv_mat), so one model may
@@ -940,6 +945,12 @@ static void deltanet_shared(const qkv_deltanet *D, const float *x, float *y, lon
        h = norm2(x);  f = act(W_1 h (+b)) [* (W_2 h (+b))];  o = W_3 f (+b)
        o = post_norm2(o);  x += o
      logits = W_head final_norm(x)
+
+   The attention of a layer is one of: the above with its variants (sinks, a gate, partial
+   RoPE, no RoPE, another layer's cache: attention_shared), latent attention
+   (latent_shared) or Gated DeltaNet (deltanet_shared); its MLP the dense one above or a
+   mixture of experts (moe_shared). Heads and head sizes are per kind: the latent and
+   DeltaNet layers carry their own.
 
    Each optional piece is absent when its pointer is NULL or its norm kind NORM_NONE.
    The structs mirror qkv.kernels' ctypes declarations field for field. */

@@ -25,7 +25,17 @@ block's forward for one token (:class:`~qkv.models.gpt.TransformerBlock`):
 
 with LayerNorm or RMSNorm (Gemma's ``1 + w`` folded into a float32 scale), GELU or SiLU,
 the optional pieces where the model has them, and ``x = tok_emb[token] * embed_scale
-(+ pos_emb[pos])`` before and ``logits = out_head(final_norm(x))`` after. It is the module
+(+ pos_emb[pos])`` before and ``logits = out_head(final_norm(x))`` after.
+
+Each layer's kind is the module's (read by its attributes, one code path in ``decode.c``
+per kind): multi-head attention with its variants (``sinks``: one more logit per head;
+a query projection twice as wide: the per-head sigmoid gate, with ``rotary_dim`` for
+partial RoPE; ``rope`` False: no positions; a ``kv_source``: the source layer's cache,
+nothing stored), latent attention in the absorbed form (``kv_b_proj``; with an
+``indexer``, DeepSeek's sparse attention) over its :class:`~qkv.kv_cache.LatentCache`,
+or Gated DeltaNet (``in_proj_qkv``) over its ``DeltaNetCache`` (the state float32);
+the MLP dense or a mixture of experts (``router``: only the chosen experts' rows are
+read). It is the module
 path's maths in another summation order, so logits agree to rounding
 (``tests/test_native_decode.py`` checks both against the float64 model). Only the
 one-token steps run here: the prompt (as matrix products), and the re-fill of a full
