@@ -377,3 +377,25 @@ def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert "passed" in proc.stdout
     assert len(list(tmp_path.glob("decode-*.so"))) == 1  # the AVX2 build, on its own key
+
+
+def test_decode_bytes_count_active_experts_latents_and_states():
+    from qkv.bench.lm import decode_bytes_per_token
+
+    # two latent layers, the second with 8 experts of which 2 run; steps attend to
+    # 4 .. 13 positions (8.5 on average)
+    model = tiny(**FAMILIES["deepseek_v2_mla"])
+    cfg, moe = model.cfg, model.trf_blocks[1].ff
+    routed = sum(p.numel() for p in moe.experts.parameters())
+    unread = (cfg.vocab_size - 1) * cfg.emb_dim + routed * (1 - 2 / 8)
+    counted = decode_bytes_per_token(model, prompt_len=4, new_tokens=10)
+    assert counted["weights"] == pytest.approx((cfg.num_parameters() - unread) * 4)
+    assert counted["kv_cache"] == pytest.approx(2 * (16 + 4) * 8.5 * 4)
+    # sparse: every index key (8 wide), then the latents of at most 6 positions
+    sparse = decode_bytes_per_token(tiny(**FAMILIES["deepseek_v32_dsa"]), 4, 10)
+    assert sparse["kv_cache"] == pytest.approx(2 * (8 * 8.5 + 20 * 5.7) * 4)  # 4, 5, 6, 6..
+    # Gated DeltaNet: its float32 state (4 heads of 8 x 6) and its window (3 taps of
+    # 2 x 16 + 24 channels), read and written, beside a gated layer's keys and values
+    hybrid = decode_bytes_per_token(tiny(torch.bfloat16, **FAMILIES["qwen35"]), 4, 10)
+    state = 2 * (4 * 8 * 6 * 4 + 3 * 56 * 2)
+    assert hybrid["kv_cache"] == pytest.approx(2 * state + 2 * 2 * 8 * 8.5 * 2)
