@@ -14,12 +14,13 @@ import sys
 import pytest
 import torch
 
-from qkv.attention_variants import GatedAttention
+from qkv.attention_variants import GatedAttention, SinkAttention
 from qkv.kernels import Mat, Moe, decode_kernels, unavailable_reason
 from qkv.models.gpt import GPTConfig, GPTModel, generate
 from qkv.models.gpt import native_unsupported as unsupported
 from qkv.models.moe import MoE
 from qkv.models.native_decode import NativeDecoder
+from qkv.multihead import MultiHeadAttention
 
 LIB = decode_kernels()
 needs_kernels = pytest.mark.skipif(LIB is None, reason=f"no native kernels: "
@@ -399,3 +400,27 @@ def test_decode_bytes_count_active_experts_latents_and_states():
     hybrid = decode_bytes_per_token(tiny(torch.bfloat16, **FAMILIES["qwen35"]), 4, 10)
     state = 2 * (4 * 8 * 6 * 4 + 3 * 56 * 2)
     assert hybrid["kv_cache"] == pytest.approx(2 * state + 2 * 2 * 8 * 8.5 * 2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_of_different_heads_and_head_sizes(dtype):
+    # Gemma 4's global layers have wider heads than its sliding ones: each layer its own.
+    import copy
+
+    model = tiny(n_layers=3)
+    torch.manual_seed(1)
+    model.trf_blocks[1].att = MultiHeadAttention(
+        32, 32, 24, 0.0, num_heads=2, num_kv_groups=1, head_dim=24, rope=True,
+        out_bias=False, scale=0.3).eval()
+    model.trf_blocks[2].att = SinkAttention(32, 32, 24, 0.0, num_heads=8, num_kv_groups=4,
+                                            head_dim=4, rope=True, out_bias=False).eval()
+    with torch.no_grad():
+        model.trf_blocks[2].att.sinks.normal_()
+    model = model.to(dtype)
+    assert unsupported(model) is None
+    ids = torch.randint(0, 61, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = copy.deepcopy(model).double()(ids)[0, 4:]
+    native = step_logits(model, ids, 4, native=True)
+    assert (native - ref).abs().max() < (1e-5 if dtype == torch.float32 else 0.05)

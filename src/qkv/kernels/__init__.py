@@ -172,7 +172,9 @@ class Layer(ctypes.Structure):
                 *((name, Norm) for name in ("norm1", "norm2", "post_norm1", "post_norm2",
                                             "q_norm", "k_norm")),
                 ("rope_cos", _P), ("rope_sin", _P), ("keys", _P), ("values", _P),
-                ("cache_len", _N), ("ring", _I), ("sinks", _P), ("gated", _I),
+                ("cache_len", _N), ("ring", _I),
+                *((name, _N) for name in ("heads", "kv_heads", "head_dim")), ("scale", _F),
+                ("sinks", _P), ("gated", _I),
                 ("shared", _I), ("rotary_dim", _N), ("act", _I), ("hidden", _N),
                 ("moe", ctypes.POINTER(Moe)), ("latent", ctypes.POINTER(Latent)),
                 ("deltanet", ctypes.POINTER(DeltaNet))]
@@ -182,10 +184,8 @@ class Model(ctypes.Structure):
     """``qkv_model`` of decode.c: sizes, embeddings, head, layers and work buffers;
     ``dt`` is the caches' dtype code."""
 
-    _fields_ = [("dt", _I), ("n_layers", _I),
-                *((name, _N) for name in ("dim", "heads", "kv_heads", "head_dim",
-                                          "vocab")),
-                ("scale", _F), ("embed_scale", _F),
+    _fields_ = [("dt", _I), ("n_layers", _I), ("dim", _N), ("vocab", _N),
+                ("embed_scale", _F),
                 ("tok_emb", Mat), ("pos_emb", Mat), ("head", Mat), ("final_norm", Norm),
                 ("layers", ctypes.POINTER(Layer)),
                 *((name, _P) for name in ("x", "o", "h", "q", "g", "k", "v", "a", "f", "logits",

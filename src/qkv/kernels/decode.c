@@ -963,6 +963,8 @@ typedef struct {
     void *keys, *values;              /* the layer's cache (dt, (kv_heads, cache_len, hd)) */
     long cache_len;
     int ring; /* the cache is a ring of cache_len slots (a sliding window) */
+    long heads, kv_heads, head_dim; /* this layer's (multi-head attention) */
+    float scale;                    /* on q . k */
     const float *sinks; /* (heads,) float32: the sink logits (gpt-oss), or NULL */
     int gated;          /* wq is (2 heads hd, dim): each head's query, then its gate */
     int shared;         /* keys and values are an earlier layer's (wk, wv none; no store) */
@@ -977,13 +979,13 @@ typedef struct {
 typedef struct {
     int dt; /* the caches' dtype */
     int n_layers;
-    long dim, heads, kv_heads, head_dim, vocab;
-    float scale, embed_scale;
+    long dim, vocab;
+    float embed_scale;
     qkv_mat tok_emb, pos_emb, head; /* (vocab, dim), (context, dim) or data NULL, (vocab, dim) */
     qkv_norm final_norm;
     const qkv_layer *layers;
-    /* float32 work buffers: x, o (dim); h (dim); q (2 heads hd with gated layers, else
-       heads hd); g, a (heads * hd); k, v (kv_heads * hd);
+    /* float32 work buffers, sized for the widest layer: x, o (dim); h (dim); q (2 heads
+       hd with gated layers, else heads hd); g, a (heads * hd); k, v (kv_heads * hd);
        f (the widest dense MLP); logits (vocab); scores (heads * the longest cache) */
     float *x, *o, *h, *q, *g, *k, *v, *a, *f, *logits, *scores;
 } qkv_model;
@@ -1018,7 +1020,8 @@ static void add_branch(const qkv_norm *post, float *o, float *x, long n) {
    +=) W_o a (+b). Called by every thread. */
 static void attention_shared(const qkv_model *m, const qkv_layer *L, long pos, float *y,
                              int mode) {
-    const long d = m->dim, hd = m->head_dim, qd = m->heads * hd, kvd = m->kv_heads * hd;
+    const long d = m->dim, hd = L->head_dim, heads = L->heads, kv_heads = L->kv_heads;
+    const long qd = heads * hd, kvd = kv_heads * hd;
     project_qkv_shared(L, m->h, m->q, m->k, m->v, L->gated ? 2 * qd : qd, L->shared ? 0 : kvd,
                        d);
     const long slot = L->ring ? pos % L->cache_len : pos;
@@ -1026,25 +1029,25 @@ static void attention_shared(const qkv_model *m, const qkv_layer *L, long pos, f
 #pragma omp single
     {
         if (L->gated) /* [q_h | g_h] per head -> q (heads hd), g (heads hd) */
-            for (long h = 0; h < m->heads; h++) {
+            for (long h = 0; h < heads; h++) {
                 memcpy(m->g + h * hd, m->q + (2 * h + 1) * hd, (size_t)hd * sizeof(float));
                 memmove(m->q + h * hd, m->q + 2 * h * hd, (size_t)hd * sizeof(float));
             }
         if (L->q_norm.kind != NORM_NONE)
-            for (long h = 0; h < m->heads; h++) norm(&L->q_norm, m->q + h * hd, m->q + h * hd, hd);
+            for (long h = 0; h < heads; h++) norm(&L->q_norm, m->q + h * hd, m->q + h * hd, hd);
         if (L->k_norm.kind != NORM_NONE && !L->shared)
-            for (long h = 0; h < m->kv_heads; h++) norm(&L->k_norm, m->k + h * hd, m->k + h * hd, hd);
+            for (long h = 0; h < kv_heads; h++) norm(&L->k_norm, m->k + h * hd, m->k + h * hd, hd);
         if (L->rope_cos) {
             const long rd = L->rotary_dim;
-            rope_heads(m->q, L->rope_cos + pos * rd, L->rope_sin + pos * rd, m->heads, hd, rd);
+            rope_heads(m->q, L->rope_cos + pos * rd, L->rope_sin + pos * rd, heads, hd, rd);
             if (!L->shared)
-                rope_heads(m->k, L->rope_cos + pos * rd, L->rope_sin + pos * rd, m->kv_heads, hd, rd);
+                rope_heads(m->k, L->rope_cos + pos * rd, L->rope_sin + pos * rd, kv_heads, hd, rd);
         }
         if (!L->shared) /* a sharing layer's source stored this token's already */
-            store_kv(m->k, m->v, L->keys, L->values, m->dt, m->kv_heads, hd, L->cache_len, slot);
+            store_kv(m->k, m->v, L->keys, L->values, m->dt, kv_heads, hd, L->cache_len, slot);
     }
-    attend_heads_shared(m->q, L->keys, L->values, m->dt, m->a, m->heads, m->kv_heads, hd,
-                        L->cache_len, n, m->scale, L->sinks, L->gated ? m->g : NULL, m->scores);
+    attend_heads_shared(m->q, L->keys, L->values, m->dt, m->a, heads, kv_heads, hd,
+                        L->cache_len, n, L->scale, L->sinks, L->gated ? m->g : NULL, m->scores);
     linear_shared(&L->wo, m->a, L->bo, y, d, qd, mode);
 }
 

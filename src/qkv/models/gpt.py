@@ -1047,8 +1047,6 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
     if batch_size != 1:
         return f"one sequence at a time, got a batch of {batch_size}"
     norms = (LayerNorm, RMSNorm)
-    mha = [block.att for block in model.trf_blocks
-           if not isinstance(block.att, (LatentAttention, GatedDeltaNet))]
     for block in model.trf_blocks:
         if type(block) is not TransformerBlock:
             return f"a block of type {type(block).__name__}"
@@ -1068,9 +1066,13 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         elif (not att.causal or att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim
                 or att.kdim != att.d_in or att.vdim != att.d_in):
             return "causal self-attention over the residual stream is needed"
-        elif any(getattr(att, n) != getattr(mha[0], n) for n in
-                 ("num_heads", "num_kv_groups", "head_dim", "scale")):
-            return "every multi-head attention layer must have the same heads, head size and scale"
+        elif (att.W_query.out_features not in (att.num_heads * att.head_dim,
+                                               2 * att.num_heads * att.head_dim)
+              or getattr(att, "W_key", att.W_query).out_features % att.head_dim
+              or att.num_heads % att.num_kv_groups
+              or (hasattr(att, "W_key")
+                  and att.W_key.out_features != att.num_kv_groups * att.head_dim)):
+            return "a layer's projections must have the same heads as it says it has"
         elif any(m is not None and type(m) not in norms for m in (att.q_norm, att.k_norm)):
             return "QK-norms must be qkv's LayerNorm or RMSNorm"
         if type(ff) is FeedForward and \

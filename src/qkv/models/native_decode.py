@@ -157,9 +157,6 @@ class NativeDecoder:
         # The sizes of the multi-head attention layers (all alike); latent ones have
         # their own.
         mha = [block.att for block in model.trf_blocks if _kind(block.att) == "mha"]
-        att0 = mha[0] if mha else None
-        heads, kv_heads, head_dim = ((att0.num_heads, att0.num_kv_groups, att0.head_dim)
-                                     if att0 is not None else (1, 1, 1))
         # The cache each layer attends over: its own, or (KV sharing) its source's.
         read = []
         for block, cache in zip(model.trf_blocks, caches, strict=True):
@@ -189,8 +186,9 @@ class NativeDecoder:
                        or not cache.keys.is_contiguous()
                        or not cache.values.is_contiguous() or cache.ring != (window is not None)
                        or (window is not None and cache.max_len != window)
-                       or cache.keys.shape[1] != kv_heads
-                       or cache.keys.shape[3] != head_dim or cache.values.shape[3] != head_dim)
+                       or cache.keys.shape[1] != att.num_kv_groups
+                       or cache.keys.shape[3] != att.head_dim
+                       or cache.values.shape[3] != att.head_dim)
             if bad or cache.pos != caches[0].pos:
                 raise ValueError(f"caches must be the model's own (new_caches), got {cache!r}")
         # The last position a step may take: a full cache's length (all are one length),
@@ -205,16 +203,20 @@ class NativeDecoder:
                                                             strict=True)
                       if _kind(block.att) == "mha") if mha else 1
         gated = any(_gated(att) for att in mha)
+
+        def widest(heads: str) -> int:  # the most values of `heads` heads of any layer
+            return max([getattr(att, heads) * att.head_dim for att in mha], default=1)
+
         # Every tensor whose address the kernels get, kept alive with the decoder.
         self._keep: list[Tensor] = []
         self._structs: list[Moe | Latent | DeltaNet] = []  # the structs layers point to
         self._deltas: list[tuple[DeltaNet, object]] = []
         buffers = {name: self._zeros(size) for name, size in (
             ("x", cfg.emb_dim), ("o", cfg.emb_dim), ("h", cfg.emb_dim),
-            ("q", (2 if gated else 1) * heads * head_dim), ("g", heads * head_dim),
-            ("k", kv_heads * head_dim), ("v", kv_heads * head_dim),
-            ("a", heads * head_dim), ("f", hidden), ("logits", cfg.vocab_size),
-            ("scores", heads * longest))}
+            ("q", (2 if gated else 1) * widest("num_heads")), ("g", widest("num_heads")),
+            ("k", widest("num_kv_groups")), ("v", widest("num_kv_groups")),
+            ("a", widest("num_heads")), ("f", hidden), ("logits", cfg.vocab_size),
+            ("scores", max([att.num_heads for att in mha], default=1) * longest))}
         self.logits = buffers["logits"].view(1, 1, cfg.vocab_size)
         self._rope: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._rope_len = 0
@@ -223,12 +225,9 @@ class NativeDecoder:
         embed_scale = 1.0
         if cfg.embed_scale:  # rounded to the weights' dtype, as the module path rounds it
             embed_scale = float(torch.tensor(cfg.emb_dim ** 0.5, dtype=self.dtype))
-        scale = 1.0 if att0 is None else \
-            att0.scale if att0.scale is not None else 1.0 / math.sqrt(head_dim)
         self.struct = Model(
-            dt=DTYPES[self.dtype], n_layers=cfg.n_layers, dim=cfg.emb_dim, heads=heads,
-            kv_heads=kv_heads, head_dim=head_dim,
-            vocab=cfg.vocab_size, scale=scale, embed_scale=embed_scale,
+            dt=DTYPES[self.dtype], n_layers=cfg.n_layers, dim=cfg.emb_dim,
+            vocab=cfg.vocab_size, embed_scale=embed_scale,
             tok_emb=self._weight(model.tok_emb.weight),
             pos_emb=self._weight(None if model.pos_emb is None else model.pos_emb.weight),
             head=self._weight(model.out_head.weight), final_norm=self._norm(model.final_norm),
@@ -341,7 +340,8 @@ class NativeDecoder:
                  "iw": 0 if ix is None else ix.num_heads, "iscore": cache.max_len}
         latent = Latent(
             heads=h, interleave=int(att.rope_interleave), threads=self.threads, rank=r,
-            nope=att.qk_nope_head_dim, rope=dr, vdim=att.v_head_dim, q_rank=q_rank, scale=att.scale,
+            nope=att.qk_nope_head_dim, rope=dr, vdim=att.v_head_dim, q_rank=q_rank,
+            scale=att.scale,
             wkv_a=self._weight(att.kv_a_proj_with_mqa.weight),
             bkv_a=self._hold(_vector(att.kv_a_proj_with_mqa.bias)),
             kv_norm=self._torch_norm(att.kv_a_layernorm), wkv_b=self._weight(att.kv_b_proj.weight),
@@ -408,7 +408,9 @@ class NativeDecoder:
             q_norm=self._norm(att.q_norm), k_norm=self._norm(getattr(att, "k_norm", None)),
             sinks=self._hold(_vector(sinks)),
             gated=int(_gated(att)), shared=int(shared),
-            rotary_dim=getattr(att, "rotary_dim", att.head_dim),
+            rotary_dim=getattr(att, "rotary_dim", att.head_dim), heads=att.num_heads,
+            kv_heads=att.num_kv_groups, head_dim=att.head_dim,
+            scale=att.scale if att.scale is not None else 1.0 / math.sqrt(att.head_dim),
             keys=self._hold(cache.keys), values=self._hold(cache.values),
             cache_len=cache.max_len, ring=int(cache.ring))
 
