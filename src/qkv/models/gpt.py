@@ -53,7 +53,7 @@ from ..multihead import MultiHeadAttention
 from ..options import GPT_PRESETS as PRESETS
 from ..options import MAX_NEW_TOKENS
 from ..positional import check_rope_scaling
-from .moe import MoE
+from .moe import Experts, GatedMLP, MoE
 from .native_decode import DTYPES as NATIVE_DTYPES
 from .native_decode import NativeDecoder
 from .quantized import quantized_modules
@@ -1029,8 +1029,9 @@ class GPTModel(nn.Module):
 # Decoding
 
 
-def _mlp_kind(ff: nn.Module) -> tuple[type, type]:
-    return type(ff), type(getattr(ff, "act", None))
+# The attention classes decode.c's step runs (NoPE layers are MultiHeadAttention's).
+_NATIVE_ATTENTION = (MultiHeadAttention, SinkAttention, GatedAttention, SharedKVAttention,
+                     LatentAttention, SparseLatentAttention, GatedDeltaNet)
 
 
 def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
@@ -1053,25 +1054,39 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         if type(block) is not TransformerBlock:
             return f"a block of type {type(block).__name__}"
         att, ff = block.att, block.ff
-        if type(att) is not MultiHeadAttention or type(ff) not in (FeedForward,
-                                                                   GatedFeedForward):
-            return ("attention and feed-forward must be qkv's MultiHeadAttention and "
-                    "FeedForward or GatedFeedForward")
-        if (not att.causal or att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim
+        if type(att) not in _NATIVE_ATTENTION:
+            return (f"{type(att).__name__} layers have no native step (it runs "
+                    f"{', '.join(c.__name__ for c in _NATIVE_ATTENTION)})")
+        if type(ff) not in (FeedForward, GatedFeedForward, MoE):
+            return (f"{type(ff).__name__} feed-forwards have no native step (it runs "
+                    "FeedForward, GatedFeedForward and MoE)")
+        if isinstance(att, LatentAttention):
+            if att.d_model != model.cfg.emb_dim:
+                return "latent attention over the residual stream is needed"
+        elif isinstance(att, GatedDeltaNet):
+            if att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim:
+                return "Gated DeltaNet over the residual stream is needed"
+        elif (not att.causal or att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim
                 or att.kdim != att.d_in or att.vdim != att.d_in):
             return "causal self-attention over the residual stream is needed"
-        if any(getattr(att, n) != getattr(model.trf_blocks[0].att, n) for n in
-               ("num_heads", "num_kv_groups", "head_dim", "scale")):
-            return "every layer must have the same heads, head size and scale"
-        if any(m is not None and type(m) not in norms for m in (att.q_norm, att.k_norm)):
+        elif (att.W_query.out_features not in (att.num_heads * att.head_dim,
+                                               2 * att.num_heads * att.head_dim)
+              or getattr(att, "W_key", att.W_query).out_features % att.head_dim
+              or att.num_heads % att.num_kv_groups
+              or (hasattr(att, "W_key")
+                  and att.W_key.out_features != att.num_kv_groups * att.head_dim)):
+            return "a layer's projections must have the same heads as it says it has"
+        elif any(m is not None and type(m) not in norms for m in (att.q_norm, att.k_norm)):
             return "QK-norms must be qkv's LayerNorm or RMSNorm"
         if type(ff) is FeedForward and \
                 [type(m) for m in ff.layers] != [nn.Linear, GELU, nn.Linear]:
             return "the feed-forward must be Linear, GELU, Linear"
         if type(ff) is GatedFeedForward and type(ff.act) not in (nn.SiLU, GELU):
             return "the gated feed-forward's activation must be SiLU or GELU"
-        if _mlp_kind(ff) != _mlp_kind(model.trf_blocks[0].ff):
-            return "every layer must have the same kind of feed-forward"
+        if type(ff) is MoE and (type(ff.experts) is not Experts or type(ff.router) is not
+                                nn.Linear or (ff.shared_expert is not None
+                                              and type(ff.shared_expert) is not GatedMLP)):
+            return "a mixture of experts must be built from qkv's Experts and GatedMLP"
         if any(m is not None and type(m) not in norms for m in
                (block.norm1, block.norm2, block.post_norm1, block.post_norm2)):
             return "the norms must be qkv's LayerNorm or RMSNorm"
@@ -1298,7 +1313,8 @@ def generate(
             elif caches[0].pos == 0 or (caches[0].pos == context_size and not endless):
                 # first step, or the cache is full: (re-)fill it from the last window
                 for cache in caches:
-                    cache.reset()
+                    if cache is not None:  # a shared_kv layer keeps none
+                        cache.reset()
                 logits = forward(ids[:, max(end - context_size, 0) : end], caches)
             elif decoder is not None:
                 logits = decoder.step(int(ids[0, end - 1]))
