@@ -450,6 +450,19 @@ void qkv_attend_cached(const float *q, const void *K, const void *V, int dt, flo
                         sinks, gate, scores);
 }
 
+/* y[0 .. span) += a * W[r, c0 .. c0 + span), W (rows, n) of any type (a block type's
+   row is expanded first). */
+static void axpy_row_part(const qkv_mat *W, long r, long n, long c0, long span, float a,
+                          float *y) {
+    if (W->type == QKV_F32 || W->type == QKV_BF16) {
+        axpy_hd(a, W->data, r * n + c0, y, span, W->type);
+    } else {
+        float w[n];
+        row_to_f32(W, r, n, w);
+        for (long i = 0; i < span; i++) y[i] += a * w[c0 + i];
+    }
+}
+
 /* ---------------------------------------------------------------------------------
    Mixture of experts for one token (qkv.models.moe.MoE).
 
@@ -463,10 +476,11 @@ void qkv_attend_cached(const float *q, const void *K, const void *V, int dt, flo
      (+ s * shared expert, s = sigmoid(w_sg . x) with a shared gate, else 1).
 
    The experts live in two 3-D tensors, as qkv's Experts keeps them: gate_up (E, 2I, d),
-   expert e's gate rows e 2I .. e 2I + I - 1 then its up rows; down (E, d, I), expert
-   e's rows e d .. e d + d - 1. Only the chosen experts' rows are read, so a token
-   streams the active parameters, not all of them. The shared expert's three matrices
-   are separate (S, d), (S, d), (d, S). */
+   expert e's gate rows e 2I .. e 2I + I - 1 then its up rows; down (E, I, d), input
+   rows first (the transpose of nn.Linear's), expert e's rows e I .. e I + I - 1, so
+   its output is sum_i h_i down[e I + i, :]. Only the chosen experts' rows are read, so
+   a token streams the active parameters, not all of them. The shared expert's three
+   matrices are separate nn.Linear weights (S, d), (S, d), (d, S). */
 
 #define SCORE_SOFTMAX 0
 #define SCORE_SIGMOID 1
@@ -481,7 +495,7 @@ typedef struct {
     float scaling, alpha, limit;
     qkv_mat router;                          /* (E, d) */
     const float *router_bias, *choice_bias;  /* (E,) float32 or NULL */
-    qkv_mat gate_up, down;                   /* (E, 2I, d), (E, d, I) */
+    qkv_mat gate_up, down;                   /* (E, 2I, d), (E, I, d) */
     const float *gate_up_bias, *down_bias;   /* (E, 2I), (E, d) float32 or NULL */
     qkv_mat shared1, shared2, shared3;       /* gate (S, d), up (S, d), down (d, S) */
     const float *shared_b1, *shared_b2, *shared_b3;
@@ -553,12 +567,15 @@ void qkv_route(const qkv_moe *e) {
 }
 
 /* One expert the token runs through: its three matrices, the first row of each it
-   reads, biases (NULL or at their first row), width and weight. */
+   reads, biases (NULL or at their first row), width and weight. A routed expert's down
+   rows are its inputs (`down_in`: (I, d) rows, d0 its first), the shared expert's its
+   outputs ((d, S), nn.Linear's). */
 typedef struct {
     const qkv_mat *gate, *up, *down;
     long g0, u0, d0, width, offset; /* offset: where its hidden values start */
     const float *bg, *bu, *bd;
     float weight;
+    int down_in;
 } active_expert;
 
 static int active_experts(const qkv_moe *e, long d, active_expert *a) {
@@ -568,14 +585,14 @@ static int active_experts(const qkv_moe *e, long d, active_expert *a) {
         const long x = e->chosen[j];
         const float *bgu = e->gate_up_bias ? e->gate_up_bias + x * 2 * I : NULL;
         a[n++] = (active_expert){&e->gate_up, &e->gate_up, &e->down, x * 2 * I, x * 2 * I + I,
-                                 x * d, I, j * I, bgu, bgu ? bgu + I : NULL,
-                                 e->down_bias ? e->down_bias + x * d : NULL, e->weights[j]};
+                                 x * I, I, j * I, bgu, bgu ? bgu + I : NULL,
+                                 e->down_bias ? e->down_bias + x * d : NULL, e->weights[j], 1};
     }
     if (e->shared_width) {
         float s = e->shared_gate.data ? sigmoidf(e->logits[e->experts]) : 1.0f;
         a[n++] = (active_expert){&e->shared1, &e->shared2, &e->shared3, 0, 0, 0,
                                  e->shared_width, e->top_k * I, e->shared_b1, e->shared_b2,
-                                 e->shared_b3, s};
+                                 e->shared_b3, s, 0};
     }
     return n;
 }
@@ -604,17 +621,28 @@ static void moe_shared(const qkv_moe *e, const float *x, float *y, long d, int m
             e->hidden[r] = glu(g, u, e);
         }
     }
-    /* then each expert's down rows, weighted, into y. The loops share the rows out
-       alike (static schedule, d rows each), so each thread adds to its own rows of y in
-       every loop and none waits for the others until the last. */
+    /* then each expert's down projection, weighted, into y. Every thread takes the
+       same contiguous share [c0, c1) of y's d outputs for every expert, so it only ever
+       adds to its own outputs and none waits for the others until the last. A routed
+       expert's share is sum_i h_i down[d0 + i, c0:c1): each thread streams a c1 - c0
+       wide slice of each of its I rows into a sum it keeps in cache. */
+    const long t = omp_get_thread_num(), T = omp_get_num_threads();
+    const long c0 = d * t / T, c1 = d * (t + 1) / T, span = c1 - c0;
+    float acc[span > 0 ? span : 1];
     for (int j = 0; j < n; j++) {
         const float *h = e->hidden + a[j].offset;
         const long w = a[j].width;
-        DEINTERLEAVE(h, w, a[j].down->type == QKV_BF16)
-#pragma omp for schedule(static) nowait
-        for (long r = 0; r < d; r++) {
-            float v = a[j].weight * (dot_row(a[j].down, a[j].d0 + r, w, h, xe, xo) + (a[j].bd ? a[j].bd[r] : 0.0f));
-            y[r] = (j == 0 && mode == STORE) ? v : y[r] + v;
+        if (a[j].down_in) {
+            for (long c = 0; c < span; c++) acc[c] = 0.0f;
+            for (long i = 0; i < w; i++)
+                axpy_row_part(a[j].down, a[j].d0 + i, d, c0, span, h[i], acc);
+        } else {
+            DEINTERLEAVE(h, w, a[j].down->type == QKV_BF16)
+            for (long c = 0; c < span; c++) acc[c] = dot_row(a[j].down, a[j].d0 + c0 + c, w, h, xe, xo);
+        }
+        for (long c = 0; c < span; c++) {
+            float v = a[j].weight * (acc[c] + (a[j].bd ? a[j].bd[c0 + c] : 0.0f));
+            y[c0 + c] = (j == 0 && mode == STORE) ? v : y[c0 + c] + v;
         }
     }
 #pragma omp barrier
