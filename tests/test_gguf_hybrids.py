@@ -1,15 +1,15 @@
-"""The GGUF forms of Qwen3-Next (``qwen3next``) and Qwen3.5 (``qwen35``), against
-transformers.
+"""The GGUF forms of Qwen3-Next (``qwen3next``), Qwen3.5 (``qwen35``) and Qwen3.5-MoE
+(``qwen35moe``), against transformers.
 
 Each family's tiny model is built with transformers' own classes and written as
-llama.cpp's converter (``convert_hf_to_gguf.py``, its ``Qwen3NextModel`` and
-``Qwen3_5TextModel``) writes it, by the small converter here, from that converter's
+llama.cpp's converter (``convert_hf_to_gguf.py``, its ``Qwen3NextModel``,
+``Qwen3_5TextModel`` and ``Qwen3_5MoeTextModel``) writes it, by the small converter here, from that converter's
 conventions: every norm but the linear attention's gated one stored as ``1 + w``;
 ``A_log`` as ``ssm_a = -exp(A_log)``; ``dt_bias`` as ``ssm_dt.bias``; the convolution
 squeezed to ``(channels, kernel)``; Qwen3-Next's fused ``in_proj_qkvz`` (rows per key
 head) split into ``attn_qkv`` (all queries, all keys, all values) and ``attn_gate``
 (or kept whole as ``ssm_in``, the older files' form), its ``in_proj_ba`` kept as
-``ssm_ba``; Qwen3.5's value heads reordered from grouped (by key head) to tiled order
+``ssm_ba``; Qwen3.5's (and Qwen3.5-MoE's) value heads reordered from grouped (by key head) to tiled order
 wherever they appear (the values' rows of ``in_proj_qkv`` and of the convolution,
 ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``dt_bias``, ``A_log``, the columns of
 ``out_proj``); the experts stacked into 3-D ``ffn_*_exps``; the shared expert's gate as
@@ -39,7 +39,8 @@ from qkv.models.gpt import generate  # noqa: E402
 from qkv.tasks.lm import LanguageModel  # noqa: E402
 from test_open_models import HYBRID, VOCAB  # noqa: E402
 
-ARCHES = {"qwen3_5_text": gguf.MODEL_ARCH.QWEN35, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT}
+ARCHES = {"qwen3_5_text": gguf.MODEL_ARCH.QWEN35, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT,
+          "qwen3_5_moe_text": gguf.MODEL_ARCH.QWEN35MOE}
 # Two key heads of 8, each serving three value heads of 8 (llama.cpp's loader takes the
 # value heads' size to be the state size): the tiled order differs from the grouped one.
 SHAPE = {**HYBRID, "linear_value_head_dim": 8}
@@ -49,6 +50,10 @@ CONFIGS = {
     "qwen3_next": lambda: transformers.Qwen3NextConfig(
         **SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
         shared_expert_intermediate_size=32),
+    # Qwen3.5-MoE: Qwen3.5's layers, experts in every layer, no dense MLP
+    "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(
+        **{k: v for k, v in SHAPE.items() if k != "intermediate_size"}, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32),
 }
 
 
@@ -90,7 +95,7 @@ def convert(model, family: str, ssm_in: bool = False, vector_gate: bool = False)
     k_heads, v_heads = c.linear_num_key_heads, c.linear_num_value_heads
     hk, hv, group = c.linear_key_head_dim, c.linear_value_head_dim, v_heads // k_heads
     keys = 2 * k_heads * hk
-    qwen35 = family == "qwen3_5_text"
+    qwen35 = family != "qwen3_next"  # Qwen3.5 and Qwen3.5-MoE
 
     def heads(t, dim, size):  # Qwen3.5's value heads in tiled order
         return tiled(t, dim, k_heads, group, size) if qwen35 else t
@@ -143,7 +148,6 @@ def convert(model, family: str, ssm_in: bool = False, vector_gate: bool = False)
             "add_block_count": c.num_hidden_layers,
             "add_context_length": c.max_position_embeddings,
             "add_embedding_length": c.hidden_size,
-            "add_feed_forward_length": c.intermediate_size,
             "add_head_count": c.num_attention_heads,
             "add_head_count_kv": c.num_key_value_heads,
             "add_rope_freq_base": rope["rope_theta"],
@@ -156,9 +160,11 @@ def convert(model, family: str, ssm_in: bool = False, vector_gate: bool = False)
             "add_rope_dimension_count": int(c.head_dim * rope["partial_rotary_factor"]),
             "tokenizer.ggml.model": "gpt2", "add_eos_token_id": 2,
             "tokenizer.ggml.tokens": [f"t{i}" for i in range(VOCAB)]}
+    if family != "qwen3_5_moe_text":
+        meta["add_feed_forward_length"] = c.intermediate_size
     if qwen35:
         meta["add_rope_dimension_sections"] = [2, 1, 1, 0]
-    else:
+    if family != "qwen3_5_text":
         meta.update(add_expert_count=c.num_experts, add_expert_used_count=c.num_experts_per_tok,
                     add_expert_feed_forward_length=c.moe_intermediate_size,
                     add_expert_shared_feed_forward_length=c.shared_expert_intermediate_size)
@@ -225,11 +231,12 @@ def test_state_dict_and_config_equal_the_models(files, family):
             "tie_word_embeddings", "layer_types", "linear_conv_kernel_dim",
             "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
             "linear_num_value_heads", "rope_parameters"]
-    if family == "qwen3_next":
+    if family != "qwen3_5_text":
         keys += ["num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                 "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-                 "mlp_only_layers"]
-    else:
+                 "shared_expert_intermediate_size"]
+    if family == "qwen3_next":
+        keys += ["norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"]
+    if family != "qwen3_5_moe_text":
         keys.append("intermediate_size")
     for key in keys:
         assert ours[key] == theirs[key], key
@@ -323,3 +330,26 @@ def test_qwen35_pretokenizer_keeps_combining_marks_with_their_letters(tmp_path):
     assert pieces("qwen35", text) == ["cafe\u0301", " na\u0308ive", ",", " it", "'s", " ",
                                       "4", "2"]
     assert pieces("qwen2", text)[:2] == ["cafe", "\u0301"]
+
+
+def test_qwen3_5_moe_folder_reads_as_its_file(files, tmp_path):
+    """A ``qwen3_5_moe_text`` folder (its experts saved one tensor each) is read too: the
+    same qkv state dict as its GGUF file gives, and transformers' logits (1e-4)."""
+    from qkv.models.gpt import GPTConfig, GPTModel
+    from qkv.models.hf_open import config_fields, read_open_config, read_open_weights, to_qkv
+
+    hf, path = files["qwen3_5_moe_text"]
+    hf.save_pretrained(tmp_path / "hf")
+    fields = config_fields(read_open_config(tmp_path / "hf"), "folder")
+    folder = read_open_weights(tmp_path / "hf", fields)
+    config, state = read_gguf_model(path)
+    assert config_fields(config, "file") == fields
+    from_file = to_qkv(state, fields, config["model_type"])
+    assert folder.keys() == from_file.keys()
+    for name, tensor in folder.items():
+        torch.testing.assert_close(from_file[name], tensor, rtol=1e-6, atol=1e-6)
+    model = GPTModel(GPTConfig(**fields)).eval()
+    model.load_state_dict(folder)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-4, rtol=0)

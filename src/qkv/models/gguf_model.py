@@ -15,20 +15,21 @@ serves both:
 
 Supported architectures (``general.architecture`` -> Hugging Face ``model_type``):
 
-=============  ==============  ===================================================
-``llama``      ``llama``       Llama, SmolLM2 and Mistral files (``mistral`` when
-                               ``general.name`` says Mistral)
+=============  ====================  ===================================================
+``llama``      ``llama``             Llama, SmolLM2 and Mistral files (``mistral`` when
+                                     ``general.name`` says Mistral)
 ``qwen2``      ``qwen2``
 ``qwen3``      ``qwen3``
 ``gemma3``     ``gemma3_text``
 ``gpt2``       ``gpt2``
-``smollm3``    ``smollm3``     NoPE every 4th layer
-``olmo2``      ``olmo3``       OLMo 2 and OLMo 3 files both say ``olmo2``
-``gpt-oss``    ``gpt_oss``     experts MXFP4 in published files, dequantized here
-``deepseek2``  ``deepseek_v3`` DeepSeek-V3/R1 (and Kimi K2) files
-``qwen3next``  ``qwen3_next``   Gated DeltaNet and gated attention; experts
-``qwen35``     ``qwen3_5_text`` the same, dense; Qwen3.5's text model
-=============  ==============  ===================================================
+``smollm3``    ``smollm3``           NoPE every 4th layer
+``olmo2``      ``olmo3``             OLMo 2 and OLMo 3 files both say ``olmo2``
+``gpt-oss``    ``gpt_oss``           experts MXFP4 in published files, dequantized here
+``deepseek2``  ``deepseek_v3``       DeepSeek-V3/R1 (and Kimi K2) files
+``qwen3next``  ``qwen3_next``        Gated DeltaNet and gated attention, experts
+``qwen35``     ``qwen3_5_text``      the same with a dense MLP (Qwen3.5's text model)
+``qwen35moe``  ``qwen3_5_moe_text``  Qwen3.5-MoE's text model
+=============  ====================  ===================================================
 
 DeepSeek-V3.2 (``deepseek_v32``) has no GGUF form: gguf 0.19 names no architecture for
 its sparse attention and llama.cpp's converter writes none; a ``deepseek2`` file with
@@ -132,10 +133,11 @@ __all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "llama3_scali
 # general.architecture -> Hugging Face's model_type
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
                 "gpt2": "gpt2", "smollm3": "smollm3", "olmo2": "olmo3", "gpt-oss": "gpt_oss",
-                "deepseek2": "deepseek_v3", "qwen3next": "qwen3_next", "qwen35": "qwen3_5_text"}
+                "deepseek2": "deepseek_v3", "qwen3next": "qwen3_next", "qwen35": "qwen3_5_text",
+                "qwen35moe": "qwen3_5_moe_text"}
 GGUF_ARCHITECTURES = tuple(_MODEL_TYPES)
 # The hybrids of Gated DeltaNet and gated full attention (their model_types).
-_HYBRIDS = ("qwen3_next", "qwen3_5_text")
+_HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _FULL_ATTENTION_EVERY = 4  # llama.cpp's full_attention_interval when a file gives none
 # The model_types whose attn_q/attn_k rows llama.cpp's converter reorders for its RoPE
 # (LlamaModel and its subclasses); the others are stored as Hugging Face holds them.
@@ -433,8 +435,8 @@ def _hybrid_config(meta: Mapping[str, Any], shared: dict[str, Any], integer: Any
     files). ``rope.dimension_count`` is the rotated part of each head (the partial RoPE
     factor times ``key_length``). The last ``nextn_predict_layers`` blocks are the
     multi-token-prediction head, which the logits do not go through: not counted, and
-    left unread. Qwen3-Next's files have experts in every layer, their weights
-    renormalised (llama.cpp computes nothing else for them)."""
+    left unread. Qwen3-Next's and Qwen3.5-MoE's files have experts in every layer, their
+    weights renormalised (llama.cpp computes nothing else for them)."""
     heads, blocks = shared["num_attention_heads"], shared["num_hidden_layers"]
     drafts = integer("nextn_predict_layers", 0, lo=0)
     if drafts >= blocks:
@@ -480,16 +482,17 @@ def _hybrid_config(meta: Mapping[str, Any], shared: dict[str, Any], integer: Any
     scale = meta.get("expert_weights_scale", 1.0)
     if scale != 1.0:
         raise ValueError(f"{where}expert_weights_scale is {show(scale)}; qkv reads "
-                         "Qwen3-Next's experts unscaled (1)")
+                         "these experts unscaled (1)")
     moe = integer("expert_feed_forward_length")
     config.update(
-        intermediate_size=integer("feed_forward_length", moe),
         num_experts=integer("expert_count"), num_experts_per_tok=integer("expert_used_count"),
         moe_intermediate_size=moe,
         # llama.cpp: the shared expert is feed_forward_length wide when not said
         shared_expert_intermediate_size=integer("expert_shared_feed_forward_length",
-                                                meta.get("feed_forward_length")),
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+                                                meta.get("feed_forward_length")))
+    if shared["model_type"] == "qwen3_next":  # Qwen3.5-MoE's class has no such keys
+        config.update(intermediate_size=integer("feed_forward_length", moe),
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     return config
 
 
@@ -818,7 +821,7 @@ def _experts(config: dict[str, Any], i: int, stored: Container[str],
     them fused (gpt-oss's router and experts have biases)."""
     d, gpt_oss = config["hidden_size"], config["model_type"] == "gpt_oss"
     e = config["num_local_experts" if gpt_oss else "num_experts"
-               if config["model_type"] == "qwen3_next" else "n_routed_experts"]
+               if config["model_type"] in _HYBRIDS else "n_routed_experts"]
     router = "mlp.router" if gpt_oss else "mlp.gate"
     block = {"ffn_gate_inp.weight": (f"{router}.weight", (e, d))}
     if gpt_oss:
@@ -871,7 +874,7 @@ def _draft_block(header: GGUFHeader, name: str) -> bool:
     drafts = header.config.get("nextn_predict_layers", 0)
     blocks = header.config.get("block_count", 0)
     parts = name.split(".")
-    return (header.architecture in ("qwen3next", "qwen35") and isinstance(drafts, int)
+    return (header.architecture in ("qwen3next", "qwen35", "qwen35moe") and isinstance(drafts, int)
             and isinstance(blocks, int) and len(parts) > 2 and parts[0] == "blk"
             and parts[1].isdecimal() and blocks - drafts <= int(parts[1]) < blocks)
 
@@ -920,7 +923,7 @@ def _linear_to_hf(parts: dict[str, Tensor], config: dict[str, Any]) -> Tensor:
     elif kind == "ssm_conv1d":
         tensor = tensor.unsqueeze(1)
     group = v_heads // k_heads
-    if config["model_type"] != "qwen3_5_text" or group == 1:
+    if config["model_type"] == "qwen3_next" or group == 1:
         return tensor
     keys = 2 * k_heads * hk
     if kind in ("attn_qkv", "ssm_conv1d"):  # the values' rows, after the queries and keys
