@@ -3,18 +3,19 @@
 
 Each family's tiny model is built with transformers' own classes and written as
 llama.cpp's converter (``convert_hf_to_gguf.py``, its ``Qwen3NextModel``,
-``Qwen3_5TextModel`` and ``Qwen3_5MoeTextModel``) writes it, by the small converter here, from that converter's
-conventions: every norm but the linear attention's gated one stored as ``1 + w``;
-``A_log`` as ``ssm_a = -exp(A_log)``; ``dt_bias`` as ``ssm_dt.bias``; the convolution
-squeezed to ``(channels, kernel)``; Qwen3-Next's fused ``in_proj_qkvz`` (rows per key
-head) split into ``attn_qkv`` (all queries, all keys, all values) and ``attn_gate``
-(or kept whole as ``ssm_in``, the older files' form), its ``in_proj_ba`` kept as
-``ssm_ba``; Qwen3.5's (and Qwen3.5-MoE's) value heads reordered from grouped (by key head) to tiled order
-wherever they appear (the values' rows of ``in_proj_qkv`` and of the convolution,
-``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``dt_bias``, ``A_log``, the columns of
-``out_proj``); the experts stacked into 3-D ``ffn_*_exps``; the shared expert's gate as
-``ffn_gate_inp_shexp``; the schedule as ``full_attention_interval`` and the rotated part
-of each head as ``rope.dimension_count``.
+``Qwen3_5TextModel`` and ``Qwen3_5MoeTextModel``) writes it, by the small converter
+here, from that converter's conventions: every norm but the linear attention's gated one
+stored as ``1 + w``; ``A_log`` as ``ssm_a = -exp(A_log)``; ``dt_bias`` as
+``ssm_dt.bias``; the convolution squeezed to ``(channels, kernel)``; Qwen3-Next's fused
+``in_proj_qkvz`` (rows per key head) split into ``attn_qkv`` (all queries, all keys, all
+values) and ``attn_gate`` (or kept whole as ``ssm_in``, the older files' form), its
+``in_proj_ba`` kept as ``ssm_ba``; Qwen3.5's (and Qwen3.5-MoE's) value heads reordered
+from grouped (by key head) to tiled order wherever they appear (the values' rows of
+``in_proj_qkv`` and of the convolution, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``,
+``dt_bias``, ``A_log``, the columns of ``out_proj``); the experts stacked into 3-D
+``ffn_*_exps``; the shared expert's gate as ``ffn_gate_inp_shexp``; the schedule as
+``full_attention_interval`` and the rotated part of each head as
+``rope.dimension_count``.
 
 ``qkv lm import`` of each file must give logits within 1e-4 of the transformers model
 and its 20 greedy tokens, cached and not; the state dict read back must be the model's.
