@@ -101,47 +101,50 @@ def convert(model, family: str, ssm_in: bool = False, vector_gate: bool = False)
     def heads(t, dim, size):  # Qwen3.5's value heads in tiled order
         return tiled(t, dim, k_heads, group, size) if qwen35 else t
 
+    def name_of(hf_name: str) -> str:  # gguf's tensor name map (dt_bias renamed first)
+        return names.get_name(hf_name.replace(".dt_bias", ".dt_proj.bias"),
+                              try_suffixes=(".weight", ".bias"))
+
+    def named(kind, bid: str) -> str:  # the converter's format_tensor_name
+        return f"{gguf.TENSOR_NAMES[kind].format(bid=bid)}.weight"
+
+    T = gguf.MODEL_TENSOR
     arrays = {}
     for hf_name, t in state.items():
         i = re.match(r"model\.layers\.(\d+)\.", hf_name)
-        blk = f"blk.{i[1]}" if i else None
         if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
             t = t + 1  # zero-centred norms
         if hf_name.endswith("in_proj_qkvz.weight") and not ssm_in:
             # per key head [q, k, v, z] -> [all q, all k, all v] and [all z]
             per_head = t.reshape(k_heads, -1, t.shape[-1])
             q, k, v, z = per_head.split([hk, hk, group * hv, group * hv], dim=1)
-            arrays[f"{blk}.attn_qkv.weight"] = torch.cat(
+            arrays[named(T.ATTN_QKV, i[1])] = torch.cat(
                 [x.reshape(-1, t.shape[-1]) for x in (q, k, v)])
-            arrays[f"{blk}.attn_gate.weight"] = z.reshape(-1, t.shape[-1])
-        elif hf_name.endswith("in_proj_qkvz.weight"):
-            arrays[f"{blk}.ssm_in.weight"] = t
-        elif hf_name.endswith("in_proj_qkv.weight"):
-            arrays[f"{blk}.attn_qkv.weight"] = torch.cat((t[:keys], heads(t[keys:], 0, hv)))
-        elif hf_name.endswith("in_proj_z.weight"):
-            arrays[f"{blk}.attn_gate.weight"] = heads(t, 0, hv)
-        elif hf_name.endswith(("in_proj_b.weight", "in_proj_a.weight")):
-            kind = "beta" if "in_proj_b" in hf_name else "alpha"
-            arrays[f"{blk}.ssm_{kind}.weight"] = heads(t, 0, 1)
-        elif hf_name.endswith("conv1d.weight"):
-            t = t.squeeze(1)
-            arrays[f"{blk}.ssm_conv1d.weight"] = torch.cat((t[:keys], heads(t[keys:], 0, hv)))
-        elif hf_name.endswith("A_log"):
-            arrays[f"{blk}.ssm_a"] = heads(-t.exp(), 0, 1)
-        elif hf_name.endswith("dt_bias"):
-            arrays[f"{blk}.ssm_dt.bias"] = heads(t, 0, 1)
-        elif hf_name.endswith("out_proj.weight"):
-            arrays[f"{blk}.ssm_out.weight"] = heads(t, 1, hv)
-        elif hf_name.endswith("experts.gate_up_proj"):
+            arrays[named(T.ATTN_GATE, i[1])] = z.reshape(-1, t.shape[-1])
+            continue
+        if hf_name.endswith("experts.gate_up_proj"):  # stacked, as the folder's experts
             gate, up = t.chunk(2, dim=1)
-            arrays[f"{blk}.ffn_gate_exps.weight"] = gate
-            arrays[f"{blk}.ffn_up_exps.weight"] = up
-        elif hf_name.endswith("experts.down_proj"):
-            arrays[f"{blk}.ffn_down_exps.weight"] = t
+            arrays[named(T.FFN_GATE_EXP, i[1])] = gate
+            arrays[named(T.FFN_UP_EXP, i[1])] = up
+            continue
+        if hf_name.endswith("experts.down_proj"):
+            arrays[named(T.FFN_DOWN_EXP, i[1])] = t
+            continue
+        if hf_name.endswith("conv1d.weight"):
+            t = t.squeeze(1)
+        if hf_name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # the values' part
+            t = torch.cat((t[:keys], heads(t[keys:], 0, hv)))
+        elif hf_name.endswith("in_proj_z.weight"):
+            t = heads(t, 0, hv)
+        elif hf_name.endswith(("in_proj_b.weight", "in_proj_a.weight", "dt_bias")):
+            t = heads(t, 0, 1)
+        elif hf_name.endswith("A_log"):
+            t = heads(-t.exp(), 0, 1)
+        elif hf_name.endswith("linear_attn.out_proj.weight"):
+            t = heads(t, 1, hv)
         elif hf_name.endswith("shared_expert_gate.weight") and vector_gate:
-            arrays[f"{blk}.ffn_gate_inp_shexp.weight"] = t.flatten()
-        else:
-            arrays[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = t
+            t = t.flatten()
+        arrays[name_of(hf_name)] = t
     arrays = {k: np.ascontiguousarray(v.float().numpy()) for k, v in arrays.items()}
 
     rope = c.rope_parameters
