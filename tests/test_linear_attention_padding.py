@@ -192,6 +192,13 @@ def test_padding_is_refused_where_it_cannot_be_honoured():
     with pytest.raises(ValueError, match=r"native=True does not take a key_padding_mask"):
         generate(model, ids, 2, native=True, key_padding_mask=torch.zeros(2, 5,
                                                                           dtype=torch.bool))
+    windowed = GPTModel(GPTConfig(vocab_size=16, context_length=8, emb_dim=16, n_heads=2,
+                                  n_layers=1, rope=True, window_size=4))
+    with pytest.raises(ValueError, match=r"key_padding_mask: a sliding window \(window_size"
+                                         r"=4\) caches in rings"):
+        generate(windowed, ids, 2, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
+    generate(windowed, ids, 2, use_cache=False,
+             key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
     latent = GPTModel(GPTConfig(vocab_size=16, context_length=8, emb_dim=16, n_heads=2,
                                 n_layers=1, rope=True, layout=[{"attention": "latent"}],
                                 attention_options={"latent": {

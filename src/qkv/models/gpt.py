@@ -1303,6 +1303,10 @@ def generate(
         if native:
             raise ValueError("native=True does not take a key_padding_mask: the C kernels "
                              "attend to every cached position (pass native=None)")
+        if use_cache and getattr(cfg, "window_size", None) is not None:
+            raise ValueError(f"key_padding_mask: a sliding window (window_size="
+                             f"{cfg.window_size}) caches in rings, which do not keep "
+                             "positions in order; pass use_cache=False")
         native = False
     use_native = False
     if use_cache and native is not False and max_new_tokens > 0:
