@@ -193,8 +193,9 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
 
     Returns:
         ``model_type`` (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``,
-        ``"gemma3_text"``, ``"gpt2"``, ``"smollm3"``, ``"olmo3"``, ``"gpt_oss"`` or
-        ``"deepseek_v3"``) and the fields of that family's ``config.json`` that its
+        ``"gemma3_text"``, ``"gpt2"``, ``"smollm3"``, ``"olmo3"``, ``"gpt_oss"``,
+        ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_5_text"`` or
+        ``"qwen3_5_moe_text"``) and the fields of that family's ``config.json`` that its
         reader (:func:`~qkv.models.hf_open.config_fields`) reads: for GPT-2
         ``vocab_size``, ``n_positions``, ``n_embd``, ``n_layer``, ``n_head``, ``n_inner``
         (None: ``4 * n_embd``), ``layer_norm_epsilon``; for the others ``vocab_size``,
@@ -211,7 +212,10 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
         (``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
         ``v_head_dim``, ``rope_interleave``) and routing (``n_routed_experts``,
         ``n_shared_experts``, ``moe_intermediate_size``, ``first_k_dense_replace``,
-        ``routed_scaling_factor``, ``norm_topk_prob``, ``n_group``, ``topk_group``).
+        ``routed_scaling_factor``, ``norm_topk_prob``, ``n_group``, ``topk_group``);
+        the hybrids' ``partial_rotary_factor``, ``full_attention_interval``, ``linear_*``
+        sizes and experts (``num_experts``, ``num_experts_per_tok``,
+        ``moe_intermediate_size``, ``shared_expert_intermediate_size``).
 
     Raises:
         ValueError: one line naming the file and the key: an architecture other than
@@ -219,7 +223,8 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
             divide, a ``block_count`` beyond the file's tensors, partial rotary
             embeddings, unknown RoPE scaling keys, a ``rope_freqs`` tensor that is no
             llama3 scaling's (:func:`llama3_scaling`), metadata qkv does not compute
-            (:data:`_NOT_COMPUTED`, DeepSeek-V2's softmax routing, sparse attention).
+            (:data:`_NOT_COMPUTED`, DeepSeek-V2's softmax routing, sparse attention,
+            scaled experts), linear-attention sizes that do not divide.
     """
     arch, meta, tensors, path = (header.architecture, header.config, header.tensors,
                                  header.path)
