@@ -936,7 +936,8 @@ def _import_gguf(path: Path, origin: dict[str, str], run_dir: Path, dtype: torch
         raw = gguf_state_dict(path, header, config, dtype, max_bytes=budget, keep=keep)
         # consume: a tensor converted to qkv's layout (gpt-oss's experts) leaves raw as
         # its copy is made, so the model is not held twice
-        ours = gpt2_to_qkv(raw, fields) if gpt2 else to_qkv(raw, fields, consume=True)
+        ours = gpt2_to_qkv(raw, fields) if gpt2 else to_qkv(
+            raw, fields, config["model_type"], consume=True)
         return {name: t if isinstance(t, QuantizedWeight) else t.to(dtype)
                 for name, t in ours.items()}
 
