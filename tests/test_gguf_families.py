@@ -476,6 +476,32 @@ def test_refusals_are_one_line_before_any_tensor_is_read(files, tmp_path, no_rea
             "model.layers.2.post_feedforward_layernorm.weight of a olmo3 model")
 
 
+def test_gemma4_files_qkv_cannot_read_are_one_line(files, tmp_path):
+    """What a gemma4 file can say that qkv does not compute, or that is no Gemma 4 model,
+    is refused in one line naming the key or tensor."""
+    hf, _ = files["gemma4_text"]
+    arrays, meta = convert(hf, "gemma4_text")
+
+    def gemma4(name: str, tensors=None, **changes):
+        kept = {k: v for k, v in {**meta, **changes}.items() if v is not None}
+        return write_gguf(tmp_path / f"{name}.gguf", {**arrays, **(tensors or {})}, "gemma4",
+                          kept)
+
+    refused(gemma4("vlen", add_value_length=16), "gemma4.attention.value_length is 16",
+            "heads' size 32")
+    refused(gemma4("rot", add_rope_dimension_count_swa=8),
+            "gemma4.rope.dimension_count_swa is 8")
+    refused(gemma4("ffn", add_feed_forward_length=[48, 48, 48, 144, 144]),
+            "feed_forward_length is 144 in the shared layers")
+    refused(gemma4("pattern", add_sliding_window_pattern=6),
+            "sliding_window_pattern must flag each of the 5 layers")
+    refused(gemma4("linear", add_rope_scaling_type=gguf.RopeScalingType.LINEAR,
+                   add_rope_scaling_factor=2.0), "rope.scaling.type is 'linear'")
+    freqs = np.array([1.0, 1e30, 1.0, *[1e30] * 13], dtype=np.float32)
+    refused(gemma4("freqs", {"rope_freqs.weight": freqs}), "rope_freqs.weight",
+            "not Gemma 4's proportional RoPE")
+
+
 def test_write_gguf_refuses_these_families(files, tmp_path):
     """Writing these families back to GGUF is not implemented: refused, one line,
     nothing written."""
