@@ -136,6 +136,13 @@ def test_each_layer_is_built_from_its_own_sizes_and_counted_from_the_modules():
     assert sum(p.numel() for p in ple.parameters()) == 50 * 12 + 16 * 12 + 4
     assert sum(p.numel() for p in model.trf_blocks[0].ple.parameters()) == 2 * 16 * 4 + 16
     assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
+    # FLOPs: 6 per weight of every product, and 3 x 4 T d per layer for the scores, T the
+    # keys a query reads (layer 0's window of 4, layer 1's 64, layer 2 its source's 4)
+    # and d each layer's own query width (2 heads of 8, of 16, of 8)
+    products = sum(m.weight.numel() for m in model.modules()
+                   if isinstance(m, torch.nn.Linear))
+    scores = 4 * 4 * 16 + 4 * 64 * 32 + 4 * 4 * 16
+    assert cfg.training_flops_per_token() == 6 * products + 3 * scores
 
 
 def test_per_layer_inputs_and_the_soft_cap_are_the_definition():
