@@ -33,13 +33,13 @@ layouts, so that transformers 4 and 5 read it), :func:`from_qkv` renames a state
 back, and :func:`write_hf_folder` writes both as a folder. A field a family cannot
 express is refused: the config must read back (:func:`config_fields`) as the same fields.
 
-The families of 2025-26 (SmolLM3, OLMo 3, gpt-oss, DeepSeek-V3/V3.2, Qwen3.5 and
-Qwen3-Next) mix kinds of layers: their fields hold a ``layout``, and their tensors'
-names follow from the model built on the ``meta`` device (:func:`_layout_tensors`).
-Where a folder stores the same model differently from its family's causal-LM class (a
-multimodal ``qwen3_5`` folder nests the text model under ``model.language_model.``;
-``qwen3_next`` fuses its linear-attention projections), the functions that name tensors
-take the folder's ``model_type``.
+The families of 2025-26 (SmolLM3, OLMo 3, gpt-oss, DeepSeek-V3/V3.2, Qwen3.5,
+Qwen3-Next and Gemma 4) mix kinds of layers: their fields hold a ``layout``, and their
+tensors' names follow from the model built on the ``meta`` device
+(:func:`_layout_tensors`). Where a folder stores the same model differently from its
+family's causal-LM class (a multimodal ``qwen3_5`` or ``gemma4`` folder nests the text
+model under ``model.language_model.``; ``qwen3_next`` fuses its linear-attention
+projections), the functions that name tensors take the folder's ``model_type``.
 
 GPT-2 folders keep their own reader (:mod:`.hf_gpt2`); :func:`config_fields` hands a
 GPT-2 config to it. This module imports :mod:`qkv.models.gpt` only for
@@ -200,7 +200,7 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     if kind == "gpt2":
         return gpt2_fields(config, where)
     if kind == "qwen3_5":
-        return config_fields(_qwen3_5_text_config(config, where), where)
+        return config_fields(_text_config(config, "qwen3_5_text", False, where), where)
     if kind == "gemma4":
         return config_fields(_text_config(config, "gemma4_text", True, where), where)
     if kind == "gemma4_text":
@@ -292,31 +292,12 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     }
 
 
-def _qwen3_5_text_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The text model's config of a multimodal Qwen3.5 folder (``model_type`` "qwen3_5"):
-    its ``text_config``, tied or not as the folder's own class (``Qwen3_5ForConditional
-    Generation``) reads it, from the top level. The vision tower is not imported."""
-    text = config.get("text_config")
-    if text is None:
-        text = {}
-    if not isinstance(text, Mapping):
-        raise ValueError(f"{where}: text_config must be an object, got {show(text)}")
-    if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
-        raise ValueError(f"{where}: text_config.model_type is {show(text['model_type'])}; a "
-                         "qwen3_5 folder's text model is 'qwen3_5_text'")
-    tie = config.get("tie_word_embeddings", False)
-    if "tie_word_embeddings" in text and text["tie_word_embeddings"] != tie:
-        raise ValueError(f"{where}: tie_word_embeddings is {show(tie)} but "
-                         f"text_config.tie_word_embeddings is {show(text['tie_word_embeddings'])}"
-                         "; transformers' two Qwen3.5 classes would read them differently")
-    return {**text, "model_type": "qwen3_5_text", "tie_word_embeddings": tie}
-
-
 def _text_config(config: Mapping[str, Any], text_type: str, tie_default: bool,
                  where: str) -> dict[str, Any]:
-    """The text model's config of a multimodal folder: its ``text_config`` (of
-    ``model_type`` ``text_type``), tied or not as the top level says (the multimodal
-    class ties its head; ``tie_default`` when the top level is silent)."""
+    """The text model's config of a multimodal folder (Qwen3.5's ``qwen3_5``, Gemma 4's
+    ``gemma4``): its ``text_config`` (of ``model_type`` ``text_type``), tied or not as
+    the folder's own class reads it, from the top level (``tie_default`` when the top
+    level is silent). The vision (and audio) towers are not imported."""
     text = config.get("text_config")
     if text is None:
         text = {}
@@ -326,6 +307,11 @@ def _text_config(config: Mapping[str, Any], text_type: str, tie_default: bool,
         raise ValueError(f"{where}: text_config.model_type is {show(text['model_type'])}; a "
                          f"{config.get('model_type')} folder's text model is {text_type!r}")
     tie = config.get("tie_word_embeddings", tie_default)
+    if "tie_word_embeddings" in text and text["tie_word_embeddings"] != tie:
+        raise ValueError(f"{where}: tie_word_embeddings is {show(tie)} but "
+                         f"text_config.tie_word_embeddings is {show(text['tie_word_embeddings'])}"
+                         "; the multimodal and the text-only classes would read them "
+                         "differently")
     return {**text, "model_type": text_type, "tie_word_embeddings": tie}
 
 
