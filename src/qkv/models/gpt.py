@@ -740,12 +740,13 @@ class GELU(nn.Module):
 
 class FeedForward(nn.Module):
     """Position-wise MLP: ``Linear(d, 4d) -> GELU -> Linear(4d, d)``, shape-preserving
-    (``cfg.hidden_dim`` replaces ``4d`` where set)."""
+    (``hidden_dim``, else ``cfg.hidden_dim``, replaces ``4d`` where set)."""
 
-    def __init__(self, cfg: GPTConfig | Mapping[str, Any]) -> None:
+    def __init__(self, cfg: GPTConfig | Mapping[str, Any], hidden_dim: int | None = None
+                 ) -> None:
         super().__init__()
         cfg = _as_config(cfg)
-        hidden = 4 * cfg.emb_dim if cfg.hidden_dim is None else cfg.hidden_dim
+        hidden = hidden_dim or cfg.hidden_dim or 4 * cfg.emb_dim
         self.layers = nn.Sequential(
             nn.Linear(cfg.emb_dim, hidden, bias=cfg.mlp_bias),
             GELU(),
@@ -982,7 +983,8 @@ def _feed_forward(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
         return MoE(cfg.emb_dim, **(cfg.moe or {}))
     if spec.mlp == "dense_and_moe":
         return DenseAndExperts(cfg, spec.hidden_dim)
-    return FeedForward(cfg) if cfg.mlp == "gelu" else GatedFeedForward(cfg, spec.hidden_dim)
+    mlp = FeedForward if cfg.mlp == "gelu" else GatedFeedForward
+    return mlp(cfg, spec.hidden_dim)
 
 
 class TransformerBlock(nn.Module):
