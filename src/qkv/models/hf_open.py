@@ -338,10 +338,14 @@ def _gemma4_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     def flag(name: str) -> bool:
         return check_bool(f"{where}: {name}", get(name))
 
-    for name in ("use_bidirectional_attention", "quantization_config"):
-        if config.get(name) is not None:
-            raise ValueError(f"{where}: {name}={show(config[name])} is not supported (qkv "
-                             f"reproduces {name}=None)")
+    if config.get("quantization_config") is not None:
+        raise ValueError(f"{where}: quantization_config={show(config['quantization_config'])} "
+                         "is not supported (qkv reproduces quantization_config=None)")
+    # "vision": images attend both ways, text causally (all qkv reads); "all": every token
+    if config.get("use_bidirectional_attention") not in (None, "vision"):
+        raise ValueError(f"{where}: use_bidirectional_attention="
+                         f"{show(config['use_bidirectional_attention'])} is not supported "
+                         "(qkv's GPTModel is causal: None or 'vision', for text)")
     if get("hidden_activation") != "gelu_pytorch_tanh":
         raise ValueError(f"{where}: hidden_activation={show(get('hidden_activation'))} is not "
                          "supported; qkv reproduces 'gelu_pytorch_tanh'")
