@@ -399,6 +399,28 @@ def test_transformers_gguf_reader_reads_the_gpt_oss_file(files, tmp_path):
         assert ours[key] == value, key
 
 
+def test_transformers_gguf_reader_reads_the_gemma4_file(files):
+    """transformers' own GGUF reader gets the gemma4 file's tensors back as the model
+    holds them (those it maps: attention, dense MLPs, every norm, so the norms are stored
+    as they are, not as 1 + w; the per-layer inputs), and the same sizes."""
+    loader = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    hf, path = files["gemma4_text"]
+    theirs = loader.load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)
+    want = hf.state_dict()
+    assert len(theirs["tensors"]) == 98  # of 123: not the experts, router scales, scalars
+    for name, tensor in theirs["tensors"].items():
+        assert torch.equal(tensor, want[name]), name
+    ours = read_gguf_model(path)[0]
+    compared = [k for k in theirs["config"] if k in ours and k != "model_type"
+                and not isinstance(theirs["config"][k], list)]  # (theirs: per layer)
+    assert len(compared) >= 8
+    for key in compared:
+        value = theirs["config"][key]
+        if isinstance(value, float):
+            ours[key], value = np.float32(ours[key]), np.float32(value)
+        assert ours[key] == value, key
+
+
 def test_older_and_fused_forms(files, tmp_path):
     """llama.cpp's other forms of the same tensors read back the same: DeepSeek files
     from before its MLA (one attn_kv_b, the heads' sizes once decompressed), experts
