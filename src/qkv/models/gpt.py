@@ -63,6 +63,9 @@ __all__ = [
     "PRESETS",
     "FeedForward",
     "GatedFeedForward",
+    "DenseAndExperts",
+    "PerLayerInputs",
+    "PerLayerInputGate",
     "GELU",
     "RMSNorm",
     "make_norm",
@@ -383,9 +386,6 @@ class GPTConfig:
                              "normalises its sub-layers' inputs, outputs or both")
         if self.qk_norm_full and not self.qk_norm:
             raise ValueError("GPTConfig.qk_norm_full needs qk_norm=True")
-        if self.per_layer_inputs is not None and not self.rope:
-            raise ValueError("GPTConfig.per_layer_inputs needs rope=True (a model without "
-                             "a position table)")
         if self.logit_softcap is not None:
             self.logit_softcap = check_float("GPTConfig.logit_softcap", self.logit_softcap,
                                              0.0, lo_open=True)
@@ -396,6 +396,9 @@ class GPTConfig:
                                  f"{{'width': P, 'vocab_size': V}}, got {show(ple)}")
             for key in ("width", "vocab_size"):
                 check_int(f"GPTConfig.per_layer_inputs.{key}", ple[key], 1, MAX_SIZE)
+            if not self.rope:
+                raise ValueError("GPTConfig.per_layer_inputs needs rope=True (a model "
+                                 "without a position table)")
             self.per_layer_inputs = dict(ple)
         self._check_layout()
 
