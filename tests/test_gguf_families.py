@@ -1,4 +1,4 @@
-"""The GGUF forms of SmolLM3, OLMo 3, gpt-oss and DeepSeek-V3, against transformers.
+"""The GGUF forms of SmolLM3, OLMo 3, gpt-oss, DeepSeek-V3 and Gemma 4, against transformers.
 
 Each family's tiny model (the configurations of ``tests/test_open_models.py``) is built
 with transformers' own classes and written as llama.cpp's converter
@@ -9,7 +9,11 @@ tensor names and metadata writers; ``smollm3`` q/k rows permuted for llama.cpp's
 3-D ``ffn_gate_exps``/``ffn_up_exps`` stored MXFP4 (as published files are), the down
 experts transposed; ``deepseek2`` with the latent up-projection split into ``attn_k_b``
 (transposed) and ``attn_v_b``, the per-expert tensors stacked, the score correction as
-``exp_probs_b``, YaRN's ``mscale_all_dim`` as ``0.1 *`` it.
+``exp_probs_b``, YaRN's ``mscale_all_dim`` as ``0.1 *`` it; ``gemma4`` with its norms
+as they are, per-layer key/value heads and MLP widths, the full layers' proportional
+RoPE as a ``rope_freqs`` tensor (1 per turning pair, 1e30 for the rest), the router's
+scales as ``ffn_gate_inp.scale`` and ``ffn_down_exps.scale``, the layer scalar as
+``layer_output_scale``.
 
 ``qkv lm import`` of each file must give logits within 1e-4 of the transformers model
 and its 20 greedy tokens, cached and not, past every window; the state dict read back
@@ -38,9 +42,11 @@ from qkv.models.gpt import GPTConfig, generate  # noqa: E402
 from qkv.models.hf_open import config_fields  # noqa: E402
 from qkv.tasks.lm import LanguageModel  # noqa: E402
 from test_open_models import COMMON, FAMILIES, VOCAB  # noqa: E402
+from test_open_models import hf_model as open_model  # noqa: E402
 
 ARCHES = {"smollm3": gguf.MODEL_ARCH.SMOLLM3, "olmo3": gguf.MODEL_ARCH.OLMO2,
-          "gpt_oss": gguf.MODEL_ARCH.GPT_OSS, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2}
+          "gpt_oss": gguf.MODEL_ARCH.GPT_OSS, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
+          "gemma4_text": gguf.MODEL_ARCH.GEMMA4}
 MXFP4 = gguf.GGMLQuantizationType.MXFP4
 
 
@@ -61,13 +67,17 @@ CONFIGS = {
     "olmo3": FAMILIES["olmo3"],
     "gpt_oss": gpt_oss_as_llama_cpp_runs_it,
     "deepseek_v3": FAMILIES["deepseek_v3"],
+    "gemma4_text": FAMILIES["gemma4_text"],
 }
 
 
 def hf_model(family: str, seed: int = 0):
     """A random transformers model of ``family``: matrices scaled up 8 times (standard
     deviation 0.16, logits of about 6) so that its greedy tokens vary, norms and biases
-    moved off their initial values (as test_open_models does)."""
+    moved off their initial values (as test_open_models does). Gemma 4's is
+    test_open_models' own (its soft-capped logits saturate at 8 times)."""
+    if family == "gemma4_text":
+        return open_model(family, seed)
     config = CONFIGS[family]()
     config.eos_token_id = 2
     torch.manual_seed(seed)
@@ -109,7 +119,13 @@ def convert(model, family: str, mxfp4: bool = True, split_kv_b: bool = True):
         if family == "smollm3" and re.search(r"\.(q|k)_proj\.", hf_name):
             heads = c.num_attention_heads if ".q_proj." in hf_name else c.num_key_value_heads
             t = torch.from_numpy(permute(t.numpy(), heads))
-        if hf_name.endswith("self_attn.sinks"):  # the converter names it .weight
+        if family == "gemma4_text" and hf_name.endswith(("router.scale", "per_expert_scale",
+                                                         "layer_scalar", "experts.gate_up_proj")):
+            kind = {"router.scale": "ffn_gate_inp.scale", "per_expert_scale":
+                    "ffn_down_exps.scale", "layer_scalar": "layer_output_scale.weight",
+                    "experts.gate_up_proj": "ffn_gate_up_exps.weight"}
+            put(f"{blk}." + next(v for k, v in kind.items() if hf_name.endswith(k)), t)
+        elif hf_name.endswith("self_attn.sinks"):  # the converter names it .weight
             put(f"{blk}.attn_sinks.weight", t)
         elif family == "gpt_oss" and hf_name.endswith("experts.gate_up_proj"):
             w = t.transpose(1, 2)  # (E, 2I, d), gate and up rows alternating
@@ -147,7 +163,9 @@ def convert(model, family: str, mxfp4: bool = True, split_kv_b: bool = True):
             "add_embedding_length": c.hidden_size,
             "add_feed_forward_length": c.intermediate_size,
             "add_head_count": c.num_attention_heads,
-            "add_head_count_kv": 1 if family == "deepseek_v3" else c.num_key_value_heads,
+            "add_head_count_kv": (1 if family == "deepseek_v3" else  # Gemma 4's: per layer
+                                  [layer.num_key_value_heads for layer in c.per_layer_config]
+                                  if family == "gemma4_text" else c.num_key_value_heads),
             "add_rope_freq_base": rope["rope_theta"],
             "add_layer_norm_rms_eps": c.rms_norm_eps,
             "tokenizer.ggml.model": "gpt2", "add_eos_token_id": 2,
@@ -200,6 +218,26 @@ def convert(model, family: str, mxfp4: bool = True, split_kv_b: bool = True):
             meta.update(add_head_count_kv=c.num_attention_heads,
                         add_key_length=c.qk_nope_head_dim + rope_dim,
                         add_value_length=c.v_head_dim)
+    if family == "gemma4_text":
+        layer = c.per_layer_config  # each layer's resolved config
+        full = layer[c.layer_types.index("full_attention")].head_dim
+        turning = int(full * rope["partial_rotary_factor"] / 2)
+        put("rope_freqs.weight", np.array([1.0] * turning + [1e30] * (full // 2 - turning),
+                                          dtype=np.float32))
+        first_shared = c.num_hidden_layers - c.num_kv_shared_layers
+        meta.update(
+            add_feed_forward_length=[c.intermediate_size * (2 if i >= first_shared else 1)
+                                     for i in range(c.num_hidden_layers)],
+            add_key_length=full, add_value_length=full, add_key_length_swa=layer[0].head_dim,
+            add_value_length_swa=layer[0].head_dim, add_rope_dimension_count=full,
+            add_rope_dimension_count_swa=layer[0].head_dim,
+            add_rope_freq_base_swa=c.rope_parameters["sliding_attention"]["rope_theta"],
+            add_final_logit_softcapping=c.final_logit_softcapping,
+            add_sliding_window=c.sliding_window, add_shared_kv_layers=c.num_kv_shared_layers,
+            add_embedding_length_per_layer_input=c.hidden_size_per_layer_input,
+            add_sliding_window_pattern=[t == "sliding_attention" for t in c.layer_types],
+            add_expert_count=c.num_experts, add_expert_used_count=c.top_k_experts,
+            add_expert_feed_forward_length=c.moe_intermediate_size)
     return arrays, meta
 
 
@@ -273,6 +311,16 @@ def test_layers_as_llama_cpp_runs_them(files, tmp_path):
     assert [s.window for s in layers["gpt_oss"]] == [6, None, 6]
     assert [(s.attention, s.mlp) for s in layers["deepseek_v3"]] == [
         ("latent", "dense"), ("latent", "moe"), ("latent", "moe")]
+    # Gemma 4: 16-wide sliding heads, 32-wide full ones of one key/value head (its
+    # values its keys), the last two layers sharing, their MLPs twice as wide
+    gemma = layers["gemma4_text"]
+    assert [(s.window, s.head_dim, s.kv_heads, s.kv_source) for s in gemma] == [
+        (6, 16, 2, None), (None, 32, 1, None), (6, 16, 2, None), (6, 16, 2, 2),
+        (None, 32, 1, 1)]
+    assert [s.hidden_dim for s in gemma] == [48, 48, 48, 96, 96]
+    assert gemma[1].options == {"v_norm": True, "values_from_keys": True}
+    assert gemma[1].rope_scaling == {"rope_type": "proportional", "factor": 1.0,
+                                     "partial_rotary_factor": 0.25}
 
 
 # Config fields compared with the original's, through transformers' reading of ours.
@@ -282,6 +330,11 @@ FIELDS = {
     "olmo3": ("sliding_window", "layer_types"),
     "gpt_oss": ("head_dim", "sliding_window", "layer_types", "num_local_experts",
                 "num_experts_per_tok", "swiglu_alpha", "swiglu_limit", "attention_bias"),
+    "gemma4_text": ("head_dim", "sliding_window", "layer_types", "per_layer_config",
+                    "attention_k_eq_v", "num_kv_shared_layers", "use_double_wide_mlp",
+                    "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+                    "enable_moe_block", "num_experts", "top_k_experts",
+                    "moe_intermediate_size", "final_logit_softcapping"),
     "deepseek_v3": ("head_dim", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                     "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
                     "moe_intermediate_size", "first_k_dense_replace", "routed_scaling_factor",
@@ -309,7 +362,9 @@ def test_state_dict_and_config_equal_the_models(files, family):
         assert torch.equal(state[name], tensor), name
     ours = transformers.AutoConfig.for_model(**config).to_dict()
     theirs = hf.config.to_dict()
+    act = "hidden_activation" if family == "gemma4_text" else "hidden_act"
     for key in (*COMMON_FIELDS, *FIELDS[family]):
+        key = act if key == "hidden_act" else key
         mine, original = ours[key], theirs[key]
         if key == "rope_parameters":  # YaRN's truncate is True unless said
             for rope in (mine, original, *mine.values(), *original.values()):
@@ -338,6 +393,28 @@ def test_transformers_gguf_reader_reads_the_gpt_oss_file(files, tmp_path):
     compared = [k for k in theirs["config"] if k in ours and k != "model_type"]
     assert len(compared) >= 10
     for key in compared:  # they keep a float32 as is (9.99999974738e-06 for 1e-05)
+        value = theirs["config"][key]
+        if isinstance(value, float):
+            ours[key], value = np.float32(ours[key]), np.float32(value)
+        assert ours[key] == value, key
+
+
+def test_transformers_gguf_reader_reads_the_gemma4_file(files):
+    """transformers' own GGUF reader gets the gemma4 file's tensors back as the model
+    holds them (those it maps: attention, dense MLPs, every norm, so the norms are stored
+    as they are, not as 1 + w; the per-layer inputs), and the same sizes."""
+    loader = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    hf, path = files["gemma4_text"]
+    theirs = loader.load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)
+    want = hf.state_dict()
+    assert len(theirs["tensors"]) == 98  # of 123: not the experts, router scales, scalars
+    for name, tensor in theirs["tensors"].items():
+        assert torch.equal(tensor, want[name]), name
+    ours = read_gguf_model(path)[0]
+    compared = [k for k in theirs["config"] if k in ours and k != "model_type"
+                and not isinstance(theirs["config"][k], list)]  # (theirs: per layer)
+    assert len(compared) >= 8
+    for key in compared:
         value = theirs["config"][key]
         if isinstance(value, float):
             ours[key], value = np.float32(ours[key]), np.float32(value)
@@ -419,6 +496,32 @@ def test_refusals_are_one_line_before_any_tensor_is_read(files, tmp_path, no_rea
     refused(write_gguf(tmp_path / "gone.gguf", arrays, "olmo2", meta),
             "has no tensor blk.2.post_ffw_norm.weight",
             "model.layers.2.post_feedforward_layernorm.weight of a olmo3 model")
+
+
+def test_gemma4_files_qkv_cannot_read_are_one_line(files, tmp_path):
+    """What a gemma4 file can say that qkv does not compute, or that is no Gemma 4 model,
+    is refused in one line naming the key or tensor."""
+    hf, _ = files["gemma4_text"]
+    arrays, meta = convert(hf, "gemma4_text")
+
+    def gemma4(name: str, tensors=None, **changes):
+        kept = {k: v for k, v in {**meta, **changes}.items() if v is not None}
+        return write_gguf(tmp_path / f"{name}.gguf", {**arrays, **(tensors or {})}, "gemma4",
+                          kept)
+
+    refused(gemma4("vlen", add_value_length=16), "gemma4.attention.value_length is 16",
+            "heads' size 32")
+    refused(gemma4("rot", add_rope_dimension_count_swa=8),
+            "gemma4.rope.dimension_count_swa is 8")
+    refused(gemma4("ffn", add_feed_forward_length=[48, 48, 48, 144, 144]),
+            "feed_forward_length is 144 in the shared layers")
+    refused(gemma4("pattern", add_sliding_window_pattern=6),
+            "sliding_window_pattern must flag each of the 5 layers")
+    refused(gemma4("linear", add_rope_scaling_type=gguf.RopeScalingType.LINEAR,
+                   add_rope_scaling_factor=2.0), "rope.scaling.type is 'linear'")
+    freqs = np.array([1.0, 1e30, 1.0, *[1e30] * 13], dtype=np.float32)
+    refused(gemma4("freqs", {"rope_freqs.weight": freqs}), "rope_freqs.weight",
+            "not Gemma 4's proportional RoPE")
 
 
 def test_write_gguf_refuses_these_families(files, tmp_path):

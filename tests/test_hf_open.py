@@ -605,7 +605,8 @@ def test_a_tensor_in_two_shards_is_refused(shards, data_reads):
     ({"quantization_config": {"quant_method": "bitsandbytes"}},
      r"quantization_config=an object with 1 key\(s\) is not supported"),
     ({"rope_parameters": {"full_attention": {"rope_theta": 1e4}}},
-     r"rope_parameters per layer type are read for gemma3_text, olmo3 only, not llama"),
+     r"rope_parameters per layer type are read for gemma3_text, olmo3, gemma4_text only, "
+     r"not llama"),
 ])
 def test_llama_configs_qkv_cannot_reproduce_are_one_line_errors(changes, match):
     config = {**CASES["llama3.2"], **changes}

@@ -59,8 +59,12 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     kind = moe.experts.activation
     out = torch.zeros(len(x), x.shape[1], dtype=F64)
     for t, token in enumerate(x.double()):
-        logits = [float(p["router.weight"][e] @ token) + float(p.get("router.bias", [0.0] * E)[e])
-                  for e in range(E)]
+        routed = token
+        if moe.router_norm is not None:  # Gemma 4: x / rms(x) * scale / sqrt(D)
+            rms = math.sqrt(float((token * token).mean()) + moe.router_norm)
+            routed = token / rms * p["router_scale"] / math.sqrt(len(token))
+        logits = [float(p["router.weight"][e] @ routed)
+                  + float(p.get("router.bias", [0.0] * E)[e]) for e in range(E)]
         if moe.score == "softmax":
             top = max(logits)
             total = sum(math.exp(z - top) for z in logits)
@@ -80,6 +84,9 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         weights = [scores[e] for e in chosen]
         if moe.norm_topk_prob:
             weights = [w / sum(weights) for w in weights]
+        if "per_expert_scale" in p:
+            weights = [w * float(p["per_expert_scale"][e]) for e, w in zip(chosen, weights,
+                                                                           strict=True)]
         for e, w in zip(chosen, weights, strict=True):
             # down_proj is stored (E, I, d), input rows first: its expert's (d, I) is .T
             gu, down = p["experts.gate_up_proj"][e], p["experts.down_proj"][e].T
@@ -112,6 +119,8 @@ FAMILIES = {  # the options of each family, at a tiny size
     "gpt_oss": dict(num_experts=4, top_k=2, norm_topk_prob=True, router_bias=True,
                     expert_bias=True, activation="clamped_swiglu"),
     "gemma_like": dict(num_experts=6, top_k=2, activation="geglu"),
+    "gemma4": dict(num_experts=6, top_k=2, activation="geglu", norm_topk_prob=True,
+                   router_norm=1e-6, per_expert_scale=True),
 }
 
 
@@ -243,6 +252,38 @@ def test_moe_matches_gpt_oss_with_its_clamps(backend):
         torch.testing.assert_close(ours(x), theirs(x)[0], rtol=1e-5, atol=1e-5)
 
 
+def test_moe_matches_gemma4_router_and_experts():
+    """Gemma 4's router (a scale-free RMSNorm, a learned scale, 1/sqrt(d), softmax, top-k
+    renormalised, a learned scale per expert) scores the residual stream; its experts see
+    it normalised: qkv's MoE with ``route_x``."""
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts, Gemma4TextRouter
+
+    cfg = Gemma4TextConfig(hidden_size=D, num_experts=6, top_k_experts=2,
+                           moe_intermediate_size=6, enable_moe_block=True, vocab_size=10,
+                           num_hidden_layers=1)
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(5)
+    router, experts = Gemma4TextRouter(cfg).eval(), Gemma4TextExperts(cfg).eval()
+    randomize(router, 1.0)
+    randomize(experts, 0.5)
+    ours = MoE(D, 6, 6, 2, norm_topk_prob=True, activation="geglu", router_norm=1e-6,
+               per_expert_scale=True)
+    ours.load_state_dict({"router.weight": router.proj.weight, "router_scale": router.scale,
+                          "per_expert_scale": router.per_expert_scale,
+                          "experts.gate_up_proj": experts.gate_up_proj,
+                          # transformers' (E, d, I) is qkv's (E, I, d) transposed
+                          "experts.down_proj": experts.down_proj.transpose(1, 2)})
+    x, h = torch.randn(21, D), torch.randn(21, D)  # what the router scores, the experts see
+    with torch.no_grad():
+        _, weights, chosen = router(x)
+        got_weights, got_chosen = ours.route(x)
+        assert torch.equal(got_chosen, chosen)
+        torch.testing.assert_close(got_weights, weights, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours(h, route_x=x), experts(h, chosen, weights),
+                                   rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------- grouped == loop
 
 
@@ -264,6 +305,8 @@ def moe_options(draw):
         options.update(n_group=n_group, topk_group=draw(st.integers(low, n_group)))
     if draw(st.booleans()):
         options.update(shared_hidden_dim=draw(st.integers(1, 8)), shared_gate=draw(st.booleans()))
+    if draw(st.booleans()):  # Gemma 4's router
+        options.update(router_norm=1e-6, per_expert_scale=True)
     return options
 
 

@@ -47,6 +47,21 @@ HYBRID = dict(**{**COMMON, "num_hidden_layers": 4}, head_dim=32, linear_num_key_
               linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=12,
               pad_token_id=0)
 HYBRIDS = ("qwen3_5_text", "qwen3_next")
+# Gemma 4's text model with everything its config can switch on: sliding layers of 16-wide
+# heads and full ones of 32-wide heads with one key/value head whose values are its keys
+# (attention_k_eq_v) and a quarter of each head turning; the last two layers sharing the
+# keys and values of the last earlier layer of their kind, with twice wider MLPs; per-layer
+# inputs; experts beside every dense MLP; soft-capped logits
+GEMMA4 = dict(
+    **{**COMMON, "num_hidden_layers": 5, "intermediate_size": 48}, head_dim=16,
+    global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=6,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                 "sliding_attention", "full_attention"],
+    num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=VOCAB, enable_moe_block=True, num_experts=4, top_k_experts=2,
+    moe_intermediate_size=16, final_logit_softcapping=30.0, pad_token_id=0)
+# Families whose matrices are scaled up so that their greedy tokens vary (see hf_model).
+SCALED = (*HYBRIDS, "gemma4_text")
 # Families whose cached and uncached greedy tokens differ in transformers itself.
 TOP_K_TIES = {"deepseek_v32"}
 FAMILIES = {
@@ -105,6 +120,7 @@ FAMILIES = {
                                "full_attention"],
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
         shared_expert_intermediate_size=32, mlp_only_layers=[2]),
+    "gemma4_text": lambda: transformers.Gemma4TextConfig(**GEMMA4),
 }
 
 
@@ -126,7 +142,7 @@ def hf_model(family: str, seed: int = 0):
     """A random model of ``family``, its norms moved off their initial values (so that a
     norm applied as ``w`` instead of ``1 + w`` could not pass); the hybrids' matrices
     (all but the embedding) scaled up 4 times, so that their greedy tokens vary (at
-    transformers' initial scale, the tied Qwen3.5 repeats one token)."""
+    transformers' initial scale, the tied Qwen3.5 repeats one token), and Gemma 4's."""
     config = FAMILIES[family]()
     config.eos_token_id = 2  # <|im_end|>
     torch.manual_seed(seed)
@@ -136,7 +152,7 @@ def hf_model(family: str, seed: int = 0):
             # (DeepSeek's e_score_correction_bias is a buffer, zero as initialised)
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
-            elif family in HYBRIDS and p.dim() >= 2 and "embed" not in name:
+            elif family in SCALED and p.dim() >= 2 and "embed" not in name:
                 p.mul_(4.0)
     return model.eval()
 
@@ -268,6 +284,59 @@ def test_a_qwen3_5_folder_imports_its_text_model(tmp_path):
         p.numel() for name, p in hf.named_parameters() if not name.startswith("model.visual."))
 
 
+def test_a_gemma4_folder_imports_its_text_model(imported, tmp_path):
+    """A multimodal Gemma 4 folder, as Gemma4ForConditionalGeneration saves it (the text
+    model under text_config and model.language_model., a vision tower beside, the head
+    tied at the top level): the text model imports with the text model's logits."""
+    text_model, _, _ = imported["gemma4_text"]
+    config = transformers.Gemma4Config(
+        text_config=text_model.config.to_dict(), audio_config=None,
+        vision_config=transformers.Gemma4VisionConfig(
+            hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, head_dim=8))
+    hf = transformers.Gemma4ForConditionalGeneration(config).eval()
+    hf.model.language_model.load_state_dict(text_model.model.state_dict())
+    folder = tmp_path / "hf"
+    hf.save_pretrained(folder)
+    byte_level_tokenizer().save(str(folder / "tokenizer.json"))
+    run = tmp_path / "run"
+    assert main(["lm", "import", str(folder), "--run-dir", str(run)]) == 0
+    lm = LanguageModel.load(run)
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        torch.testing.assert_close(want, text_model(ids).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(lm.model(ids), want, atol=1e-4, rtol=0)
+
+
+def test_gemma4_configs_qkv_cannot_build_are_one_line(imported, tmp_path, capsys):
+    """What a Gemma 4 config can say that qkv does not compute is refused before a weight
+    is read, in one line naming the value; the C decoder declines Gemma 4 in one line."""
+    from qkv.models.gpt import native_unsupported
+
+    _, folder, run_dir = imported["gemma4_text"]
+    run = str(tmp_path / "run")
+    cases = [
+        ({"use_bidirectional_attention": "all"}, r"use_bidirectional_attention='all'"),
+        ({"hidden_activation": "silu"}, r"hidden_activation='silu'.*gelu_pytorch_tanh"),
+        ({"num_kv_shared_layers": 4}, r"layer 1 \(full_attention\) shares.*first 1 layers"),
+        ({"per_layer_config": {"1": {"head_dim": 32, "sliding_window": 3}}},
+         r"per_layer_config must map"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "proportional",
+                                                 "rope_theta": 1e6,
+                                                 "partial_rotary_factor": 1.5},
+                              "sliding_attention": {"rope_type": "default",
+                                                    "rope_theta": 1e4}}},
+         r"partial_rotary_factor must be in \(0, 1\]"),
+    ]
+    for i, (change, pattern) in enumerate(cases):
+        edited = edit_config(folder, tmp_path / str(i), **change)
+        one_line_error(capsys, ["lm", "import", str(edited), "--run-dir", run], pattern)
+    assert not (tmp_path / "run").exists()
+    reason = native_unsupported(LanguageModel.load(run_dir).model)
+    assert reason is not None and "\n" not in reason and "Gemma 4" in reason
+
+
 def test_hybrid_configs_qkv_cannot_build_are_one_line(imported, tmp_path, capsys):
     """What the hybrids' configs can say that qkv does not compute is refused before a
     weight is read, in one line naming the value."""
@@ -334,6 +403,15 @@ def test_architecture_facts_come_from_the_model(imported, family):
     # DeltaNet layer the same bytes at any length: the convolution's last K - 1 inputs
     # (q, k and v) and a head_k_dim x head_v_dim state per value head
     c = hf.config
+    if family == "gemma4_text":  # each layer's own heads; the sharing layers cache nothing
+        own = [layer.self_attn for layer in hf.model.layers
+               if not layer.self_attn.is_kv_shared_layer]
+        for tokens in (100, 200):
+            want = sum(2 * att.k_proj.out_features * 4 * (
+                tokens if att.sliding_window is None else min(tokens, att.sliding_window))
+                for att in own)
+            assert cfg.kv_cache_bytes(1, tokens) == want
+        return
     if family.startswith("deepseek"):
         kv = c.kv_lora_rank + c.qk_rope_head_dim + getattr(c, "index_head_dim", 0)
     else:
@@ -431,7 +509,8 @@ def test_a_hybrid_heatmap_has_a_row_per_layer_and_centres_the_delta_rule(importe
         assert image.norm.vmin == 0.0 and image.get_cmap().name == "Reds"
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v32", "olmo3", *HYBRIDS])
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v32", "olmo3", *HYBRIDS,
+                                    "gemma4_text"])
 def test_new_families_run_every_command(imported, family, tmp_path, capsys):
     """What works on a run works on these: lm generate (--chat), lm attention, qkv view
     (saying what sparse attention's, sinks' and the delta rule's weights are), lm train
@@ -443,7 +522,9 @@ def test_new_families_run_every_command(imported, family, tmp_path, capsys):
                  "--max-new-tokens", "4"]) == 0
     out = tmp_path / "att.png"
     # (a hybrid's first two layers: a DeltaNet layer of 6 value heads, a softmax one of 4)
-    layers = ["--layers", "0", "1"] if family in HYBRIDS else []
+    # (Gemma 4's: a full layer and the one sharing its keys and values)
+    layers = ["--layers", "0", "1"] if family in HYBRIDS else \
+        ["--layers", "1", "4"] if family == "gemma4_text" else []
     assert main(["lm", "attention", "--ckpt", str(run), "--prompt", "The quick brown fox",
                  "--heatmap", str(out), *layers]) == 0
     assert out.stat().st_size > 1000
@@ -453,7 +534,8 @@ def test_new_families_run_every_command(imported, family, tmp_path, capsys):
     html = page.read_text(encoding="utf-8")
     note = {"gpt_oss": "learned sinks", "deepseek_v32": "lightning indexer selected",
             "olmo3": None, "qwen3_5_text": "effective token-to-token weights",
-            "qwen3_next": "effective token-to-token weights"}[family]
+            "qwen3_next": "effective token-to-token weights",
+            "gemma4_text": "shared keys and values"}[family]
     assert note is None or note in html
     text = tmp_path / "text.txt"
     text.write_text(" ".join(CORPUS) * 5, encoding="utf-8")

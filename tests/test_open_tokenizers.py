@@ -584,10 +584,21 @@ def gguf_files(tmp_path_factory) -> dict[str, Path]:
         root / "gemma3.gguf", "gemma3", "llama", gemma_tokens,
         scores=[0.0] * len(gemma_tokens), types=token_types(gemma_tokens, SP_SPECIALS + ["<mask>"]),
         template=GEMMA3, add_bos=True, ids={"bos": 2, "eos": 1, "unk": 3, "pad": 0})
+    # Gemma 4: tokenizer kind "gemma4", the tokens as spelled with the merges listed (as
+    # llama.cpp's converter writes them from tokenizer.json), add_bos set in the file
+    sp = sentencepiece_tokenizer()
+    gemma4_tokens, gemma4_merges = vocabulary(sp)
+    gemma4_tokens = gemma4_tokens[:len(SP_SPECIALS)] + ["<mask>"] + \
+        gemma4_tokens[len(SP_SPECIALS):]
+    files["gemma4"] = write_gguf(
+        root / "gemma4.gguf", "gemma4", "gemma4", gemma4_tokens, merges=gemma4_merges,
+        scores=[0.0] * len(gemma4_tokens),
+        types=token_types(gemma4_tokens, SP_SPECIALS + ["<mask>"]), template=GEMMA3,
+        add_bos=True, ids={"bos": 2, "eos": 1, "unk": 3, "pad": 0})
     return files
 
 
-GGUF_FAMILIES = ["smollm2", "llama3", "qwen2", "llama2", "gemma3"]
+GGUF_FAMILIES = ["smollm2", "llama3", "qwen2", "llama2", "gemma3", "gemma4"]
 
 
 @pytest.mark.parametrize("family", GGUF_FAMILIES)

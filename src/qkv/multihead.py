@@ -77,6 +77,9 @@ class MultiHeadAttention(nn.Module):
             heads back to ``d_out``.
         q_norm, k_norm: modules applied to each query and key head ``(..., head_dim)``
             after the projection, before RoPE ("QK-norm": Qwen3, Gemma 3); None: none.
+            ``v_norm`` likewise on each value head (Gemma 4: an RMSNorm without scale).
+        values_from_keys: the values are the keys' projection before ``k_norm`` and
+            RoPE (Gemma 4's ``attention_k_eq_v`` full layers); there is no ``W_value``.
         scale: the factor on ``q k^T``; default ``1 / sqrt(head_dim)`` (Gemma's is
             ``query_pre_attn_scalar ** -0.5``).
 
@@ -119,6 +122,8 @@ class MultiHeadAttention(nn.Module):
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
         scale: float | None = None,
+        v_norm: nn.Module | None = None,
+        values_from_keys: bool = False,
     ) -> None:
         super().__init__()
         check_positive_int("d_in", d_in)
@@ -154,7 +159,11 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"rope needs an even head_dim, got {head_dim}")
         if scale is not None:
             scale = check_float("scale", scale, 0.0, lo_open=True)
-        for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+        check_bool("values_from_keys", values_from_keys)
+        if values_from_keys and (kdim not in (None, vdim) or vdim not in (None, d_in)):
+            raise ValueError("values_from_keys takes the values from the keys' projection: "
+                             "self-attention only (kdim and vdim left out)")
+        for name, norm in (("q_norm", q_norm), ("k_norm", k_norm), ("v_norm", v_norm)):
             if norm is not None and not isinstance(norm, nn.Module):
                 raise ValueError(f"{name} must be an nn.Module or None, got "
                                  f"{type(norm).__name__}")
@@ -175,10 +184,13 @@ class MultiHeadAttention(nn.Module):
         kv_out = num_kv_groups * self.head_dim
         self.W_query = nn.Linear(d_in, self.inner_dim, bias=qkv_bias)
         self.W_key = nn.Linear(self.kdim, kv_out, bias=qkv_bias)
-        self.W_value = nn.Linear(self.vdim, kv_out, bias=qkv_bias)
+        # (None with values_from_keys: the keys' projection is the values' too)
+        self.W_value = (None if values_from_keys
+                        else nn.Linear(self.vdim, kv_out, bias=qkv_bias))
         self.out_proj = nn.Linear(self.inner_dim, d_out, bias=out_bias)
         self.dropout = nn.Dropout(dropout)
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.v_norm = v_norm
         self._rope_table = RopeTable(context_length)
 
     def _split_heads(self, x: Tensor) -> Tensor:
@@ -310,11 +322,13 @@ class MultiHeadAttention(nn.Module):
         to the cache's keys and values before them. Returns the heads' outputs
         ``(batch, heads, T_q, head_dim)`` and the weights, as :meth:`_attend`."""
         k = self._split_heads(self.W_key(key))
-        v = self._split_heads(self.W_value(value))
+        v = k if self.W_value is None else self._split_heads(self.W_value(value))
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.k_norm is not None:
             k = self.k_norm(k)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
         if self.rope:  # rotated at their absolute positions, before they are cached
             q, k = self._rotate(q, past), self._rotate(k, past)
         if cache is not None:
@@ -395,4 +409,5 @@ class MultiHeadAttention(nn.Module):
             + (f", rope_scaling={self.rope_scaling}" if self.rope_scaling else "")
             + (f", head_dim={self.head_dim}" if self.inner_dim != self.d_out else "")
             + (f", scale={self.scale:g}" if self.scale is not None else "")
+            + (", values_from_keys=True" if self.W_value is None else "")
         )

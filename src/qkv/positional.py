@@ -86,9 +86,13 @@ class PositionalEncoding(nn.Module):
 # context, leaves the high ones and blends the band between; "yarn" (DeepSeek-V3, Qwen3's
 # long contexts) blends the same way but draws the band by how many turns a pair makes
 # over the original context, and also scales the rotated vectors (``attention_factor``).
-ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+# "proportional" (Gemma 4's full layers) turns only the first ``partial_rotary_factor`` of
+# a head's pairs, at the frequencies they have in the whole head, and leaves the other
+# pairs where they are (frequency 0); ``factor`` divides the frequencies as "linear" does.
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "proportional")
 _ROPE_SCALING_KEYS = {
     "linear": ("factor",),
+    "proportional": ("factor", "partial_rotary_factor"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
@@ -109,7 +113,8 @@ def check_rope_scaling(scaling: Any, name: str = "rope_scaling") -> dict[str, An
 
     ``{"rope_type": "linear", "factor": f}``, ``{"rope_type": "llama3", "factor": f,
     "low_freq_factor": l, "high_freq_factor": h, "original_max_position_embeddings":
-    n}`` or ``{"rope_type": "yarn", "factor": f, "original_max_position_embeddings": n}``
+    n}``, ``{"rope_type": "proportional", "factor": f, "partial_rotary_factor": p}`` (``p``
+    in ``(0, 1]``) or ``{"rope_type": "yarn", "factor": f, "original_max_position_embeddings": n}``
     with YaRN's optional ``beta_fast`` (default 32), ``beta_slow`` (1), ``mscale``,
     ``mscale_all_dim``, ``attention_factor`` (None) and ``truncate`` (True), which the
     returned dict always holds. Factors finite and positive, ``l < h``, ``beta_slow <
@@ -136,6 +141,9 @@ def check_rope_scaling(scaling: Any, name: str = "rope_scaling") -> dict[str, An
                          f"high_freq_factor ({out['high_freq_factor']})")
     if kind == "yarn":
         out.update(_check_yarn_options(scaling, name))
+    if kind == "proportional" and out["partial_rotary_factor"] > 1:
+        raise ValueError(f"{name}.partial_rotary_factor must be in (0, 1], got "
+                         f"{out['partial_rotary_factor']}")
     return out
 
 
@@ -193,6 +201,12 @@ def rope_frequencies(head_dim: int, base: float = 10_000.0,
         return inv_freq
     factor = scaling["factor"]
     if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    if scaling["rope_type"] == "proportional":
+        # the first p * head_dim / 2 pairs turn (the fraction of the pairs, rounded down);
+        # the rest stay put: cos 1, sin 0
+        turning = int(scaling["partial_rotary_factor"] * head_dim // 2)
+        inv_freq[turning:] = 0.0
         return inv_freq / factor
     original = scaling["original_max_position_embeddings"]
     if scaling["rope_type"] == "yarn":

@@ -14,6 +14,9 @@ ids:
 - ``tokenizer.ggml.model = "llama"``: SentencePiece-style BPE with byte fallback (Llama 2,
   Mistral; Gemma's layout when ``general.architecture`` is a Gemma). When the file lists
   no merges they are recovered from the token scores (Gemma: from the token order).
+- ``tokenizer.ggml.model = "gemma4"``: Gemma's layout with the merges the file lists and
+  its tokens as spelled; no BOS added whatever the file's flag (Gemma 4's chat template
+  writes ``<bos>`` itself: transformers' reading).
 
 Tokens the file marks as control (type 3) become special tokens, matched whole in the
 text; user-defined ones (type 4, e.g. ``<think>``) are matched whole too.
@@ -43,7 +46,7 @@ __all__ = [
 ]
 
 # The tokenizer kinds built here, as tokenizer.ggml.model names them.
-GGUF_TOKENIZER_MODELS = ("gpt2", "llama")
+GGUF_TOKENIZER_MODELS = ("gpt2", "llama", "gemma4")
 # Gemma 3's 262,144 tokens are the most of any supported family; 2**22 leaves room.
 MAX_GGUF_TOKENS = 2**22
 # Token types in tokenizer.ggml.token_type.
@@ -176,14 +179,16 @@ def _byte_level(meta: _Metadata, tokens: list[str], tokenizers: Any) -> Any:
 
 
 def _sentencepiece(meta: _Metadata, tokens: list[str], tokenizers: Any, gemma: bool,
-                   unk: str | None) -> Any:
+                   unk: str | None, respell: bool = True) -> Any:
     """Llama 2 / Mistral (and Gemma's variant): BPE over U+2581-spaced text with byte
-    fallback."""
-    if gemma:
+    fallback. ``respell``: Gemma's whitespace tokens are stored as real spaces (Gemma 3's
+    files; Gemma 4's keep their spelling)."""
+    if gemma and respell:
         # Gemma's files store a token of several spaces as real spaces; in the text the
-        # model sees they are U+2581s, and merges are learned in token order, not score.
+        # model sees they are U+2581s.
         tokens = [_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
-        order = {token: -i for i, token in enumerate(tokens)}
+    # (without merges in the file, Gemma's are learned in token order, not score)
+    order = {token: -i for i, token in enumerate(tokens)}
     vocab = {token: i for i, token in enumerate(tokens)}
     if gemma:
         scores = order
@@ -289,6 +294,8 @@ def tokenizer_from_gguf(path: str | os.PathLike[str], *, reader: Any = None) -> 
         "llama": lambda: _sentencepiece(meta, tokens, tokenizers,
                                         architecture in _GEMMA_ARCHITECTURES,
                                         config["unk_token"]),
+        "gemma4": lambda: _sentencepiece(meta, tokens, tokenizers, True, config["unk_token"],
+                                         respell=False),
     }
     try:
         with library_call():  # the tokenizers library on the file's vocabulary and merges
@@ -300,12 +307,14 @@ def tokenizer_from_gguf(path: str | os.PathLike[str], *, reader: Any = None) -> 
                          f"from its metadata ({' '.join(str(error).split())[:200]})") from None
     if model == "llama":
         config["add_bos_token"] = True  # llama.cpp's default for these vocabularies
-        if architecture in _GEMMA_ARCHITECTURES:
-            config["mask_token"] = "<mask>"  # Gemma's tokenizer always names one
+    if model == "llama" and architecture in _GEMMA_ARCHITECTURES:
+        config["mask_token"] = "<mask>"  # Gemma's tokenizer always names one
     for flag in ("add_bos_token", "add_eos_token"):
         value = meta.get(f"tokenizer.ggml.{flag}", bool)
         if value is not None:
             config[flag] = value
+    if model == "gemma4":  # its chat template writes <bos>; the text alone gets none
+        config["add_bos_token"] = False
     types = meta.numbers("tokenizer.ggml.token_type", n) or []
     _add_marked_tokens(backend, tokens, types, tokenizers, byte_level=model == "gpt2")
     template = meta.get("tokenizer.chat_template", str)

@@ -29,8 +29,8 @@ Supported architectures (``general.architecture`` -> Hugging Face ``model_type``
 ``qwen3next``  ``qwen3_next``        Gated DeltaNet and gated attention, experts
 ``qwen35``     ``qwen3_5_text``      the same with a dense MLP (Qwen3.5's text model)
 ``qwen35moe``  ``qwen3_5_moe_text``  Qwen3.5-MoE's text model
-=============  ====================  ===================================================
-
+``gemma4``     ``gemma4_text``       Gemma 4's text model
+=============  ====================  ============================================
 DeepSeek-V3.2 (``deepseek_v32``) has no GGUF form: gguf 0.19 names no architecture for
 its sparse attention and llama.cpp's converter writes none; a ``deepseek2`` file with
 an indexer's metadata is refused.
@@ -78,6 +78,17 @@ The configuration says what llama.cpp would run, which is not always what the or
   computes nothing else). The ``nextn_predict_layers`` blocks after the model's own
   (multi-token prediction) are left unread, as a folder's ``mtp.`` tensors are. Qwen3.5's
   ``rope.dimension_sections`` (multimodal RoPE) turn text tokens as plain RoPE does.
+- ``gemma4`` files: norms stored as they are (``w``: Gemma 4 scales by ``w``, not ``1 +
+  w``); ``attention.sliding_window_pattern`` flags the sliding layers;
+  ``attention.key_length`` is the full layers' head size, ``key_length_swa`` the sliding
+  ones'; ``attention.head_count_kv`` and ``feed_forward_length`` may be per layer (the
+  full layers' key/value heads; the shared layers' doubled MLP); a full layer without
+  ``attn_v`` takes its values from its keys (``attention_k_eq_v``); the last
+  ``attention.shared_kv_layers`` layers have no ``attn_k``/``attn_v``; the full layers'
+  proportional RoPE is the ``rope_freqs.weight`` tensor: 1 for each pair that turns,
+  1e30 (a frequency divided down to nothing) for the rest; the router's scale is
+  ``ffn_gate_inp.scale`` and the per-expert scale ``ffn_down_exps.scale``; the layer
+  scalar ``layer_output_scale``.
 - Llama 3's RoPE scaling (``rope_type`` ``"llama3"``) is stored as a ``rope_freqs.weight``
   tensor, not as metadata: per RoPE frequency, the divisor the scaling applies (its
   ``factor`` for the low frequencies, 1 for the high ones, a blend between).
@@ -136,7 +147,7 @@ __all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "llama3_scali
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
                 "gpt2": "gpt2", "smollm3": "smollm3", "olmo2": "olmo3", "gpt-oss": "gpt_oss",
                 "deepseek2": "deepseek_v3", "qwen3next": "qwen3_next", "qwen35": "qwen3_5_text",
-                "qwen35moe": "qwen3_5_moe_text"}
+                "qwen35moe": "qwen3_5_moe_text", "gemma4": "gemma4_text"}
 GGUF_ARCHITECTURES = tuple(_MODEL_TYPES)
 # The hybrids of Gated DeltaNet and gated full attention (their model_types).
 _HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -248,7 +259,8 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
         return _decimal(check_float(f"{where}{key}", value, 0.0, lo_open=True))
 
     for key in _NOT_COMPUTED:
-        if key in meta and not (arch == "gemma3" and key == "final_logit_softcapping"):
+        if key in meta and not (arch in ("gemma3", "gemma4")
+                                and key == "final_logit_softcapping"):
             raise ValueError(f"{where}{key} is {show(meta[key])}; qkv does not compute it "
                              f"(a {arch} model without it is read)")
     layers = integer("block_count")
@@ -284,6 +296,8 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
         return _deepseek2_config(meta, shared, integer, number, where)
     if shared["model_type"] in _HYBRIDS:
         return _hybrid_config(meta, shared, integer, where)
+    if arch == "gemma4":
+        return _gemma4_config(header, shared, integer, number, where)
 
     kv_heads = integer("attention.head_count_kv", heads)
     if heads % kv_heads:
@@ -355,6 +369,120 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
             num_experts_per_tok=integer("expert_used_count"),
             swiglu_limit=_GPT_OSS_SWIGLU_LIMIT)
     return config
+
+
+# A rope_freqs divisor this large leaves its pair unturned (llama.cpp's converter writes
+# 1e30 for the pairs Gemma 4's proportional RoPE does not turn).
+_UNTURNED = 1e20
+
+
+def _gemma4_config(header: GGUFHeader, shared: dict[str, Any], integer: Any, number: Any,
+                   where: str) -> dict[str, Any]:
+    """A ``gemma4`` file's ``config.json`` (``gemma4_text``): see the module docstring.
+    Each full layer's head size and key/value heads are given as ``per_layer_config``."""
+    meta, tensors = header.config, header.tensors
+    layers, heads = shared["num_hidden_layers"], shared["num_attention_heads"]
+    if shared["rope_scaling"] is not None:
+        raise ValueError(f"{where}rope.scaling.type is {shared['rope_scaling']['rope_type']!r}"
+                         "; a gemma4 model has none")
+
+    def per_layer(key: str, default: int | None = None) -> list[int]:
+        value = meta.get(key, default)
+        if not isinstance(value, list):
+            return [integer(key, default)] * layers
+        if len(value) != layers:
+            raise ValueError(f"{where}{key} lists {len(value)} values for {layers} layers")
+        return [check_int(f"{where}{key}[{i}]", v, 1, MAX_SIZE) for i, v in enumerate(value)]
+
+    key = "attention.sliding_window_pattern"
+    if not isinstance(meta.get(key), list):
+        raise ValueError(f"{where}{key} must flag each of the {layers} layers (true: "
+                         f"sliding), got {show(meta.get(key))}")
+    sliding = _sliding_layers(meta, layers, where)
+    full_dim = integer("attention.key_length")
+    swa_dim = integer("attention.key_length_swa", full_dim)
+    for key, want in (("attention.value_length", full_dim),
+                      ("attention.value_length_swa", swa_dim),
+                      ("rope.dimension_count", full_dim),
+                      ("rope.dimension_count_swa", swa_dim)):
+        if integer(key, want) != want:
+            raise ValueError(f"{where}{key} is {meta[key]}, not the heads' size {want}; qkv "
+                             "supports neither values of another size nor a rotary width "
+                             "other than rope_freqs says")
+    kv = per_layer("attention.head_count_kv", heads)
+    ffn = per_layer("feed_forward_length")
+    n_shared = integer("attention.shared_kv_layers", 0, lo=0)
+    if n_shared > layers:
+        raise ValueError(f"{where}attention.shared_kv_layers ({n_shared}) exceeds "
+                         f"block_count ({layers})")
+    first_shared = layers - n_shared
+    swa_kv = {kv[i] for i in range(layers) if sliding[i]}
+    if len(swa_kv) > 1 or len(set(ffn[:first_shared])) > 1 or \
+            len(set(ffn[first_shared:])) > 1:
+        raise ValueError(f"{where}attention.head_count_kv and feed_forward_length: qkv reads "
+                         "one value for the sliding layers' key/value heads and one MLP "
+                         "width, doubled or not in the shared layers")
+    width = ffn[0]
+    double = bool(n_shared) and ffn[-1] != width
+    if double and ffn[-1] != 2 * width:
+        raise ValueError(f"{where}feed_forward_length is {ffn[-1]} in the shared layers; "
+                         f"qkv reads {width} or twice it (use_double_wide_mlp)")
+    # A full layer without attn_v takes its values from its keys (attention_k_eq_v).
+    own_values = {f"blk.{i}.attn_v.weight" in tensors for i in range(first_shared)
+                  if not sliding[i]}
+    if len(own_values) > 1:
+        raise ValueError(f"{header.path}: some full layers hold attn_v and others do not; "
+                         "qkv reads values from the keys in every full layer or in none")
+    window = integer("attention.sliding_window") if any(sliding) else None
+    full_rope: dict[str, Any] = {"rope_type": "default",
+                                 "rope_theta": number("rope.freq_base", _ROPE_BASE)}
+    if _ROPE_FREQS in tensors:
+        full_rope.update(rope_type="proportional", partial_rotary_factor=_proportional(
+            header, full_dim))
+    ple = integer("embedding_length_per_layer_input", 0, lo=0)
+    config = {
+        **{k: v for k, v in shared.items() if k not in ("rope_theta", "rope_scaling",
+                                                         "hidden_act")},
+        "hidden_activation": "gelu_pytorch_tanh", "intermediate_size": width,
+        "num_key_value_heads": swa_kv.pop() if swa_kv else kv[0], "head_dim": swa_dim,
+        "global_head_dim": full_dim, "attention_bias": False,
+        "per_layer_config": {str(i): {"head_dim": full_dim, "num_key_value_heads": kv[i]}
+                             for i in range(layers) if not sliding[i]},
+        "attention_k_eq_v": own_values == {False}, "sliding_window": window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_parameters": {"full_attention": full_rope, "sliding_attention": {
+            "rope_type": "default", "rope_theta": number("rope.freq_base_swa", _ROPE_BASE)}},
+        "num_kv_shared_layers": n_shared, "use_double_wide_mlp": double,
+        "hidden_size_per_layer_input": ple,
+        "vocab_size_per_layer_input": (tensors["per_layer_token_embd.weight"].shape[0]
+                                       if ple and "per_layer_token_embd.weight" in tensors
+                                       else shared["vocab_size"]),
+        "enable_moe_block": "expert_count" in meta,
+        "final_logit_softcapping": (number("final_logit_softcapping")
+                                    if "final_logit_softcapping" in meta else None)}
+    if config["enable_moe_block"]:
+        config.update(num_experts=integer("expert_count"),
+                      top_k_experts=integer("expert_used_count"),
+                      moe_intermediate_size=integer("expert_feed_forward_length"))
+    return config
+
+
+def _proportional(header: GGUFHeader, head_dim: int) -> float:
+    """The ``partial_rotary_factor`` of Gemma 4's proportional RoPE from the file's
+    ``rope_freqs.weight`` (``head_dim / 2`` divisors): 1 for each pair that turns, then
+    1e30 for each that does not."""
+    where = f"{header.path}: tensor {_ROPE_FREQS}"
+    shape = header.tensors[_ROPE_FREQS].shape
+    if shape != (head_dim // 2,):
+        raise ValueError(f"{where} has shape {list(shape)}; full layers' heads of "
+                         f"{head_dim} imply [{head_dim // 2}]")
+    divisors = read_gguf_tensors(header.path, [_ROPE_FREQS], header=header)[_ROPE_FREQS]
+    turning = int((divisors == 1).sum())
+    if not (bool((divisors[:turning] == 1).all()) and bool((divisors[turning:] > _UNTURNED)
+                                                           .all())) or turning == 0:
+        raise ValueError(f"{where} is not Gemma 4's proportional RoPE (1 for each pair "
+                         "that turns, then 1e30 for the rest)")
+    return 2 * turning / head_dim
 
 
 def _sliding_layers(meta: Mapping[str, Any], layers: int, where: str) -> list[bool]:
@@ -650,6 +778,17 @@ def _plan(config: dict[str, Any],
         for i in range(config["num_hidden_layers"]):
             for name, (hf, shape) in _block(config, i, stored).items():
                 plan[f"blk.{i}.{name}"] = (f"model.layers.{i}.{hf}", shape)
+        width = config.get("hidden_size_per_layer_input") if model_type == "gemma4_text" \
+            else None
+        if width:  # Gemma 4's per-layer inputs
+            rows = config["num_hidden_layers"] * width
+            plan.update({
+                "per_layer_token_embd.weight": ("model.embed_tokens_per_layer.weight",
+                                                (config["vocab_size_per_layer_input"], rows)),
+                "per_layer_model_proj.weight": ("model.per_layer_model_projection.weight",
+                                                (rows, d)),
+                "per_layer_proj_norm.weight": ("model.per_layer_projection_norm.weight",
+                                               (width,))})
     if not config["tie_word_embeddings"]:
         plan["output.weight"] = ("lm_head.weight", (vocab, plan["token_embd.weight"][1][1]))
     return plan
@@ -664,6 +803,8 @@ def _block(config: dict[str, Any], i: int,
         return _deepseek_block(config, i, stored)
     if model_type in _HYBRIDS:
         return _hybrid_block(config, i, stored)
+    if model_type == "gemma4_text":
+        return _gemma4_block(config, i, stored)
     f, hd = config["intermediate_size"], config["head_dim"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     block = {} if model_type == "olmo3" else {
@@ -704,6 +845,58 @@ def _block(config: dict[str, Any], i: int,
                       "ffn_down.bias": ("mlp.down_proj.bias", (d,))})
     if model_type in ("gemma3_text", "olmo3"):
         block["post_ffw_norm.weight"] = ("post_feedforward_layernorm.weight", (d,))
+    return block
+
+
+def _gemma4_block(config: dict[str, Any], i: int,
+                  stored: Container[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A Gemma 4 layer's tensors: attention (none of its own keys and values in a shared
+    layer, no values in a full layer with ``attention_k_eq_v``), the dense MLP, the
+    experts beside it, the per-layer input's gate and the layer scalar."""
+    d, layers = config["hidden_size"], config["num_hidden_layers"]
+    full = config["layer_types"][i] == "full_attention"
+    heads = config["per_layer_config"].get(str(i), {})
+    hd = heads.get("head_dim", config["head_dim"])
+    kv = heads.get("num_key_value_heads", config["num_key_value_heads"]) * hd
+    q = config["num_attention_heads"] * hd
+    shared = i >= layers - config["num_kv_shared_layers"]
+    block = {"attn_norm.weight": ("input_layernorm.weight", (d,)),
+             "attn_q.weight": ("self_attn.q_proj.weight", (q, d)),
+             "attn_q_norm.weight": ("self_attn.q_norm.weight", (hd,))}
+    if not shared:
+        block["attn_k.weight"] = ("self_attn.k_proj.weight", (kv, d))
+        block["attn_k_norm.weight"] = ("self_attn.k_norm.weight", (hd,))
+        if not (full and config["attention_k_eq_v"]):
+            block["attn_v.weight"] = ("self_attn.v_proj.weight", (kv, d))
+    f = config["intermediate_size"] * (2 if shared and config["use_double_wide_mlp"] else 1)
+    block.update({"attn_output.weight": ("self_attn.o_proj.weight", (d, q)),
+                  "post_attention_norm.weight": ("post_attention_layernorm.weight", (d,)),
+                  "ffn_norm.weight": ("pre_feedforward_layernorm.weight", (d,)),
+                  "ffn_gate.weight": ("mlp.gate_proj.weight", (f, d)),
+                  "ffn_up.weight": ("mlp.up_proj.weight", (f, d)),
+                  "ffn_down.weight": ("mlp.down_proj.weight", (d, f)),
+                  "post_ffw_norm.weight": ("post_feedforward_layernorm.weight", (d,))})
+    if config["enable_moe_block"]:
+        e, m = config["num_experts"], config["moe_intermediate_size"]
+        block.update({"ffn_gate_inp.weight": ("router.proj.weight", (e, d)),
+                      "ffn_gate_inp.scale": ("router.scale", (d,)),
+                      "ffn_down_exps.scale": ("router.per_expert_scale", (e,))})
+        if f"blk.{i}.ffn_gate_up_exps.weight" in stored:
+            block["ffn_gate_up_exps.weight"] = ("experts.gate_up_proj", (e, 2 * m, d))
+        else:
+            block["ffn_gate_exps.weight"] = ("experts.gate_up_proj", (e, m, d))
+            block["ffn_up_exps.weight"] = ("experts.gate_up_proj", (e, m, d))
+        block.update({"ffn_down_exps.weight": ("experts.down_proj", (e, d, m)),
+                      "pre_ffw_norm_2.weight": ("pre_feedforward_layernorm_2.weight", (d,)),
+                      "post_ffw_norm_1.weight": ("post_feedforward_layernorm_1.weight", (d,)),
+                      "post_ffw_norm_2.weight": ("post_feedforward_layernorm_2.weight",
+                                                 (d,))})
+    width = config["hidden_size_per_layer_input"]
+    if width:
+        block.update({"inp_gate.weight": ("per_layer_input_gate.weight", (width, d)),
+                      "proj.weight": ("per_layer_projection.weight", (d, width)),
+                      "post_norm.weight": ("post_per_layer_input_norm.weight", (d,))})
+    block["layer_output_scale.weight"] = ("layer_scalar", (1,))
     return block
 
 
@@ -854,6 +1047,9 @@ def _kept_out(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
     scaling = config.get("rope_scaling") or {}
     if config["model_type"] in ("llama", "mistral") and scaling.get("rope_type") == "llama3":
         return {_ROPE_FREQS: ("rope_scaling (llama3)", (config["head_dim"] // 2,))}
+    if config["model_type"] == "gemma4_text" and \
+            config["rope_parameters"]["full_attention"]["rope_type"] == "proportional":
+        return {_ROPE_FREQS: ("proportional RoPE", (config["global_head_dim"] // 2,))}
     return {}
 
 

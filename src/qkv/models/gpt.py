@@ -27,7 +27,7 @@ import inspect
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -64,6 +64,9 @@ __all__ = [
     "PRESETS",
     "FeedForward",
     "GatedFeedForward",
+    "DenseAndExperts",
+    "PerLayerInputs",
+    "PerLayerInputGate",
     "GELU",
     "RMSNorm",
     "make_norm",
@@ -101,9 +104,17 @@ LAYER_TYPES = ("sliding", "full")
 #   "rope": False for a layer without positions ("NoPE": SmolLM3, Llama 4; default
 #       cfg.rope);
 #   "mlp": "dense" (cfg.mlp's MLP) or "moe" (cfg.moe's mixture of experts);
-#   "kv_source": for "shared_kv" layers, the earlier layer whose keys and values they use.
-LAYOUT_KEYS = ("attention", "rope", "mlp", "kv_source")
-LAYER_MLPS = ("dense", "moe")
+#   "kv_source": for "shared_kv" layers, the earlier layer whose keys and values they use;
+#   "head_dim", "kv_heads": the layer's head size and key/value heads, where they differ
+#       from the model-wide ones (Gemma 4's full layers: 512-wide heads, fewer of them);
+#   "hidden_dim": its MLP's width, where it differs (Gemma 4's shared layers: twice);
+#   "options": more options of its attention class, over attention_options[kind]
+#       (Gemma 4's full layers: {"values_from_keys": True}).
+LAYOUT_KEYS = ("attention", "rope", "mlp", "kv_source", "head_dim", "kv_heads",
+               "hidden_dim", "options")
+# "dense_and_moe": a dense MLP and the experts side by side, each with its own norms,
+# their outputs added (Gemma 4's MoE models: DenseAndExperts).
+LAYER_MLPS = ("dense", "moe", "dense_and_moe")
 
 
 @dataclass(frozen=True)
@@ -115,8 +126,12 @@ class LayerSpec:
         window: the sliding window in tokens, or None (every earlier token).
         rope: whether the layer rotates its queries and keys (False: no positions).
         rope_base, rope_scaling: its RoPE frequencies (:meth:`GPTConfig.layer_rope`).
-        mlp: ``"dense"`` or ``"moe"``.
+        mlp: ``"dense"``, ``"moe"`` or ``"dense_and_moe"``.
         kv_source: the layer whose keys and values a ``"shared_kv"`` layer attends with.
+        head_dim, kv_heads: its attention's head size and key/value heads.
+        hidden_dim: its dense MLP's width (None: ``4 * emb_dim``).
+        options: its attention class's options (``attention_options[attention]`` and
+            the layer's own).
     """
 
     attention: str = "mha"
@@ -126,6 +141,10 @@ class LayerSpec:
     rope_scaling: dict[str, Any] | None = None
     mlp: str = "dense"
     kv_source: int | None = None
+    head_dim: int = 64
+    kv_heads: int = 12
+    hidden_dim: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------
@@ -258,6 +277,19 @@ class GPTConfig:
             ``post_norms``: only its output (OLMo 2 and 3).
         qk_norm_full: the QK-norm spans all heads of the projection at once (OLMo 2 and
             3) instead of each head.
+
+    Gemma 4's additions to the residual stream and the output:
+
+    Attributes:
+        per_layer_inputs: ``{"width": P, "vocab_size": V}``: per-layer input embeddings
+            (:class:`PerLayerInputs`): each token gets a ``P``-wide input of its own in
+            every layer, from a ``V x (n_layers * P)`` table and a projection of its
+            embedding, which each block gates into its residual stream
+            (:class:`PerLayerInputGate`). None: none.
+        layer_scalar: each block multiplies its output by a stored scalar (a buffer
+            ``layer_scalar (1,)``, one at first).
+        logit_softcap: the logits pass through ``c * tanh(logits / c)``; None: as they
+            are.
     """
 
     vocab_size: int = 50257
@@ -291,6 +323,9 @@ class GPTConfig:
     moe: dict[str, Any] | None = None
     pre_norms: bool = True
     qk_norm_full: bool = False
+    per_layer_inputs: dict[str, int] | None = None
+    layer_scalar: bool = False
+    logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         # The cap keeps every dimension an int32; whether the model fits in memory is a
@@ -301,7 +336,8 @@ class GPTConfig:
             if getattr(self, name) is not None:
                 check_int(f"GPTConfig.{name}", getattr(self, name), 1, MAX_SIZE)
         for name in ("qkv_bias", "tie_weights", "rope", "post_norms", "mlp_bias", "out_bias",
-                     "qk_norm", "embed_scale", "pre_norms", "qk_norm_full"):
+                     "qk_norm", "embed_scale", "pre_norms", "qk_norm_full",
+                     "layer_scalar"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"GPTConfig.{name} must be True or False, got {show(getattr(self, name))}"
@@ -352,6 +388,20 @@ class GPTConfig:
                              "normalises its sub-layers' inputs, outputs or both")
         if self.qk_norm_full and not self.qk_norm:
             raise ValueError("GPTConfig.qk_norm_full needs qk_norm=True")
+        if self.logit_softcap is not None:
+            self.logit_softcap = check_float("GPTConfig.logit_softcap", self.logit_softcap,
+                                             0.0, lo_open=True)
+        if self.per_layer_inputs is not None:
+            ple = self.per_layer_inputs
+            if not isinstance(ple, dict) or set(ple) != {"width", "vocab_size"}:
+                raise ValueError(f"GPTConfig.per_layer_inputs must be None or "
+                                 f"{{'width': P, 'vocab_size': V}}, got {show(ple)}")
+            for key in ("width", "vocab_size"):
+                check_int(f"GPTConfig.per_layer_inputs.{key}", ple[key], 1, MAX_SIZE)
+            if not self.rope:
+                raise ValueError("GPTConfig.per_layer_inputs needs rope=True (a model "
+                                 "without a position table)")
+            self.per_layer_inputs = dict(ple)
         self._check_layout()
 
     def _check_layout(self) -> None:
@@ -363,10 +413,10 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be an object or None, got "
                                  f"{show(value)}")
         for kind, options in (self.attention_options or {}).items():
-            if kind not in ATTENTION_KINDS or kind == "mha" or not isinstance(options, dict):
+            if kind not in ATTENTION_KINDS or not isinstance(options, dict):
                 raise ValueError(f"GPTConfig.attention_options maps an attention kind "
-                                 f"({', '.join(k for k in ATTENTION_KINDS if k != 'mha')}) "
-                                 f"to its options, got {show(kind)}: {show(options)}")
+                                 f"({', '.join(ATTENTION_KINDS)}) to its options, got "
+                                 f"{show(kind)}: {show(options)}")
         if self.layout is None:
             return
         if not isinstance(self.layout, (list, tuple)) or len(self.layout) != self.n_layers:
@@ -390,8 +440,21 @@ class GPTConfig:
             if entry.get("mlp", "dense") not in LAYER_MLPS:
                 raise ValueError(f"{where}.mlp is {show(entry['mlp'])}; choose one of "
                                  f"{', '.join(LAYER_MLPS)}")
-            if entry.get("mlp") == "moe" and self.moe is None:
-                raise ValueError(f"{where}.mlp is 'moe' but GPTConfig.moe is None")
+            if entry.get("mlp", "dense") != "dense" and self.moe is None:
+                raise ValueError(f"{where}.mlp is {show(entry['mlp'])} but GPTConfig.moe "
+                                 "is None")
+            for key in ("head_dim", "kv_heads", "hidden_dim"):
+                if key in entry:
+                    check_int(f"{where}.{key}", entry[key], 1, MAX_SIZE)
+            if self.n_heads % entry.get("kv_heads", 1):
+                raise ValueError(f"{where}.kv_heads ({entry['kv_heads']}) must divide "
+                                 f"n_heads ({self.n_heads})")
+            if self.rope and entry.get("head_dim", 2) % 2:
+                raise ValueError(f"{where}.head_dim must be even with rope, got "
+                                 f"{entry['head_dim']}")
+            if not isinstance(entry.get("options", {}), dict):
+                raise ValueError(f"{where}.options must be an object of the attention "
+                                 f"class's options, got {show(entry['options'])}")
             source = entry.get("kv_source")
             if (kind == "shared_kv") != (source is not None):
                 raise ValueError(f"{where}: a 'shared_kv' layer, and only one, names its "
@@ -434,10 +497,16 @@ class GPTConfig:
         leaves out taken from the model-wide fields."""
         entry = self.layout[layer] if self.layout is not None else {}
         rope_base, rope_scaling = self.layer_rope(layer)
-        return LayerSpec(attention=entry.get("attention", "mha"),
+        kind = entry.get("attention", "mha")
+        options = {**(self.attention_options or {}).get(kind, {}), **entry.get("options", {})}
+        return LayerSpec(attention=kind,
                          window=self.layer_window(layer), rope=entry.get("rope", self.rope),
                          rope_base=rope_base, rope_scaling=rope_scaling,
-                         mlp=entry.get("mlp", "dense"), kv_source=entry.get("kv_source"))
+                         mlp=entry.get("mlp", "dense"), kv_source=entry.get("kv_source"),
+                         head_dim=entry.get("head_dim", self.attention_head_dim),
+                         kv_heads=entry.get("kv_heads", self.kv_heads),
+                         hidden_dim=entry.get("hidden_dim", self.hidden_dim),
+                         options=options)
 
     # Sizes, from the model this config builds, made on the "meta" device: shapes
     # without storage, so nothing is allocated and no second description of the
@@ -631,25 +700,32 @@ class RMSNorm(nn.Module):
     ``x / sqrt(mean(x^2) + eps)`` computed in float32, then scaled: by ``scale`` in the
     input's dtype (``scale`` starts at ones), or with ``gemma=True`` by ``1 + scale`` in
     float32 before the result is cast back (``scale`` starts at zeros). Gemma stores
-    its weights that way; both roundings are those of the models' own code.
+    its weights that way; both roundings are those of the models' own code. With
+    ``scaled=False`` there is no ``scale``: the normalised ``x`` itself (Gemma 4's value
+    norm and its router's).
 
     Shapes: ``(..., dim) -> (..., dim)``.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, gemma: bool = False) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, *, gemma: bool = False,
+                 scaled: bool = True) -> None:
         super().__init__()
-        self.eps, self.gemma = eps, gemma
-        self.scale = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self.dim, self.eps, self.gemma = dim, eps, gemma
+        self.scale = (nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+                      if scaled else None)
 
     def forward(self, x: Tensor) -> Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale is None:
+            return normed.to(x.dtype)
         if self.gemma:
             return (normed * (1.0 + self.scale.float())).to(x.dtype)
         return self.scale * normed.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.scale.shape[0]}, eps={self.eps:g}" + (", gemma=True" if self.gemma else "")
+        return (f"{self.dim}, eps={self.eps:g}" + (", gemma=True" if self.gemma else "")
+                + (", scaled=False" if self.scale is None else ""))
 
 
 def make_norm(cfg: GPTConfig, dim: int | None = None) -> nn.Module:
@@ -669,12 +745,13 @@ class GELU(nn.Module):
 
 class FeedForward(nn.Module):
     """Position-wise MLP: ``Linear(d, 4d) -> GELU -> Linear(4d, d)``, shape-preserving
-    (``cfg.hidden_dim`` replaces ``4d`` where set)."""
+    (``hidden_dim``, else ``cfg.hidden_dim``, replaces ``4d`` where set)."""
 
-    def __init__(self, cfg: GPTConfig | Mapping[str, Any]) -> None:
+    def __init__(self, cfg: GPTConfig | Mapping[str, Any], hidden_dim: int | None = None
+                 ) -> None:
         super().__init__()
         cfg = _as_config(cfg)
-        hidden = 4 * cfg.emb_dim if cfg.hidden_dim is None else cfg.hidden_dim
+        hidden = hidden_dim or cfg.hidden_dim or 4 * cfg.emb_dim
         self.layers = nn.Sequential(
             nn.Linear(cfg.emb_dim, hidden, bias=cfg.mlp_bias),
             GELU(),
@@ -693,18 +770,20 @@ class FeedForward(nn.Module):
 class GatedFeedForward(nn.Module):
     """Gated MLP of Llama, Qwen (SwiGLU) and Gemma (GeGLU): ``fc3(act(fc1 x) * fc2 x)``.
 
-    ``fc1`` (the gate) and ``fc2`` (the values) map ``emb_dim -> hidden_dim``, ``fc3`` maps
-    back; ``act`` is SiLU for ``cfg.mlp == "swiglu"``, tanh-GELU for ``"geglu"``. The
-    names are those of LLMs-from-scratch's Llama chapters (Hugging Face's ``gate_proj``,
-    ``up_proj``, ``down_proj``).
+    ``fc1`` (the gate) and ``fc2`` (the values) map ``emb_dim -> hidden_dim`` (the
+    argument, else ``cfg.hidden_dim``), ``fc3`` maps back; ``act`` is SiLU for
+    ``cfg.mlp == "swiglu"``, tanh-GELU for ``"geglu"``. The names are those of
+    LLMs-from-scratch's Llama chapters (Hugging Face's ``gate_proj``, ``up_proj``,
+    ``down_proj``).
 
     Shapes: ``(batch, T, emb_dim) -> (batch, T, emb_dim)``.
     """
 
-    def __init__(self, cfg: GPTConfig | Mapping[str, Any]) -> None:
+    def __init__(self, cfg: GPTConfig | Mapping[str, Any], hidden_dim: int | None = None
+                 ) -> None:
         super().__init__()
         cfg = _as_config(cfg)
-        hidden = 4 * cfg.emb_dim if cfg.hidden_dim is None else cfg.hidden_dim
+        hidden = hidden_dim or cfg.hidden_dim or 4 * cfg.emb_dim
         self.fc1 = nn.Linear(cfg.emb_dim, hidden, bias=cfg.mlp_bias)
         self.fc2 = nn.Linear(cfg.emb_dim, hidden, bias=cfg.mlp_bias)
         self.fc3 = nn.Linear(hidden, cfg.emb_dim, bias=cfg.mlp_bias)
@@ -738,11 +817,11 @@ class AcrossHeads(nn.Module):
         return self.norm(side_by_side).view(b, t, h, d).transpose(1, 2)
 
 
-def _qk_norm(cfg: GPTConfig, heads: int) -> nn.Module | None:
-    """The norm of ``heads`` query or key heads that ``cfg.qk_norm`` asks for, or None."""
+def _qk_norm(cfg: GPTConfig, heads: int, head_dim: int) -> nn.Module | None:
+    """The norm of ``heads`` query or key heads of ``head_dim`` that ``cfg.qk_norm`` asks
+    for, or None."""
     if not cfg.qk_norm:
         return None
-    head_dim = cfg.attention_head_dim
     if cfg.qk_norm_full:
         return AcrossHeads(make_norm(cfg, heads * head_dim))
     return make_norm(cfg, head_dim)
@@ -751,42 +830,44 @@ def _qk_norm(cfg: GPTConfig, heads: int) -> nn.Module | None:
 def _mha_arguments(cfg: GPTConfig, spec: LayerSpec) -> dict[str, Any]:
     """:class:`qkv.MultiHeadAttention`'s arguments for a layer of ``cfg``: the ones the
     classes built on it (sinks, gates, shared keys and values) share."""
+    head_dim = None if spec.head_dim * cfg.n_heads == cfg.emb_dim else spec.head_dim
     return dict(d_in=cfg.emb_dim, d_out=cfg.emb_dim, context_length=cfg.context_length,
                 dropout=cfg.drop_rate, num_heads=cfg.n_heads, qkv_bias=cfg.qkv_bias,
-                out_bias=cfg.out_bias, num_kv_groups=cfg.n_kv_groups, window_size=spec.window,
-                rope=spec.rope, rope_base=spec.rope_base, rope_scaling=spec.rope_scaling,
-                head_dim=cfg.head_dim, q_norm=_qk_norm(cfg, cfg.n_heads),
-                k_norm=_qk_norm(cfg, cfg.kv_heads), scale=cfg.query_scale)
-
-
-def _options(cfg: GPTConfig, kind: str) -> dict[str, Any]:
-    """The options ``cfg.attention_options`` gives attention kind ``kind`` ({} if none)."""
-    return dict((cfg.attention_options or {}).get(kind, {}))
+                out_bias=cfg.out_bias,
+                num_kv_groups=None if spec.kv_heads == cfg.n_heads else spec.kv_heads,
+                window_size=spec.window, rope=spec.rope, rope_base=spec.rope_base,
+                rope_scaling=spec.rope_scaling, head_dim=head_dim,
+                q_norm=_qk_norm(cfg, cfg.n_heads, spec.head_dim),
+                k_norm=_qk_norm(cfg, spec.kv_heads, spec.head_dim), scale=cfg.query_scale)
 
 
 def _mha(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
-    return MultiHeadAttention(**_mha_arguments(cfg, spec))
+    # "v_norm": True in the options asks for a scale-free RMSNorm on each value head
+    options = dict(spec.options)
+    if options.pop("v_norm", False):
+        options["v_norm"] = RMSNorm(spec.head_dim, cfg.norm_eps, scaled=False)
+    return MultiHeadAttention(**_mha_arguments(cfg, spec), **options)
 
 
 def _sink(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
-    return SinkAttention(**_mha_arguments(cfg, spec))
+    return SinkAttention(**_mha_arguments(cfg, spec), **spec.options)
 
 
 def _gated(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
-    return GatedAttention(**_mha_arguments(cfg, spec), **_options(cfg, "gated"))
+    return GatedAttention(**_mha_arguments(cfg, spec), **spec.options)
 
 
 def _shared_kv(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
     arguments = _mha_arguments(cfg, spec)
     del arguments["k_norm"]  # the keys are the source layer's, normalised there
-    return SharedKVAttention(**arguments)
+    return SharedKVAttention(**arguments, **spec.options)
 
 
 def _latent(cfg: GPTConfig, spec: LayerSpec, kind: str = "latent") -> nn.Module:
     cls = LatentAttention if kind == "latent" else SparseLatentAttention
     return cls(cfg.emb_dim, cfg.n_heads, context_length=cfg.context_length,
                dropout=cfg.drop_rate, bias=cfg.qkv_bias, rope_base=spec.rope_base,
-               rope_scaling=spec.rope_scaling, **_options(cfg, kind))
+               rope_scaling=spec.rope_scaling, **spec.options)
 
 
 def _sparse_latent(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
@@ -794,7 +875,7 @@ def _sparse_latent(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
 
 
 def _gated_deltanet(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
-    return GatedDeltaNet(cfg.emb_dim, norm_eps=cfg.norm_eps, **_options(cfg, "gated_deltanet"))
+    return GatedDeltaNet(cfg.emb_dim, norm_eps=cfg.norm_eps, **spec.options)
 
 
 # Attention kind (GPTConfig.layout's "attention") -> how a layer of that kind is built
@@ -814,11 +895,103 @@ ATTENTION_KINDS = tuple(_ATTENTION_BUILDERS)
 PADDED_ATTENTION = ("mha", "sink", "gated", "shared_kv", "gated_deltanet")
 
 
+class DenseAndExperts(nn.Module):
+    """A dense MLP and a mixture of experts side by side (Gemma 4's MoE models).
+
+    ``x`` is the residual stream and ``h = norm2(x)`` the block's usual MLP input:
+
+        ``out = post_dense_norm(dense(h)) + post_moe_norm(moe(moe_norm(x)))``
+
+    where the experts' router scores ``x`` itself (:class:`~qkv.models.moe.MoE`'s
+    ``route_x``). The block then applies its ``post_norm2`` to ``out`` as to any MLP's.
+
+    Shapes: ``h, x (batch, T, emb_dim) -> (batch, T, emb_dim)``.
+    """
+
+    def __init__(self, cfg: GPTConfig, hidden_dim: int | None = None) -> None:
+        super().__init__()
+        self.dense = GatedFeedForward(cfg, hidden_dim)
+        self.post_dense_norm = make_norm(cfg)
+        self.moe_norm = make_norm(cfg)
+        self.moe = MoE(cfg.emb_dim, **(cfg.moe or {}))
+        self.post_moe_norm = make_norm(cfg)
+
+    def forward(self, h: Tensor, x: Tensor) -> Tensor:
+        dense = self.post_dense_norm(self.dense(h))
+        experts = self.post_moe_norm(self.moe(self.moe_norm(x), route_x=x))
+        return dense + experts
+
+    @property
+    def out_layer(self) -> nn.Linear:
+        """The dense MLP's projection back into the residual stream."""
+        return self.dense.fc3
+
+
+class PerLayerInputs(nn.Module):
+    """Per-layer input embeddings (Gemma 4's "PLE"): for every token, one ``width``-wide
+    input per layer, from the token's id and from its embedding.
+
+        ``ple = (norm(proj(e) / sqrt(emb_dim)) + embed(id) * sqrt(width)) / sqrt(2)``
+
+    where ``e`` is the token's (scaled) embedding, ``embed`` a ``vocab_size x (n_layers *
+    width)`` table and ``proj`` a ``Linear(emb_dim, n_layers * width)``, both cut into
+    ``n_layers`` slices of ``width``; ``norm`` normalises each slice. Block ``i`` gets
+    slice ``i`` (:class:`PerLayerInputGate`). Ids past the table (a larger main
+    vocabulary) are refused.
+
+    Shapes: ``idx (batch, T)``, ``e (batch, T, emb_dim) -> (batch, T, n_layers, width)``.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        ple = cfg.per_layer_inputs or {}
+        self.n_layers, self.width = cfg.n_layers, ple["width"]
+        self.embed = nn.Embedding(ple["vocab_size"], cfg.n_layers * self.width)
+        self.proj = nn.Linear(cfg.emb_dim, cfg.n_layers * self.width, bias=False)
+        self.norm = make_norm(cfg, self.width)
+
+    def forward(self, idx: Tensor, e: Tensor) -> Tensor:
+        if idx.numel() and int(idx.max()) >= self.embed.num_embeddings:
+            raise ValueError(f"token id {int(idx.max())} is past the per-layer input table's "
+                             f"{self.embed.num_embeddings} rows")
+        split = (*idx.shape, self.n_layers, self.width)
+        # each scale rounded to the weights' dtype, as the embedding's own is
+        scale = torch.tensor(self.width ** 0.5, dtype=self.embed.weight.dtype)
+        from_id = (self.embed(idx) * scale).view(split)
+        from_embedding = self.norm((self.proj(e) * e.shape[-1] ** -0.5).view(split))
+        return (from_embedding + from_id) * 2 ** -0.5
+
+
+class PerLayerInputGate(nn.Module):
+    """How a block takes in its per-layer input ``p`` (:class:`PerLayerInputs`):
+
+        ``x + norm(proj(gelu_tanh(gate(x)) * p))``
+
+    ``gate``: ``Linear(emb_dim, width)``, ``proj``: ``Linear(width, emb_dim)``.
+
+    Shapes: ``x (batch, T, emb_dim)``, ``p (batch, T, width) -> (batch, T, emb_dim)``.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        width = (cfg.per_layer_inputs or {})["width"]
+        self.gate = nn.Linear(cfg.emb_dim, width, bias=False)
+        self.proj = nn.Linear(width, cfg.emb_dim, bias=False)
+        self.norm = make_norm(cfg)
+
+    def forward(self, x: Tensor, p: Tensor) -> Tensor:
+        return x + self.norm(self.proj(F.gelu(self.gate(x), approximate="tanh") * p))
+
+
 def _feed_forward(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
-    """The layer's MLP: ``cfg.mlp``'s dense one, or ``cfg.moe``'s experts."""
+    """The layer's MLP: ``cfg.mlp``'s dense one (``spec.hidden_dim`` wide), ``cfg.moe``'s
+    experts, or both side by side."""
     if spec.mlp == "moe":
         return MoE(cfg.emb_dim, **(cfg.moe or {}))
-    return FeedForward(cfg) if cfg.mlp == "gelu" else GatedFeedForward(cfg)
+    if spec.mlp == "dense_and_moe":
+        return DenseAndExperts(cfg, spec.hidden_dim)
+    mlp = FeedForward if cfg.mlp == "gelu" else GatedFeedForward
+    return mlp(cfg, spec.hidden_dim)
 
 
 class TransformerBlock(nn.Module):
@@ -834,6 +1007,10 @@ class TransformerBlock(nn.Module):
     ``layer`` is the block's index in the model: its :meth:`GPTConfig.layer_spec` picks
     the attention class (:data:`ATTENTION_KINDS`), window, RoPE and MLP.
 
+    Gemma 4 adds two steps after the MLP: with ``cfg.per_layer_inputs`` the block's
+    per-layer input enters (``ple``, a :class:`PerLayerInputGate`), and with
+    ``cfg.layer_scalar`` the output is multiplied by the buffer ``layer_scalar (1,)``.
+
     Shapes: ``(batch, T, emb_dim) -> (batch, T, emb_dim)``.
     """
 
@@ -848,10 +1025,16 @@ class TransformerBlock(nn.Module):
         self.post_norm1 = make_norm(cfg) if cfg.post_norms else None
         self.post_norm2 = make_norm(cfg) if cfg.post_norms else None
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
+        self.ple = PerLayerInputGate(cfg) if cfg.per_layer_inputs is not None else None
+        if cfg.layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1))
+        else:
+            self.layer_scalar = None
 
     def forward(
         self, x: Tensor, *, cache: Any = None, shared: KVHandoff | None = None,
         need_weights: bool = False, key_padding_mask: Tensor | None = None,
+        per_layer_input: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """``x (batch, T, emb_dim)``; with ``need_weights`` also ``(batch, heads, T, T_k)``.
 
@@ -859,7 +1042,9 @@ class TransformerBlock(nn.Module):
         layer has none and takes its source layer's keys and values as ``shared``.
         ``key_padding_mask (batch, T_k)``, True = padding, covers every key the layer
         attends to (the cached ones, then ``x``'s); a Gated DeltaNet layer, whose past
-        is a state, takes its last ``T`` columns (``x``'s tokens)."""
+        is a state, takes its last ``T`` columns (``x``'s tokens).
+        ``per_layer_input (batch, T, width)``: this layer's slice of
+        :class:`PerLayerInputs` (models with ``cfg.per_layer_inputs``)."""
         padding = {}
         if key_padding_mask is not None:
             if self.spec.attention not in PADDED_ATTENTION:
@@ -882,10 +1067,20 @@ class TransformerBlock(nn.Module):
         if self.post_norm1 is not None:
             attended = self.post_norm1(attended)
         x = x + self.drop_shortcut(attended)
-        fed = self.ff(self.norm2(x))
+        if self.spec.mlp == "dense_and_moe":  # its router reads x before the norm
+            fed = self.ff(self.norm2(x), x)
+        else:
+            fed = self.ff(self.norm2(x))
         if self.post_norm2 is not None:
             fed = self.post_norm2(fed)
         x = x + self.drop_shortcut(fed)
+        if self.ple is not None:
+            if per_layer_input is None:
+                raise ValueError("this block takes a per-layer input (GPTModel.forward "
+                                 "passes it)")
+            x = self.ple(x, per_layer_input)
+        if self.layer_scalar is not None:
+            x = x * self.layer_scalar
         return (x, weights) if need_weights else x
 
 
@@ -915,6 +1110,8 @@ class GPTModel(nn.Module):
         super().__init__()
         self.cfg = cfg = _as_config(cfg)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
+        self.per_layer_inputs = (PerLayerInputs(cfg) if cfg.per_layer_inputs is not None
+                                 else None)
         # With rotary embeddings the attention layers carry the positions: no table.
         self.pos_emb = None if cfg.rope else nn.Embedding(cfg.context_length, cfg.emb_dim)
         self.drop_emb = nn.Dropout(cfg.drop_rate)
@@ -1005,8 +1202,12 @@ class GPTModel(nn.Module):
             x = self.tok_emb(idx)
             if self.cfg.embed_scale:  # Gemma: sqrt(emb_dim), rounded to the weights' dtype
                 x = x * torch.tensor(self.cfg.emb_dim ** 0.5, dtype=x.dtype)
+            # (batch, T, n_layers, width): each layer's own input (Gemma 4)
+            per_layer = (self.per_layer_inputs(idx, x) if self.per_layer_inputs is not None
+                         else None)
             x = self.drop_emb(x)
         else:
+            per_layer = None
             x = self.drop_emb(embed_tokens(self.tok_emb, self.pos_emb, idx, start))
         all_weights = []
         # The layers whose keys and values later layers share hand them over through a
@@ -1018,15 +1219,20 @@ class GPTModel(nn.Module):
                 cache = handoffs[i] = KVHandoff(cache)
             source = block.spec.kv_source
             shared = handoffs[source] if source is not None else None
+            extra = {} if per_layer is None else {"per_layer_input": per_layer[:, :, i]}
             if need_weights:
                 x, weights = block(x, cache=cache, shared=shared, need_weights=True,
-                                   key_padding_mask=key_padding_mask)
+                                   key_padding_mask=key_padding_mask, **extra)
                 all_weights.append(weights)
             else:
-                x = block(x, cache=cache, shared=shared, key_padding_mask=key_padding_mask)
+                x = block(x, cache=cache, shared=shared, key_padding_mask=key_padding_mask,
+                          **extra)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = self.out_head(self.final_norm(x))
+        if self.cfg.logit_softcap is not None:  # Gemma: c * tanh(logits / c)
+            cap = self.cfg.logit_softcap
+            logits = torch.tanh(logits / cap) * cap
         return (logits, all_weights) if need_weights else logits
 
     def new_caches(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
@@ -1084,6 +1290,12 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         return f"float32 or bfloat16 parameters are needed, got {sorted(map(str, dtypes))}"
     if batch_size != 1:
         return f"one sequence at a time, got a batch of {batch_size}"
+    cfg = model.cfg
+    for name, value in (("per_layer_inputs", cfg.per_layer_inputs),
+                        ("layer_scalar", cfg.layer_scalar),
+                        ("logit_softcap", cfg.logit_softcap)):
+        if value:
+            return f"{name} (Gemma 4) is not computed by the kernels"
     norms = (LayerNorm, RMSNorm)
     for block in model.trf_blocks:
         if type(block) is not TransformerBlock:
@@ -1111,6 +1323,8 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
               or (hasattr(att, "W_key")
                   and att.W_key.out_features != att.num_kv_groups * att.head_dim)):
             return "a layer's projections must have the same heads as it says it has"
+        elif getattr(att, "W_value", True) is None or getattr(att, "v_norm", None) is not None:
+            return "values taken from the keys, or normalised (Gemma 4), are not in the kernels"
         elif any(m is not None and type(m) not in norms for m in (att.q_norm, att.k_norm)):
             return "QK-norms must be qkv's LayerNorm or RMSNorm"
         if type(ff) is FeedForward and \

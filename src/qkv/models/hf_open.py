@@ -33,13 +33,13 @@ layouts, so that transformers 4 and 5 read it), :func:`from_qkv` renames a state
 back, and :func:`write_hf_folder` writes both as a folder. A field a family cannot
 express is refused: the config must read back (:func:`config_fields`) as the same fields.
 
-The families of 2025-26 (SmolLM3, OLMo 3, gpt-oss, DeepSeek-V3/V3.2, Qwen3.5 and
-Qwen3-Next) mix kinds of layers: their fields hold a ``layout``, and their tensors'
-names follow from the model built on the ``meta`` device (:func:`_layout_tensors`).
-Where a folder stores the same model differently from its family's causal-LM class (a
-multimodal ``qwen3_5`` folder nests the text model under ``model.language_model.``;
-``qwen3_next`` fuses its linear-attention projections), the functions that name tensors
-take the folder's ``model_type``.
+The families of 2025-26 (SmolLM3, OLMo 3, gpt-oss, DeepSeek-V3/V3.2, Qwen3.5,
+Qwen3-Next and Gemma 4) mix kinds of layers: their fields hold a ``layout``, and their
+tensors' names follow from the model built on the ``meta`` device
+(:func:`_layout_tensors`). Where a folder stores the same model differently from its
+family's causal-LM class (a multimodal ``qwen3_5`` or ``gemma4`` folder nests the text
+model under ``model.language_model.``; ``qwen3_next`` fuses its linear-attention
+projections), the functions that name tensors take the folder's ``model_type``.
 
 GPT-2 folders keep their own reader (:mod:`.hf_gpt2`); :func:`config_fields` hands a
 GPT-2 config to it. This module imports :mod:`qkv.models.gpt` only for
@@ -74,7 +74,7 @@ __all__ = ["SUPPORTED_TYPES", "config_fields", "expected_tensors", "to_qkv",
 
 SUPPORTED_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3",
                    "olmo3", "gpt_oss", "deepseek_v3", "deepseek_v32", "qwen3_5_text",
-                   "qwen3_5", "qwen3_next", "qwen3_5_moe_text")
+                   "qwen3_5", "qwen3_next", "qwen3_5_moe_text", "gemma4_text", "gemma4")
 # The hybrids of Gated DeltaNet ("linear_attention") and gated softmax attention
 # ("full_attention") layers. A "qwen3_5" folder is the multimodal model: its config holds
 # the text model's under "text_config", and its weights the text model's under
@@ -93,7 +93,7 @@ _MAX_INDEX_BYTES = 16 << 20  # an index of a 70B model is ~100 KB
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # Hugging Face activation name -> GPTConfig.mlp (the gate's activation).
 _MLPS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu"}
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 # YaRN's optional keys (qkv.positional.check_rope_scaling fills their defaults).
 _YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
               "truncate")
@@ -177,9 +177,22 @@ _DEFAULTS["qwen3_5_moe_text"] = {
     "num_attention_heads": 16, "num_key_value_heads": 2, "max_position_embeddings": 32768,
     "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts": 256,
     "num_experts_per_tok": 8}
+_DEFAULTS["gemma4_text"] = {
+    "vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "tie_word_embeddings": True, "sliding_window": 512,
+    "vocab_size_per_layer_input": 262_144, "hidden_size_per_layer_input": 256,
+    "attention_k_eq_v": False, "num_kv_shared_layers": 0, "enable_moe_block": False,
+    "use_double_wide_mlp": False, "global_head_dim": 512,
+    "num_global_key_value_heads": None,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                        "full_attention": {"rope_type": "proportional",
+                                           "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1_000_000.0}}}
 # The families whose RoPE may differ between sliding and full layers (rope_parameters
 # holds one dict per layer type).
-_ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
+_ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3", "gemma4_text")
 
 
 def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -195,7 +208,11 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     if kind == "gpt2":
         return gpt2_fields(config, where)
     if kind == "qwen3_5":
-        return config_fields(_qwen3_5_text_config(config, where), where)
+        return config_fields(_text_config(config, "qwen3_5_text", False, where), where)
+    if kind == "gemma4":
+        return config_fields(_text_config(config, "gemma4_text", True, where), where)
+    if kind == "gemma4_text":
+        return _gemma4_fields(config, where)
     defaults = {**_COMMON_DEFAULTS, **_DEFAULTS[kind]}
 
     def get(name: str) -> Any:
@@ -284,24 +301,159 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     }
 
 
-def _qwen3_5_text_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The text model's config of a multimodal Qwen3.5 folder (``model_type`` "qwen3_5"):
-    its ``text_config``, tied or not as the folder's own class (``Qwen3_5ForConditional
-    Generation``) reads it, from the top level. The vision tower is not imported."""
+def _text_config(config: Mapping[str, Any], text_type: str, tie_default: bool,
+                 where: str) -> dict[str, Any]:
+    """The text model's config of a multimodal folder (Qwen3.5's ``qwen3_5``, Gemma 4's
+    ``gemma4``): its ``text_config`` (of ``model_type`` ``text_type``), tied or not as
+    the folder's own class reads it, from the top level (``tie_default`` when the top
+    level is silent). The vision (and audio) towers are not imported."""
     text = config.get("text_config")
     if text is None:
         text = {}
     if not isinstance(text, Mapping):
         raise ValueError(f"{where}: text_config must be an object, got {show(text)}")
-    if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+    if text.get("model_type", text_type) != text_type:
         raise ValueError(f"{where}: text_config.model_type is {show(text['model_type'])}; a "
-                         "qwen3_5 folder's text model is 'qwen3_5_text'")
-    tie = config.get("tie_word_embeddings", False)
+                         f"{config.get('model_type')} folder's text model is {text_type!r}")
+    tie = config.get("tie_word_embeddings", tie_default)
     if "tie_word_embeddings" in text and text["tie_word_embeddings"] != tie:
         raise ValueError(f"{where}: tie_word_embeddings is {show(tie)} but "
                          f"text_config.tie_word_embeddings is {show(text['tie_word_embeddings'])}"
-                         "; transformers' two Qwen3.5 classes would read them differently")
-    return {**text, "model_type": "qwen3_5_text", "tie_word_embeddings": tie}
+                         "; the multimodal and the text-only classes would read them "
+                         "differently")
+    return {**text, "model_type": text_type, "tie_word_embeddings": tie}
+
+
+def _gemma4_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``GPTConfig`` fields of a ``gemma4_text`` config (Gemma 4's text model).
+
+    Gemma 4 over Gemma 3: norms scale by ``w`` (not ``1 + w``); queries are not scaled
+    (the QK-norms set their size); value heads are normalised without scale; full layers
+    have their own head size and key/value heads (``global_head_dim``,
+    ``num_global_key_value_heads`` with ``attention_k_eq_v``, or ``per_layer_config``),
+    take values from the keys with ``attention_k_eq_v`` and turn a part of each head
+    (proportional RoPE); the last ``num_kv_shared_layers`` layers attend with the keys
+    and values of the last earlier layer of their type, with a twice wider MLP under
+    ``use_double_wide_mlp``; with ``enable_moe_block`` experts run beside every dense
+    MLP; per-layer inputs, a scalar per layer and soft-capped logits."""
+    defaults = {**_COMMON_DEFAULTS, **_DEFAULTS["gemma4_text"]}
+
+    def get(name: str) -> Any:
+        return config.get(name, defaults.get(name))
+
+    def size(name: str, lo: int = 1) -> int:
+        return check_int(f"{where}: {name}", get(name), lo, MAX_SIZE)
+
+    def flag(name: str) -> bool:
+        return check_bool(f"{where}: {name}", get(name))
+
+    if config.get("quantization_config") is not None:
+        raise ValueError(f"{where}: quantization_config={show(config['quantization_config'])} "
+                         "is not supported (qkv reproduces quantization_config=None)")
+    # "vision": images attend both ways, text causally (all qkv reads); "all": every token
+    if config.get("use_bidirectional_attention") not in (None, "vision"):
+        raise ValueError(f"{where}: use_bidirectional_attention="
+                         f"{show(config['use_bidirectional_attention'])} is not supported "
+                         "(qkv's GPTModel is causal: None or 'vision', for text)")
+    if get("hidden_activation") != "gelu_pytorch_tanh":
+        raise ValueError(f"{where}: hidden_activation={show(get('hidden_activation'))} is not "
+                         "supported; qkv reproduces 'gelu_pytorch_tanh'")
+    emb_dim, n_heads, n_layers = (size("hidden_size"), size("num_attention_heads"),
+                                  size("num_hidden_layers"))
+    kv_heads, head_dim = size("num_key_value_heads"), size("head_dim")
+    declared = config.get("layer_types")
+    if declared is None:  # Gemma4TextConfig's default: every sixth layer is a full one
+        declared = ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                    for i in range(n_layers)]
+    if isinstance(declared, list) and declared:  # as transformers forces it
+        declared = [*declared[:-1], "full_attention"]
+    config = {**config, "layer_types": declared,
+              "rope_parameters": config.get("rope_parameters") or get("rope_parameters")}
+    kinds, window = _layer_kinds(config, "gemma4_text", n_layers, get, where)
+    full, local = _rope(config, "gemma4_text", size("max_position_embeddings"), get, where)
+    if local[1] is not None:
+        raise ValueError(f"{where}: RoPE scaling ({local[1]['rope_type']}) on the "
+                         "sliding_attention layers is not supported")
+    if window is None and "sliding" in kinds:
+        raise ValueError(f"{where}: sliding_window=None with sliding_attention layers is "
+                         "not supported")
+    k_eq_v = flag("attention_k_eq_v")
+    # Each full layer's head size and key/value heads, as Gemma4TextConfig derives them.
+    overrides = config.get("per_layer_config")
+    if overrides is None:
+        full_heads = {"head_dim": size("global_head_dim")}
+        if k_eq_v and get("num_global_key_value_heads") is not None:
+            full_heads["num_key_value_heads"] = size("num_global_key_value_heads")
+        overrides = {str(i): full_heads for i, k in enumerate(kinds) if k == "full"}
+    if not isinstance(overrides, Mapping) or any(
+            not isinstance(v, Mapping) or set(v) - {"head_dim", "num_key_value_heads"}
+            for v in overrides.values()) or not set(overrides) <= {
+            str(i) for i in range(n_layers)}:
+        raise ValueError(f"{where}: per_layer_config must map layer indices to "
+                         f"head_dim and num_key_value_heads, got {show(overrides)}")
+    shared = size("num_kv_shared_layers", 0)
+    first_shared = n_layers - shared
+    if shared > n_layers:
+        raise ValueError(f"{where}: num_kv_shared_layers ({shared}) exceeds "
+                         f"num_hidden_layers ({n_layers})")
+    moe = None
+    if flag("enable_moe_block"):
+        moe = {"hidden_dim": size("moe_intermediate_size"), "num_experts": size("num_experts"),
+               "top_k": size("top_k_experts"), "score": "softmax", "norm_topk_prob": True,
+               "activation": "geglu", "router_norm": check_float(
+                   f"{where}: rms_norm_eps", get("rms_norm_eps"), 0.0, 1.0, lo_open=True),
+               "per_expert_scale": True}
+    hidden = size("intermediate_size")
+    layout: list[dict[str, Any]] = []
+    for i, kind in enumerate(kinds):
+        heads = overrides.get(str(i), {})
+        entry: dict[str, Any] = {
+            "head_dim": check_int(f"{where}: per_layer_config.{i}.head_dim",
+                                 heads.get("head_dim", head_dim), 2, MAX_SIZE),
+            "kv_heads": check_int(f"{where}: per_layer_config.{i}.num_key_value_heads",
+                                  heads.get("num_key_value_heads", kv_heads), 1, MAX_SIZE)}
+        if moe is not None:
+            entry["mlp"] = "dense_and_moe"
+        if i >= first_shared:
+            producers = [j for j in range(first_shared) if kinds[j] == kind]
+            if not producers:
+                raise ValueError(f"{where}: layer {i} ({_LAYER_TYPES[kind]}) shares the keys "
+                                 f"and values of an earlier {_LAYER_TYPES[kind]} layer, but "
+                                 f"the first {first_shared} layers have none")
+            entry.update(attention="shared_kv", kv_source=producers[-1])
+            if flag("use_double_wide_mlp"):
+                entry["hidden_dim"] = 2 * hidden
+        elif k_eq_v and kind == "full":
+            entry["options"] = {"values_from_keys": True}
+        if n_heads % entry["kv_heads"]:
+            raise ValueError(f"{where}: num_attention_heads ({n_heads}) must be a multiple "
+                             f"of layer {i}'s key/value heads ({entry['kv_heads']})")
+        layout.append(entry)
+    ple = get("hidden_size_per_layer_input")
+    cap = config.get("final_logit_softcapping")
+    return {
+        "vocab_size": size("vocab_size"), "context_length": size("max_position_embeddings"),
+        "emb_dim": emb_dim, "n_heads": n_heads, "n_layers": n_layers, "drop_rate": 0.0,
+        "n_kv_groups": None if kv_heads == n_heads else kv_heads,
+        "head_dim": None if head_dim * n_heads == emb_dim else head_dim,
+        "hidden_dim": hidden, "mlp": "geglu", "mlp_bias": False,
+        "qkv_bias": flag("attention_bias"), "out_bias": flag("attention_bias"),
+        "norm": "rmsnorm", "norm_eps": check_float(f"{where}: rms_norm_eps",
+                                                   get("rms_norm_eps"), 0.0, lo_open=True),
+        "post_norms": True, "qk_norm": True, "query_scale": 1.0, "embed_scale": True,
+        "tie_weights": flag("tie_word_embeddings"),
+        "window_size": window if "sliding" in kinds else None,
+        "layer_types": kinds if len(set(kinds)) > 1 else None,
+        "rope": True, "rope_base": full[0], "rope_scaling": full[1],
+        "rope_local_base": local[0] if "sliding" in kinds and local != full else None,
+        "layout": layout, "attention_options": {"mha": {"v_norm": True}}, "moe": moe,
+        "per_layer_inputs": ({"width": size("hidden_size_per_layer_input"),
+                              "vocab_size": size("vocab_size_per_layer_input")}
+                             if ple else None),
+        "layer_scalar": True,
+        "logit_softcap": None if cap is None else check_float(
+            f"{where}: final_logit_softcapping", cap, 0.0, lo_open=True),
+    }
 
 
 def _partial_rotary_factor(config: Mapping[str, Any], default: Any,
@@ -542,6 +694,10 @@ def _rope_fields(rope: Mapping[str, Any], context: int, where: str) -> _Rope:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     base = check_float(f"{where}.rope_theta", rope.get("rope_theta"), 0.0, lo_open=True)
     partial = rope.get("partial_rotary_factor", 1.0)
+    if rope_type == "proportional":  # Gemma 4: the first part of each head turns
+        return base, check_rope_scaling({"rope_type": "proportional",
+                                         "factor": rope.get("factor", 1.0),
+                                         "partial_rotary_factor": partial}, where)
     if isinstance(partial, bool) or partial != 1:
         raise ValueError(f"{where}.partial_rotary_factor={show(partial)} is not supported "
                          "(qkv rotates every dimension of a head: 1.0)")
@@ -704,15 +860,33 @@ _OTHER_NAMES = (("ff.router.", "mlp.gate."),)
 _QWEN_NAMES = (("ff.shared_expert.fc1.", "mlp.shared_expert.gate_proj."),
                ("ff.shared_expert.fc2.", "mlp.shared_expert.up_proj."),
                ("ff.shared_expert.fc3.", "mlp.shared_expert.down_proj."))
+# Gemma 4: its four norms around the sub-layers, the dense MLP and the experts beside it
+# (DenseAndExperts, stored at the layer's top level), the per-layer input's gate.
+_GEMMA4_NAMES = (
+    ("norm2.scale", "pre_feedforward_layernorm.weight"),
+    ("post_norm1.scale", "post_attention_layernorm.weight"),
+    ("post_norm2.scale", "post_feedforward_layernorm.weight"),
+    ("ff.dense.fc1.", "mlp.gate_proj."), ("ff.dense.fc2.", "mlp.up_proj."),
+    ("ff.dense.fc3.", "mlp.down_proj."),
+    ("ff.post_dense_norm.scale", "post_feedforward_layernorm_1.weight"),
+    ("ff.moe_norm.scale", "pre_feedforward_layernorm_2.weight"),
+    ("ff.post_moe_norm.scale", "post_feedforward_layernorm_2.weight"),
+    ("ff.moe.router.", "router.proj."), ("ff.moe.router_scale", "router.scale"),
+    ("ff.moe.per_expert_scale", "router.per_expert_scale"), ("ff.moe.experts.", "experts."),
+    ("ple.gate.", "per_layer_input_gate."), ("ple.proj.", "per_layer_projection."),
+    ("ple.norm.scale", "post_per_layer_input_norm.weight"), ("layer_scalar", "layer_scalar"),
+)
 # Linear-attention layers keep their module's own names, under "linear_attn.".
 _LINEAR_NAMES = (("att.", "linear_attn."),)
 # Where a folder of these types keeps its text model (else "model."), and the tensors it
 # holds beside it that qkv leaves unread, as transformers' causal-LM classes do: the
 # vision tower, and the multi-token-prediction layers ("mtp.", a draft head for
 # speculative decoding that the model's own logits do not go through).
-_MODEL_PREFIX = {"qwen3_5": "model.language_model."}
+_MODEL_PREFIX = {"qwen3_5": "model.language_model.", "gemma4": "model.language_model."}
 _UNREAD = {"qwen3_5": ("model.visual.", "mtp."), "qwen3_5_text": ("mtp.",),
            "qwen3_5_moe_text": ("mtp.",),
+           "gemma4": ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
+                      "model.embed_audio."),
            "qwen3_next": ("mtp.",)}
 # The types whose linear-attention layers store q, k, v and z as one fused projection,
 # and b and a as another, interleaved per key head (qkv.linear_attention.fused_row_order).
@@ -814,11 +988,16 @@ def _layout_tensors(fields: Mapping[str, Any], model_type: str | None = None,
     its folders store them."""
     moe = fields.get("moe") or {}
     gpt_oss = bool(moe.get("expert_bias"))
+    gemma = fields.get("post_norms") and fields.get("pre_norms", True)
     rules = (*(_GPT_OSS_NAMES if gpt_oss else _OTHER_NAMES),
-             *(_QWEN_NAMES if moe.get("shared_gate") else ()), *_BLOCK_NAMES)
+             *(_QWEN_NAMES if moe.get("shared_gate") else ()),
+             *(_GEMMA4_NAMES if gemma else ()), *_BLOCK_NAMES)
     base = _MODEL_PREFIX.get(model_type, "model.")
     top = {"tok_emb.weight": f"{base}embed_tokens.weight", "final_norm.scale": f"{base}norm.weight",
-           "out_head.weight": "lm_head.weight"}
+           "out_head.weight": "lm_head.weight",
+           "per_layer_inputs.embed.weight": f"{base}embed_tokens_per_layer.weight",
+           "per_layer_inputs.proj.weight": f"{base}per_layer_model_projection.weight",
+           "per_layer_inputs.norm.scale": f"{base}per_layer_projection_norm.weight"}
     model = _layout_meta_model(fields)
     fused: dict[str, _Stored | None] = {}
     for name, tensor in model.state_dict().items():
@@ -840,13 +1019,15 @@ def _layout_tensors(fields: Mapping[str, Any], model_type: str | None = None,
             if fused[name] is not None:
                 yield fused[name]
             continue
+        dense_and_moe = model.trf_blocks[int(layer)].spec.mlp == "dense_and_moe"
         transform = (_gpt_oss_experts(name) if gpt_oss else
-                     _fused_experts(name) if fused_experts else None)
+                     _fused_experts(name) if fused_experts or dense_and_moe else None)
         if transform is not None:
             stored = tuple(transform[1](torch.empty(shape, device="meta")).shape)
             yield _Stored(hf, name, stored, transform=transform)
-        elif (fused_experts or gpt_oss) and name.endswith(("experts.gate_up_proj",
-                                                           "experts.down_proj")):
+        elif (fused_experts or gpt_oss or dense_and_moe) and name.endswith(
+                ("experts.gate_up_proj", "experts.down_proj")):
+            # (Gemma 4's experts exist only fused, as transformers' module holds them)
             yield _Stored(hf, name, shape)
         elif name.endswith("experts.gate_up_proj"):
             experts, rows, width = shape
@@ -911,8 +1092,8 @@ def _unpack(stored: list[_Stored], state: Mapping[str, Tensor]) -> dict[str, Ten
 
 
 def _has_layout(fields: Mapping[str, Any]) -> bool:
-    return bool(fields.get("moe")) or any(entry.get("attention", "mha") != "mha"
-                                          for entry in fields.get("layout") or [])
+    return bool(fields.get("moe")) or bool(fields.get("layer_scalar")) or any(
+        entry.get("attention", "mha") != "mha" for entry in fields.get("layout") or [])
 
 
 def _names(fields: Mapping[str, Any], model_type: str | None = None

@@ -17,7 +17,13 @@ Routing (:meth:`MoE.route`), in the order the families apply it:
    best groups stay candidates;
 4. the ``top_k`` best candidates; their weights are their *scores* (not the choice);
 5. ``norm_topk_prob``: the weights divided by their sum; then times
-   ``routed_scaling_factor``.
+   ``routed_scaling_factor`` (and, in Gemma 4, each chosen expert's own learned
+   ``per_expert_scale``).
+
+Gemma 4's router first normalises the token (an RMSNorm without scale, ``router_norm``
+its epsilon) and multiplies it by a learned ``router_scale (d_model,)`` and by
+``d_model ** -0.5``; it scores the residual stream itself while its experts see it
+normalised (``forward``'s ``route_x``).
 
 gpt-oss takes the softmax of the top ``k`` logits: the same numbers as ``softmax`` with
 ``norm_topk_prob=True`` (a softmax restricted to some entries is the full one
@@ -31,6 +37,8 @@ qkv (``MoE``)                               Hugging Face (``mlp.``)
 ``router.weight`` (``.bias``)               ``gate.weight`` (DeepSeek, Qwen);
                                             ``router.weight``/``.bias`` (gpt-oss)
 ``e_score_correction_bias``                 ``gate.e_score_correction_bias`` (DeepSeek)
+``router_scale``, ``per_expert_scale``      ``router.scale``, ``router.per_expert_scale``
+                                            (Gemma 4, whose router is ``router.proj``)
 ``experts.gate_up_proj (E, 2I, d)``         ``experts.gate_up_proj`` (DeepSeek, Qwen,
                                             Gemma 4), as stored
 ``experts.down_proj (E, I, d)``             ``experts.down_proj`` transposed (DeepSeek,
@@ -207,13 +215,18 @@ class MoE(nn.Module):
             none.
         shared_gate: scale the shared expert's output by ``sigmoid(x . w)``, a gate of
             the token's own (Qwen's ``shared_expert_gate``).
+        router_norm: the epsilon of an RMSNorm without scale on the router's input, then
+            multiplied by the parameter ``router_scale (d_model,)`` and ``d_model **
+            -0.5`` (Gemma 4); None: none.
+        per_expert_scale: a parameter ``per_expert_scale (E,)`` multiplying each chosen
+            expert's weight (Gemma 4).
         backend: ``"loop"``, the definition (each expert on the tokens routed to it,
             found one expert at a time), or ``"grouped"`` (default: the token copies
             sorted by expert once, each expert then runs on one contiguous block). Both
             give the same numbers and gradients.
 
     Parameters are created in the order ``router``, ``experts``, ``shared_expert``,
-    ``shared_expert_gate``.
+    ``shared_expert_gate``, ``router_scale``, ``per_expert_scale``.
 
     Shapes: ``x (..., d_model) -> (..., d_model)``.
     """
@@ -238,6 +251,8 @@ class MoE(nn.Module):
         swiglu_limit: float = 7.0,
         shared_hidden_dim: int | None = None,
         shared_gate: bool = False,
+        router_norm: float | None = None,
+        per_expert_scale: bool = False,
         backend: str = "grouped",
     ) -> None:
         super().__init__()
@@ -253,7 +268,8 @@ class MoE(nn.Module):
         for name, flag in (("norm_topk_prob", norm_topk_prob),
                            ("score_correction_bias", score_correction_bias),
                            ("router_bias", router_bias), ("expert_bias", expert_bias),
-                           ("shared_gate", shared_gate)):
+                           ("shared_gate", shared_gate),
+                           ("per_expert_scale", per_expert_scale)):
             check_bool(name, flag)
         routed_scaling_factor = check_float("routed_scaling_factor", routed_scaling_factor,
                                             0.0, lo_open=True)
@@ -270,6 +286,8 @@ class MoE(nn.Module):
         elif topk_group != 1:
             raise ValueError(f"topk_group ({topk_group}) needs n_group > 1 (group-limited "
                              f"routing); with n_group=1 it must be 1")
+        if router_norm is not None:
+            router_norm = check_float("router_norm", router_norm, 0.0, 1.0, lo_open=True)
         if shared_hidden_dim is not None:
             check_positive_int("shared_hidden_dim", shared_hidden_dim, "integer or None")
         elif shared_gate:
@@ -290,6 +308,11 @@ class MoE(nn.Module):
         self.shared_expert = (GatedMLP(d_model, shared_hidden_dim, bias=expert_bias, **act)
                               if shared_hidden_dim is not None else None)
         self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if shared_gate else None
+        self.router_norm = router_norm
+        self.router_scale = (nn.Parameter(torch.ones(d_model)) if router_norm is not None
+                             else None)
+        self.per_expert_scale = (nn.Parameter(torch.ones(num_experts)) if per_expert_scale
+                                 else None)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Each token's experts and their weights: ``x (N, d_model) -> (weights (N,
@@ -298,8 +321,12 @@ class MoE(nn.Module):
         The router runs in float32 at least (DeepSeek keeps it there), so a bfloat16 model
         chooses its experts as its float32 router would.
         """
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        dtype, out_dtype = torch.promote_types(x.dtype, torch.float32), x.dtype
         bias = self.router.bias
+        if self.router_scale is not None:
+            x = x.to(dtype)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.router_norm)
+            x = x * self.router_scale.to(dtype) * self.d_model ** -0.5
         logits = F.linear(x.to(dtype), self.router.weight.to(dtype),
                           None if bias is None else bias.to(dtype))  # (N, E)
         scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
@@ -318,13 +345,21 @@ class MoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights * self.routed_scaling_factor
-        return weights.to(x.dtype), experts
+        if self.per_expert_scale is not None:
+            weights = weights * self.per_expert_scale.to(dtype)[experts]
+        return weights.to(out_dtype), experts
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, route_x: Tensor | None = None) -> Tensor:
+        """``x (..., d_model) -> (..., d_model)``; ``route_x`` (``x``'s shape): what the
+        router scores, when it is not what the experts see (Gemma 4)."""
         if x.dim() < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape (..., {self.d_model}), got {tuple(x.shape)}")
+        if route_x is not None and route_x.shape != x.shape:
+            raise ValueError(f"route_x must have x's shape {tuple(x.shape)}, got "
+                             f"{tuple(route_x.shape)}")
         tokens = x.reshape(-1, self.d_model)  # (N, d_model)
-        weights, experts = self.route(tokens)
+        weights, experts = self.route(tokens if route_x is None
+                                      else route_x.reshape(-1, self.d_model))
         if self.backend == "loop":
             out = self._routed_loop(tokens, weights, experts)
         else:
