@@ -24,7 +24,8 @@
      scale * dx_b * sum(u * qx) + offset * dx_b * S.
 
    The integer sums go into a float32 vector accumulator (scale * dx_b broadcast), and the
-   offsets into a scalar one. S comes with the quantized x (per 16 values, for Q6_K).
+   offsets into a scalar one. dx_b * S comes with the quantized x (and per 16 values, for
+   Q6_K).
 
    Q8_0's q is signed, and maddubs/vpdpbusd take one unsigned operand: |q| times qx with
    q's sign, which is the same product.
@@ -191,15 +192,14 @@ double qkv_quant_dot_ref(const qkv_mat *W, long r, long n, const float *x) {
 /* ---------------------------------------------------------------------------------
    The vector path. */
 
-/* x quantized for the products on this thread: q (n), d (n / 32), and the sums of q per
-   16 values (s16; a block's S is s16[2b] + s16[2b + 1]). */
+/* x quantized for the products on this thread: q (n), d (n / 32), and d times the sums
+   of q per 16 values (ds16) and per block (ds: d * S, the offsets' factor). */
 typedef struct {
     const float *x;
     long n, cap;
     int valid;
     int8_t *q;
-    float *d;
-    int16_t *s16;
+    float *d, *ds, *ds16;
 } quantized_x;
 
 static __thread quantized_x xq_;
@@ -225,10 +225,11 @@ static const quantized_x *prepared(const float *x, long n) {
     quantized_x *p = &xq_;
     if (p->valid && p->x == x && p->n == n) return p;
     if (n > p->cap) { /* kept for the thread's later products; grows to the longest row */
-        free(p->q), free(p->d), free(p->s16);
+        free(p->q), free(p->d), free(p->ds), free(p->ds16);
         p->q = malloc((size_t)n);
         p->d = malloc((size_t)(n / 32) * sizeof *p->d);
-        p->s16 = malloc((size_t)(n / 16) * sizeof *p->s16);
+        p->ds = malloc((size_t)(n / 32) * sizeof *p->ds);
+        p->ds16 = malloc((size_t)(n / 16) * sizeof *p->ds16);
         p->cap = n;
     }
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -249,11 +250,11 @@ static const quantized_x *prepared(const float *x, long n) {
            i3 lo | i0 hi, ..., and the permutation puts them back in order */
         __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
         _mm256_storeu_si256((__m256i *)(p->q + 32 * b), _mm256_permutevar8x32_epi32(bytes, order));
-        for (int half = 0; half < 2; half++) {
-            int s = 0;
-            for (int j = 0; j < 16; j++) s += p->q[32 * b + 16 * half + j];
-            p->s16[2 * b + half] = (int16_t)s;
-        }
+        int sums[2] = {0, 0};
+        for (int j = 0; j < 32; j++) sums[j / 16] += p->q[32 * b + j];
+        p->ds16[2 * b] = p->d[b] * (float)sums[0];
+        p->ds16[2 * b + 1] = p->d[b] * (float)sums[1];
+        p->ds[b] = p->d[b] * (float)(sums[0] + sums[1]);
     }
     p->x = x, p->n = n, p->valid = 1;
     return p;
@@ -292,7 +293,6 @@ static inline __m256i fifth_bits(const uint8_t *p) {
     return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
-#define S32(xq, b) ((float)((xq)->s16[2 * (b)] + (xq)->s16[2 * (b) + 1]))
 #define ACC(acc, u, xq, b, scale) \
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(u, load32((xq)->q + 32 * (b)))), _mm256_set1_ps(scale), acc)
 
@@ -322,7 +322,7 @@ static float dot_q4_q5(int type, const uint8_t *w, long nb, const quantized_x *x
             ACC(acc1, u, xq, b, d);
         else
             ACC(acc0, u, xq, b, d);
-        offset += (one ? f16(w + 2) * xq->d[b] : shift * d) * S32(xq, b);
+        offset += (one ? f16(w + 2) : shift * f16(w)) * xq->ds[b];
     }
     return hsum8(_mm256_add_ps(acc0, acc1)) + offset;
 }
@@ -354,7 +354,7 @@ static float dot_q4_q5_k(int type, const uint8_t *w, long nb, const quantized_x 
             k_scale_min(w + 4, 2 * c + 1, &sc1, &m1);
             ACC(acc0, lo, xq, b0, d * (float)sc0 * xq->d[b0]);
             ACC(acc1, hi, xq, b1, d * (float)sc1 * xq->d[b1]);
-            offset += dmin * ((float)m0 * xq->d[b0] * S32(xq, b0) + (float)m1 * xq->d[b1] * S32(xq, b1));
+            offset += dmin * ((float)m0 * xq->ds[b0] + (float)m1 * xq->ds[b1]);
         }
     }
     return hsum8(_mm256_add_ps(acc0, acc1)) - offset;
@@ -380,6 +380,7 @@ static float dot_q6_k(const uint8_t *w, long nb, const quantized_x *xq) {
                 const int t = 4 * h + k;
                 const long b = 8 * sb + t;
                 const float s = d * xq->d[b], sa = s * scales[2 * t], sb2 = s * scales[2 * t + 1];
+                const float da = d * scales[2 * t], db = d * scales[2 * t + 1];
                 /* lanes 0-3 sum the first 16 bytes (scale 2t), lanes 4-7 the next 16 */
                 const __m256 scale = _mm256_set_m128(_mm_set1_ps(sb2), _mm_set1_ps(sa));
                 const __m256 p = _mm256_cvtepi32_ps(dot_u8_s8(u, load32(xq->q + 32 * b)));
@@ -387,7 +388,7 @@ static float dot_q6_k(const uint8_t *w, long nb, const quantized_x *xq) {
                     acc1 = _mm256_fmadd_ps(p, scale, acc1);
                 else
                     acc0 = _mm256_fmadd_ps(p, scale, acc0);
-                offset += sa * xq->s16[2 * b] + sb2 * xq->s16[2 * b + 1];
+                offset += da * xq->ds16[2 * b] + db * xq->ds16[2 * b + 1];
             }
         }
     }
