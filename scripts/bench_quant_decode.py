@@ -141,7 +141,7 @@ def step_bytes(model: nn.Module, kv_cache: float) -> float:
     """Bytes one step reads: each block matrix once (one row of an untied embedding),
     every float parameter, and the KV cache's average."""
     seen, total = set(), 0.0
-    for name, m in model.named_modules():
+    for m in model.modules():
         if isinstance(m, Blocks):
             if m.blocks.data_ptr() in seen:
                 continue
@@ -245,7 +245,8 @@ def time_files(run: str, files: list[str], rounds: int = 3) -> None:
                      "qkv float32": kv["total"]}
         per_token["llama.cpp"] = per_token["qkv blocks"]  # the same file, the same cache
         diff = next((i for i, (a, b) in enumerate(zip(tokens["qkv blocks"],
-                                                       tokens["llama.cpp"])) if a != b), None)
+                                                       tokens["llama.cpp"], strict=True))
+                     if a != b), None)
         entry = {"kept": kept, "size_bytes": Path(path).stat().st_size,
                  "bandwidth": bw, "bytes_per_token": per_token,
                  "first_token_difference_vs_llama_cpp": diff, "paths": {}}

@@ -10,7 +10,6 @@ of distinct weights), the bytes it reads per second, and the float32 / bfloat16 
 from __future__ import annotations
 
 import ctypes
-import statistics
 import sys
 import time
 
@@ -51,10 +50,11 @@ for name, dtype in (("F32", torch.float32), ("BF16", torch.bfloat16)):
 for name, (code, values, size) in QUANT_TYPES.items():
     if cols % values:
         continue
-    raw = [rng.integers(0, 256, (rows, cols // values * size), dtype=np.uint8) for _ in range(copies)]
+    raw = [rng.integers(0, 256, (rows, cols // values * size), dtype=np.uint8)
+           for _ in range(copies)]
     for r in raw:  # finite float16 scales where the type keeps them
         blocks = r.reshape(rows, cols // values, size)
-        at = {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2)}.get(name, (0,) if name in ("Q8_0", "Q4_0", "Q5_0") else (0, 2))
+        at = {"Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,)}.get(name, (0, 2))
         for a in at:
             blocks[:, :, a:a + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
     us, gbs = rate([Mat(data=r.ctypes.data, type=code) for r in raw], raw[0].nbytes)
