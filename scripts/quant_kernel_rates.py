@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python scripts/quant_kernel_rates.py [ROWS COLS]
 
-Prints, per type, the fastest of 7 rounds of qkv_linear over a (ROWS, COLS) matrix (default
+Prints, per type, the fastest of 7 rounds (CPU time with one thread, else wall time) of qkv_linear over a (ROWS, COLS) matrix (default
 SmolLM2-135M's FFN, (1536, 576), times 30 matrices to leave the caches: a model's worth
 of distinct weights), the bytes it reads per second, and the float32 / bfloat16 rates.
 """
@@ -22,6 +22,9 @@ rows, cols = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (153
 copies = 30
 lib = decode_kernels()
 threads = torch.get_num_threads()
+# On a shared machine the process's own CPU time (one thread) is the steadier measure of
+# a kernel's work; with more threads, wall time.
+clock = time.process_time if threads == 1 else time.perf_counter
 x = torch.randn(cols)
 y = torch.empty(rows)
 rng = np.random.default_rng(0)
@@ -32,11 +35,11 @@ def rate(mats: list, nbytes: int) -> tuple[float, float]:
         lib.qkv_linear(ctypes.byref(m), x.data_ptr(), None, y.data_ptr(), rows, cols, 0, threads)
     samples = []
     for _ in range(7):
-        start = time.perf_counter()
+        start = clock()
         for m in mats:
             lib.qkv_linear(ctypes.byref(m), x.data_ptr(), None, y.data_ptr(), rows, cols, 0,
                            threads)
-        samples.append((time.perf_counter() - start) / len(mats))
+        samples.append((clock() - start) / len(mats))
     t = min(samples)  # the least disturbed round on a shared machine
     return t * 1e6, nbytes / t / 1e9
 

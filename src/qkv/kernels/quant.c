@@ -296,35 +296,77 @@ static inline __m256i fifth_bits(const uint8_t *p) {
 #define ACC(acc, u, xq, b, scale) \
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(u, load32((xq)->q + 32 * (b)))), _mm256_set1_ps(scale), acc)
 
-static float dot_q8_0(const uint8_t *w, long nb, const quantized_x *xq) {
-    __m256 acc = _mm256_setzero_ps();
-    for (long b = 0; b < nb; b++, w += 34) {
-        const __m256i q = load32(w + 2), x = load32(xq->q + 32 * b);
-        const __m256i p = dot_u8_s8(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f16(w) * xq->d[b]), acc);
+/* The integer dot product of one 32-value block with its 32 bytes of x: Q8_0's signed
+   bytes, or the u of Q4_0 ... Q5_1 (nibbles, and Q5's fifth bits) */
+static inline __attribute__((always_inline)) __m256i block_dot(const int type, const uint8_t *w,
+                                                               const int8_t *xq) {
+    const __m256i x = load32(xq);
+    if (type == QKV_Q8_0) {
+        const __m256i q = load32(w + 2);
+        return dot_u8_s8(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
     }
-    return hsum8(acc);
+    const int one = type == QKV_Q4_1 || type == QKV_Q5_1, five = type == QKV_Q5_0 || type == QKV_Q5_1;
+    __m256i u = nibbles16(w + (one ? 4 : 2) + (five ? 4 : 0));
+    if (five) u = _mm256_or_si256(u, fifth_bits(w + (one ? 4 : 2)));
+    return dot_u8_s8(u, x);
 }
 
-/* Q4_0, Q4_1, Q5_0, Q5_1: blocks of 32, scale d, offset m (or -8 d, -16 d) */
-static float dot_q4_q5(int type, const uint8_t *w, long nb, const quantized_x *xq) {
-    const int one = type == QKV_Q4_1 || type == QKV_Q5_1, five = type == QKV_Q5_0 || type == QKV_Q5_1;
-    long bytes, values;
+/* 8 vectors of 8 int32 -> the 8 vectors' sums, in order */
+static inline __m256i sum_each8(const __m256i p[8]) {
+    /* hadd works within 128-bit halves: after two rounds, g0 holds p0..p3's sums over
+       their low halves (low) and high halves (high), g1 p4..p7's */
+    const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20),
+                            _mm256_permute2x128_si256(g0, g1, 0x31));
+}
+
+static inline uint16_t u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: blocks of 32 with scale d and offset m (Q4_1, Q5_1) or
+   -8 d, -16 d (Q4_0, Q5_0). Eight blocks at a time: their eight integer sums in one
+   vector, times the eight d * dx_b (float16 scales widened together), so that the
+   per-block work is the unpacking and one byte dot product; the offsets the same way. */
+static inline __attribute__((always_inline)) float dot_blocks32(const int type, const uint8_t *w,
+                                                                long nb, const quantized_x *xq) {
+    long values, bytes;
     block_shape(type, &values, &bytes);
-    const float shift = type == QKV_Q4_0 ? -8.0f : -16.0f;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-    float offset = 0.0f;
-    for (long b = 0; b < nb; b++, w += bytes) {
-        const float d = f16(w) * xq->d[b];
-        __m256i u = nibbles16(w + bytes - 16);
-        if (five) u = _mm256_or_si256(u, fifth_bits(w + (one ? 4 : 2)));
-        if (b & 1)
-            ACC(acc1, u, xq, b, d);
-        else
-            ACC(acc0, u, xq, b, d);
-        offset += (one ? f16(w + 2) : shift * f16(w)) * xq->ds[b];
+    const int one = type == QKV_Q4_1 || type == QKV_Q5_1;
+    const float shift = type == QKV_Q8_0 ? 0.0f : type == QKV_Q4_0 ? -8.0f : -16.0f;
+    __m256 acc = _mm256_setzero_ps(), off = acc;
+    long b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const uint8_t *blk = w + b * bytes;
+        __m256i p[8];
+        for (int k = 0; k < 8; k++) p[k] = block_dot(type, blk + k * bytes, xq->q + 32 * (b + k));
+        const __m256 d = _mm256_cvtph_ps(_mm_setr_epi16(
+            (short)u16(blk), (short)u16(blk + bytes), (short)u16(blk + 2 * bytes), (short)u16(blk + 3 * bytes),
+            (short)u16(blk + 4 * bytes), (short)u16(blk + 5 * bytes), (short)u16(blk + 6 * bytes),
+            (short)u16(blk + 7 * bytes)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each8(p)), _mm256_mul_ps(d, _mm256_loadu_ps(xq->d + b)), acc);
+        if (one) {
+            const uint8_t *m = blk + 2;
+            const __m256 mins = _mm256_cvtph_ps(_mm_setr_epi16(
+                (short)u16(m), (short)u16(m + bytes), (short)u16(m + 2 * bytes), (short)u16(m + 3 * bytes),
+                (short)u16(m + 4 * bytes), (short)u16(m + 5 * bytes), (short)u16(m + 6 * bytes),
+                (short)u16(m + 7 * bytes)));
+            off = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xq->ds + b), off);
+        } else if (type != QKV_Q8_0) {
+            off = _mm256_fmadd_ps(d, _mm256_loadu_ps(xq->ds + b), off);
+        }
     }
-    return hsum8(_mm256_add_ps(acc0, acc1)) + offset;
+    float s = hsum8(acc), offset = one ? hsum8(off) : shift * hsum8(off);
+    for (; b < nb; b++) { /* the row's last blocks, one at a time */
+        const uint8_t *blk = w + b * bytes;
+        const __m256i p = block_dot(type, blk, xq->q + 32 * b);
+        s += f16(blk) * xq->d[b] * hsum8(_mm256_cvtepi32_ps(p));
+        offset += (one ? f16(blk + 2) : shift * f16(blk)) * xq->ds[b];
+    }
+    return s + offset;
 }
 
 /* Q4_K, Q5_K: super-blocks of 256 */
@@ -399,8 +441,12 @@ float qkv_quant_dot_row(const qkv_mat *W, long r, long n, const float *x) {
     const quantized_x *xq = prepared(x, n);
     const uint8_t *row = row_of(W, r, n);
     const int type = W->type;
-    if (type == QKV_Q8_0) return dot_q8_0(row, n / 32, xq);
+    /* each type its own copy of dot_blocks32, its type a constant there */
+    if (type == QKV_Q8_0) return dot_blocks32(QKV_Q8_0, row, n / 32, xq);
+    if (type == QKV_Q4_0) return dot_blocks32(QKV_Q4_0, row, n / 32, xq);
+    if (type == QKV_Q4_1) return dot_blocks32(QKV_Q4_1, row, n / 32, xq);
+    if (type == QKV_Q5_0) return dot_blocks32(QKV_Q5_0, row, n / 32, xq);
+    if (type == QKV_Q5_1) return dot_blocks32(QKV_Q5_1, row, n / 32, xq);
     if (type == QKV_Q4_K || type == QKV_Q5_K) return dot_q4_q5_k(type, row, n / 256, xq);
-    if (type == QKV_Q6_K) return dot_q6_k(row, n / 256, xq);
-    return dot_q4_q5(type, row, n / 32, xq);
+    return dot_q6_k(row, n / 256, xq);
 }
