@@ -188,3 +188,23 @@ def test_kv_cache_bytes_counts_layers_heads_positions_and_the_window():
     held = (cache.keys.numel() + cache.values.numel()) * cache.keys.element_size()
     assert held == kv_cache_bytes(layers=1, kv_heads=2, head_dim=4, batch=5, tokens=100,
                                   window=3, bytes_per_value=8)
+
+
+def test_the_kept_rope_table_is_the_angles_of_every_position_asked_for():
+    from qkv.positional import RopeTable
+
+    def angles(n, width, base):  # RoPE by its definition, in float64
+        pos = torch.arange(n, dtype=torch.float64)[:, None]
+        inv = base ** (-torch.arange(0, width, 2, dtype=torch.float64) / width)
+        a = torch.cat((pos * inv, pos * inv), dim=-1)
+        return a.cos(), a.sin()
+
+    table = RopeTable(limit=600)
+    for length, width, base, dtype in [(3, 8, 1e4, torch.float64), (300, 8, 1e4, torch.float64),
+                                       (700, 8, 1e4, torch.float64), (5, 4, 1e4, torch.float64),
+                                       (5, 4, 500.0, torch.float64), (9, 4, 500.0, torch.float32)]:
+        cos, sin = table(length, width, base, None, dtype, torch.device("cpu"))
+        want_cos, want_sin = angles(length, width, base)
+        assert cos.shape == (length, width) and cos.dtype == dtype
+        torch.testing.assert_close(cos.double(), want_cos, rtol=0, atol=1e-7)
+        torch.testing.assert_close(sin.double(), want_sin, rtol=0, atol=1e-7)

@@ -81,7 +81,8 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         if moe.norm_topk_prob:
             weights = [w / sum(weights) for w in weights]
         for e, w in zip(chosen, weights, strict=True):
-            gu, down = p["experts.gate_up_proj"][e], p["experts.down_proj"][e]
+            # down_proj is stored (E, I, d), input rows first: its expert's (d, I) is .T
+            gu, down = p["experts.gate_up_proj"][e], p["experts.down_proj"][e].T
             b = p.get("experts.gate_up_proj_bias")
             out[t] += w * moe.routed_scaling_factor * mlp(
                 token, gu[:inner], gu[inner:], down,
@@ -162,10 +163,12 @@ SHARED_MLP = {".gate_proj.": ".fc1.", ".up_proj.": ".fc2.", ".down_proj.": ".fc3
 
 
 def shared_names(state, prefix):
+    """transformers' DeepSeek/Qwen MoE state in qkv's names and layout: the shared
+    expert renamed, and ``experts.down_proj (E, d, I)`` transposed to qkv's ``(E, I, d)``."""
     for theirs, ours in SHARED_MLP.items():
         state = {k.replace(prefix + theirs, "shared_expert" + ours)
                  if k.startswith(prefix) else k: v for k, v in state.items()}
-    return state
+    return {**state, "experts.down_proj": state["experts.down_proj"].transpose(1, 2)}
 
 
 @pytest.mark.parametrize("backend", ["loop", "grouped"])
@@ -217,8 +220,7 @@ def gpt_oss_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     b = state["experts.gate_up_proj_bias"]
     out["experts.gate_up_proj"] = torch.cat((w[:, 0::2], w[:, 1::2]), dim=1)
     out["experts.gate_up_proj_bias"] = torch.cat((b[:, 0::2], b[:, 1::2]), dim=1)
-    out["experts.down_proj"] = state["experts.down_proj"].transpose(1, 2)
-    return out
+    return out  # down_proj (E, I, d) and its bias as stored
 
 
 @pytest.mark.parametrize("backend", ["loop", "grouped"])

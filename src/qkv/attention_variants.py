@@ -141,25 +141,20 @@ class GatedAttention(MultiHeadAttention):
         # (b, T, heads * 2 * head_dim) -> query and gate, each (b, T, heads, head_dim)
         q, gate = self.W_query(x).view(batch, num_queries, self.num_heads, 2,
                                        self.head_dim).unbind(dim=3)
-        q = q.transpose(1, 2)  # (b, heads, T, head_dim)
-        k = self._split_heads(self.W_key(key))
-        v = self._split_heads(self.W_value(value))
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        if self.rope:
-            q, k = self._rotate(q, past), self._rotate(k, past)
-        if cache is not None:
-            k, v = cache.append(k, v)
-        out, weights = self._attend(q, k, v, mask=mask, ring=ring, need_weights=need_weights)
+        out, weights = self._attend_heads(q.transpose(1, 2), key, value, cache=cache,
+                                          past=past, mask=mask, ring=ring,
+                                          need_weights=need_weights)
         # (b, T, heads * head_dim), each head's output scaled by its gate in (0, 1)
         out = self._merge_heads(out) * torch.sigmoid(gate.reshape(batch, num_queries, -1))
         out = self.out_proj(out)
         return (out, weights) if need_weights else out
 
     def _rotate(self, t: Tensor, past: int) -> Tensor:
-        return rotate_partial(t, past, self.rotary_dim, self.rope_base, self.rope_scaling)
+        # rotate_partial, on the layer's kept table of rotary_dim-wide angles
+        cos, sin = self._rope_table(past + t.shape[-2], self.rotary_dim, self.rope_base,
+                                    self.rope_scaling, t.dtype, t.device)
+        turned = apply_rope(t[..., :self.rotary_dim], cos[past:], sin[past:])
+        return torch.cat((turned, t[..., self.rotary_dim:]), dim=-1)
 
     def extra_repr(self) -> str:
         partial = f", rotary_dim={self.rotary_dim}" if self.rotary_dim != self.head_dim else ""

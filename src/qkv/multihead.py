@@ -22,7 +22,7 @@ from .functional import (
     lengths_to_mask,
 )
 from .kv_cache import KVCache
-from .positional import apply_rope, check_rope_scaling, rope_angles
+from .positional import RopeTable, apply_rope, check_rope_scaling
 
 __all__ = ["MultiHeadAttention"]
 
@@ -179,7 +179,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(self.inner_dim, d_out, bias=out_bias)
         self.dropout = nn.Dropout(dropout)
         self.q_norm, self.k_norm = q_norm, k_norm
-        self._rope_cache: tuple[Tensor, Tensor] | None = None
+        self._rope_table = RopeTable(context_length)
 
     def _split_heads(self, x: Tensor) -> Tensor:
         # (b, T, heads * head_dim) -> (b, heads, T, head_dim): heads become a batch axis
@@ -256,17 +256,8 @@ class MultiHeadAttention(nn.Module):
         key, value, mask = self._prepare(x, key, value, valid_lens=valid_lens,
                                          key_padding_mask=key_padding_mask, past=past, ring=ring)
         q = self._split_heads(self.W_query(x))
-        k = self._split_heads(self.W_key(key))
-        v = self._split_heads(self.W_value(value))
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        if self.rope:  # rotated at their absolute positions, before they are cached
-            q, k = self._rotate(q, past), self._rotate(k, past)
-        if cache is not None:
-            k, v = cache.append(k, v)
-        out, weights = self._attend(q, k, v, mask=mask, ring=ring, need_weights=need_weights)
+        out, weights = self._attend_heads(q, key, value, cache=cache, past=past, mask=mask,
+                                          ring=ring, need_weights=need_weights)
         out = self.out_proj(self._merge_heads(out))
         return (out, weights) if need_weights else out
 
@@ -310,10 +301,31 @@ class MultiHeadAttention(nn.Module):
                               past + key.shape[1], x.device)
         return key, value, mask
 
+    def _attend_heads(self, q: Tensor, key: Tensor, value: Tensor, *,
+                      cache: KVCache | None, past: int, mask: Tensor | None, ring: bool,
+                      need_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """Everything between the query projection and the heads' merge: the queries
+        ``q (batch, heads, T_q, head_dim)`` attend to ``key``/``value`` (as
+        :meth:`_prepare` returns them) projected into heads, after QK-norm and RoPE, and
+        to the cache's keys and values before them. Returns the heads' outputs
+        ``(batch, heads, T_q, head_dim)`` and the weights, as :meth:`_attend`."""
+        k = self._split_heads(self.W_key(key))
+        v = self._split_heads(self.W_value(value))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.rope:  # rotated at their absolute positions, before they are cached
+            q, k = self._rotate(q, past), self._rotate(k, past)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        return self._attend(q, k, v, mask=mask, ring=ring, need_weights=need_weights)
+
     def _rotate(self, t: Tensor, past: int) -> Tensor:
         """RoPE on queries or keys ``t (batch, heads, T, head_dim)`` at positions ``past,
         past + 1, ...``."""
-        cos, sin = self._rope_table(past + t.shape[-2], t.dtype, t.device)
+        cos, sin = self._rope_table(past + t.shape[-2], self.head_dim, self.rope_base,
+                                    self.rope_scaling, t.dtype, t.device)
         return apply_rope(t, cos[past:], sin[past:])
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, ring: bool,
@@ -343,23 +355,6 @@ class MultiHeadAttention(nn.Module):
         # (b, heads, T, head_dim) -> (b, T, heads * head_dim)
         batch, _, num_queries, _ = out.shape
         return out.transpose(1, 2).reshape(batch, num_queries, self.inner_dim)
-
-    def _rope_table(self, length: int, dtype: torch.dtype, device: torch.device
-                    ) -> tuple[Tensor, Tensor]:
-        """RoPE's ``cos, sin`` for positions ``0 .. length - 1`` or more, ``(n, head_dim)``
-        in ``dtype``. Kept between calls (not a buffer: it is derived, never saved) and
-        recomputed in float64 only when a longer one is needed: a decoding step then
-        slices two rows instead of recomputing its angles in every layer."""
-        table = self._rope_cache
-        if table is None or table[0].shape[0] < length or table[0].dtype != dtype or \
-                table[0].device != device:
-            # double on growth, so a long generation recomputes a few times, not each step
-            have = 0 if table is None else table[0].shape[0]
-            n = max(length, min(2 * have, self.context_length or 2 * have), 256)
-            cos, sin = rope_angles(torch.arange(n, device=device), self.head_dim,
-                                   self.rope_base, self.rope_scaling)
-            table = self._rope_cache = (cos.to(dtype), sin.to(dtype))
-        return table[0][:length], table[1][:length]
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """A :class:`KVCache` for this layer: its ``num_kv_groups`` heads, and

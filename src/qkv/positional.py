@@ -22,7 +22,8 @@ from .checks import (
     show,
 )
 
-__all__ = ["PositionalEncoding", "sinusoidal_table", "rope_angles", "rope_frequencies",
+__all__ = ["PositionalEncoding", "RopeTable", "sinusoidal_table", "rope_angles",
+           "rope_frequencies",
            "apply_rope", "apply_rope_interleaved", "check_rope_scaling",
            "rope_attention_factor", "yarn_mscale", "ROPE_SCALING_TYPES"]
 
@@ -251,6 +252,38 @@ def rope_angles(positions: Tensor, head_dim: int, base: float = 10_000.0,
     cos, sin = angles.cos(), angles.sin()
     factor = rope_attention_factor(scaling)
     return (cos, sin) if factor == 1.0 else (cos * factor, sin * factor)
+
+
+class RopeTable:
+    """:func:`rope_angles` for positions ``0, 1, ...``, kept between calls.
+
+    A decoding step needs one position's angles in every layer; recomputing them (in
+    float64, with a ``cos`` and a ``sin``) costs more than the step's attention at short
+    contexts. A layer holds one table (not a buffer: it is derived, never saved), which
+    slices rows and is recomputed only when a longer one, another width, base, scaling,
+    dtype or device is asked for, then twice as long as before (up to ``limit``, the
+    layer's context length), so that a long generation recomputes a few times, not at
+    each step.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self._key: tuple[Any, ...] | None = None
+        self._cos: Tensor | None = None
+        self._sin: Tensor | None = None
+
+    def __call__(self, length: int, width: int, base: float,
+                 scaling: Mapping[str, Any] | None, dtype: torch.dtype, device: torch.device
+                 ) -> tuple[Tensor, Tensor]:
+        """``cos, sin`` of positions ``0 .. length - 1``, each ``(length, width)`` in
+        ``dtype`` on ``device`` (:func:`rope_angles` of a ``width``-wide head)."""
+        key = (width, base, repr(scaling), dtype, device)
+        have = 0 if self._cos is None or key != self._key else self._cos.shape[0]
+        if have < length:
+            n = max(length, min(2 * have, self.limit or 2 * have), 256)
+            cos, sin = rope_angles(torch.arange(n, device=device), width, base, scaling)
+            self._key, self._cos, self._sin = key, cos.to(dtype), sin.to(dtype)
+        return self._cos[:length], self._sin[:length]  # type: ignore[index]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -513,15 +513,20 @@ def _shared_names(prefix: str) -> dict[str, str]:
 
 def _gpt_oss_experts(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """gpt-oss's experts (``gate_up_proj (E, d, 2I)``, gate and up interleaved in the
-    columns; ``down_proj (E, I, d)``) in qkv's layout (``(E, 2I, d)`` gate rows then up
-    rows; ``(E, d, I)``)."""
+    columns) in qkv's layout (``(E, 2I, d)`` gate rows then up rows); ``down_proj (E, I,
+    d)`` is qkv's already."""
     out = dict(state)
     w = state["experts.gate_up_proj"].transpose(1, 2)
     b = state["experts.gate_up_proj_bias"]
     out["experts.gate_up_proj"] = torch.cat((w[:, 0::2], w[:, 1::2]), dim=1)
     out["experts.gate_up_proj_bias"] = torch.cat((b[:, 0::2], b[:, 1::2]), dim=1)
-    out["experts.down_proj"] = state["experts.down_proj"].transpose(1, 2)
     return out
+
+
+def _fused_experts(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """DeepSeek's and Qwen's fused experts in qkv's layout: ``down_proj (E, d, I)``
+    transposed to ``(E, I, d)``."""
+    return {**state, "experts.down_proj": state["experts.down_proj"].transpose(1, 2)}
 
 
 def _moe(tiny: bool, seed: int, peers: bool) -> list[_Group]:
@@ -575,6 +580,8 @@ def _moe(tiny: bool, seed: int, peers: bool) -> list[_Group]:
             if model_type == "gpt_oss":
                 ours.experts.alpha, ours.experts.limit = config.swiglu_alpha, config.swiglu_limit
                 state = _gpt_oss_experts(state)
+            else:
+                state = _fused_experts(state)
             _load(ours, state, names)
             paths.append(_peer_path(peer))
         else:

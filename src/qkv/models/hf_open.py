@@ -708,13 +708,20 @@ _FUSED_DELTANET = ("qwen3_next",)
 def _gpt_oss_experts(name: str) -> tuple[Any, Any] | None:
     """``(to qkv, to Hugging Face)`` for a gpt-oss expert tensor named ``name`` (qkv's
     name), or None: qkv's ``gate_up_proj (E, 2I, d)`` is gate rows then up rows, gpt-oss's
-    ``(E, d, 2I)`` has them in alternate columns; ``down_proj`` is transposed."""
+    ``(E, d, 2I)`` has them in alternate columns; ``down_proj (E, I, d)`` is qkv's layout
+    (None: stored as it is)."""
     if name.endswith("experts.gate_up_proj"):
         return (lambda w: torch.cat((w[..., 0::2], w[..., 1::2]), dim=-1).transpose(1, 2),
                 lambda w: torch.stack(w.transpose(1, 2).chunk(2, dim=-1), dim=-1).flatten(-2))
     if name.endswith("experts.gate_up_proj_bias"):
         return (lambda b: torch.cat((b[..., 0::2], b[..., 1::2]), dim=-1),
                 lambda b: torch.stack(b.chunk(2, dim=-1), dim=-1).flatten(-2))
+    return None
+
+
+def _fused_experts(name: str) -> tuple[Any, Any] | None:
+    """``(to qkv, to Hugging Face)`` for an expert tensor as transformers' fused modules
+    hold it (DeepSeek, Qwen: ``down_proj (E, d, I)``, qkv's transposed), or None."""
     if name.endswith("experts.down_proj"):
         return (lambda w: w.transpose(1, 2), lambda w: w.transpose(1, 2))
     return None
@@ -727,8 +734,9 @@ class _Stored:
     ``piece`` is ``(expert, half)`` when the stored tensor is one expert's slice of a
     qkv 3-D expert tensor (DeepSeek and Qwen store ``experts.{e}.gate_proj.weight``,
     ``up_proj`` and ``down_proj``: half 0 and 1 of ``gate_up_proj``'s rows, or None for
-    ``down_proj``); ``transform`` is ``(to qkv, to Hugging Face)`` for a tensor stored in
-    another layout (gpt-oss's experts). ``fused`` is the other way round: the stored
+    ``down_proj``, whose ``(d, I)`` is the transpose of its slice of qkv's ``(E, I,
+    d)``); ``transform`` is ``(to qkv, to Hugging Face)`` for a tensor stored in another
+    layout (gpt-oss's and transformers' fused experts). ``fused`` is the other way round: the stored
     tensor holds several of qkv's, ``ours`` and then ``fused[0]``'s names, and
     ``fused[1:]`` is ``(split: stored -> a tuple of them, fuse: the tuple -> stored)``
     (Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``)."""
@@ -787,8 +795,9 @@ def _layout_tensors(fields: Mapping[str, Any], model_type: str | None = None,
     (:data:`_FUSED_DELTANET`); None: as the family's causal-LM class saves it.
 
     ``fused_experts``: the experts as transformers' modules hold them instead, one 3-D
-    tensor each: ``mlp.experts.gate_up_proj (E, 2I, d)`` (gate rows, then up rows) and
-    ``mlp.experts.down_proj (E, d, I)``, qkv's own layout (gpt-oss's are unchanged)."""
+    tensor each: ``mlp.experts.gate_up_proj (E, 2I, d)`` (gate rows, then up rows, as qkv)
+    and ``mlp.experts.down_proj (E, d, I)`` (transposed for qkv); gpt-oss's are read as
+    its folders store them."""
     moe = fields.get("moe") or {}
     gpt_oss = bool(moe.get("expert_bias"))
     rules = (*(_GPT_OSS_NAMES if gpt_oss else _OTHER_NAMES),
@@ -817,11 +826,13 @@ def _layout_tensors(fields: Mapping[str, Any], model_type: str | None = None,
             if fused[name] is not None:
                 yield fused[name]
             continue
-        transform = _gpt_oss_experts(name) if gpt_oss else None
+        transform = (_gpt_oss_experts(name) if gpt_oss else
+                     _fused_experts(name) if fused_experts else None)
         if transform is not None:
             stored = tuple(transform[1](torch.empty(shape, device="meta")).shape)
             yield _Stored(hf, name, stored, transform=transform)
-        elif fused_experts and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        elif (fused_experts or gpt_oss) and name.endswith(("experts.gate_up_proj",
+                                                           "experts.down_proj")):
             yield _Stored(hf, name, shape)
         elif name.endswith("experts.gate_up_proj"):
             experts, rows, width = shape
@@ -830,9 +841,10 @@ def _layout_tensors(fields: Mapping[str, Any], model_type: str | None = None,
                     yield _Stored(f"{hf[:-len('gate_up_proj')]}{e}.{proj}.weight", name,
                                   (rows // 2, width), (e, half))
         elif name.endswith("experts.down_proj"):
-            for e in range(shape[0]):
+            experts, inner, width = shape
+            for e in range(experts):
                 yield _Stored(f"{hf}"[:-len("down_proj")] + f"{e}.down_proj.weight", name,
-                              shape[1:], (e, None))
+                              (width, inner), (e, None))
         else:
             yield _Stored(hf, name, shape)
 
@@ -861,8 +873,8 @@ def _pack(stored: list[_Stored], raw: Mapping[str, Tensor],
         if name.endswith("gate_up_proj"):
             out[name] = torch.stack([torch.cat((parts[e, 0], parts[e, 1])) for e in
                                      range(experts)])
-        else:
-            out[name] = torch.stack([parts[e, None] for e in range(experts)])
+        else:  # down_proj: each expert's (d, I) transposed into qkv's (E, I, d)
+            out[name] = torch.stack([parts[e, None].t() for e in range(experts)])
     return out
 
 
@@ -879,7 +891,7 @@ def _unpack(stored: list[_Stored], state: Mapping[str, Tensor]) -> dict[str, Ten
             tensor = st.transform[1](tensor).contiguous()
         elif st.piece is not None:
             e, half = st.piece
-            tensor = tensor[e] if half is None else tensor[e].chunk(2)[half]
+            tensor = tensor[e].t() if half is None else tensor[e].chunk(2)[half]
         out[st.hf] = tensor.contiguous()
     return out
 
@@ -996,8 +1008,8 @@ def to_qkv(raw: Mapping[str, Tensor], fields: Mapping[str, Any],
 
     Experts come as a folder stores them (one tensor per expert, gpt-oss's fused) or, for
     the families that store them per expert, fused as transformers' modules hold them
-    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``: qkv's layout, used as
-    they are). ``consume``: take each tensor out of ``raw`` (a dict) as it is converted,
+    (``mlp.experts.gate_up_proj``, as qkv's, and ``mlp.experts.down_proj``, qkv's
+    transposed). ``consume``: take each tensor out of ``raw`` (a dict) as it is converted,
     so that a tensor stored in another layout (gpt-oss's experts) and its converted copy
     are held together one at a time, not the whole model twice.
     """

@@ -33,7 +33,8 @@ qkv (``MoE``)                               Hugging Face (``mlp.``)
 ``e_score_correction_bias``                 ``gate.e_score_correction_bias`` (DeepSeek)
 ``experts.gate_up_proj (E, 2I, d)``         ``experts.gate_up_proj`` (DeepSeek, Qwen,
                                             Gemma 4), as stored
-``experts.down_proj (E, d, I)``             ``experts.down_proj``, as stored
+``experts.down_proj (E, I, d)``             ``experts.down_proj`` transposed (DeepSeek,
+                                            Qwen, Gemma 4 store ``(E, d, I)``)
 ``shared_expert.fc1``/``fc2``/``fc3``       ``shared_experts.gate_proj``/``up_proj``/
                                             ``down_proj`` (DeepSeek), ``shared_expert.*``
                                             (Qwen)
@@ -42,10 +43,18 @@ qkv (``MoE``)                               Hugging Face (``mlp.``)
 
 gpt-oss stores its experts the other way round and interleaved: ``gate_up_proj (E, d,
 2I)`` with the gate in the even columns and the up projection in the odd ones,
-``gate_up_proj_bias (E, 2I)`` likewise, ``down_proj (E, I, d)``. To qkv's:
+``gate_up_proj_bias (E, 2I)`` likewise, ``down_proj (E, I, d)`` as qkv does. To qkv's:
 ``w = gate_up_proj.transpose(1, 2); torch.cat((w[:, 0::2], w[:, 1::2]), dim=1)``, the
-bias ``torch.cat((b[:, 0::2], b[:, 1::2]), dim=1)``, ``down_proj.transpose(1, 2)``;
+bias ``torch.cat((b[:, 0::2], b[:, 1::2]), dim=1)``; ``down_proj`` and
 ``down_proj_bias`` as stored.
+
+Why ``down_proj`` is ``(E, I, d)``: decoding multiplies one token's ``I`` hidden values by
+each chosen expert's down projection. Stored ``(d, I)``, that is ``d`` dot products of
+short rows (``I`` is small in these models: 512 to 2,048), which PyTorch's CPU
+matrix-vector kernel streams at well under the memory's speed; stored ``(I, d)`` it is
+one ``(1, I) @ (I, d)`` product over long rows. One thread, four experts of ``d = 2048,
+I = 768``: 6.1 ms against 1.4 ms (``docs/benchmarks.md``, "Attention variants and mixture
+of experts"). ``gate_up_proj``'s rows are ``d`` long, so it keeps ``nn.Linear``'s layout.
 """
 
 from __future__ import annotations
@@ -113,12 +122,20 @@ class GatedMLP(nn.Module):
         return self.fc3(hidden)
 
 
+def _down(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``hidden (n, I) @ weight (I, d) (+ bias (d,)) -> (n, d)``: one expert's down
+    projection, its weight stored input-rows first."""
+    out = hidden @ weight
+    return out if bias is None else out + bias
+
+
 class Experts(nn.Module):
     """``num_experts`` gated MLPs of one width, stored as 3-D tensors.
 
     Parameters (Hugging Face's layout and names, see the module docstring):
     ``gate_up_proj (num_experts, 2 * hidden_dim, d_model)``: each expert's gate rows,
-    then its up rows; ``down_proj (num_experts, d_model, hidden_dim)``; with ``bias``,
+    then its up rows; ``down_proj (num_experts, hidden_dim, d_model)`` (input rows, the
+    transpose of ``nn.Linear``'s: see the module docstring); with ``bias``,
     ``gate_up_proj_bias (num_experts, 2 * hidden_dim)`` and ``down_proj_bias
     (num_experts, d_model)``. Initialised as ``nn.Linear`` initialises its weights.
     """
@@ -134,7 +151,7 @@ class Experts(nn.Module):
         self.d_model, self.hidden_dim, self.num_experts = d_model, hidden_dim, num_experts
         self.activation, self.alpha, self.limit = activation, alpha, limit
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, d_model))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, d_model, hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, d_model))
         self.gate_up_proj_bias = (nn.Parameter(torch.empty(num_experts, 2 * hidden_dim))
                                   if bias else None)
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, d_model)) if bias else None
@@ -155,8 +172,8 @@ class Experts(nn.Module):
                            None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[e])
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = gated_activation(gate, up, self.activation, alpha=self.alpha, limit=self.limit)
-        return F.linear(hidden, self.down_proj[e],
-                        None if self.down_proj_bias is None else self.down_proj_bias[e])
+        return _down(hidden, self.down_proj[e],
+                     None if self.down_proj_bias is None else self.down_proj_bias[e])
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, d_model={self.d_model}, "
@@ -357,7 +374,7 @@ class MoE(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = gated_activation(gate, up, ex.activation, alpha=ex.alpha, limit=ex.limit)
         hidden_blocks = hidden.split([counts[e] for e in used])
-        routed = torch.cat([F.linear(h, ex.down_proj[e], bias(ex.down_proj_bias, e))
+        routed = torch.cat([_down(h, ex.down_proj[e], bias(ex.down_proj_bias, e))
                             for e, h in zip(used, hidden_blocks, strict=True)])
         routed = routed * weights.flatten()[order, None]
         # Back to token order (copy t * top_k + j is row inverse[t * top_k + j] of routed),
