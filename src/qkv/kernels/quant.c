@@ -293,8 +293,6 @@ static inline __m256i fifth_bits(const uint8_t *p) {
     return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
-#define ACC(acc, u, xq, b, scale) \
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(u, load32((xq)->q + 32 * (b)))), _mm256_set1_ps(scale), acc)
 
 /* The integer dot product of one 32-value block with its 32 bytes of x: Q8_0's signed
    bytes, or the u of Q4_0 ... Q5_1 (nibbles, and Q5's fifth bits) */
@@ -369,47 +367,52 @@ static inline __attribute__((always_inline)) float dot_blocks32(const int type, 
     return s + offset;
 }
 
-/* Q4_K, Q5_K: super-blocks of 256 */
-static float dot_q4_q5_k(int type, const uint8_t *w, long nb, const quantized_x *xq) {
-    const int five = type == QKV_Q5_K;
+/* Q4_K, Q5_K: super-blocks of 256, eight sub-blocks of 32: their eight integer sums in
+   one vector, times d * sc_s * dx_b; the mins' offsets dmin * m_s * dx_b S_b likewise */
+static float dot_q4_q5_k(const int five, const uint8_t *w, long nb, const quantized_x *xq) {
     const long bytes = five ? 176 : 144;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-    float offset = 0.0f;
+    const __m256i low4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps(), off = acc;
     for (long sb = 0; sb < nb; sb++, w += bytes) {
-        const float d = f16(w), dmin = f16(w + 2);
         const uint8_t *qs = w + (five ? 48 : 16);
+        const int8_t *x = xq->q + 256 * sb;
         __m256i high = five ? load32(w + 16) : _mm256_setzero_si256();
+        __m256i p[8];
         for (int c = 0; c < 4; c++) {
             const __m256i raw = load32(qs + 32 * c);
-            __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(15));
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));
+            __m256i lo = _mm256_and_si256(raw, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
             if (five) { /* bit s of each byte of `high` is sub-block s's 5th bit */
-                const __m256i one = _mm256_set1_epi8(1);
                 lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(high, one), 4));
                 high = _mm256_srli_epi16(high, 1);
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(high, one), 4));
                 high = _mm256_srli_epi16(high, 1);
             }
-            const long b0 = 8 * sb + 2 * c, b1 = b0 + 1;
-            int sc0, m0, sc1, m1;
-            k_scale_min(w + 4, 2 * c, &sc0, &m0);
-            k_scale_min(w + 4, 2 * c + 1, &sc1, &m1);
-            ACC(acc0, lo, xq, b0, d * (float)sc0 * xq->d[b0]);
-            ACC(acc1, hi, xq, b1, d * (float)sc1 * xq->d[b1]);
-            offset += dmin * ((float)m0 * xq->ds[b0] + (float)m1 * xq->ds[b1]);
+            p[2 * c] = dot_u8_s8(lo, load32(x + 64 * c));
+            p[2 * c + 1] = dot_u8_s8(hi, load32(x + 64 * c + 32));
         }
+        int sc[8], mn[8];
+        for (int j = 0; j < 8; j++) k_scale_min(w + 4, j, &sc[j], &mn[j]);
+        const __m256 d = _mm256_set1_ps(f16(w)), dmin = _mm256_set1_ps(f16(w + 2));
+        const __m256 scales = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)sc));
+        const __m256 mins = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)mn));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each8(p)),
+                              _mm256_mul_ps(_mm256_mul_ps(d, scales), _mm256_loadu_ps(xq->d + 8 * sb)), acc);
+        off = _mm256_fmadd_ps(_mm256_mul_ps(dmin, mins), _mm256_loadu_ps(xq->ds + 8 * sb), off);
     }
-    return hsum8(_mm256_add_ps(acc0, acc1)) - offset;
+    return hsum8(acc) - hsum8(off);
 }
 
-/* Q6_K: super-blocks of 256, a signed scale per 16 values */
+/* Q6_K: super-blocks of 256, a signed scale per 16 values. Each group of 32 values's
+   pair products (maddubs: int16 sums of 2) are summed in fours by madd with the group's
+   two scales (first 16 bytes, next 16), so one vector per group already holds
+   sc * sum(u * qx); eight groups' sums in one vector, times d * dx_b. */
 static float dot_q6_k(const uint8_t *w, long nb, const quantized_x *xq) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-    float offset = 0.0f;
+    __m256 acc = _mm256_setzero_ps(), off = acc;
     const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
     for (long sb = 0; sb < nb; sb++, w += 210) {
-        const float d = f16(w + 208);
-        const int8_t *scales = (const int8_t *)(w + 192);
+        const int8_t *scales = (const int8_t *)(w + 192), *x = xq->q + 256 * sb;
+        __m256i p[8];
         for (int h = 0; h < 2; h++) {
             __m256i high = load32(w + 128 + 32 * h);
             const __m256i raw0 = load32(w + 64 * h), raw1 = load32(w + 64 * h + 32);
@@ -420,21 +423,24 @@ static float dot_q6_k(const uint8_t *w, long nb, const quantized_x *xq) {
                 const __m256i u = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(high, low2), 4));
                 high = _mm256_srli_epi16(high, 2);
                 const int t = 4 * h + k;
-                const long b = 8 * sb + t;
-                const float s = d * xq->d[b], sa = s * scales[2 * t], sb2 = s * scales[2 * t + 1];
-                const float da = d * scales[2 * t], db = d * scales[2 * t + 1];
-                /* lanes 0-3 sum the first 16 bytes (scale 2t), lanes 4-7 the next 16 */
-                const __m256 scale = _mm256_set_m128(_mm_set1_ps(sb2), _mm_set1_ps(sa));
-                const __m256 p = _mm256_cvtepi32_ps(dot_u8_s8(u, load32(xq->q + 32 * b)));
-                if (k & 1)
-                    acc1 = _mm256_fmadd_ps(p, scale, acc1);
-                else
-                    acc0 = _mm256_fmadd_ps(p, scale, acc0);
-                offset += da * xq->ds16[2 * b] + db * xq->ds16[2 * b + 1];
+                /* u <= 63: the pairs stay below 2 * 63 * 127 < 2^15 */
+                const __m256i pairs = _mm256_maddubs_epi16(u, load32(x + 32 * t));
+                const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(scales[2 * t + 1]),
+                                                    _mm_set1_epi16(scales[2 * t]));
+                p[t] = _mm256_madd_epi16(pairs, sc);
             }
         }
+        const __m256 d = _mm256_set1_ps(f16(w + 208));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each8(p)), _mm256_mul_ps(d, _mm256_loadu_ps(xq->d + 8 * sb)), acc);
+        /* offsets: -32 d sum_s sc_s dx S_s over the 16 scales */
+        const __m128i sc16 = _mm_loadu_si128((const __m128i *)scales);
+        const __m256 s_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc16));
+        const __m256 s_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8)));
+        const __m256 part = _mm256_fmadd_ps(s_hi, _mm256_loadu_ps(xq->ds16 + 16 * sb + 8),
+                                            _mm256_mul_ps(s_lo, _mm256_loadu_ps(xq->ds16 + 16 * sb)));
+        off = _mm256_fmadd_ps(d, part, off);
     }
-    return hsum8(_mm256_add_ps(acc0, acc1)) - 32.0f * offset;
+    return hsum8(acc) - 32.0f * hsum8(off);
 }
 
 float qkv_quant_dot_row(const qkv_mat *W, long r, long n, const float *x) {
@@ -447,6 +453,6 @@ float qkv_quant_dot_row(const qkv_mat *W, long r, long n, const float *x) {
     if (type == QKV_Q4_1) return dot_blocks32(QKV_Q4_1, row, n / 32, xq);
     if (type == QKV_Q5_0) return dot_blocks32(QKV_Q5_0, row, n / 32, xq);
     if (type == QKV_Q5_1) return dot_blocks32(QKV_Q5_1, row, n / 32, xq);
-    if (type == QKV_Q4_K || type == QKV_Q5_K) return dot_q4_q5_k(type, row, n / 256, xq);
+    if (type == QKV_Q4_K || type == QKV_Q5_K) return dot_q4_q5_k(type == QKV_Q5_K, row, n / 256, xq);
     return dot_q6_k(row, n / 256, xq);
 }
