@@ -2,8 +2,9 @@
 
     PYTHONPATH=src python scripts/quant_kernel_rates.py [ROWS COLS]
 
-Prints, per type, the fastest of 7 rounds (CPU time with one thread, else wall time) of qkv_linear over a (ROWS, COLS) matrix (default
-SmolLM2-135M's FFN, (1536, 576), times 30 matrices to leave the caches: a model's worth
+Prints, per type, the fastest of 7 rounds (CPU time with one thread, else wall time) of
+qkv_linear over a (ROWS, COLS) matrix (default SmolLM2-135M's FFN, (1536, 576)), times 30
+matrices to leave the caches: a model's worth
 of distinct weights), the bytes it reads per second, and the float32 / bfloat16 rates.
 """
 
