@@ -170,13 +170,14 @@ class NativeDecoder:
         self._keep.append(t)
         return t.data_ptr()
 
-    def _weight(self, layer: nn.Module | None) -> Mat:
-        """A linear or embedding layer's weight matrix as the kernels read it: its
-        address and type (``Mat()``, no matrix, for None). A layer with ``blocks`` is
-        read in its GGML blocks (its ``weight``, if it has one, would expand them)."""
+    def _weight(self, layer: nn.Module | Tensor | None) -> Mat:
+        """A linear or embedding layer's weight matrix (or a bare weight tensor) as the
+        kernels read it: its address and type (``Mat()``, no matrix, for None). A layer
+        with ``blocks`` is read in its GGML blocks (its ``weight``, if it has one, would
+        expand them)."""
         if layer is None:
             return Mat()
-        blocks = getattr(layer, "blocks", None)
+        blocks = None if isinstance(layer, Tensor) else getattr(layer, "blocks", None)
         if blocks is not None:
             columns = getattr(layer, "in_features", None) or layer.embedding_dim
             code = quant_type_code(layer.qtype, columns)
@@ -184,7 +185,7 @@ class NativeDecoder:
                 raise ValueError(f"blocks must be contiguous uint8 (rows, row bytes), got "
                                  f"{blocks.dtype} {tuple(blocks.shape)}")
             return Mat(data=self._hold(blocks), type=code)
-        w = layer.weight
+        w = layer if isinstance(layer, Tensor) else layer.weight
         if not w.is_contiguous():
             raise ValueError("weights must be contiguous (nn.Linear's (out, in) layout)")
         return Mat(data=self._hold(w.detach()), type=DTYPES[w.dtype])
