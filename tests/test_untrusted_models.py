@@ -680,13 +680,8 @@ def test_a_panic_reading_safetensors_is_one_line(llama_folder, runs, monkeypatch
     with pytest.raises(ValueError, match=r"model.safetensors: cannot be read as safetensors "
                                          r"\(LibraryPanic: called `Result::unwrap\(\)`"):
         read_open_weights(llama_folder, fields)
-
-    def panicking_load(data):
-        raise Panic("index out of bounds")
-
-    monkeypatch.setattr(safetensors.torch, "load", panicking_load)
-    with pytest.raises(ValueError, match="is not a valid safetensors file .index out of bounds"):
-        LanguageModel.load(runs["huge"])
+    # (a run's own model.safetensors is read by qkv's checkpoint reader, which checks its
+    # header itself and takes the tensors as views of the file's bytes: no library call)
 
 
 def test_the_command_line_makes_any_other_base_exception_one_line(monkeypatch, capfd):

@@ -469,33 +469,51 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps)
         self.out_proj = nn.Linear(self.value_dim, d_out, bias=False)
 
-    def _short_conv(self, mixed: Tensor, window: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _short_conv(self, mixed: Tensor, window: Tensor | None,
+                    pad: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Causal depthwise convolution and SiLU along time, in ``(batch, T, channels)``.
 
         ``mixed (b, T, conv_dim)``; ``window (b, K - 1, conv_dim)``: the inputs before
-        the first token (None: zeros, nothing came before). Returns the output
-        ``(b, T, conv_dim)`` and the last ``K - 1`` inputs, the next call's window.
-        Output ``t`` is ``sum_j w[:, j] * input[t - (K - 1) + j]``: tap ``K - 1`` on the
-        token itself, as ``nn.Conv1d`` with ``K - 1`` zeros of left padding computes it.
+        the first token (None: zeros, nothing came before); ``pad (b, T)`` bool, True at
+        padding positions, which are skipped: each token's window is the ``K - 1`` real
+        inputs before it. Returns the output ``(b, T, conv_dim)`` (0 at padding) and the
+        last ``K - 1`` real inputs, the next call's window. Output ``t`` is ``sum_j w[:,
+        j] * input[t - (K - 1) + j]``: tap ``K - 1`` on the token itself, as
+        ``nn.Conv1d`` with ``K - 1`` zeros of left padding computes it.
         """
         batch, tokens, channels = mixed.shape
         taps = self.conv1d.weight[:, 0, :]  # (conv_dim, K)
+        before = self.conv_kernel_size - 1
         if window is None:
-            window = mixed.new_zeros(batch, self.conv_kernel_size - 1, channels)
+            window = mixed.new_zeros(batch, before, channels)
         padded = torch.cat((window.to(mixed.dtype), mixed), dim=1)  # (b, K - 1 + T, C)
+        order = None
+        if pad is not None:
+            # Move each row's padding to its front (zeros, as before the first token),
+            # keeping the rest in order: the real inputs are then contiguous and each
+            # sees the real ones before it. Left padding is already in that order.
+            skip = torch.cat((pad.new_zeros(batch, before), pad), dim=1)
+            order = torch.argsort(~skip, dim=1, stable=True)[..., None].expand_as(padded)
+            padded = padded.masked_fill(skip[..., None], 0).gather(1, order)
+            padded = torch.cat((padded.new_zeros(batch, before, channels), padded), dim=1)
+            tokens += before  # every position, then only the call's own are kept
         out = padded[:, :tokens] * taps[:, 0]
         for j in range(1, self.conv_kernel_size):
             out = out.addcmul_(padded[:, j : j + tokens], taps[:, j])
-        return F.silu(out), padded[:, tokens:].clone()
+        if order is not None:  # back to the call's order, its own positions only
+            out = out.scatter(1, order, out.clone())[:, before:].masked_fill(pad[..., None], 0)
+        return F.silu(out), padded[:, padded.shape[1] - before:].clone()
 
-    def _heads(self, x: Tensor, window: Tensor | None
+    def _heads(self, x: Tensor, window: Tensor | None, pad: Tensor | None = None
                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Steps 1-4: ``q, k (b, num_k_heads, T, head_k_dim)`` normalised, ``v (b,
         num_v_heads, T, head_v_dim)``, ``z (b, T, num_v_heads, head_v_dim)``, ``g, beta (b,
-        num_v_heads, T)`` and the next convolution window."""
+        num_v_heads, T)`` and the next convolution window. At the ``pad (b, T)``
+        positions the decay is 1 and the write strength 0 (``g = beta = 0``): the state
+        goes through them unchanged, as the convolution's window does."""
         batch, tokens, _ = x.shape
         wide = _state_dtype(x)
-        mixed, window = self._short_conv(self.in_proj_qkv(x), window)
+        mixed, window = self._short_conv(self.in_proj_qkv(x), window, pad)
         q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         # (b, T, heads * d) -> (b, heads, T, d): heads become a batch axis (views)
         q = l2_normalize(q.view(batch, tokens, self.num_k_heads, self.head_k_dim).to(wide))
@@ -506,10 +524,13 @@ class GatedDeltaNet(nn.Module):
         # In float32 at least: in half precision exp(A_log) may overflow.
         g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) +
                                                      self.dt_bias.to(wide))
+        if pad is not None:
+            g, beta = g.masked_fill(pad[..., None], 0), beta.masked_fill(pad[..., None], 0)
         return (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), z,
                 g.transpose(1, 2), beta.transpose(1, 2), window)
 
     def forward(self, x: Tensor, *, cache: DeltaNetCache | None = None,
+                key_padding_mask: Tensor | None = None,
                 need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """Run the layer over ``x (batch, T, d_in)``; returns ``(batch, T, d_out)``.
 
@@ -517,6 +538,11 @@ class GatedDeltaNet(nn.Module):
             cache: a :class:`DeltaNetCache` (:meth:`new_cache`): the call starts from its
                 window and state and leaves its own in it, so a prompt followed by one
                 token at a time gives what one call over the whole sequence gives.
+            key_padding_mask: ``(batch, T)`` bool, **True = padding** (as
+                :class:`~qkv.multihead.MultiHeadAttention` takes it), anywhere in the
+                row: a padding position writes nothing (decay 1, write strength 0) and
+                is skipped by the convolution, so each row gives what it gives alone,
+                its real tokens' outputs and its cache alike; the output is 0 there.
             need_weights: also return :meth:`token_weights`-style weights ``(batch,
                 num_v_heads, T, T)`` of this call (not with a cache: the past is then a
                 state, not tokens).
@@ -532,7 +558,18 @@ class GatedDeltaNet(nn.Module):
             if need_weights:
                 raise ValueError("need_weights needs the whole sequence in one call, without "
                                  "a cache: the tokens before it are a state, not weights")
-        q, k, v, z, g, beta, window = self._heads(x, cache.conv if cache is not None else None)
+        pad = None
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool \
+                    or key_padding_mask.shape != (batch, tokens):
+                got = (f"{tuple(key_padding_mask.shape)} {key_padding_mask.dtype}"
+                       if isinstance(key_padding_mask, Tensor)
+                       else type(key_padding_mask).__name__)
+                raise ValueError(f"key_padding_mask must be a bool tensor of shape ({batch}, "
+                                 f"{tokens}) (True = padding), got {got}")
+            pad = key_padding_mask.to(x.device)
+        q, k, v, z, g, beta, window = self._heads(
+            x, cache.conv if cache is not None else None, pad)
         backend = "recurrent" if tokens == 1 else self.backend
         out, state = gated_delta_rule(
             q, k, v, g, beta, initial_state=cache.state if cache is not None else None,
@@ -541,6 +578,8 @@ class GatedDeltaNet(nn.Module):
             cache.conv, cache.state, cache.pos = window, state, cache.pos + tokens
         out = self.norm(out.transpose(1, 2), z)  # (b, T, heads, d_v)
         out = self.out_proj(out.reshape(batch, tokens, self.value_dim))
+        if pad is not None:
+            out = out.masked_fill(pad[..., None], 0)
         if need_weights:
             return out, gated_delta_weights(q, k, g, beta, chunk_size=self.chunk_size)
         return out

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from ..models.gpt import PRESETS, GPTConfig, GPTModel, generate, native_unsupported
+from ..models.moe import MoE
 from ..utils.figures import new_figure, save_figure
 from .timing import (
     hbars,
@@ -154,34 +155,62 @@ def decode_bytes_per_token(model: GPTModel, prompt_len: int, new_tokens: int,
     ``weights``: every parameter the forward touches, once, in its dtype: the blocks,
     the final norm and the output head in full; one row of the token and (where the
     model has one) of the position embedding (a lookup; a head tied to the token table
-    reads the table once, as the head). ``kv_cache``: the keys and values each new token
-    attends to (itself included; a sliding-window layer's at most its window), at their
-    average number over the ``new_tokens`` steps after a
-    ``prompt_len``-token prompt (capped at the context length). With ``batch`` rows a
-    step reads the weights once for all rows and a cache per row.
+    reads the table once, as the head); of a mixture of experts the router, the shared
+    expert and ``top_k`` of the routed experts (:meth:`~qkv.models.moe.MoE.
+    active_parameters`). ``kv_cache``: what each new token's attention reads of its
+    layer's cache, at its average over the ``new_tokens`` steps after a
+    ``prompt_len``-token prompt (capped at the context length): the keys and values it
+    attends to (itself included; a sliding-window layer's at most its window; a layer
+    sharing another's cache reads that one's); a latent layer's latent and RoPE key (a
+    sparse one's index keys of every position, and the latents of ``index_topk`` of
+    them); a Gated DeltaNet layer's state (float32) and convolution window, read and
+    written once whatever the context. With ``batch`` rows a step reads the weights once
+    for all rows and a cache per row.
 
     Returns ``{"weights", "kv_cache", "total", "kv_positions"}``; ``total`` is per token:
-    ``(weights + batch * kv_cache) / batch``.
+    ``(weights + batch * kv_cache) / batch``; ``kv_positions`` the average positions a
+    step reads, over the layers that cache positions (weighted by their values per
+    position).
     """
     cfg = model.cfg
     # A tied head is the token table: the head reads all of it, the lookup one row of it.
     lookups = [] if model.pos_emb is None else [model.pos_emb.weight]  # (RoPE: no table)
     if model.tok_emb.weight is not model.out_head.weight:
         lookups.append(model.tok_emb.weight)
-    weights = 0
+    # A mixture of experts reads top_k of its num_experts routed experts.
+    share = {id(p): m.top_k / m.num_experts for m in model.modules() if isinstance(m, MoE)
+             for p in m.experts.parameters()}
+    weights = 0.0
     for p in model.parameters():  # each tensor once, tied or not
         values = p[0].numel() if any(p is t for t in lookups) else p.numel()  # a row
-        weights += values * p.element_size()
-    # the positions each step attends to, per layer: a sliding-window layer's ring at most
-    # its window
-    kv = 0.0
+        weights += values * p.element_size() * share.get(id(p), 1.0)
+    size = model.out_head.weight.element_size()
+
+    def mean_positions(limit: int | None = None) -> float:
+        limit = min(cfg.context_length, limit or cfg.context_length)
+        return sum(min(prompt_len + i, limit) for i in range(new_tokens)) / new_tokens
+
+    kv, per_position, weighted, fixed = 0.0, 0.0, 0.0, 0.0
     for b in model.trf_blocks:
-        limit = min(cfg.context_length, b.att.window_size or cfg.context_length)
-        positions = [min(prompt_len + i, limit) for i in range(new_tokens)]
-        kv += 2 * b.att.num_kv_groups * b.att.head_dim * sum(positions) / len(positions)
-    kv_positions = kv / sum(2 * b.att.num_kv_groups * b.att.head_dim
-                            for b in model.trf_blocks)
-    kv *= model.out_head.weight.element_size()
+        att = b.att
+        if hasattr(att, "in_proj_qkv"):  # Gated DeltaNet: a state, whatever the context
+            state = att.num_v_heads * att.head_k_dim * att.head_v_dim * 4
+            window = (att.conv_kernel_size - 1) * att.conv_dim * size
+            fixed += 2 * (state + window)  # read, then written back
+        elif hasattr(att, "kv_b_proj"):  # latent: one latent and RoPE key per position
+            width, n = att.kv_lora_rank + att.qk_rope_head_dim, mean_positions()
+            if att.indexer is not None:
+                kv += att.indexer.head_dim * n
+                n = sum(min(prompt_len + i, cfg.context_length, att.indexer.top_k)
+                        for i in range(new_tokens)) / new_tokens
+            kv += width * n
+            per_position, weighted = per_position + width, weighted + width * n
+        else:
+            width, n = 2 * att.num_kv_groups * att.head_dim, mean_positions(att.window_size)
+            kv += width * n
+            per_position, weighted = per_position + width, weighted + width * n
+    kv_positions = weighted / per_position if per_position else 0.0
+    kv = kv * size + fixed
     return {"weights": float(weights), "kv_cache": kv, "kv_positions": kv_positions,
             "total": (weights + batch * kv) / batch}
 

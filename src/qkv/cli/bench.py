@@ -16,6 +16,9 @@
                                        # transformers' (and fla's) PyTorch forms
     qkv bench variants                 # sinks, gates, MLA, DSA and MoE: fast vs readable
                                        # path vs transformers, prompt and decoding
+    qkv bench quality --ckpt RUN --ref RUN_F32 --text FILE
+                                       # a run's next-token distributions against a
+                                       # reference run's: KL, perplexity, top-1 agreement
     qkv bench all --quick              # every suite on small shapes, in under two minutes
 
 Each suite prints markdown tables (medians, min-max, ratios, targets) and writes
@@ -131,6 +134,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     variants_flags.add_argument("--no-peers", action="store_true",
                                 help="time qkv's paths only, not transformers' modules")
 
+    quality_flags = argparse.ArgumentParser(add_help=False)
+    quality_flags.add_argument("--ckpt", metavar="RUN", required=True,
+                               help="the run measured (e.g. qkv lm import --keep-quantized)")
+    quality_flags.add_argument("--ref", metavar="RUN_F32", required=True,
+                               help="the reference run (the float32 import of the same model)")
+    quality_flags.add_argument("--text", metavar="FILE", required=True,
+                               help="a UTF-8 text of at least --tokens tokens")
+    quality_flags.add_argument("--tokens", type=int, default=4096,
+                               help="tokens of the text read (default: 4,096)")
+    quality_flags.add_argument("--window", type=int, default=None,
+                               help="tokens per chunk, the second half scored (default: "
+                                    "512 or the context)")
+
     suites = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
     helps = {
         "attention": "ten attention paths: forward and forward+backward time, peak memory",
@@ -155,12 +171,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "mixture-of-experts: each fast path against its readable one and "
                     "transformers' module on the same weights, over a prompt and one "
                     "decoding step; MLA decoding at 4,096 cached tokens",
-        "all": "every suite, one after the other",
+        "quality": "a run against a reference run on a text, as llama-perplexity "
+                   "--kl-divergence measures it: per-position KL divergence of the "
+                   "next-token distributions (mean, 99th percentile), both perplexities, "
+                   "top-1 agreement",
+        "all": "every suite, one after the other (quality aside: it needs two runs)",
     }
     extra_flags = {"attention": [sweep_flag, compile_flag], "all": [sweep_flag, compile_flag],
                    "flops": [compile_flag], "train": [train_flags],
                    "generate": [generate_flags], "gguf": [gguf_flags],
-                   "variants": [variants_flags]}
+                   "variants": [variants_flags], "quality": [quality_flags]}
     for name, text in helps.items():
         parents = [common, *extra_flags.get(name, [])]
         suite = suites.add_parser(name, parents=parents, help=text, description=text,
@@ -276,6 +296,12 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
         kwargs = {**_overrides(args), "memory": args.memory}
         config = LinearBenchConfig.quick(**kwargs) if args.quick else LinearBenchConfig(**kwargs)
         return run_linear(config, args.out)
+    if name == "quality":
+        from ..bench.quality import QualityConfig, run_quality
+
+        # CPU, each run in its stored dtype, logits compared in float64.
+        return run_quality(QualityConfig(ckpt=args.ckpt, ref=args.ref, text=args.text,
+                                         tokens=args.tokens, window=args.window), args.out)
     if name == "variants":
         from ..bench.variants import VariantsConfig, run_variants
 

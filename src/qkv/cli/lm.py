@@ -131,6 +131,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     imp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                      help="how the weights are stored and run (default: float32; "
                           "bfloat16 halves the memory)")
+    imp.add_argument("--keep-quantized", action="store_true",
+                     help="a .gguf file: keep its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K "
+                          "and Q6_K matrices in their blocks (the run is no larger than "
+                          "the file); other tensors are stored as --dtype")
     imp.add_argument("--revision", default=None,
                      help="with a repo id: the branch, tag or commit (default: the main "
                           "branch)")
@@ -255,7 +259,8 @@ def run_import(args: argparse.Namespace) -> int:
 
     lm = import_model(args.source, args.run_dir, dtype=args.dtype, bpe_dir=args.bpe_dir,
                       revision=args.revision, cache_dir=args.cache_dir,
-                      overwrite=args.overwrite, log=print)
+                      overwrite=args.overwrite, log=print,
+                      keep_quantized=args.keep_quantized)
     cfg = lm.model.cfg
     kv = f" ({cfg.kv_heads} key/value)" if cfg.kv_heads != cfg.n_heads else ""
     print(f"{cfg.n_layers} layers, {cfg.n_heads} heads{kv}, width "

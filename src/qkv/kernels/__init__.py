@@ -1,14 +1,16 @@
 """Native CPU kernels: C source shipped with qkv, compiled on first use, loaded with ctypes.
 
 :func:`decode_kernels` returns the library built from ``decode.c`` and ``quant.c``
-(one-token decoding of every model :mod:`qkv.models.gpt` builds: linear layers and
-gated MLPs that read float32, bfloat16 or GGML block-quantized weights
-(:data:`QUANT_TYPES`) in place, LayerNorm and RMSNorm, RoPE, grouped-query
-attention over a full or ring KV cache; see the files), or None when it cannot be had
-here; :func:`unavailable_reason` then says why. It needs an x86-64 CPU with AVX2 and
-FMA (the same check as PyTorch's own kernel dispatch), a C compiler with OpenMP
-(``$CC``, else ``cc``), and is switched off by ``QKV_NATIVE=0``. Nothing else in qkv
-needs it: every caller has a PyTorch path that does the same maths
+(one-token decoding of every model :mod:`qkv.models.gpt` builds: linear layers and gated
+MLPs that read float32, bfloat16 or GGML block-quantized weights (:data:`QUANT_TYPES`)
+in place, LayerNorm and RMSNorm, RoPE, grouped-query attention over a full or ring KV
+cache with sinks, gates, partial RoPE and shared caches, latent and sparse latent
+attention in the absorbed form, Gated DeltaNet, and mixtures of experts that read only
+the chosen experts' rows; see the files), or None when it cannot be had here;
+:func:`unavailable_reason` then says why. It needs an x86-64 CPU with AVX2 and FMA (the
+same check as PyTorch's own kernel dispatch), a C compiler with OpenMP (``$CC``, else
+``cc``), and is switched off by ``QKV_NATIVE=0``. Nothing else in qkv needs it: every
+caller has a PyTorch path that does the same maths
 (:func:`qkv.models.gpt.generate`'s ``native`` switch).
 
 Where PyTorch reports AVX-512, the library is built with ``-mavx512f`` too (its dot
@@ -36,8 +38,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ACT_GELU", "ACT_SILU", "AVX512_FLAGS", "FLAGS", "Layer", "Mat", "Model",
-           "NORM_LAYER", "NORM_NONE", "NORM_RMS", "Norm", "QUANT_TYPES", "VNNI_FLAGS",
+__all__ = ["ACT_GELU", "ACT_SILU", "AVX512_FLAGS", "DeltaNet", "FLAGS", "GLU_CLAMPED", "GLU_GEGLU",
+           "GLU_SWIGLU", "Latent", "Layer", "Mat", "Model", "Moe", "NORM_LAYER", "SCORE_SIGMOID",
+           "SCORE_SOFTMAX", "NORM_NONE", "NORM_RMS", "Norm", "QUANT_TYPES", "VNNI_FLAGS",
            "decode_kernels", "flags", "quant_type_code", "unavailable_reason"]
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
@@ -155,6 +158,56 @@ class Mat(ctypes.Structure):
 
     _fields_ = [("data", _P), ("type", _I)]
 ACT_GELU, ACT_SILU = 0, 1
+SCORE_SOFTMAX, SCORE_SIGMOID = 0, 1
+GLU_SWIGLU, GLU_GEGLU, GLU_CLAMPED = 0, 1, 2
+
+
+class Moe(ctypes.Structure):
+    """``qkv_moe`` of decode.c: a mixture of experts' routing options, router, experts'
+    3-D tensors (``gate_up (E, 2I, d)``, ``down (E, d, I)``), shared expert and its gate,
+    and its work buffers (``logits (E + 1)``, ``weights``, ``chosen`` int32 ``(top_k)``,
+    ``hidden (top_k I + S)``)."""
+
+    _fields_ = [*((name, _I) for name in ("experts", "top_k", "score", "norm_topk",
+                                          "n_group", "topk_group", "glu")),
+                ("width", _N), ("shared_width", _N),
+                ("scaling", _F), ("alpha", _F), ("limit", _F),
+                ("router", Mat), ("router_bias", _P), ("choice_bias", _P),
+                ("gate_up", Mat), ("down", Mat), ("gate_up_bias", _P), ("down_bias", _P),
+                ("shared1", Mat), ("shared2", Mat), ("shared3", Mat),
+                ("shared_b1", _P), ("shared_b2", _P), ("shared_b3", _P),
+                ("shared_gate", Mat),
+                *((name, _P) for name in ("logits", "weights", "hidden", "chosen"))]
+
+
+class Latent(ctypes.Structure):
+    """``qkv_latent`` of decode.c: a multi-head latent attention layer (absorbed form),
+    with DeepSeek sparse attention's indexer where ``index_heads`` is not 0, its latent
+    cache (and index keys) and its work buffers."""
+
+    _fields_ = [("heads", _I), ("interleave", _I), ("threads", _I),
+                *((name, _N) for name in ("rank", "nope", "rope", "vdim", "q_rank")),
+                ("scale", _F),
+                *((name, Mat) for name in ("wq_a", "wq", "wkv_a", "wkv_b")),
+                ("bq_a", _P), ("bkv_a", _P), ("q_norm", Norm), ("kv_norm", Norm),
+                ("kv", _P),
+                *((name, _N) for name in ("index_heads", "index_dim", "index_topk")),
+                *((name, Mat) for name in ("iwq", "iwk", "iww")),
+                ("ik_norm", Norm), ("index_keys", _P),
+                *((name, _P) for name in ("cq", "q", "ql", "kvn", "oc", "part", "o", "iq",
+                                          "ik", "iw", "iscore", "sel"))]
+
+
+class DeltaNet(ctypes.Structure):
+    """``qkv_deltanet`` of decode.c: a Gated DeltaNet layer's sizes, projections, float32
+    taps, gates and norm weight, its cache (``window`` of the model's dtype, ``state``
+    float32) and its work buffers."""
+
+    _fields_ = [("k_heads", _I), ("v_heads", _I), ("kernel", _I), ("k_dim", _N),
+                ("v_dim", _N), ("eps", _F),
+                *((name, Mat) for name in ("wqkv", "wz", "wb", "wa", "wout")),
+                *((name, _P) for name in ("taps", "a_log", "dt_bias", "norm", "window",
+                                          "state", "m", "z", "b", "a", "o"))]
 
 
 class Layer(ctypes.Structure):
@@ -166,20 +219,23 @@ class Layer(ctypes.Structure):
                 *((name, Norm) for name in ("norm1", "norm2", "post_norm1", "post_norm2",
                                             "q_norm", "k_norm")),
                 ("rope_cos", _P), ("rope_sin", _P), ("keys", _P), ("values", _P),
-                ("cache_len", _N), ("ring", _I)]
+                ("cache_len", _N), ("ring", _I),
+                *((name, _N) for name in ("heads", "kv_heads", "head_dim")), ("scale", _F),
+                ("sinks", _P), ("gated", _I),
+                ("shared", _I), ("rotary_dim", _N), ("act", _I), ("hidden", _N),
+                ("moe", ctypes.POINTER(Moe)), ("latent", ctypes.POINTER(Latent)),
+                ("deltanet", ctypes.POINTER(DeltaNet))]
 
 
 class Model(ctypes.Structure):
     """``qkv_model`` of decode.c: sizes, embeddings, head, layers and work buffers;
     ``dt`` is the caches' dtype code."""
 
-    _fields_ = [("dt", _I), ("n_layers", _I), ("act", _I),
-                *((name, _N) for name in ("dim", "hidden", "heads", "kv_heads", "head_dim",
-                                          "vocab")),
-                ("scale", _F), ("embed_scale", _F),
+    _fields_ = [("dt", _I), ("n_layers", _I), ("dim", _N), ("vocab", _N),
+                ("embed_scale", _F),
                 ("tok_emb", Mat), ("pos_emb", Mat), ("head", Mat), ("final_norm", Norm),
                 ("layers", ctypes.POINTER(Layer)),
-                *((name, _P) for name in ("x", "o", "h", "q", "k", "v", "a", "f", "logits",
+                *((name, _P) for name in ("x", "o", "h", "q", "g", "k", "v", "a", "f", "logits",
                                           "scores"))]
 
 
@@ -192,13 +248,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qkv_embed.argtypes = [m, n, m, n, f, p, n]
     lib.qkv_rope.argtypes = [p, p, p, n, n]
     lib.qkv_attend.argtypes = [p, p, p, p, p, i, p, n, n, n, n, n, n, f, p, i]
+    lib.qkv_attend_cached.argtypes = [p, p, p, i, p, n, n, n, n, n, f, p, p, p, i]
+    lib.qkv_route.argtypes = [ctypes.POINTER(Moe)]
+    lib.qkv_moe_forward.argtypes = [ctypes.POINTER(Moe), p, p, n, i, i]
     lib.qkv_step.argtypes = [ctypes.POINTER(Model), n, n, i]
     lib.qkv_dequantize_row.argtypes = [m, n, n, p]
     lib.qkv_quant_dot_ref.argtypes = [m, n, n, p]
     lib.qkv_quant_dot_ref.restype = ctypes.c_double
     for fn in (lib.qkv_linear, lib.qkv_gated, lib.qkv_layer_norm, lib.qkv_rms_norm,
-               lib.qkv_embed, lib.qkv_rope, lib.qkv_attend, lib.qkv_step,
-               lib.qkv_dequantize_row):
+               lib.qkv_embed, lib.qkv_rope, lib.qkv_attend, lib.qkv_attend_cached, lib.qkv_route,
+               lib.qkv_moe_forward, lib.qkv_step, lib.qkv_dequantize_row):
         fn.restype = None
 
 

@@ -19,7 +19,12 @@
    One step serves every model qkv.models.gpt builds: GPT-2 (LayerNorm, learned
    positions, GELU MLP) and the open families (RMSNorm, Gemma's 1 + w norms given here
    as their float32 scale, rotary positions, grouped-query attention, QK-norm, gated
-   SiLU/GELU MLPs, post-norms, sliding-window layers on ring caches, scaled embeddings).
+   SiLU/GELU MLPs, post-norms, sliding-window layers on ring caches, scaled embeddings),
+   and the layer kinds of 2025-26, chosen per layer: attention sinks, gated outputs
+   with partial RoPE, NoPE layers, KV sharing, multi-head latent attention (absorbed)
+   and DeepSeek's sparse attention, Gated DeltaNet, and mixtures of experts. Each of
+   these was designed to read fewer bytes per token, and the kernels read only those:
+   the latent cache once for all heads, the selected latents, the chosen experts' rows.
 
    The caller (Python, through ctypes) owns every buffer. dtype codes: 0 = float32,
    1 = bfloat16. Each weight matrix carries its own type (a qkv_mat), so one model may
@@ -27,6 +32,7 @@
    kept in one of GGML's quantized block types (quant.c computes its products). */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -324,18 +330,26 @@ void qkv_embed(const qkv_mat *tok, long token, const qkv_mat *pos, long position
     }
 }
 
-/* Rotary position embedding, "rotate half" layout, in place on `heads` vectors of hd:
-   dimension i pairs with i + hd / 2; cos, sin: the position's row (hd) of the table. */
-void qkv_rope(float *x, const float *cos, const float *sin, long heads, long hd) {
-    const long half = hd / 2;
+/* Rotary position embedding, "rotate half" layout, in place on `heads` vectors of
+   `stride` values: the first rd of each turn (dimension i pairs with i + rd / 2), the
+   rest pass (partial RoPE, Qwen3-Next's); cos, sin: the position's row (rd) of a table
+   built for an rd-wide head. */
+static void rope_heads(float *x, const float *cos, const float *sin, long heads, long stride,
+                       long rd) {
+    const long half = rd / 2;
     for (long h = 0; h < heads; h++) {
-        float *v = x + h * hd;
+        float *v = x + h * stride;
         for (long i = 0; i < half; i++) {
             float a = v[i], b = v[i + half];
             v[i] = a * cos[i] - b * sin[i];
             v[i + half] = b * cos[i + half] + a * sin[i + half];
         }
     }
+}
+
+/* Every dimension of each of `heads` vectors of hd turns. */
+void qkv_rope(float *x, const float *cos, const float *sin, long heads, long hd) {
+    rope_heads(x, cos, sin, heads, hd, hd);
 }
 
 /* ---------------------------------------------------------------------------------
@@ -383,28 +397,35 @@ static void store_kv(const float *k, const float *v, void *K, void *V, int dt, l
         }
 }
 
-/* Every query head over slots 0 .. n - 1 of its key/value head, shared out by head. */
+/* Every query head over slots 0 .. n - 1 of its key/value head, shared out by head.
+   sinks (heads, or NULL): head h's softmax has one more logit, sinks[h], with no value
+   behind it (gpt-oss), so its weights over the slots sum to less than one. gate (heads
+   * hd, or NULL): each output value is then scaled by sigmoid(gate) (Qwen3-Next's
+   gated attention). */
 static void attend_heads_shared(const float *q, const void *K, const void *V, int dt,
                                 float *out, long heads, long kv_heads, long hd,
-                                long cache_len, long n, float scale, float *scores) {
+                                long cache_len, long n, float scale, const float *sinks,
+                                const float *gate, float *scores) {
     const long group = heads / kv_heads, stride = cache_len * hd;
 #pragma omp for schedule(static)
     for (long h = 0; h < heads; h++) {
         const long base = (h / group) * stride;
         float *s = scores + h * n, *o = out + h * hd;
         const float *qh = q + h * hd;
-        float m = -INFINITY;
+        float m = sinks ? sinks[h] : -INFINITY;
         for (long p = 0; p < n; p++) {
             s[p] = dot_hd(qh, K, base + p * hd, hd, dt) * scale;
             if (s[p] > m) m = s[p];
         }
-        float total = 0.0f;
+        float total = sinks ? expf(sinks[h] - m) : 0.0f;
         for (long p = 0; p < n; p++) {
             s[p] = expf(s[p] - m);
             total += s[p];
         }
         for (long d = 0; d < hd; d++) o[d] = 0.0f;
         for (long p = 0; p < n; p++) axpy_hd(s[p] / total, V, base + p * hd, o, hd, dt);
+        if (gate)
+            for (long d = 0; d < hd; d++) o[d] *= 1.0f / (1.0f + expf(-gate[h * hd + d]));
     }
 }
 
@@ -416,8 +437,530 @@ void qkv_attend(const float *q, const float *k, const float *v, void *K, void *V
 #pragma omp single
         store_kv(k, v, K, V, dt, kv_heads, head_dim, cache_len, slot);
         attend_heads_shared(q, K, V, dt, out, heads, kv_heads, head_dim, cache_len, n, scale,
-                            scores);
+                            NULL, NULL, scores);
     }
+}
+
+/* Attention over a cache without writing to it (a KV-sharing layer reads its source
+   layer's), with sinks and gate as attend_heads_shared takes them (NULL: none). */
+void qkv_attend_cached(const float *q, const void *K, const void *V, int dt, float *out,
+                       long heads, long kv_heads, long head_dim, long cache_len, long n,
+                       float scale, const float *sinks, const float *gate, float *scores,
+                       int threads) {
+#pragma omp parallel num_threads(threads)
+    attend_heads_shared(q, K, V, dt, out, heads, kv_heads, head_dim, cache_len, n, scale,
+                        sinks, gate, scores);
+}
+
+/* y[0 .. span) += a * W[r, c0 .. c0 + span), W (rows, n) of any type (a block type's
+   row is expanded first). */
+static void axpy_row_part(const qkv_mat *W, long r, long n, long c0, long span, float a,
+                          float *y) {
+    if (W->type == QKV_F32 || W->type == QKV_BF16) {
+        axpy_hd(a, W->data, r * n + c0, y, span, W->type);
+    } else {
+        float w[n];
+        row_to_f32(W, r, n, w);
+        for (long i = 0; i < span; i++) y[i] += a * w[c0 + i];
+    }
+}
+
+/* ---------------------------------------------------------------------------------
+   Mixture of experts for one token (qkv.models.moe.MoE).
+
+   route: logits = W_router x (+b), E of them (float32, whatever the weights' dtype);
+     scores = softmax(logits) or sigmoid(logits);  choice = scores (+ correction bias);
+     with n_group > 1 each group of E / n_group experts is scored by the sum of its two
+     best choices and only the topk_group best groups stay candidates;
+     the top_k candidates by choice, weighted by their *scores* (divided by their sum
+     with norm_topk), times `scaling`.
+   experts: out = sum_j w_j (D_j glu(G_j x + bg_j, U_j x + bu_j) + bd_j)
+     (+ s * shared expert, s = sigmoid(w_sg . x) with a shared gate, else 1).
+
+   The experts live in two 3-D tensors, as qkv's Experts keeps them: gate_up (E, 2I, d),
+   expert e's gate rows e 2I .. e 2I + I - 1 then its up rows; down (E, I, d), input
+   rows first (the transpose of nn.Linear's), expert e's rows e I .. e I + I - 1, so
+   its output is sum_i h_i down[e I + i, :]. Only the chosen experts' rows are read, so
+   a token streams the active parameters, not all of them. The shared expert's three
+   matrices are separate nn.Linear weights (S, d), (S, d), (d, S). */
+
+#define SCORE_SOFTMAX 0
+#define SCORE_SIGMOID 1
+
+#define GLU_SWIGLU 0  /* silu(g) u */
+#define GLU_GEGLU 1   /* gelu_tanh(g) u */
+#define GLU_CLAMPED 2 /* gpt-oss: g <= limit, |u| <= limit, (u + 1) g sigmoid(alpha g) */
+
+typedef struct {
+    int experts, top_k, score, norm_topk, n_group, topk_group, glu;
+    long width, shared_width; /* I, and S (0: no shared expert) */
+    float scaling, alpha, limit;
+    qkv_mat router;                          /* (E, d) */
+    const float *router_bias, *choice_bias;  /* (E,) float32 or NULL */
+    qkv_mat gate_up, down;                   /* (E, 2I, d), (E, I, d) */
+    const float *gate_up_bias, *down_bias;   /* (E, 2I), (E, d) float32 or NULL */
+    qkv_mat shared1, shared2, shared3;       /* gate (S, d), up (S, d), down (d, S) */
+    const float *shared_b1, *shared_b2, *shared_b3;
+    qkv_mat shared_gate;                     /* (1, d), or data NULL */
+    /* float32 work buffers: logits (E + 1), weights (top_k), hidden (top_k I + S);
+       chosen (top_k) int32 */
+    float *logits, *weights, *hidden;
+    int *chosen;
+} qkv_moe;
+
+static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+static inline float glu(float g, float u, const qkv_moe *e) {
+    if (e->glu == GLU_SWIGLU) return silu(g) * u;
+    if (e->glu == GLU_GEGLU) return gelu_tanh(g) * u;
+    g = fminf(g, e->limit);
+    u = fminf(fmaxf(u, -e->limit), e->limit);
+    return (u + 1.0f) * g * sigmoidf(e->alpha * g);
+}
+
+/* The routing above, from e->logits (E router logits) into e->chosen, e->weights.
+   Exported (serial) for the tests. */
+void qkv_route(const qkv_moe *e) {
+    const int E = e->experts, size = E / e->n_group;
+    float scores[E], choice[E];
+    if (e->score == SCORE_SOFTMAX) {
+        float mx = -INFINITY, total = 0.0f;
+        for (int i = 0; i < E; i++) mx = fmaxf(mx, e->logits[i]);
+        for (int i = 0; i < E; i++) total += scores[i] = expf(e->logits[i] - mx);
+        for (int i = 0; i < E; i++) scores[i] /= total;
+    } else {
+        for (int i = 0; i < E; i++) scores[i] = sigmoidf(e->logits[i]);
+    }
+    for (int i = 0; i < E; i++) choice[i] = scores[i] + (e->choice_bias ? e->choice_bias[i] : 0.0f);
+    if (e->n_group > 1) { /* hide every expert of all but the topk_group best groups */
+        float group[e->n_group];
+        for (int g = 0; g < e->n_group; g++) {
+            float a = -INFINITY, b = -INFINITY; /* the two best of the group */
+            for (int i = g * size; i < (g + 1) * size; i++) {
+                if (choice[i] > a) b = a, a = choice[i];
+                else if (choice[i] > b) b = choice[i];
+            }
+            group[g] = a + b;
+        }
+        int kept[e->n_group];
+        memset(kept, 0, sizeof kept);
+        for (int t = 0; t < e->topk_group; t++) {
+            int best = -1;
+            for (int g = 0; g < e->n_group; g++)
+                if (!kept[g] && (best < 0 || group[g] > group[best])) best = g;
+            kept[best] = 1;
+        }
+        for (int i = 0; i < E; i++)
+            if (!kept[i / size]) choice[i] = -INFINITY;
+    }
+    float total = 0.0f;
+    for (int j = 0; j < e->top_k; j++) { /* the best remaining candidate, k times */
+        int best = -1;
+        for (int i = 0; i < E; i++) {
+            int taken = 0;
+            for (int t = 0; t < j; t++) taken |= e->chosen[t] == i;
+            if (!taken && (best < 0 || choice[i] > choice[best])) best = i;
+        }
+        e->chosen[j] = best;
+        total += e->weights[j] = scores[best];
+    }
+    for (int j = 0; j < e->top_k; j++)
+        e->weights[j] = (e->norm_topk ? e->weights[j] / total : e->weights[j]) * e->scaling;
+}
+
+/* One expert the token runs through: its three matrices, the first row of each it
+   reads, biases (NULL or at their first row), width and weight. A routed expert's down
+   rows are its inputs (`down_in`: (I, d) rows, d0 its first), the shared expert's its
+   outputs ((d, S), nn.Linear's). */
+typedef struct {
+    const qkv_mat *gate, *up, *down;
+    long g0, u0, d0, width, offset; /* offset: where its hidden values start */
+    const float *bg, *bu, *bd;
+    float weight;
+    int down_in;
+} active_expert;
+
+static int active_experts(const qkv_moe *e, long d, active_expert *a) {
+    const long I = e->width;
+    int n = 0;
+    for (int j = 0; j < e->top_k; j++) {
+        const long x = e->chosen[j];
+        const float *bgu = e->gate_up_bias ? e->gate_up_bias + x * 2 * I : NULL;
+        a[n++] = (active_expert){&e->gate_up, &e->gate_up, &e->down, x * 2 * I, x * 2 * I + I,
+                                 x * I, I, j * I, bgu, bgu ? bgu + I : NULL,
+                                 e->down_bias ? e->down_bias + x * d : NULL, e->weights[j], 1};
+    }
+    if (e->shared_width) {
+        float s = e->shared_gate.data ? sigmoidf(e->logits[e->experts]) : 1.0f;
+        a[n++] = (active_expert){&e->shared1, &e->shared2, &e->shared3, 0, 0, 0,
+                                 e->shared_width, e->top_k * I, e->shared_b1, e->shared_b2,
+                                 e->shared_b3, s, 0};
+    }
+    return n;
+}
+
+/* y = (or +=, mode ADD) the experts' output for x (d). Called by every thread. */
+static void moe_shared(const qkv_moe *e, const float *x, float *y, long d, int mode) {
+    linear_shared(&e->router, x, e->router_bias, e->logits, e->experts, d, STORE);
+    if (e->shared_gate.data) linear_shared(&e->shared_gate, x, NULL, e->logits + e->experts, 1, d, STORE);
+#pragma omp single
+    qkv_route(e);
+    active_expert a[e->top_k + 1]; /* each thread lists them itself: no barrier */
+    const int n = active_experts(e, d, a);
+    const long rows = e->top_k * e->width + e->shared_width;
+    /* every active expert's gate and up rows in one work-shared loop */
+    {
+        const int need = e->gate_up.type == QKV_BF16 ||
+                         (e->shared_width && (e->shared1.type == QKV_BF16 || e->shared2.type == QKV_BF16));
+        DEINTERLEAVE(x, d, need)
+#pragma omp for schedule(static)
+        for (long r = 0; r < rows; r++) {
+            int j = 0;
+            while (j + 1 < n && r >= a[j + 1].offset) j++;
+            const long i = r - a[j].offset;
+            float g = dot_row(a[j].gate, a[j].g0 + i, d, x, xe, xo) + (a[j].bg ? a[j].bg[i] : 0.0f);
+            float u = dot_row(a[j].up, a[j].u0 + i, d, x, xe, xo) + (a[j].bu ? a[j].bu[i] : 0.0f);
+            e->hidden[r] = glu(g, u, e);
+        }
+    }
+    /* then each expert's down projection, weighted, into y. Every thread takes the
+       same contiguous share [c0, c1) of y's d outputs for every expert, so it only ever
+       adds to its own outputs and none waits for the others until the last. A routed
+       expert's share is sum_i h_i down[d0 + i, c0:c1): each thread streams a c1 - c0
+       wide slice of each of its I rows into a sum it keeps in cache. */
+    const long t = omp_get_thread_num(), T = omp_get_num_threads();
+    const long c0 = d * t / T, c1 = d * (t + 1) / T, span = c1 - c0;
+    float acc[span > 0 ? span : 1];
+    for (int j = 0; j < n; j++) {
+        const float *h = e->hidden + a[j].offset;
+        const long w = a[j].width;
+        if (a[j].down_in) {
+            for (long c = 0; c < span; c++) acc[c] = 0.0f;
+            for (long i = 0; i < w; i++)
+                axpy_row_part(a[j].down, a[j].d0 + i, d, c0, span, h[i], acc);
+        } else {
+            DEINTERLEAVE(h, w, a[j].down->type == QKV_BF16)
+            for (long c = 0; c < span; c++) acc[c] = dot_row(a[j].down, a[j].d0 + c0 + c, w, h, xe, xo);
+        }
+        for (long c = 0; c < span; c++) {
+            float v = a[j].weight * (acc[c] + (a[j].bd ? a[j].bd[c0 + c] : 0.0f));
+            y[c0 + c] = (j == 0 && mode == STORE) ? v : y[c0 + c] + v;
+        }
+    }
+#pragma omp barrier
+}
+
+void qkv_moe_forward(const qkv_moe *e, const float *x, float *y, long d, int mode, int threads) {
+#pragma omp parallel num_threads(threads)
+    moe_shared(e, x, y, d, mode);
+}
+
+/* ---------------------------------------------------------------------------------
+   Multi-head latent attention for one token, in the absorbed form (DeepSeek-V2/V3,
+   qkv.latent_attention.LatentAttention), and DeepSeek's sparse attention (V3.2).
+
+   With h heads, r = kv_lora_rank, dn, dr, dv the head widths (nope, RoPE, value):
+     c_q = RMSNorm(W_qa x (+b))            (or none: q = W_q x)
+     [q_n,i ; q_r,i] = W_qb c_q            q_r,i rotated at pos
+     [c ; k_r] = W_kva x (+b);  c = RMSNorm(c);  k_r rotated;  cache[pos] = [c ; k_r]
+     q_c,i = W_UK,i^T q_n,i                (r wide; W_UK,i: rows i (dn + dv) .. + dn of W_kvb)
+     s_i(u) = scale [q_c,i ; q_r,i] . cache[u]
+     o_c,i = sum_u softmax_u(s_i(u)) c(u)  (r wide)
+     o_i = W_UV,i o_c,i                    (dv; W_UV,i: rows i (dn + dv) + dn .. + dv)
+     out = W_o [o_1 .. o_h] (+b)
+   The cache holds [c ; k_r] only (r + dr per token), nothing is decompressed, and the
+   cache is read once per step for all heads: the positions are shared out among the
+   threads, each thread keeps every head's running softmax (max, sum, weighted sum of
+   latents) over its positions, and the threads' partial results are merged at the end.
+
+   Sparse (indexer present): per token the index key k^I = RoPE_half(LayerNorm(W_k^I x))
+   is cached too; the index queries q^I_j = RoPE_half(W_q^I c_q) (H heads of dI), weights
+   w_j = (W_w^I x)_j / sqrt(H); every cached position u gets
+     I(u) = sum_j w_j ReLU(q^I_j . k^I(u) / sqrt(dI)),
+   and attention reads only the latents of the index_topk positions of largest I(u). */
+
+typedef struct {
+    int heads, interleave; /* interleave: RoPE turns pairs (2i, 2i + 1) (DeepSeek's) */
+    int threads;           /* the most threads `part` has room for */
+    long rank, nope, rope, vdim, q_rank; /* r, dn, dr, dv; q_rank 0: one q_proj */
+    float scale;
+    qkv_mat wq_a, wq, wkv_a, wkv_b; /* (q_rank, d); (h (dn + dr), q_rank or d); (r + dr, d); (h (dn + dv), r) */
+    const float *bq_a, *bkv_a;
+    qkv_norm q_norm, kv_norm; /* RMSNorms of c_q and c */
+    void *kv;                 /* the cache, (cache_len, r + dr) of the model's dtype */
+    /* the indexer (index_heads 0: dense MLA) */
+    long index_heads, index_dim, index_topk;
+    qkv_mat iwq, iwk, iww; /* (H dI, q_rank), (dI, d), (H, d) */
+    qkv_norm ik_norm;      /* LayerNorm of the index key */
+    void *index_keys;      /* (cache_len, dI) */
+    /* float32 work buffers: cq (q_rank), q (h (dn + dr)), ql (h (r + dr)), kvn (r + dr),
+       oc (h r), part (threads h (r + 2)), o (h dv); iq (H dI), ik (dI), iw (H),
+       iscore (cache_len); sel (index_topk) int32 */
+    float *cq, *q, *ql, *kvn, *oc, *part, *o, *iq, *ik, *iw, *iscore;
+    int *sel;
+} qkv_latent;
+
+static inline int min_int(int a, int b) { return a < b ? a : b; }
+
+/* RoPE on interleaved pairs (2i, 2i + 1) of one vector of rd; cos, sin: the position's
+   row of the rd-wide table (its first half holds one angle per pair). */
+static void rope_pairs(float *v, const float *cos, const float *sin, long rd) {
+    for (long i = 0; i < rd / 2; i++) {
+        float a = v[2 * i], b = v[2 * i + 1];
+        v[2 * i] = a * cos[i] - b * sin[i];
+        v[2 * i + 1] = b * cos[i] + a * sin[i];
+    }
+}
+
+/* y += a * row r of W (n values). */
+static void axpy_row(const qkv_mat *W, long r, long n, float a, float *y) {
+    if (W->type == QKV_F32 || W->type == QKV_BF16) {
+        axpy_hd(a, W->data, r * n, y, n, W->type);
+    } else {
+        float w[n];
+        row_to_f32(W, r, n, w);
+        for (long i = 0; i < n; i++) y[i] += a * w[i];
+    }
+}
+
+/* Store float32 x (n) into row `slot` of a (rows, n) buffer of dt. */
+static void store_row(const float *x, void *buf, int dt, long slot, long n) {
+    for (long i = 0; i < n; i++) {
+        if (dt == QKV_BF16)
+            ((uint16_t *)buf)[slot * n + i] = f32_to_bf16(x[i]);
+        else
+            ((float *)buf)[slot * n + i] = x[i];
+    }
+}
+
+/* y = (or +=) the layer's attention output for x (d) at pos, Wo/bo the output
+   projection. cos, sin: the position's rows of the dr-wide RoPE table. */
+static void latent_shared(const qkv_latent *A, const qkv_mat *Wo, const float *bo,
+                          const float *x, float *y, long d, long pos, const float *cos,
+                          const float *sin, int dt, int mode) {
+    const long h = A->heads, r = A->rank, dn = A->nope, dr = A->rope, dv = A->vdim;
+    const long qw = dn + dr, kw = r + dr, n = pos + 1, H = A->index_heads, dI = A->index_dim;
+    if (A->q_rank) linear_shared(&A->wq_a, x, A->bq_a, A->cq, A->q_rank, d, STORE);
+    linear_shared(&A->wkv_a, x, A->bkv_a, A->kvn, kw, d, STORE);
+    if (H) {
+        linear_shared(&A->iwk, x, NULL, A->ik, dI, d, STORE);
+        linear_shared(&A->iww, x, NULL, A->iw, H, d, STORE);
+    }
+#pragma omp single
+    {
+        if (A->q_rank) norm(&A->q_norm, A->cq, A->cq, A->q_rank);
+        norm(&A->kv_norm, A->kvn, A->kvn, r);
+        if (A->interleave)
+            rope_pairs(A->kvn + r, cos, sin, dr);
+        else
+            rope_heads(A->kvn + r, cos, sin, 1, dr, dr);
+        store_row(A->kvn, A->kv, dt, pos, kw);
+        if (H) {
+            norm(&A->ik_norm, A->ik, A->ik, dI);
+            rope_heads(A->ik, cos, sin, 1, dI, dr);
+            store_row(A->ik, A->index_keys, dt, pos, dI);
+        }
+    }
+    linear_shared(&A->wq, A->q_rank ? A->cq : x, NULL, A->q, h * qw, A->q_rank ? A->q_rank : d,
+                  STORE);
+    if (H) linear_shared(&A->iwq, A->cq, NULL, A->iq, H * dI, A->q_rank, STORE);
+    /* each head's query in latent coordinates, [q_c,i ; q_r,i] */
+#pragma omp for schedule(static)
+    for (long i = 0; i < h; i++) {
+        float *q = A->q + i * qw, *ql = A->ql + i * kw;
+        if (A->interleave)
+            rope_pairs(q + dn, cos, sin, dr);
+        else
+            rope_heads(q + dn, cos, sin, 1, dr, dr);
+        for (long j = 0; j < r; j++) ql[j] = 0.0f;
+        for (long k = 0; k < dn; k++) axpy_row(&A->wkv_b, i * (dn + dv) + k, r, q[k], ql);
+        memcpy(ql + r, q + dn, (size_t)dr * sizeof(float));
+    }
+    long count = n; /* the positions attention reads: 0 .. n - 1, or the selected ones */
+    const int *sel = NULL;
+    if (H) {
+#pragma omp single
+        for (long j = 0; j < H; j++) rope_heads(A->iq + j * dI, cos, sin, 1, dI, dr);
+        const float qscale = 1.0f / sqrtf((float)dI), wscale = 1.0f / sqrtf((float)H);
+#pragma omp for schedule(static)
+        for (long u = 0; u < n; u++) {
+            float s = 0.0f;
+            for (long j = 0; j < H; j++) {
+                float v = dot_hd(A->iq + j * dI, A->index_keys, u * dI, dI, dt) * qscale;
+                s += A->iw[j] * wscale * (v > 0.0f ? v : 0.0f);
+            }
+            A->iscore[u] = s;
+        }
+        count = A->index_topk < n ? A->index_topk : n;
+#pragma omp single
+        for (long t = 0; t < count; t++) { /* the best remaining position, count times */
+            long best = -1;
+            for (long u = 0; u < n; u++)
+                if (A->iscore[u] > -INFINITY && (best < 0 || A->iscore[u] > A->iscore[best])) best = u;
+            A->sel[t] = (int)best;
+            A->iscore[best] = -INFINITY;
+        }
+        sel = A->sel;
+    }
+    /* attention: each thread its share of the positions, every head's running softmax */
+    {
+        const int nt = min_int(omp_get_num_threads(), A->threads), tid = omp_get_thread_num();
+        const long lo = tid < nt ? count * tid / nt : 0, hi = tid < nt ? count * (tid + 1) / nt : 0;
+        float *P = A->part + (long)tid * h * (r + 2);
+        for (long i = 0; i < h; i++) {
+            P[i * (r + 2)] = -INFINITY, P[i * (r + 2) + 1] = 0.0f;
+            memset(P + i * (r + 2) + 2, 0, (size_t)r * sizeof(float));
+        }
+        for (long t = lo; t < hi; t++) {
+            const long off = (sel ? sel[t] : t) * kw;
+            for (long i = 0; i < h; i++) {
+                float *Pi = P + i * (r + 2), *acc = Pi + 2;
+                const float s = dot_hd(A->ql + i * kw, A->kv, off, kw, dt) * A->scale;
+                if (s > Pi[0]) { /* a new maximum: rescale what is summed so far */
+                    const float f = Pi[0] == -INFINITY ? 0.0f : expf(Pi[0] - s);
+                    Pi[1] *= f;
+                    for (long j = 0; j < r; j++) acc[j] *= f;
+                    Pi[0] = s;
+                }
+                const float p = expf(s - Pi[0]);
+                Pi[1] += p;
+                axpy_hd(p, A->kv, off, acc, r, dt);
+            }
+        }
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (long i = 0; i < h; i++) { /* merge the threads' partial softmaxes */
+        const int nt = min_int(omp_get_num_threads(), A->threads);
+        float M = -INFINITY, total = 0.0f, *oc = A->oc + i * r;
+        for (int t = 0; t < nt; t++) M = fmaxf(M, A->part[((long)t * h + i) * (r + 2)]);
+        for (long j = 0; j < r; j++) oc[j] = 0.0f;
+        for (int t = 0; t < nt; t++) {
+            const float *Pi = A->part + ((long)t * h + i) * (r + 2);
+            if (Pi[0] == -INFINITY) continue;
+            const float f = expf(Pi[0] - M);
+            total += f * Pi[1];
+            for (long j = 0; j < r; j++) oc[j] += f * Pi[2 + j];
+        }
+        for (long j = 0; j < r; j++) oc[j] /= total;
+    }
+    /* o_i = W_UV,i o_c,i: each head's value rows of W_kvb, with its own input */
+    for (long i = 0; i < h; i++) {
+        const float *oc = A->oc + i * r;
+        DEINTERLEAVE(oc, r, A->wkv_b.type == QKV_BF16)
+#pragma omp for schedule(static) nowait
+        for (long k = 0; k < dv; k++)
+            A->o[i * dv + k] = dot_row(&A->wkv_b, i * (dn + dv) + dn + k, r, oc, xe, xo);
+    }
+#pragma omp barrier
+    linear_shared(Wo, A->o, bo, y, d, h * dv, mode);
+}
+
+/* ---------------------------------------------------------------------------------
+   Gated DeltaNet for one token (Qwen3-Next's and Qwen3.5's linear attention,
+   qkv.linear_attention.GatedDeltaNet). With Hk key heads of dk, Hv value heads of dv,
+   C = 2 Hk dk + Hv dv channels and a K-tap convolution:
+     m = W_qkv x (C);  z = W_z x (Hv dv);  b = W_b x, a = W_a x (Hv)
+     m_c = silu(sum_j taps[c, j] window_j[c] + taps[c, K-1] m_c), the window then
+       shifted by one with m (before the convolution) as its newest entry
+     q, k, v = the three parts of m; q, k L2-normalised per head (eps inside the root),
+       q times dk^-1/2
+     g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)   (per value head)
+     per value head j, on key head j / (Hv / Hk), with its state S (dk x dv, float32):
+       S = exp(g) S;  S += k (beta (v - k^T S))^T;  o_j = q^T S
+     o_j = w * o_j / rms(o_j) * silu(z_j)  (the gated RMSNorm)
+     out = W_out o
+   The state is float32 whatever the weights' dtype; the window holds the dtype's
+   values, as the module path keeps it. */
+
+typedef struct {
+    int k_heads, v_heads, kernel;
+    long k_dim, v_dim;
+    float eps; /* the gated norm's */
+    qkv_mat wqkv, wz, wb, wa, wout; /* (C, d), (Hv dv, d), (Hv, d), (Hv, d), (d_out, Hv dv) */
+    const float *taps, *a_log, *dt_bias, *norm; /* float32: (C, K), (Hv), (Hv), (dv) */
+    void *window; /* (K - 1, C) of the model's dtype: the last inputs */
+    float *state; /* (Hv, dk, dv) float32 */
+    /* float32 work buffers: m (C), z (Hv dv), b, a (Hv each), o (Hv dv) */
+    float *m, *z, *b, *a, *o;
+} qkv_deltanet;
+
+static void l2_normalize(float *x, long n) {
+    double squares = 0.0;
+    for (long i = 0; i < n; i++) squares += (double)x[i] * x[i];
+    const float inv = (float)(1.0 / sqrt(squares + 1e-6));
+    for (long i = 0; i < n; i++) x[i] *= inv;
+}
+
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+static void deltanet_shared(const qkv_deltanet *D, const float *x, float *y, long d,
+                            long d_out, int dt, int mode) {
+    const long Hk = D->k_heads, Hv = D->v_heads, dk = D->k_dim, dv = D->v_dim, K = D->kernel;
+    const long key_dim = Hk * dk, C = 2 * key_dim + Hv * dv;
+    linear_shared(&D->wqkv, x, NULL, D->m, C, d, STORE);
+    linear_shared(&D->wz, x, NULL, D->z, Hv * dv, d, STORE);
+    linear_shared(&D->wb, x, NULL, D->b, Hv, d, STORE);
+    linear_shared(&D->wa, x, NULL, D->a, Hv, d, STORE);
+    /* the short convolution, channel by channel, and the window moved on */
+#pragma omp for schedule(static)
+    for (long c = 0; c < C; c++) {
+        const float *w = D->taps + c * K;
+        float s = w[K - 1] * D->m[c];
+        for (long j = 0; j < K - 1; j++) s += w[j] * load1(D->window, j * C + c, dt);
+        for (long j = 0; j + 1 < K - 1; j++) { /* shift: entry j takes entry j + 1 */
+            if (dt == QKV_BF16)
+                ((uint16_t *)D->window)[j * C + c] = ((uint16_t *)D->window)[(j + 1) * C + c];
+            else
+                ((float *)D->window)[j * C + c] = ((float *)D->window)[(j + 1) * C + c];
+        }
+        if (K > 1) {
+            if (dt == QKV_BF16)
+                ((uint16_t *)D->window)[(K - 2) * C + c] = f32_to_bf16(D->m[c]);
+            else
+                ((float *)D->window)[(K - 2) * C + c] = D->m[c];
+        }
+        D->m[c] = silu(s);
+    }
+#pragma omp for schedule(static)
+    for (long h = 0; h < Hk; h++) {
+        l2_normalize(D->m + h * dk, dk);
+        for (long i = 0; i < dk; i++) D->m[h * dk + i] /= sqrtf((float)dk);
+        l2_normalize(D->m + key_dim + h * dk, dk);
+    }
+    /* the delta rule and the gated norm, value head by value head */
+#pragma omp for schedule(static)
+    for (long j = 0; j < Hv; j++) {
+        const long kh = j / (Hv / Hk);
+        const float *q = D->m + kh * dk, *k = D->m + key_dim + kh * dk;
+        const float *v = D->m + 2 * key_dim + j * dv;
+        float *S = D->state + j * dk * dv, *o = D->o + j * dv;
+        const float decay = expf(-expf(D->a_log[j]) * softplus(D->a[j] + D->dt_bias[j]));
+        const float beta = 1.0f / (1.0f + expf(-D->b[j]));
+        float recalled[dv];
+        for (long e = 0; e < dv; e++) recalled[e] = 0.0f;
+        for (long i = 0; i < dk; i++) { /* S = decay S;  recalled = k^T S */
+            float *row = S + i * dv;
+            for (long e = 0; e < dv; e++) {
+                row[e] *= decay;
+                recalled[e] += k[i] * row[e];
+            }
+        }
+        for (long e = 0; e < dv; e++) recalled[e] = beta * (v[e] - recalled[e]);
+        for (long e = 0; e < dv; e++) o[e] = 0.0f;
+        for (long i = 0; i < dk; i++) { /* S += k corr^T;  o = q^T S */
+            float *row = S + i * dv;
+            for (long e = 0; e < dv; e++) {
+                row[e] += k[i] * recalled[e];
+                o[e] += q[i] * row[e];
+            }
+        }
+        double squares = 0.0;
+        for (long e = 0; e < dv; e++) squares += (double)o[e] * o[e];
+        const float inv = (float)(1.0 / sqrt(squares / (double)dv + (double)D->eps));
+        for (long e = 0; e < dv; e++) o[e] = D->norm[e] * o[e] * inv * silu(D->z[j * dv + e]);
+    }
+    linear_shared(&D->wout, D->o, NULL, y, d_out, Hv * dv, mode);
 }
 
 /* ---------------------------------------------------------------------------------
@@ -433,6 +976,12 @@ void qkv_attend(const float *q, const float *k, const float *v, void *K, void *V
        o = post_norm2(o);  x += o
      logits = W_head final_norm(x)
 
+   The attention of a layer is one of: the above with its variants (sinks, a gate, partial
+   RoPE, no RoPE, another layer's cache: attention_shared), latent attention
+   (latent_shared) or Gated DeltaNet (deltanet_shared); its MLP the dense one above or a
+   mixture of experts (moe_shared). Heads and head sizes are per kind: the latent and
+   DeltaNet layers carry their own.
+
    Each optional piece is absent when its pointer is NULL or its norm kind NORM_NONE.
    The structs mirror qkv.kernels' ctypes declarations field for field. */
 
@@ -444,19 +993,31 @@ typedef struct {
     void *keys, *values;              /* the layer's cache (dt, (kv_heads, cache_len, hd)) */
     long cache_len;
     int ring; /* the cache is a ring of cache_len slots (a sliding window) */
+    long heads, kv_heads, head_dim; /* this layer's (multi-head attention) */
+    float scale;                    /* on q . k */
+    const float *sinks; /* (heads,) float32: the sink logits (gpt-oss), or NULL */
+    int gated;          /* wq is (2 heads hd, dim): each head's query, then its gate */
+    int shared;         /* keys and values are an earlier layer's (wk, wv none; no store) */
+    long rotary_dim;    /* the dimensions of each head RoPE turns (the first ones) */
+    int act;  /* the dense MLP's activation */
+    long hidden; /* the dense MLP's width */
+    const qkv_moe *moe; /* a mixture of experts in place of the dense MLP, or NULL */
+    const qkv_latent *latent; /* latent attention in place of wq .. wv and the KV cache */
+    const qkv_deltanet *deltanet; /* Gated DeltaNet in their place, or NULL */
 } qkv_layer;
 
 typedef struct {
     int dt; /* the caches' dtype */
-    int n_layers, act;
-    long dim, hidden, heads, kv_heads, head_dim, vocab;
-    float scale, embed_scale;
+    int n_layers;
+    long dim, vocab;
+    float embed_scale;
     qkv_mat tok_emb, pos_emb, head; /* (vocab, dim), (context, dim) or data NULL, (vocab, dim) */
     qkv_norm final_norm;
     const qkv_layer *layers;
-    /* float32 work buffers: x, o (dim); h (dim); q, a (heads * hd); k, v (kv_heads * hd);
-       f (hidden); logits (vocab); scores (heads * the longest cache) */
-    float *x, *o, *h, *q, *k, *v, *a, *f, *logits, *scores;
+    /* float32 work buffers, sized for the widest layer: x, o (dim); h (dim); q (2 heads
+       hd with gated layers, else heads hd); g, a (heads * hd); k, v (kv_heads * hd);
+       f (the widest dense MLP); logits (vocab); scores (heads * the longest cache) */
+    float *x, *o, *h, *q, *g, *k, *v, *a, *f, *logits, *scores;
 } qkv_model;
 
 /* q, k, v = W_q x (+b), W_k x (+b), W_v x (+b) as one work-shared loop over the rows of
@@ -485,48 +1046,77 @@ static void add_branch(const qkv_norm *post, float *o, float *x, long n) {
     for (long i = 0; i < n; i++) x[i] += o[i];
 }
 
+/* Multi-head attention of one layer for the token at pos, with its variants: y = (or
+   +=) W_o a (+b). Called by every thread. */
+static void attention_shared(const qkv_model *m, const qkv_layer *L, long pos, float *y,
+                             int mode) {
+    const long d = m->dim, hd = L->head_dim, heads = L->heads, kv_heads = L->kv_heads;
+    const long qd = heads * hd, kvd = kv_heads * hd;
+    project_qkv_shared(L, m->h, m->q, m->k, m->v, L->gated ? 2 * qd : qd, L->shared ? 0 : kvd,
+                       d);
+    const long slot = L->ring ? pos % L->cache_len : pos;
+    const long n = L->ring && pos + 1 > L->cache_len ? L->cache_len : pos + 1;
+#pragma omp single
+    {
+        if (L->gated) /* [q_h | g_h] per head -> q (heads hd), g (heads hd) */
+            for (long h = 0; h < heads; h++) {
+                memcpy(m->g + h * hd, m->q + (2 * h + 1) * hd, (size_t)hd * sizeof(float));
+                memmove(m->q + h * hd, m->q + 2 * h * hd, (size_t)hd * sizeof(float));
+            }
+        if (L->q_norm.kind != NORM_NONE)
+            for (long h = 0; h < heads; h++) norm(&L->q_norm, m->q + h * hd, m->q + h * hd, hd);
+        if (L->k_norm.kind != NORM_NONE && !L->shared)
+            for (long h = 0; h < kv_heads; h++) norm(&L->k_norm, m->k + h * hd, m->k + h * hd, hd);
+        if (L->rope_cos) {
+            const long rd = L->rotary_dim;
+            rope_heads(m->q, L->rope_cos + pos * rd, L->rope_sin + pos * rd, heads, hd, rd);
+            if (!L->shared)
+                rope_heads(m->k, L->rope_cos + pos * rd, L->rope_sin + pos * rd, kv_heads, hd, rd);
+        }
+        if (!L->shared) /* a sharing layer's source stored this token's already */
+            store_kv(m->k, m->v, L->keys, L->values, m->dt, kv_heads, hd, L->cache_len, slot);
+    }
+    attend_heads_shared(m->q, L->keys, L->values, m->dt, m->a, heads, kv_heads, hd,
+                        L->cache_len, n, L->scale, L->sinks, L->gated ? m->g : NULL, m->scores);
+    linear_shared(&L->wo, m->a, L->bo, y, d, qd, mode);
+}
+
 void qkv_step(const qkv_model *m, long token, long pos, int threads) {
-    const long d = m->dim, hd = m->head_dim, qd = m->heads * hd, kvd = m->kv_heads * hd;
-    const int dt = m->dt;
+    const long d = m->dim;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp single
         qkv_embed(&m->tok_emb, token, &m->pos_emb, pos, m->embed_scale, m->x, d);
         for (int l = 0; l < m->n_layers; l++) {
             const qkv_layer *L = &m->layers[l];
+            /* each branch goes straight into x, or through o and its post-norm */
 #pragma omp single
             norm(&L->norm1, m->x, m->h, d);
-            project_qkv_shared(L, m->h, m->q, m->k, m->v, qd, kvd, d);
-            const long slot = L->ring ? pos % L->cache_len : pos;
-            const long n = L->ring && pos + 1 > L->cache_len ? L->cache_len : pos + 1;
-#pragma omp single
-            {
-                if (L->q_norm.kind != NORM_NONE)
-                    for (long h = 0; h < m->heads; h++) norm(&L->q_norm, m->q + h * hd, m->q + h * hd, hd);
-                if (L->k_norm.kind != NORM_NONE)
-                    for (long h = 0; h < m->kv_heads; h++) norm(&L->k_norm, m->k + h * hd, m->k + h * hd, hd);
-                if (L->rope_cos) {
-                    qkv_rope(m->q, L->rope_cos + pos * hd, L->rope_sin + pos * hd, m->heads, hd);
-                    qkv_rope(m->k, L->rope_cos + pos * hd, L->rope_sin + pos * hd, m->kv_heads, hd);
-                }
-                store_kv(m->k, m->v, L->keys, L->values, dt, m->kv_heads, hd, L->cache_len, slot);
-            }
-            attend_heads_shared(m->q, L->keys, L->values, dt, m->a, m->heads, m->kv_heads, hd,
-                                L->cache_len, n, m->scale, m->scores);
-            if (L->post_norm1.kind == NORM_NONE) {
-                linear_shared(&L->wo, m->a, L->bo, m->x, d, qd, ADD);
-            } else {
-                linear_shared(&L->wo, m->a, L->bo, m->o, d, qd, STORE);
+            float *y = L->post_norm1.kind == NORM_NONE ? m->x : m->o;
+            int mode = L->post_norm1.kind == NORM_NONE ? ADD : STORE;
+            if (L->latent)
+                latent_shared(L->latent, &L->wo, L->bo, m->h, y, d, pos,
+                              L->rope_cos + pos * L->rotary_dim, L->rope_sin + pos * L->rotary_dim,
+                              m->dt, mode);
+            else if (L->deltanet)
+                deltanet_shared(L->deltanet, m->h, y, d, d, m->dt, mode);
+            else
+                attention_shared(m, L, pos, y, mode);
+            if (mode == STORE) {
 #pragma omp single
                 add_branch(&L->post_norm1, m->o, m->x, d);
             }
 #pragma omp single
             norm(&L->norm2, m->x, m->h, d);
-            gated_shared(&L->w1, L->b1, &L->w2, L->b2, m->h, m->f, m->hidden, d, m->act);
-            if (L->post_norm2.kind == NORM_NONE) {
-                linear_shared(&L->w3, m->f, L->b3, m->x, d, m->hidden, ADD);
+            y = L->post_norm2.kind == NORM_NONE ? m->x : m->o;
+            mode = L->post_norm2.kind == NORM_NONE ? ADD : STORE;
+            if (L->moe) {
+                moe_shared(L->moe, m->h, y, d, mode);
             } else {
-                linear_shared(&L->w3, m->f, L->b3, m->o, d, m->hidden, STORE);
+                gated_shared(&L->w1, L->b1, &L->w2, L->b2, m->h, m->f, L->hidden, d, L->act);
+                linear_shared(&L->w3, m->f, L->b3, y, d, L->hidden, mode);
+            }
+            if (mode == STORE) {
 #pragma omp single
                 add_branch(&L->post_norm2, m->o, m->x, d);
             }

@@ -15,18 +15,21 @@ serves both:
 
 Supported architectures (``general.architecture`` -> Hugging Face ``model_type``):
 
-=============  ==============  ===================================================
-``llama``      ``llama``       Llama, SmolLM2 and Mistral files (``mistral`` when
-                               ``general.name`` says Mistral)
+=============  ====================  ===================================================
+``llama``      ``llama``             Llama, SmolLM2 and Mistral files (``mistral`` when
+                                     ``general.name`` says Mistral)
 ``qwen2``      ``qwen2``
 ``qwen3``      ``qwen3``
 ``gemma3``     ``gemma3_text``
 ``gpt2``       ``gpt2``
-``smollm3``    ``smollm3``     NoPE every 4th layer
-``olmo2``      ``olmo3``       OLMo 2 and OLMo 3 files both say ``olmo2``
-``gpt-oss``    ``gpt_oss``     experts MXFP4 in published files, dequantized here
-``deepseek2``  ``deepseek_v3`` DeepSeek-V3/R1 (and Kimi K2) files
-=============  ==============  ===================================================
+``smollm3``    ``smollm3``           NoPE every 4th layer
+``olmo2``      ``olmo3``             OLMo 2 and OLMo 3 files both say ``olmo2``
+``gpt-oss``    ``gpt_oss``           experts MXFP4 in published files, dequantized here
+``deepseek2``  ``deepseek_v3``       DeepSeek-V3/R1 (and Kimi K2) files
+``qwen3next``  ``qwen3_next``        Gated DeltaNet and gated attention, experts
+``qwen35``     ``qwen3_5_text``      the same with a dense MLP (Qwen3.5's text model)
+``qwen35moe``  ``qwen3_5_moe_text``  Qwen3.5-MoE's text model
+=============  ====================  ===================================================
 
 DeepSeek-V3.2 (``deepseek_v32``) has no GGUF form: gguf 0.19 names no architecture for
 its sparse attention and llama.cpp's converter writes none; a ``deepseek2`` file with
@@ -64,6 +67,17 @@ The configuration says what llama.cpp would run, which is not always what the or
   key_length_mla``, converters since 2025) hold the key and value up-projections
   ``attn_k_b`` ``(heads, kv_lora_rank, qk_nope_head_dim)`` and ``attn_v_b``; older files
   one ``attn_kv_b``; both read back as ``kv_b_proj``.
+- ``qwen3next`` and ``qwen35`` files: layer ``i`` is full attention iff ``(i + 1) %
+  full_attention_interval == 0`` (llama.cpp's default 4), the others Gated DeltaNet of
+  the ``ssm.*`` sizes; ``rope.dimension_count`` turns part of each head (the partial
+  RoPE factor); every norm but ``ssm_norm`` is stored as ``1 + w``, ``A_log`` as
+  ``ssm_a = -exp(A_log)``; Qwen3-Next's ``attn_qkv`` and ``attn_gate`` (older files:
+  ``ssm_in``) are fused back into the folder's ``in_proj_qkvz``, rows per key head;
+  Qwen3.5's value heads, stored tiled over the key heads, are put back in the folder's
+  grouped order. Qwen3-Next files have experts in every layer, renormalised (llama.cpp
+  computes nothing else). The ``nextn_predict_layers`` blocks after the model's own
+  (multi-token prediction) are left unread, as a folder's ``mtp.`` tensors are. Qwen3.5's
+  ``rope.dimension_sections`` (multimodal RoPE) turn text tokens as plain RoPE does.
 - Llama 3's RoPE scaling (``rope_type`` ``"llama3"``) is stored as a ``rope_freqs.weight``
   tensor, not as metadata: per RoPE frequency, the divisor the scaling applies (its
   ``factor`` for the low frequencies, 1 for the high ones, a blend between).
@@ -97,6 +111,7 @@ import torch
 from torch import Tensor
 
 from ..checks import MAX_SIZE, check_float, check_int, show
+from ..linear_attention import fused_row_order
 from ..positional import rope_frequencies
 from ..utils.fileio import fsync_dir, temp_path
 from .gguf_weights import (
@@ -106,11 +121,13 @@ from .gguf_weights import (
     import_gguf,
     open_gguf_reader,
     permute_rope,
+    read_gguf_blocks,
     read_gguf_header,
     read_gguf_tensors,
     unpermute_rope,
 )
 from .hf_open import config_fields, field_difference, hf_config, to_qkv
+from .quantized import QuantizedWeight
 
 __all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "llama3_scaling",
            "read_gguf_model", "write_gguf"]
@@ -118,8 +135,12 @@ __all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "llama3_scali
 # general.architecture -> Hugging Face's model_type
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
                 "gpt2": "gpt2", "smollm3": "smollm3", "olmo2": "olmo3", "gpt-oss": "gpt_oss",
-                "deepseek2": "deepseek_v3"}
+                "deepseek2": "deepseek_v3", "qwen3next": "qwen3_next", "qwen35": "qwen3_5_text",
+                "qwen35moe": "qwen3_5_moe_text"}
 GGUF_ARCHITECTURES = tuple(_MODEL_TYPES)
+# The hybrids of Gated DeltaNet and gated full attention (their model_types).
+_HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+_FULL_ATTENTION_EVERY = 4  # llama.cpp's full_attention_interval when a file gives none
 # The model_types whose attn_q/attn_k rows llama.cpp's converter reorders for its RoPE
 # (LlamaModel and its subclasses); the others are stored as Hugging Face holds them.
 _PERMUTED = ("llama", "mistral", "smollm3")
@@ -174,8 +195,9 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
 
     Returns:
         ``model_type`` (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``,
-        ``"gemma3_text"``, ``"gpt2"``, ``"smollm3"``, ``"olmo3"``, ``"gpt_oss"`` or
-        ``"deepseek_v3"``) and the fields of that family's ``config.json`` that its
+        ``"gemma3_text"``, ``"gpt2"``, ``"smollm3"``, ``"olmo3"``, ``"gpt_oss"``,
+        ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_5_text"`` or
+        ``"qwen3_5_moe_text"``) and the fields of that family's ``config.json`` that its
         reader (:func:`~qkv.models.hf_open.config_fields`) reads: for GPT-2
         ``vocab_size``, ``n_positions``, ``n_embd``, ``n_layer``, ``n_head``, ``n_inner``
         (None: ``4 * n_embd``), ``layer_norm_epsilon``; for the others ``vocab_size``,
@@ -192,7 +214,10 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
         (``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
         ``v_head_dim``, ``rope_interleave``) and routing (``n_routed_experts``,
         ``n_shared_experts``, ``moe_intermediate_size``, ``first_k_dense_replace``,
-        ``routed_scaling_factor``, ``norm_topk_prob``, ``n_group``, ``topk_group``).
+        ``routed_scaling_factor``, ``norm_topk_prob``, ``n_group``, ``topk_group``);
+        the hybrids' ``partial_rotary_factor``, ``full_attention_interval``, ``linear_*``
+        sizes and experts (``num_experts``, ``num_experts_per_tok``,
+        ``moe_intermediate_size``, ``shared_expert_intermediate_size``).
 
     Raises:
         ValueError: one line naming the file and the key: an architecture other than
@@ -200,7 +225,8 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
             divide, a ``block_count`` beyond the file's tensors, partial rotary
             embeddings, unknown RoPE scaling keys, a ``rope_freqs`` tensor that is no
             llama3 scaling's (:func:`llama3_scaling`), metadata qkv does not compute
-            (:data:`_NOT_COMPUTED`, DeepSeek-V2's softmax routing, sparse attention).
+            (:data:`_NOT_COMPUTED`, DeepSeek-V2's softmax routing, sparse attention,
+            scaled experts), linear-attention sizes that do not divide.
     """
     arch, meta, tensors, path = (header.architecture, header.config, header.tensors,
                                  header.path)
@@ -256,6 +282,8 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
               "hidden_act": "silu"}
     if arch == "deepseek2":
         return _deepseek2_config(meta, shared, integer, number, where)
+    if shared["model_type"] in _HYBRIDS:
+        return _hybrid_config(meta, shared, integer, where)
 
     kv_heads = integer("attention.head_count_kv", heads)
     if heads % kv_heads:
@@ -400,6 +428,79 @@ def _deepseek2_config(meta: Mapping[str, Any], shared: dict[str, Any], integer: 
         "n_group": integer("expert_group_count", 1),
         "topk_group": integer("expert_group_used_count", 1),
     }
+
+
+def _hybrid_config(meta: Mapping[str, Any], shared: dict[str, Any], integer: Any,
+                   where: str) -> dict[str, Any]:
+    """Qwen3-Next's or Qwen3.5's ``config.json`` from a ``qwen3next`` or ``qwen35`` file's
+    metadata (``shared`` holds the sizes every family has, RoPE read).
+
+    The linear-attention layers' sizes are llama.cpp's ``ssm.*`` keys: ``group_count``
+    key heads of ``state_size``, ``time_step_rank`` value heads sharing ``inner_size``,
+    a convolution of ``conv_kernel`` taps. Layer ``i`` is a full-attention one iff
+    ``(i + 1) % full_attention_interval == 0`` (llama.cpp's only schedule for these
+    files). ``rope.dimension_count`` is the rotated part of each head (the partial RoPE
+    factor times ``key_length``). The last ``nextn_predict_layers`` blocks are the
+    multi-token-prediction head, which the logits do not go through: not counted, and
+    left unread. Qwen3-Next's and Qwen3.5-MoE's files have experts in every layer, their
+    weights renormalised (llama.cpp computes nothing else for them)."""
+    heads, blocks = shared["num_attention_heads"], shared["num_hidden_layers"]
+    drafts = integer("nextn_predict_layers", 0, lo=0)
+    if drafts >= blocks:
+        raise ValueError(f"{where}nextn_predict_layers is {drafts}, but block_count {blocks} "
+                         "leaves no layer for the model itself (at most block_count - 1)")
+    kv_heads = integer("attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise ValueError(f"{where}attention.head_count {heads} is not a multiple of "
+                         f"attention.head_count_kv {kv_heads}")
+    head_dim = integer("attention.key_length")
+    if integer("attention.value_length", head_dim) != head_dim:
+        raise ValueError(f"{where}attention.value_length is {meta['attention.value_length']}, "
+                         f"not attention.key_length {head_dim}; qkv's gated attention has "
+                         "keys and values of one size")
+    rotary = integer("rope.dimension_count", head_dim)
+    if rotary > head_dim or rotary % 2:
+        raise ValueError(f"{where}rope.dimension_count is {rotary}; qkv turns an even number "
+                         f"of each head's attention.key_length {head_dim} dimensions")
+    k_heads, v_heads = integer("ssm.group_count"), integer("ssm.time_step_rank")
+    if v_heads % k_heads:
+        raise ValueError(f"{where}ssm.time_step_rank {v_heads} (value heads) is not a "
+                         f"multiple of ssm.group_count {k_heads} (key heads)")
+    inner = integer("ssm.inner_size")
+    if inner % v_heads:
+        raise ValueError(f"{where}ssm.inner_size {inner} is not a multiple of "
+                         f"ssm.time_step_rank {v_heads} (the value heads that share it)")
+    config = {
+        **shared, "num_hidden_layers": blocks - drafts, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "partial_rotary_factor": rotary / head_dim,
+        "attention_bias": False,
+        "full_attention_interval": integer("full_attention_interval", _FULL_ATTENTION_EVERY),
+        "linear_conv_kernel_dim": integer("ssm.conv_kernel"),
+        "linear_key_head_dim": integer("ssm.state_size"),
+        "linear_value_head_dim": inner // v_heads,
+        "linear_num_key_heads": k_heads, "linear_num_value_heads": v_heads,
+    }
+    if int(head_dim * config["partial_rotary_factor"]) != rotary:  # as transformers rounds
+        raise ValueError(f"{where}rope.dimension_count {rotary} of attention.key_length "
+                         f"{head_dim} is no factor transformers turns back into {rotary}")
+    if shared["model_type"] == "qwen3_5_text":
+        config["intermediate_size"] = integer("feed_forward_length")
+        return config
+    scale = meta.get("expert_weights_scale", 1.0)
+    if scale != 1.0:
+        raise ValueError(f"{where}expert_weights_scale is {show(scale)}; qkv reads "
+                         "these experts unscaled (1)")
+    moe = integer("expert_feed_forward_length")
+    config.update(
+        num_experts=integer("expert_count"), num_experts_per_tok=integer("expert_used_count"),
+        moe_intermediate_size=moe,
+        # llama.cpp: the shared expert is feed_forward_length wide when not said
+        shared_expert_intermediate_size=integer("expert_shared_feed_forward_length",
+                                                meta.get("feed_forward_length")))
+    if shared["model_type"] == "qwen3_next":  # Qwen3.5-MoE's class has no such keys
+        config.update(intermediate_size=integer("feed_forward_length", moe),
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    return config
 
 
 def _flag(meta: Mapping[str, Any], key: str, where: str) -> bool:
@@ -561,6 +662,8 @@ def _block(config: dict[str, Any], i: int,
     model_type, d = config["model_type"], config["hidden_size"]
     if model_type == "deepseek_v3":
         return _deepseek_block(config, i, stored)
+    if model_type in _HYBRIDS:
+        return _hybrid_block(config, i, stored)
     f, hd = config["intermediate_size"], config["head_dim"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     block = {} if model_type == "olmo3" else {
@@ -650,13 +753,82 @@ def _deepseek_block(config: dict[str, Any], i: int,
     return block
 
 
+def _hybrid_block(config: dict[str, Any], i: int,
+                  stored: Container[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A Qwen3-Next or Qwen3.5 layer's tensors: gated full attention (queries and their
+    gates in one ``attn_q``) or Gated DeltaNet (llama.cpp's ``ssm_*`` names), then a dense
+    MLP (Qwen3.5) or experts with a gated shared expert (Qwen3-Next).
+
+    Qwen3-Next files hold its linear attention's queries, keys and values as
+    ``attn_qkv`` and its ``z`` as ``attn_gate`` (older ones the folder's fused rows as
+    ``ssm_in``), both read back into the folder's ``in_proj_qkvz``; ``ssm_ba`` is the
+    folder's ``in_proj_ba``. Qwen3.5 files split ``b`` and ``a`` (``ssm_beta``,
+    ``ssm_alpha``)."""
+    d, hd, heads = config["hidden_size"], config["head_dim"], config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * hd
+    block = {"attn_norm.weight": ("input_layernorm.weight", (d,)),
+             "post_attention_norm.weight": ("post_attention_layernorm.weight", (d,))}
+    if (i + 1) % config["full_attention_interval"] == 0:
+        block.update({"attn_q.weight": ("self_attn.q_proj.weight", (2 * heads * hd, d)),
+                      "attn_k.weight": ("self_attn.k_proj.weight", (kv, d)),
+                      "attn_v.weight": ("self_attn.v_proj.weight", (kv, d)),
+                      "attn_output.weight": ("self_attn.o_proj.weight", (d, heads * hd)),
+                      "attn_q_norm.weight": ("self_attn.q_norm.weight", (hd,)),
+                      "attn_k_norm.weight": ("self_attn.k_norm.weight", (hd,))})
+    else:
+        v_heads = config["linear_num_value_heads"]
+        keys = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+        values = v_heads * config["linear_value_head_dim"]
+        conv = 2 * keys + values
+        att = "linear_attn."
+        if config["model_type"] == "qwen3_next":
+            qkvz = att + "in_proj_qkvz.weight"
+            if f"blk.{i}.ssm_in.weight" in stored:
+                block["ssm_in.weight"] = (qkvz, (conv + values, d))
+            else:
+                block["attn_qkv.weight"] = (qkvz, (conv, d))
+                block["attn_gate.weight"] = (qkvz, (values, d))
+            block["ssm_ba.weight"] = (att + "in_proj_ba.weight", (2 * v_heads, d))
+        else:
+            block.update({"attn_qkv.weight": (att + "in_proj_qkv.weight", (conv, d)),
+                          "attn_gate.weight": (att + "in_proj_z.weight", (values, d)),
+                          "ssm_beta.weight": (att + "in_proj_b.weight", (v_heads, d)),
+                          "ssm_alpha.weight": (att + "in_proj_a.weight", (v_heads, d))})
+        block.update({
+            "ssm_conv1d.weight": (att + "conv1d.weight", (conv, config["linear_conv_kernel_dim"])),
+            "ssm_dt.bias": (att + "dt_bias", (v_heads,)),
+            "ssm_a": (att + "A_log", (v_heads,)),
+            "ssm_norm.weight": (att + "norm.weight", (config["linear_value_head_dim"],)),
+            "ssm_out.weight": (att + "out_proj.weight", (d, values))})
+    if config["model_type"] == "qwen3_5_text":
+        f = config["intermediate_size"]
+        block.update({"ffn_gate.weight": ("mlp.gate_proj.weight", (f, d)),
+                      "ffn_up.weight": ("mlp.up_proj.weight", (f, d)),
+                      "ffn_down.weight": ("mlp.down_proj.weight", (d, f))})
+        return block
+    block.update(_experts(config, i, stored, config["moe_intermediate_size"]))
+    s = config["shared_expert_intermediate_size"]
+    # The shared expert's gate, one row: the converter writes it as the folder holds it,
+    # (1, d); llama.cpp reads a vector (d,) as well.
+    gate = f"blk.{i}.ffn_gate_inp_shexp.weight"
+    vector = isinstance(stored, Mapping) and getattr(stored.get(gate), "shape", None) == (d,)
+    block.update({
+        "ffn_gate_inp_shexp.weight": ("mlp.shared_expert_gate.weight",
+                                      (d,) if vector else (1, d)),
+        "ffn_gate_shexp.weight": ("mlp.shared_expert.gate_proj.weight", (s, d)),
+        "ffn_up_shexp.weight": ("mlp.shared_expert.up_proj.weight", (s, d)),
+        "ffn_down_shexp.weight": ("mlp.shared_expert.down_proj.weight", (d, s))})
+    return block
+
+
 def _experts(config: dict[str, Any], i: int, stored: Container[str],
              f: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     """A layer's router and routed experts of ``f`` hidden units each: llama.cpp's 3-D
     ``ffn_*_exps`` tensors ``(experts, rows, columns)``, as transformers' modules hold
     them fused (gpt-oss's router and experts have biases)."""
     d, gpt_oss = config["hidden_size"], config["model_type"] == "gpt_oss"
-    e = config["num_local_experts" if gpt_oss else "n_routed_experts"]
+    e = config["num_local_experts" if gpt_oss else "num_experts"
+               if config["model_type"] in _HYBRIDS else "n_routed_experts"]
     router = "mlp.router" if gpt_oss else "mlp.gate"
     block = {"ffn_gate_inp.weight": (f"{router}.weight", (e, d))}
     if gpt_oss:
@@ -696,15 +868,80 @@ def _check_tensors(header: GGUFHeader, plan: dict[str, tuple[str, tuple[int, ...
         if info.shape != shape:
             raise ValueError(f"{header.path}: tensor {name} has shape {list(info.shape)}; "
                              f"its metadata implies {list(shape)}")
-    extra = [name for name in header.tensors if name not in plan]
+    extra = [name for name in header.tensors if name not in plan
+             and not _draft_block(header, name)]
     if extra:
         raise ValueError(f"{header.path}: tensor {extra[0]} is not part of a {model_type} "
                          f"model of its metadata ({len(extra)} such tensor(s))")
 
 
+def _draft_block(header: GGUFHeader, name: str) -> bool:
+    """Whether ``name`` is a tensor of the multi-token-prediction blocks a Qwen3.5 file
+    holds after the model's own (``nextn_predict_layers`` of them, left unread)."""
+    drafts = header.config.get("nextn_predict_layers", 0)
+    blocks = header.config.get("block_count", 0)
+    parts = name.split(".")
+    return (header.architecture in ("qwen3next", "qwen35", "qwen35moe") and isinstance(drafts, int)
+            and isinstance(blocks, int) and len(parts) > 2 and parts[0] == "blk"
+            and parts[1].isdecimal() and blocks - drafts <= int(parts[1]) < blocks)
+
+
 def _shifted(model_type: str, name: str) -> bool:
-    """Whether llama.cpp stored this tensor as ``1 + w``: Gemma's norms."""
+    """Whether llama.cpp stored this tensor as ``1 + w``: Gemma's norms, and Qwen3-Next's
+    and Qwen3.5's zero-centred ones (all but the linear attention's gated norm, whose
+    weight multiplies as it is)."""
+    if model_type in _HYBRIDS:
+        return name.endswith("norm.weight") and not name.endswith("ssm_norm.weight")
     return model_type == "gemma3_text" and name.endswith("norm.weight")
+
+
+def _exact(model_type: str, name: str) -> bool:
+    """Whether this tensor is converted in float32 before rounding to the asked dtype:
+    the shifted norms (``w`` keeps its precision only if 1 is subtracted first) and
+    ``ssm_a`` (``-exp(A_log)``, whose log is taken)."""
+    return _shifted(model_type, name) or name.endswith(".ssm_a")
+
+
+def _grouped(tensor: Tensor, dim: int, key_heads: int, group: int, size: int) -> Tensor:
+    """Qwen3.5's value heads as llama.cpp's converter stores them, tiled over the key
+    heads (value head ``j`` of key head ``h`` at ``j * key_heads + h``), back in the
+    folder's grouped order (at ``h * group + j``), along ``dim`` (of ``key_heads * group
+    * size``: ``size`` rows or columns per head)."""
+    shape = tensor.shape
+    tiled = tensor.reshape(*shape[:dim], group, key_heads, size, *shape[dim + 1:])
+    return tiled.transpose(dim, dim + 1).reshape(shape)
+
+
+def _linear_to_hf(parts: dict[str, Tensor], config: dict[str, Any]) -> Tensor:
+    """A Gated DeltaNet layer's llama.cpp tensors (one, or ``attn_qkv`` and ``attn_gate``)
+    -> the Hugging Face tensor they make: ``ssm_conv1d`` ``(C, K)`` back to ``(C, 1,
+    K)``, ``ssm_a = -exp(A_log)`` back to ``A_log``, Qwen3-Next's ``attn_qkv`` and
+    ``attn_gate`` fused back into ``in_proj_qkvz`` (rows per key head), Qwen3.5's value
+    heads back from tiled to grouped order (when there are more value than key heads)."""
+    (name, tensor), *rest = parts.items()
+    kind = name.split(".")[2]
+    k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    hk, hv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    if kind == "attn_qkv" and config["model_type"] == "qwen3_next":
+        qkvz, _ = fused_row_order(k_heads, v_heads, hk, hv)
+        return torch.cat((tensor, rest[0][1]))[qkvz]
+    if kind == "ssm_a":
+        tensor = (-tensor).log()
+    elif kind == "ssm_conv1d":
+        tensor = tensor.unsqueeze(1)
+    group = v_heads // k_heads
+    if config["model_type"] == "qwen3_next" or group == 1:
+        return tensor
+    keys = 2 * k_heads * hk
+    if kind in ("attn_qkv", "ssm_conv1d"):  # the values' rows, after the queries and keys
+        return torch.cat((tensor[:keys], _grouped(tensor[keys:], 0, k_heads, group, hv)))
+    if kind == "attn_gate":
+        return _grouped(tensor, 0, k_heads, group, hv)
+    if kind in ("ssm_beta", "ssm_alpha", "ssm_dt", "ssm_a"):
+        return _grouped(tensor, 0, k_heads, group, 1)
+    if kind == "ssm_out":
+        return _grouped(tensor, 1, k_heads, group, hv)
+    return tensor  # ssm_norm: one weight every head shares
 
 
 def _to_hf(parts: dict[str, Tensor], config: dict[str, Any]) -> Tensor:
@@ -712,6 +949,11 @@ def _to_hf(parts: dict[str, Tensor], config: dict[str, Any]) -> Tensor:
     :func:`_plan`'s order) -> that tensor as transformers' module holds it."""
     model_type = config["model_type"]
     (name, tensor), *rest = parts.items()
+    if model_type in _HYBRIDS and name.startswith("blk.") and name.split(".")[2].startswith(
+            ("ssm_", "attn_qkv", "attn_gate")):
+        return _linear_to_hf(parts, config)
+    if name.endswith("ffn_gate_inp_shexp.weight"):  # (d,) or (1, d) -> (1, d)
+        return tensor.reshape(1, -1)
     kind = name.split(".")[-2]
     if model_type in _PERMUTED and kind in ("attn_q", "attn_k"):
         return unpermute_rope(tensor, config["num_attention_heads" if kind == "attn_q"
@@ -743,7 +985,8 @@ def gguf_state_dict(
     config: dict[str, Any],
     dtype: torch.dtype = torch.float32,
     max_bytes: int | None = None,
-) -> dict[str, Tensor]:
+    keep: Container[str] = (),
+) -> dict[str, Tensor | QuantizedWeight]:
     """The GGUF file's tensors under Hugging Face's names, in Hugging Face's conventions.
 
     Before any tensor is read, the header must list exactly the tensors ``config``
@@ -761,6 +1004,10 @@ def gguf_state_dict(
             float32, then rounded; Gemma's norms have 1 subtracted before rounding).
         max_bytes: refuse before expanding if the tensors would take more than this
             (see :func:`~qkv.models.gguf_weights.read_gguf_tensors`).
+        keep: GGML types (of :data:`~qkv.models.quantized.KEPT_TYPES`) whose 2-D
+            tensors come back as their blocks, a :class:`~qkv.models.quantized.
+            QuantizedWeight` (rows reordered as the float tensor's would be), not
+            expanded; GPT-2's transposed weights are always expanded.
 
     Returns:
         Hugging Face name -> tensor, as transformers' ``*ForCausalLM`` holds it:
@@ -783,18 +1030,39 @@ def gguf_state_dict(
     model_type = config["model_type"]
     plan = _plan(config, header.tensors)
     _check_tensors(header, {**plan, **_kept_out(config)}, model_type)
-    check_tensor_budget(header, plan, dtype, max_bytes)
     groups: dict[str, list[str]] = {}  # Hugging Face name -> its llama.cpp tensors
     for name, (hf_name, _) in plan.items():
         groups.setdefault(hf_name, []).append(name)
-    out = {}
+    kept = {names[0] for names in groups.values()
+            if len(names) == 1 and model_type != "gpt2"
+            and header.tensors[names[0]].type_name in keep
+            and len(header.tensors[names[0]].shape) == 2}
+    check_tensor_budget(header, [n for n in plan if n not in kept], dtype, max_bytes)
+    out: dict[str, Tensor | QuantizedWeight] = {}
     for hf_name, names in groups.items():
+        if names[0] in kept:
+            out[hf_name] = _blocks_to_hf(path, header, names[0], config)
+            continue
         # Gemma's norms come as 1 + w; w keeps its precision only if 1 is subtracted
         # before rounding to bfloat16. Every other conversion only moves values.
-        wide = any(_shifted(model_type, n) for n in names)
+        wide = any(_exact(model_type, n) for n in names)
         out[hf_name] = _to_hf(read_gguf_tensors(path, names, torch.float32 if wide else dtype,
                                                 header=header), config).to(dtype)
     return out
+
+
+def _blocks_to_hf(path: str | os.PathLike[str], header: GGUFHeader, name: str,
+                  config: dict[str, Any]) -> QuantizedWeight:
+    """One 2-D quantized tensor's blocks as :func:`_to_hf` would give its values: the
+    rows of a ``llama`` file's ``attn_q``/``attn_k`` reordered (whole rows move, so
+    their blocks move with them); every other such tensor is used as stored."""
+    info = header.tensors[name]
+    blocks = read_gguf_blocks(path, [name], header)[name]
+    kind = name.split(".")[-2]
+    if config["model_type"] in _PERMUTED and kind in ("attn_q", "attn_k"):
+        blocks = unpermute_rope(blocks, config["num_attention_heads" if kind == "attn_q"
+                                               else "num_key_value_heads"])
+    return QuantizedWeight(info.type_name, blocks, torch.Size(info.shape))
 
 
 def read_gguf_model(

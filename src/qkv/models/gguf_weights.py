@@ -58,6 +58,7 @@ from ..utils.fileio import open_regular
 __all__ = [
     "import_gguf",
     "check_tensor_budget",
+    "decode_blocks",
     "GGUFHeader",
     "GGUFTensorInfo",
     "QKV_DECODED_TYPES",
@@ -66,6 +67,7 @@ __all__ = [
     "open_gguf_reader",
     "permute_rope",
     "quantization_mix",
+    "read_gguf_blocks",
     "read_gguf_header",
     "read_gguf_tensors",
     "unpermute_rope",
@@ -432,9 +434,95 @@ def read_gguf_tensors(
             return {}
         data = np.memmap(f, dtype=np.uint8, mode="r")
         try:
-            return {info.name: _expand(path, data, info, dtype, gguf) for info in infos}
+            return {info.name: _expand(path, f, data, info, dtype, gguf) for info in infos}
         finally:
             del data
+
+
+def read_gguf_blocks(
+    path: str | os.PathLike[str],
+    names: Iterable[str],
+    header: GGUFHeader,
+) -> dict[str, Tensor]:
+    """The file's quantized tensors as their blocks, not expanded.
+
+    Args:
+        path: the ``.gguf`` file.
+        names: 2-D tensors of types :func:`decode_blocks` reads.
+        header: the file's :func:`read_gguf_header`; checked again against its size.
+
+    Returns:
+        name -> uint8 ``(rows, row_bytes)``: each row's blocks as the file stores them
+        (a copy out of the read-only map, one tensor at a time).
+
+    Raises:
+        ValueError: one line: a name the file lacks or of another type or rank; blocks
+            that decode to NaN or an infinity (a damaged scale), named. Each tensor is
+            decoded a million values at a time to check that, never expanded whole.
+    """
+    path = Path(path)
+    gguf = import_gguf()
+    with open_regular(path, "GGUF file") as f:
+        size = os.fstat(f.fileno()).st_size
+        if header.file_size != size:
+            raise ValueError(f"{path}: the file changed since its header was read "
+                             f"({header.file_size:,} bytes then, {size:,} now)")
+        infos = []
+        for name in dict.fromkeys(names):
+            info = header.tensors.get(name)
+            if info is None:
+                raise ValueError(f"{path}: has no tensor {name!r}")
+            if info.type_name not in _DECODERS or len(info.shape) != 2:
+                raise ValueError(f"{path}: tensor {name} is {info.type_name} "
+                                 f"{list(info.shape)}; blocks are read of 2-D tensors of "
+                                 f"{', '.join(_DECODERS)}")
+            infos.append(info)
+        if not infos:
+            return {}
+        out = {}
+        for info in infos:
+            _, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[info.type_name]]
+            blocks = _read_bytes(path, f, info).reshape(info.shape[0], -1)
+            _check_blocks(path, info, blocks.reshape(-1, block_bytes))
+            out[info.name] = blocks
+    return out
+
+
+def _read_bytes(path: Path, f: Any, info: GGUFTensorInfo) -> Tensor:
+    """A tensor's bytes, read into memory of their own (uint8 ``(nbytes,)``): read, not
+    copied out of a map, so the file's pages are not counted in the process's memory
+    beside the copy."""
+    out = torch.empty(info.nbytes, dtype=torch.uint8)
+    view, got = memoryview(out.numpy()), 0
+    f.seek(info.offset)
+    while got < info.nbytes and (n := f.readinto(view[got:])):
+        got += n
+    view.release()
+    if got != info.nbytes:
+        raise ValueError(f"{path}: tensor {info.name} ends past the file's end: the file "
+                         "was truncated while it was read")
+    return out
+
+
+# Where each type's float16 scales sit in its block (byte offsets). A block's values are
+# its scales times small integers (minus a scaled minimum): they are all finite exactly
+# when its scales are, so these fields alone say whether a tensor is damaged.
+_SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+                 "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                 "Q6_K": (208,)}
+
+
+def _check_blocks(path: Path, info: GGUFTensorInfo, blocks: Tensor) -> None:
+    """One line if a block of ``blocks`` (``(n, block_bytes)``) has a NaN or infinite
+    scale, which would make its values NaN or infinite. Nothing the tensor's size is
+    allocated (a value decoded would be 4 bytes; a scale checked is 3)."""
+    bad = torch.zeros(len(blocks), dtype=torch.bool)
+    for at in _SCALE_FIELDS[info.type_name]:
+        bad |= ~torch.isfinite(blocks[:, at:at + 2].contiguous().view(torch.float16)[:, 0])
+    if bool(bad.any()):
+        raise ValueError(f"{path}: tensor {info.name} has {int(bad.sum()):,} block(s) of "
+                         f"{len(blocks):,} with a NaN or infinite scale; the weights are "
+                         "damaged")
 
 
 def check_tensor_budget(header: GGUFHeader, names: Iterable[str], dtype: torch.dtype,
@@ -585,6 +673,41 @@ _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
 QKV_DECODED_TYPES = (*_FLOATS, *_DECODERS)
 
 
+def decode_blocks(blocks: Tensor, type_name: str) -> Tensor:
+    """Rows of GGML blocks -> their values, by qkv's PyTorch decoders.
+
+    Args:
+        blocks: uint8 ``(rows, row_bytes)``, each row whole blocks of ``type_name``
+            exactly as a GGUF file stores them (``row_bytes`` a multiple of the type's
+            block bytes).
+        type_name: one of the quantized types of :data:`QKV_DECODED_TYPES`
+            (``"Q8_0"`` ... ``"Q6_K"``).
+
+    Returns:
+        float32 ``(rows, row_bytes // block_bytes * block_values)``, in the order ggml's
+        ``dequantize_row_*`` writes them.
+    """
+    if type_name not in _DECODERS:
+        raise ValueError(f"decode_blocks: type {show(type_name)} is not one qkv decodes; "
+                         f"decoded: {', '.join(_DECODERS)}")
+    gguf = import_gguf()
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % block_bytes:
+        raise ValueError(f"decode_blocks: blocks must be uint8 (rows, a multiple of "
+                         f"{block_bytes} bytes) for {type_name}, got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    rows = len(blocks)
+    flat = blocks.reshape(-1, block_bytes)
+    values = torch.empty(len(flat), block)
+    # A million values at a time into one output: the decoders' temporaries (a few
+    # bytes per value each) stay in cache instead of faulting in and out hundreds of
+    # MB for a large tensor.
+    step = max(1, _DECODE_VALUES // block)
+    for i in range(0, len(flat), step):
+        values[i:i + step] = _DECODERS[type_name](flat[i:i + step])
+    return values.reshape(rows, -1)
+
+
 def gguf_version() -> str:
     """The installed gguf package's version (``"0.19.0"``), or ``"?"``."""
     from importlib.metadata import PackageNotFoundError, version
@@ -641,25 +764,19 @@ def quantization_mix(header: GGUFHeader) -> str:
     return ", ".join(f"{name} x {n}" for name, n in counts.most_common())
 
 
-def _expand(path: Path, data: np.ndarray, info: GGUFTensorInfo, dtype: torch.dtype,
+def _expand(path: Path, f: Any, data: np.ndarray, info: GGUFTensorInfo, dtype: torch.dtype,
             gguf: Any) -> Tensor:
     """One tensor's bytes -> a contiguous tensor of ``info.shape`` and ``dtype``."""
     block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[info.type_name]]
     if info.type_name in QKV_DECODED_TYPES:
-        # A copy of the bytes, out of the read-only map (torch wants writable memory).
-        raw = torch.from_numpy(np.array(data[info.offset:info.offset + info.nbytes]))
+        # The bytes read into memory of their own (torch wants writable memory; pages
+        # of a map would count in the process's memory beside them).
+        raw = _read_bytes(path, f, info)
         if info.type_name in _FLOATS:
             values = raw.view(_FLOATS[info.type_name])
             values = values if values.dtype == torch.float64 else values.float()
         else:
-            # A million values at a time into one output: the decoders' temporaries (a
-            # few bytes per value each) stay in cache instead of faulting in and out
-            # hundreds of MB for a large tensor.
-            blocks = raw.reshape(-1, block_bytes)
-            values = torch.empty(len(blocks), block)
-            step = max(1, _DECODE_VALUES // block)
-            for i in range(0, len(blocks), step):
-                values[i:i + step] = _DECODERS[info.type_name](blocks[i:i + step])
+            values = decode_blocks(raw.reshape(-1, block_bytes), info.type_name)
     else:
         # The gguf package's decoder, given whole rows (it works through them 16 at a
         # time) straight from the map; its float32 result is the one expanded copy.

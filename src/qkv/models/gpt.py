@@ -53,7 +53,7 @@ from ..multihead import MultiHeadAttention
 from ..options import GPT_PRESETS as PRESETS
 from ..options import MAX_NEW_TOKENS
 from ..positional import check_rope_scaling
-from .moe import MoE
+from .moe import Experts, GatedMLP, MoE
 from .native_decode import DTYPES as NATIVE_DTYPES
 from .native_decode import NativeDecoder
 
@@ -68,6 +68,7 @@ __all__ = [
     "make_norm",
     "AcrossHeads",
     "ATTENTION_KINDS",
+    "PADDED_ATTENTION",
     "LAYOUT_KEYS",
     "LayerSpec",
     "GPTConfig",
@@ -808,6 +809,8 @@ _ATTENTION_BUILDERS: dict[str, Callable[[GPTConfig, LayerSpec], nn.Module]] = {
     "gated_deltanet": _gated_deltanet,  # linear attention, a fixed-size state (Qwen3.5)
 }
 ATTENTION_KINDS = tuple(_ATTENTION_BUILDERS)
+# The kinds that take a padding mask (GPTModel.forward's key_padding_mask).
+PADDED_ATTENTION = ("mha", "sink", "gated", "shared_kv", "gated_deltanet")
 
 
 def _feed_forward(cfg: GPTConfig, spec: LayerSpec) -> nn.Module:
@@ -847,19 +850,31 @@ class TransformerBlock(nn.Module):
 
     def forward(
         self, x: Tensor, *, cache: Any = None, shared: KVHandoff | None = None,
-        need_weights: bool = False,
+        need_weights: bool = False, key_padding_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """``x (batch, T, emb_dim)``; with ``need_weights`` also ``(batch, heads, T, T_k)``.
 
         ``cache`` is the layer's own (its attention's ``new_cache``); a ``"shared_kv"``
-        layer has none and takes its source layer's keys and values as ``shared``."""
+        layer has none and takes its source layer's keys and values as ``shared``.
+        ``key_padding_mask (batch, T_k)``, True = padding, covers every key the layer
+        attends to (the cached ones, then ``x``'s); a Gated DeltaNet layer, whose past
+        is a state, takes its last ``T`` columns (``x``'s tokens)."""
+        padding = {}
+        if key_padding_mask is not None:
+            if self.spec.attention not in PADDED_ATTENTION:
+                raise ValueError(f"key_padding_mask: {self.spec.attention!r} layers take "
+                                 f"no padding mask (those of {', '.join(PADDED_ATTENTION)} do)")
+            padding["key_padding_mask"] = (key_padding_mask[:, -x.shape[1]:]
+                                           if self.spec.attention == "gated_deltanet"
+                                           else key_padding_mask)
         if self.spec.attention == "shared_kv":
             if shared is None:
                 raise ValueError("a shared_kv layer needs the KVHandoff of its kv_source "
                                  "layer (GPTModel.forward passes it)")
-            attended = self.att(self.norm1(x), shared, need_weights=need_weights)
+            attended = self.att(self.norm1(x), shared, need_weights=need_weights, **padding)
         else:
-            attended = self.att(self.norm1(x), cache=cache, need_weights=need_weights)
+            attended = self.att(self.norm1(x), cache=cache, need_weights=need_weights,
+                                **padding)
         weights = None
         if need_weights:
             attended, weights = attended
@@ -935,6 +950,7 @@ class GPTModel(nn.Module):
         caches: list[KVCache] | None = None,
         need_weights: bool = False,
         logits_to_keep: int = 0,
+        key_padding_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """Next-token logits for every position.
 
@@ -943,6 +959,15 @@ class GPTModel(nn.Module):
             caches: one :class:`KVCache` per layer (:meth:`new_caches`); ``idx`` is then
                 the tokens after the ``caches[0].pos`` already stored, and positions
                 continue from there.
+            key_padding_mask: ``(batch, caches[0].pos + T)`` bool, **True = padding**:
+                the padding of every token so far, the cached ones then ``idx``'s (rows
+                of different lengths left-padded to one, as a batch of prompts is). No
+                layer attends to a padding position and a Gated DeltaNet layer's state
+                goes through it unchanged, so each row's logits at its own tokens are
+                those it gets alone (with rotary positions, which see only the distance
+                between tokens; the logits at padding positions mean nothing). Layers
+                of the kinds in :data:`PADDED_ATTENTION` take it; a sliding window's
+                ring cache does not keep positions in order and refuses it.
             need_weights: also return each layer's attention weights
                 ``(batch, heads, T, T_k)`` (runs the eager attention path).
             logits_to_keep: ``n > 0``: the logits of the last ``n`` positions only
@@ -963,6 +988,15 @@ class GPTModel(nn.Module):
                 f"need one KVCache per layer ({len(self.trf_blocks)}), got {len(caches)}"
             )
         start = caches[0].pos if caches is not None else 0
+        if key_padding_mask is not None:
+            want = (idx.shape[0], start + idx.shape[-1])
+            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != \
+                    torch.bool or tuple(key_padding_mask.shape) != want:
+                got = (f"{tuple(key_padding_mask.shape)} {key_padding_mask.dtype}"
+                       if isinstance(key_padding_mask, Tensor)
+                       else type(key_padding_mask).__name__)
+                raise ValueError(f"key_padding_mask must be a bool tensor of shape {want} "
+                                 f"(the cached tokens, then idx's; True = padding), got {got}")
         if self.pos_emb is None:
             if idx.dim() != 2:
                 raise ValueError(f"token ids must have shape (batch, tokens), got "
@@ -984,10 +1018,11 @@ class GPTModel(nn.Module):
             source = block.spec.kv_source
             shared = handoffs[source] if source is not None else None
             if need_weights:
-                x, weights = block(x, cache=cache, shared=shared, need_weights=True)
+                x, weights = block(x, cache=cache, shared=shared, need_weights=True,
+                                   key_padding_mask=key_padding_mask)
                 all_weights.append(weights)
             else:
-                x = block(x, cache=cache, shared=shared)
+                x = block(x, cache=cache, shared=shared, key_padding_mask=key_padding_mask)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = self.out_head(self.final_norm(x))
@@ -1028,8 +1063,9 @@ class GPTModel(nn.Module):
 # Decoding
 
 
-def _mlp_kind(ff: nn.Module) -> tuple[type, type]:
-    return type(ff), type(getattr(ff, "act", None))
+# The attention classes decode.c's step runs (NoPE layers are MultiHeadAttention's).
+_NATIVE_ATTENTION = (MultiHeadAttention, SinkAttention, GatedAttention, SharedKVAttention,
+                     LatentAttention, SparseLatentAttention, GatedDeltaNet)
 
 
 def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
@@ -1050,25 +1086,39 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         if type(block) is not TransformerBlock:
             return f"a block of type {type(block).__name__}"
         att, ff = block.att, block.ff
-        if type(att) is not MultiHeadAttention or type(ff) not in (FeedForward,
-                                                                   GatedFeedForward):
-            return ("attention and feed-forward must be qkv's MultiHeadAttention and "
-                    "FeedForward or GatedFeedForward")
-        if (not att.causal or att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim
+        if type(att) not in _NATIVE_ATTENTION:
+            return (f"{type(att).__name__} layers have no native step (it runs "
+                    f"{', '.join(c.__name__ for c in _NATIVE_ATTENTION)})")
+        if type(ff) not in (FeedForward, GatedFeedForward, MoE):
+            return (f"{type(ff).__name__} feed-forwards have no native step (it runs "
+                    "FeedForward, GatedFeedForward and MoE)")
+        if isinstance(att, LatentAttention):
+            if att.d_model != model.cfg.emb_dim:
+                return "latent attention over the residual stream is needed"
+        elif isinstance(att, GatedDeltaNet):
+            if att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim:
+                return "Gated DeltaNet over the residual stream is needed"
+        elif (not att.causal or att.d_in != model.cfg.emb_dim or att.d_out != model.cfg.emb_dim
                 or att.kdim != att.d_in or att.vdim != att.d_in):
             return "causal self-attention over the residual stream is needed"
-        if any(getattr(att, n) != getattr(model.trf_blocks[0].att, n) for n in
-               ("num_heads", "num_kv_groups", "head_dim", "scale")):
-            return "every layer must have the same heads, head size and scale"
-        if any(m is not None and type(m) not in norms for m in (att.q_norm, att.k_norm)):
+        elif (att.W_query.out_features not in (att.num_heads * att.head_dim,
+                                               2 * att.num_heads * att.head_dim)
+              or getattr(att, "W_key", att.W_query).out_features % att.head_dim
+              or att.num_heads % att.num_kv_groups
+              or (hasattr(att, "W_key")
+                  and att.W_key.out_features != att.num_kv_groups * att.head_dim)):
+            return "a layer's projections must have the same heads as it says it has"
+        elif any(m is not None and type(m) not in norms for m in (att.q_norm, att.k_norm)):
             return "QK-norms must be qkv's LayerNorm or RMSNorm"
         if type(ff) is FeedForward and (len(ff.layers) != 3 or type(ff.layers[1]) is not GELU
                                         or not all(map(_native_linear, ff.layers[::2]))):
             return "the feed-forward must be Linear, GELU, Linear"
         if type(ff) is GatedFeedForward and type(ff.act) not in (nn.SiLU, GELU):
             return "the gated feed-forward's activation must be SiLU or GELU"
-        if _mlp_kind(ff) != _mlp_kind(model.trf_blocks[0].ff):
-            return "every layer must have the same kind of feed-forward"
+        if type(ff) is MoE and (type(ff.experts) is not Experts or type(ff.router) is not
+                                nn.Linear or (ff.shared_expert is not None
+                                              and type(ff.shared_expert) is not GatedMLP)):
+            return "a mixture of experts must be built from qkv's Experts and GatedMLP"
         if any(m is not None and type(m) not in norms for m in
                (block.norm1, block.norm2, block.post_norm1, block.post_norm2)):
             return "the norms must be qkv's LayerNorm or RMSNorm"
@@ -1190,6 +1240,7 @@ def generate(
     context_size: int | None = None,
     native: bool | None = None,
     on_token: Callable[[Tensor], None] | None = None,
+    key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """Extend ``idx (batch, T)`` by up to ``max_new_tokens`` tokens -> ``(batch, T + n)``.
 
@@ -1220,6 +1271,10 @@ def generate(
             through the model's forward.
         on_token: called with each step's new ids ``(batch, 1)`` as soon as they are
             chosen (to stream the text); an exception it raises ends the generation.
+        key_padding_mask: ``(batch, T)`` bool, True where ``idx`` is padding: prompts of
+            different lengths left-padded to one. Each row then gets the tokens it gets
+            alone (a :class:`GPTModel` with rotary positions; see its ``forward``). The
+            steps run through the model's forward (not the C kernels).
 
     ``max_new_tokens`` is at most :data:`MAX_NEW_TOKENS`; the output is allocated once,
     so each step costs the same however long the text has grown.
@@ -1262,6 +1317,21 @@ def generate(
 
     if native and not use_cache:
         raise ValueError("native=True runs the cached steps: it needs use_cache=True")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool \
+                or key_padding_mask.shape != idx.shape:
+            got = (f"{tuple(key_padding_mask.shape)} {key_padding_mask.dtype}"
+                   if isinstance(key_padding_mask, Tensor) else type(key_padding_mask).__name__)
+            raise ValueError(f"key_padding_mask must be a bool tensor of idx's shape "
+                             f"{tuple(idx.shape)} (True = padding), got {got}")
+        if native:
+            raise ValueError("native=True does not take a key_padding_mask: the C kernels "
+                             "attend to every cached position (pass native=None)")
+        if use_cache and getattr(cfg, "window_size", None) is not None:
+            raise ValueError(f"key_padding_mask: a sliding window (window_size="
+                             f"{cfg.window_size}) caches in rings, which do not keep "
+                             "positions in order; pass use_cache=False")
+        native = False
     use_native = False
     if use_cache and native is not False and max_new_tokens > 0:
         reason = native_unsupported(model, idx.shape[0])
@@ -1274,8 +1344,14 @@ def generate(
     keep = {"logits_to_keep": 1} if "logits_to_keep" in \
         inspect.signature(model.forward).parameters else {}
 
-    def forward(ids: Tensor, caches: list[KVCache] | None = None) -> Tensor:
-        return model(ids, **keep) if caches is None else model(ids, caches=caches, **keep)
+    def forward(ids: Tensor, caches: list[KVCache] | None = None,
+                first: int = 0) -> Tensor:
+        """The model on ``ids``, the last tokens of ``ids_so_far[:, first:end]`` (the
+        cache holding the others): with padding, that span's padding goes along."""
+        extra = {} if pads is None else {"key_padding_mask": pads[:, first:end]}
+        if caches is None:
+            return model(ids, **keep, **extra)
+        return model(ids, caches=caches, **keep, **extra)
 
     was_training = model.training
     model.eval()
@@ -1298,19 +1374,28 @@ def generate(
         ids = idx.new_empty(idx.shape[0], idx.shape[1] + max_new_tokens)
         ids[:, : idx.shape[1]] = idx
         end = idx.shape[1]
+        # The padding of every position (the new tokens are none); cached from `held`.
+        pads = None
+        if key_padding_mask is not None:
+            pads = torch.zeros(ids.shape, dtype=torch.bool, device=idx.device)
+            pads[:, :end] = key_padding_mask.to(idx.device)
+        held = 0
         for _ in range(max_new_tokens):
             if caches is None:
-                logits = forward(ids[:, max(end - context_size, 0) : end])
+                first = max(end - context_size, 0)
+                logits = forward(ids[:, first:end], first=first)
             elif caches[0].pos == 0 or (caches[0].pos == context_size and not endless):
                 # first step, or the cache is full: (re-)fill it from the last window
                 for cache in caches:
-                    cache.reset()
-                logits = forward(ids[:, max(end - context_size, 0) : end], caches)
+                    if cache is not None:  # a shared_kv layer keeps none
+                        cache.reset()
+                held = max(end - context_size, 0)
+                logits = forward(ids[:, held:end], caches, first=held)
             elif decoder is not None:
                 logits = decoder.step(int(ids[0, end - 1]))
             else:
                 # the cache holds every token but the newest: feed just that one
-                logits = forward(ids[:, end - 1 : end], caches)
+                logits = forward(ids[:, end - 1 : end], caches, first=held)
             next_id = _next_token(logits[:, -1, :], float(temperature), top_k, top_p, generator)
             if eos_ids is not None:
                 next_id = next_id.masked_fill(finished[:, None], eos_ids[0])

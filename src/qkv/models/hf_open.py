@@ -74,12 +74,15 @@ __all__ = ["SUPPORTED_TYPES", "config_fields", "expected_tensors", "to_qkv",
 
 SUPPORTED_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3",
                    "olmo3", "gpt_oss", "deepseek_v3", "deepseek_v32", "qwen3_5_text",
-                   "qwen3_5", "qwen3_next")
+                   "qwen3_5", "qwen3_next", "qwen3_5_moe_text")
 # The hybrids of Gated DeltaNet ("linear_attention") and gated softmax attention
 # ("full_attention") layers. A "qwen3_5" folder is the multimodal model: its config holds
 # the text model's under "text_config", and its weights the text model's under
 # "model.language_model." beside a vision tower, which qkv leaves unread.
-_HYBRID = ("qwen3_5_text", "qwen3_next")
+_HYBRID = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
+# Those with experts (and a gated shared expert); Qwen3.5-MoE's are in every layer,
+# their top-k weights renormalised, and it has no dense MLP (no intermediate_size).
+_HYBRID_MOE = ("qwen3_next", "qwen3_5_moe_text")
 # The families whose layers are not all multi-head attention and a dense MLP: their
 # GPTConfig has a layout, and their tensors' names follow from the modules it builds.
 _MIXED = ("gpt_oss", "deepseek_v3", "deepseek_v32", *_HYBRID)
@@ -169,6 +172,11 @@ _DEFAULTS["qwen3_next"] = {
     "max_position_embeddings": 32768, "decoder_sparse_step": 1, "moe_intermediate_size": 512,
     "shared_expert_intermediate_size": 512, "num_experts_per_tok": 10, "num_experts": 512,
     "norm_topk_prob": True, "mlp_only_layers": []}
+_DEFAULTS["qwen3_5_moe_text"] = {
+    **_LINEAR_DEFAULTS, "vocab_size": 248_320, "hidden_size": 2048, "num_hidden_layers": 40,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts": 256,
+    "num_experts_per_tok": 8}
 # The families whose RoPE may differ between sliding and full layers (rope_parameters
 # holds one dict per layer type).
 _ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
@@ -255,7 +263,8 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         "n_heads": n_heads, "n_layers": n_layers, "drop_rate": 0.0,
         "n_kv_groups": None if kv_heads == n_heads else kv_heads,
         "head_dim": None if head_dim * n_heads == emb_dim else head_dim,
-        "hidden_dim": size("intermediate_size"), "mlp": mlp,
+        "hidden_dim": size("moe_intermediate_size" if kind == "qwen3_5_moe_text"
+                           else "intermediate_size"), "mlp": mlp,
         "qkv_bias": kind == "qwen2" or attention_bias, "out_bias": attention_bias,
         "mlp_bias": flag("mlp_bias") if kind in ("llama", "smollm3") else False,
         # Qwen3-Next's and Qwen3.5's norms are zero-centred too: x_hat * (1 + w)
@@ -318,7 +327,8 @@ def _hybrid_layers(config: Mapping[str, Any], kind: str, n_layers: int, head_dim
     ``layer_types`` (or every ``full_attention_interval``-th layer) a gated full-attention
     layer turning ``partial_rotary_factor`` of each head, the others Gated DeltaNet;
     Qwen3-Next's experts with a gated shared expert in every ``decoder_sparse_step``-th
-    layer but those of ``mlp_only_layers``. (Qwen3.5's multimodal RoPE, ``mrope_section``,
+    layer but those of ``mlp_only_layers``; Qwen3.5-MoE's (``qwen3_5_moe_text``) in every
+    layer, renormalised. (Qwen3.5's multimodal RoPE, ``mrope_section``,
     turns a text token as plain RoPE does: its three position ids are equal.)"""
     def size(name: str, lo: int = 1) -> int:
         return check_int(f"{where}: {name}", get(name), lo, MAX_SIZE)
@@ -347,9 +357,11 @@ def _hybrid_layers(config: Mapping[str, Any], kind: str, n_layers: int, head_dim
               "num_v_heads": v_heads, "head_v_dim": size("linear_value_head_dim"),
               "conv_kernel_size": size("linear_conv_kernel_dim")}
     mlps, moe = ["dense"] * n_layers, None
-    if kind == "qwen3_next" and size("num_experts", 0):
-        step = size("decoder_sparse_step")
-        dense = get("mlp_only_layers")
+    if kind in _HYBRID_MOE and size("num_experts", 0):
+        # Qwen3.5-MoE's schedule and renormalisation are fixed by its modeling code
+        fixed = kind == "qwen3_5_moe_text"
+        step = 1 if fixed else size("decoder_sparse_step")
+        dense = [] if fixed else get("mlp_only_layers")
         if not (isinstance(dense, list) and all(
                 isinstance(i, int) and not isinstance(i, bool) for i in dense)):
             raise ValueError(f"{where}: mlp_only_layers must list layer indices, got "
@@ -357,7 +369,8 @@ def _hybrid_layers(config: Mapping[str, Any], kind: str, n_layers: int, head_dim
         mlps = ["dense" if i in dense or (i + 1) % step else "moe" for i in range(n_layers)]
         moe = {"hidden_dim": size("moe_intermediate_size"), "num_experts": size("num_experts"),
                "top_k": size("num_experts_per_tok"), "score": "softmax",
-               "norm_topk_prob": check_bool(f"{where}: norm_topk_prob", get("norm_topk_prob")),
+               "norm_topk_prob": fixed or check_bool(f"{where}: norm_topk_prob",
+                                                     get("norm_topk_prob")),
                "shared_hidden_dim": size("shared_expert_intermediate_size"),
                "shared_gate": True}
         if moe["top_k"] > moe["num_experts"]:
@@ -699,6 +712,7 @@ _LINEAR_NAMES = (("att.", "linear_attn."),)
 # speculative decoding that the model's own logits do not go through).
 _MODEL_PREFIX = {"qwen3_5": "model.language_model."}
 _UNREAD = {"qwen3_5": ("model.visual.", "mtp."), "qwen3_5_text": ("mtp.",),
+           "qwen3_5_moe_text": ("mtp.",),
            "qwen3_next": ("mtp.",)}
 # The types whose linear-attention layers store q, k, v and z as one fused projection,
 # and b and a as another, interleaved per key head (qkv.linear_attention.fused_row_order).

@@ -25,7 +25,17 @@ block's forward for one token (:class:`~qkv.models.gpt.TransformerBlock`):
 
 with LayerNorm or RMSNorm (Gemma's ``1 + w`` folded into a float32 scale), GELU or SiLU,
 the optional pieces where the model has them, and ``x = tok_emb[token] * embed_scale
-(+ pos_emb[pos])`` before and ``logits = out_head(final_norm(x))`` after. It is the module
+(+ pos_emb[pos])`` before and ``logits = out_head(final_norm(x))`` after.
+
+Each layer's kind is the module's (read by its attributes, one code path in ``decode.c``
+per kind): multi-head attention with its variants (``sinks``: one more logit per head;
+a query projection twice as wide: the per-head sigmoid gate, with ``rotary_dim`` for
+partial RoPE; ``rope`` False: no positions; a ``kv_source``: the source layer's cache,
+nothing stored), latent attention in the absorbed form (``kv_b_proj``; with an
+``indexer``, DeepSeek's sparse attention) over its :class:`~qkv.kv_cache.LatentCache`,
+or Gated DeltaNet (``in_proj_qkv``) over its ``DeltaNetCache`` (the state float32);
+the MLP dense or a mixture of experts (``router``: only the chosen experts' rows are
+read). It is the module
 path's maths in another summation order, so logits agree to rounding
 (``tests/test_native_decode.py`` checks both against the float64 model). Only the
 one-token steps run here: the prompt (as matrix products), and the re-fill of a full
@@ -57,12 +67,20 @@ from torch import Tensor, nn
 from ..kernels import (
     ACT_GELU,
     ACT_SILU,
+    GLU_CLAMPED,
+    GLU_GEGLU,
+    GLU_SWIGLU,
     NORM_LAYER,
     NORM_NONE,
     NORM_RMS,
+    SCORE_SIGMOID,
+    SCORE_SOFTMAX,
+    DeltaNet,
+    Latent,
     Layer,
     Mat,
     Model,
+    Moe,
     Norm,
     decode_kernels,
     quant_type_code,
@@ -75,6 +93,38 @@ __all__ = ["DTYPES", "NativeDecoder"]
 
 # the weight dtypes the kernels read, and their codes in decode.c
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# a mixture of experts' router scores and gated units (qkv.models.moe), as decode.c codes them
+_SCORES = {"softmax": SCORE_SOFTMAX, "sigmoid": SCORE_SIGMOID}
+_GLUS = {"swiglu": GLU_SWIGLU, "geglu": GLU_GEGLU, "clamped_swiglu": GLU_CLAMPED}
+
+
+def _dense_mlp(ff: nn.Module) -> tuple[nn.Linear, nn.Linear | None, nn.Linear]:
+    """A dense MLP's three layers: gated ``act(fc1 h) * fc2 h``, then ``fc3``; GPT-2's
+    ``act(layers[0] h)`` (no second), then ``layers[2]``."""
+    return (ff.fc1, ff.fc2, ff.fc3) if hasattr(ff, "fc1") else (ff.layers[0], None, ff.layers[2])
+
+
+def _batch(cache: object) -> int:
+    """The batch size of a layer's cache (a KVCache, LatentCache or DeltaNetCache)."""
+    for name in ("kv", "keys", "state"):
+        if hasattr(cache, name):
+            return getattr(cache, name).shape[0]
+    raise ValueError(f"caches must be the model's own (new_caches), got {cache!r}")
+
+
+def _kind(att: nn.Module) -> str:
+    """What decode.c runs for an attention layer: ``"latent"`` (keys and values from one
+    latent per token: ``kv_b_proj``), ``"deltanet"`` (a state: ``in_proj_qkv``) or
+    ``"mha"`` (multi-head attention and its variants)."""
+    if hasattr(att, "kv_b_proj"):
+        return "latent"
+    return "deltanet" if hasattr(att, "in_proj_qkv") else "mha"
+
+
+def _gated(att: nn.Module) -> bool:
+    """Whether the layer's query projection carries a gate per head (twice as wide:
+    each head's query, then its gate)."""
+    return att.W_query.out_features == 2 * att.num_heads * att.head_dim
 
 
 def _vector(t: Tensor | None) -> Tensor | None:
@@ -91,67 +141,103 @@ class NativeDecoder:
             here).
         caches: the model's caches (:meth:`GPTModel.new_caches` at batch 1), filled by
             the module path with the tokens so far; :meth:`step` appends to them.
+        threads: the threads each step runs on (default: PyTorch's).
 
     The decoder holds the addresses of the model's parameters and the caches' buffers
     (``decode.c``'s ``qkv_model``): use it only while neither is replaced or resized
     (one :func:`generate` call).
     """
 
-    def __init__(self, model: nn.Module, caches: list[KVCache]) -> None:
+    def __init__(self, model: nn.Module, caches: list[KVCache], threads: int | None = None
+                 ) -> None:
         lib = decode_kernels()
         if lib is None:
             raise ValueError(f"cannot decode natively: {unavailable_reason()}")
-        if caches and caches[0].keys.shape[0] != 1:
-            raise ValueError(f"one sequence at a time, got a batch of {caches[0].keys.shape[0]}")
         if len(caches) != len(model.trf_blocks):
             raise ValueError(f"need one KVCache per layer ({len(model.trf_blocks)}), "
                              f"got {len(caches)}")
+        if caches and _batch(caches[0]) != 1:
+            raise ValueError(f"one sequence at a time, got a batch of {_batch(caches[0])}")
         self.lib = lib
         self.model, self.caches = model, caches
         # the float dtype the model computes in (its norms', biases' and caches')
         self.dtype = model.final_norm.scale.dtype
-        self.threads = torch.get_num_threads()
+        self.threads = torch.get_num_threads() if threads is None else threads
         cfg = model.cfg
-        att0 = model.trf_blocks[0].att
-        heads, kv_heads, head_dim = att0.num_heads, att0.num_kv_groups, att0.head_dim
+        # The sizes of the multi-head attention layers (all alike); latent ones have
+        # their own.
+        mha = [block.att for block in model.trf_blocks if _kind(block.att) == "mha"]
+        # The cache each layer attends over: its own, or (KV sharing) its source's.
+        read = []
         for block, cache in zip(model.trf_blocks, caches, strict=True):
-            window = block.att.window_size
-            if (cache.keys.dtype != self.dtype or not cache.keys.is_contiguous()
-                    or not cache.values.is_contiguous() or cache.ring != (window is not None)
-                    or (window is not None and cache.max_len != window)
-                    or cache.keys.shape[1] != kv_heads
-                    or cache.keys.shape[3] != head_dim or cache.values.shape[3] != head_dim
-                    or cache.pos != caches[0].pos):
+            source = block.spec.kv_source
+            if (source is None) == (cache is None):
+                raise ValueError(f"caches must be the model's own (new_caches), got {cache!r}")
+            read.append(cache if source is None else caches[source])
+        for block, cache in zip(model.trf_blocks, read, strict=True):
+            att = block.att
+            if _kind(att) == "deltanet":
+                bad = (not hasattr(cache, "state") or cache.conv.dtype != self.dtype
+                       or cache.state.dtype != torch.float32
+                       or tuple(cache.conv.shape[1:]) != (att.conv_kernel_size - 1,
+                                                          att.conv_dim))
+            elif _kind(att) == "latent":
+                index = getattr(cache, "index_keys", None)
+                bad = (not hasattr(cache, "kv") or cache.kv.dtype != self.dtype
+                       or not cache.kv.is_contiguous() or cache.kv.shape[2] !=
+                       att.kv_lora_rank + att.qk_rope_head_dim
+                       or (index is None) != (att.indexer is None)
+                       or (index is not None and (not index.is_contiguous()
+                                                  or index.dtype != self.dtype
+                                                  or index.shape[2] != att.indexer.head_dim)))
+            else:
+                window = att.window_size
+                bad = (not hasattr(cache, "keys") or cache.keys.dtype != self.dtype
+                       or not cache.keys.is_contiguous()
+                       or not cache.values.is_contiguous() or cache.ring != (window is not None)
+                       or (window is not None and cache.max_len != window)
+                       or cache.keys.shape[1] != att.num_kv_groups
+                       or cache.keys.shape[3] != att.head_dim
+                       or cache.values.shape[3] != att.head_dim)
+            if bad or cache.pos != caches[0].pos:
                 raise ValueError(f"caches must be the model's own (new_caches), got {cache!r}")
         # The last position a step may take: a full cache's length (all are one length),
         # and learned positions' table; a model of ring caches and RoPE has no end.
-        full = [cache.max_len for cache in caches if not cache.ring]
+        full = [cache.max_len for cache, block in zip(read, model.trf_blocks, strict=True)
+                if _kind(block.att) != "deltanet" and not cache.ring]
         ends = full + ([cfg.context_length] if model.pos_emb is not None else [])
         self.limit = min(ends) if ends else None
-        first = model.trf_blocks[0].ff
-        hidden = (first.fc1 if hasattr(first, "fc1") else first.layers[0]).out_features
-        longest = max(cache.max_len for cache in caches)
+        hidden = max([_dense_mlp(block.ff)[0].out_features for block in model.trf_blocks
+                       if not hasattr(block.ff, "router")], default=1)
+        longest = max(cache.max_len for cache, block in zip(read, model.trf_blocks,
+                                                            strict=True)
+                      if _kind(block.att) == "mha") if mha else 1
+        gated = any(_gated(att) for att in mha)
+
+        def widest(heads: str) -> int:  # the most values of `heads` heads of any layer
+            return max([getattr(att, heads) * att.head_dim for att in mha], default=1)
+
         # Every tensor whose address the kernels get, kept alive with the decoder.
         self._keep: list[Tensor] = []
+        self._structs: list[Moe | Latent | DeltaNet] = []  # the structs layers point to
+        self._deltas: list[tuple[DeltaNet, object]] = []
         buffers = {name: self._zeros(size) for name, size in (
             ("x", cfg.emb_dim), ("o", cfg.emb_dim), ("h", cfg.emb_dim),
-            ("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim),
-            ("a", heads * head_dim), ("f", hidden), ("logits", cfg.vocab_size),
-            ("scores", heads * longest))}
+            ("q", (2 if gated else 1) * widest("num_heads")), ("g", widest("num_heads")),
+            ("k", widest("num_kv_groups")), ("v", widest("num_kv_groups")),
+            ("a", widest("num_heads")), ("f", hidden), ("logits", cfg.vocab_size),
+            ("scores", max([att.num_heads for att in mha], default=1) * longest))}
         self.logits = buffers["logits"].view(1, 1, cfg.vocab_size)
         self._rope: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._rope_len = 0
         self._layers = (Layer * cfg.n_layers)(*(self._layer(b, c) for b, c in
-                                                 zip(model.trf_blocks, caches, strict=True)))
+                                                 zip(model.trf_blocks, read, strict=True)))
         embed_scale = 1.0
         if cfg.embed_scale:  # rounded to the weights' dtype, as the module path rounds it
             embed_scale = float(torch.tensor(cfg.emb_dim ** 0.5, dtype=self.dtype))
-        scale = att0.scale if att0.scale is not None else 1.0 / math.sqrt(head_dim)
-        act = ACT_SILU if isinstance(getattr(first, "act", None), nn.SiLU) else ACT_GELU
         self.struct = Model(
-            dt=DTYPES[self.dtype], n_layers=cfg.n_layers, act=act, dim=cfg.emb_dim,
-            hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-            vocab=cfg.vocab_size, scale=scale, embed_scale=embed_scale,
+            dt=DTYPES[self.dtype], n_layers=cfg.n_layers, dim=cfg.emb_dim,
+            vocab=cfg.vocab_size, embed_scale=embed_scale,
             tok_emb=self._weight(model.tok_emb), pos_emb=self._weight(model.pos_emb),
             head=self._weight(model.out_head), final_norm=self._norm(model.final_norm),
             layers=self._layers, **{name: t.data_ptr() for name, t in buffers.items()})
@@ -203,23 +289,162 @@ class NativeDecoder:
             scale = 1.0 + scale
         return Norm(kind=NORM_RMS, eps=norm.eps, scale=self._hold(scale))
 
+    def _moe(self, moe: nn.Module) -> Moe:
+        """A mixture of experts (:class:`qkv.models.moe.MoE`, read by its attributes),
+        with its work buffers."""
+        ex, shared = moe.experts, moe.shared_expert
+        chosen = torch.zeros(moe.top_k, dtype=torch.int32)
+        self._keep.append(chosen)
+        width = ex.hidden_dim
+        shared_width = 0 if shared is None else shared.fc1.out_features
+        fields = {}
+        if shared is not None:
+            for n, m in zip("123", (shared.fc1, shared.fc2, shared.fc3), strict=True):
+                fields[f"shared{n}"] = self._weight(m.weight)
+                fields[f"shared_b{n}"] = self._hold(_vector(m.bias))
+        moe_struct = Moe(
+            experts=moe.num_experts, top_k=moe.top_k, score=_SCORES[moe.score],
+            norm_topk=int(moe.norm_topk_prob), n_group=moe.n_group,
+            topk_group=moe.topk_group, glu=_GLUS[ex.activation], width=width,
+            shared_width=shared_width, scaling=moe.routed_scaling_factor, alpha=ex.alpha,
+            limit=ex.limit, router=self._weight(moe.router.weight),
+            router_bias=self._hold(_vector(moe.router.bias)),
+            choice_bias=self._hold(_vector(moe.e_score_correction_bias)),
+            gate_up=self._weight(ex.gate_up_proj), down=self._weight(ex.down_proj),
+            gate_up_bias=self._hold(_vector(ex.gate_up_proj_bias)),
+            down_bias=self._hold(_vector(ex.down_proj_bias)),
+            shared_gate=self._weight(None if moe.shared_expert_gate is None
+                                     else moe.shared_expert_gate.weight),
+            logits=self._zeros(moe.num_experts + 1).data_ptr(),
+            weights=self._zeros(moe.top_k).data_ptr(),
+            hidden=self._zeros(moe.top_k * width + shared_width).data_ptr(),
+            chosen=chosen.data_ptr(), **fields)
+        self._structs.append(moe_struct)
+        return moe_struct
+
+    def _torch_norm(self, norm: nn.Module) -> Norm:
+        """PyTorch's ``nn.RMSNorm`` or ``nn.LayerNorm`` (latent attention's norms)."""
+        eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        if isinstance(norm, nn.LayerNorm):
+            return Norm(kind=NORM_LAYER, eps=eps, scale=self._hold(_vector(norm.weight)),
+                        shift=self._hold(_vector(norm.bias)))
+        return Norm(kind=NORM_RMS, eps=eps, scale=self._hold(_vector(norm.weight)))
+
+    def _latent(self, att: nn.Module, cache: object) -> Latent:
+        """A latent attention layer (:class:`qkv.latent_attention.LatentAttention` or its
+        sparse kind, read by their attributes), its cache and its work buffers."""
+        h, r, dr = att.num_heads, att.kv_lora_rank, att.qk_rope_head_dim
+        q_rank = att.q_lora_rank or 0
+        fields: dict = {}
+        if q_rank:
+            fields.update(wq_a=self._weight(att.q_a_proj.weight),
+                          bq_a=self._hold(_vector(att.q_a_proj.bias)),
+                          q_norm=self._torch_norm(att.q_a_layernorm),
+                          wq=self._weight(att.q_b_proj.weight))
+        else:
+            fields.update(wq=self._weight(att.q_proj.weight))
+        ix = att.indexer
+        if ix is not None:
+            fields.update(index_heads=ix.num_heads, index_dim=ix.head_dim,
+                          index_topk=ix.top_k, iwq=self._weight(ix.wq_b.weight),
+                          iwk=self._weight(ix.wk.weight), iww=self._weight(ix.weights_proj.weight),
+                          ik_norm=self._torch_norm(ix.k_norm),
+                          index_keys=self._hold(cache.index_keys))
+            sel = torch.zeros(ix.top_k, dtype=torch.int32)
+            self._keep.append(sel)
+            fields["sel"] = sel.data_ptr()
+        sizes = {"cq": q_rank, "q": h * att.qk_head_dim, "ql": h * (r + dr), "kvn": r + dr,
+                 "oc": h * r, "part": self.threads * h * (r + 2), "o": h * att.v_head_dim,
+                 "iq": 0 if ix is None else ix.num_heads * ix.head_dim,
+                 "ik": 0 if ix is None else ix.head_dim,
+                 "iw": 0 if ix is None else ix.num_heads, "iscore": cache.max_len}
+        latent = Latent(
+            heads=h, interleave=int(att.rope_interleave), threads=self.threads, rank=r,
+            nope=att.qk_nope_head_dim, rope=dr, vdim=att.v_head_dim, q_rank=q_rank,
+            scale=att.scale,
+            wkv_a=self._weight(att.kv_a_proj_with_mqa.weight),
+            bkv_a=self._hold(_vector(att.kv_a_proj_with_mqa.bias)),
+            kv_norm=self._torch_norm(att.kv_a_layernorm), wkv_b=self._weight(att.kv_b_proj.weight),
+            kv=self._hold(cache.kv),
+            **{name: self._zeros(max(size, 1)).data_ptr() for name, size in sizes.items()},
+            **fields)
+        self._structs.append(latent)
+        return latent
+
+    def _deltanet(self, att: nn.Module, cache: object) -> DeltaNet:
+        """A Gated DeltaNet layer (:class:`qkv.linear_attention.GatedDeltaNet`, read by
+        its attributes), its cache (:meth:`_follow` keeps the addresses current) and its
+        work buffers."""
+        hv, dv = att.num_v_heads, att.head_v_dim
+        delta = DeltaNet(
+            k_heads=att.num_k_heads, v_heads=hv, kernel=att.conv_kernel_size,
+            k_dim=att.head_k_dim, v_dim=dv, eps=att.norm.eps,
+            wqkv=self._weight(att.in_proj_qkv.weight), wz=self._weight(att.in_proj_z.weight),
+            wb=self._weight(att.in_proj_b.weight), wa=self._weight(att.in_proj_a.weight),
+            wout=self._weight(att.out_proj.weight),
+            taps=self._hold(_vector(att.conv1d.weight[:, 0, :])),
+            a_log=self._hold(_vector(att.A_log)), dt_bias=self._hold(_vector(att.dt_bias)),
+            norm=self._hold(_vector(att.norm.weight)),
+            **{name: self._zeros(size).data_ptr() for name, size in (
+                ("m", att.conv_dim), ("z", hv * dv), ("b", hv), ("a", hv), ("o", hv * dv))})
+        self._structs.append(delta)
+        self._deltas.append((delta, cache))
+        return delta
+
+    def _follow(self) -> None:
+        """Point each Gated DeltaNet layer at its cache's current window and state: the
+        module path replaces those tensors (a prompt, a re-fill) rather than writing
+        into them."""
+        for delta, cache in self._deltas:
+            for name in ("conv", "state"):
+                if not getattr(cache, name).is_contiguous():
+                    setattr(cache, name, getattr(cache, name).contiguous())
+            delta.window, delta.state = cache.conv.data_ptr(), cache.state.data_ptr()
+
     def _layer(self, block: nn.Module, cache: KVCache) -> Layer:
         att, ff = block.att, block.ff
-        # gated: act(fc1 h) * fc2 h, then fc3; GPT-2's: act(layers[0] h), then layers[2]
-        mlp = (ff.fc1, ff.fc2, ff.fc3) if hasattr(ff, "fc1") else \
-            (ff.layers[0], None, ff.layers[2])
+        moe = self._moe(ff) if hasattr(ff, "router") else None
+        mlp = (None, None, None) if moe is not None else _dense_mlp(ff)
+        if _kind(att) == "deltanet":
+            delta = self._deltanet(att, cache)
+            return Layer(**self._mlp(block, mlp, moe), deltanet=ctypes.pointer(delta))
+        if _kind(att) == "latent":
+            latent = self._latent(att, cache)
+            return Layer(
+                wo=self._weight(att.o_proj.weight), bo=self._hold(_vector(att.o_proj.bias)),
+                **self._mlp(block, mlp, moe), rotary_dim=att.qk_rope_head_dim,
+                latent=ctypes.pointer(latent))
+        shared = block.spec.kv_source is not None  # no keys or values of its own
         linears = dict(zip(("q", "k", "v", "o", "1", "2", "3"),
-                           (att.W_query, att.W_key, att.W_value, att.out_proj, *mlp),
-                           strict=True))
+                           (att.W_query, getattr(att, "W_key", None),
+                            getattr(att, "W_value", None), att.out_proj, *mlp), strict=True))
+        sinks = getattr(att, "sinks", None)
         return Layer(
-            **{f"w{n}": self._weight(m) for n, m in linears.items()},
+            **{f"w{n}": self._weight(m) for n, m in list(linears.items())[:4]},
             **{f"b{n}": None if m is None else self._hold(_vector(m.bias))
-               for n, m in linears.items()},
-            norm1=self._norm(block.norm1), norm2=self._norm(block.norm2),
-            post_norm1=self._norm(block.post_norm1), post_norm2=self._norm(block.post_norm2),
-            q_norm=self._norm(att.q_norm), k_norm=self._norm(att.k_norm),
+               for n, m in list(linears.items())[:4]},
+            **self._mlp(block, mlp, moe),
+            q_norm=self._norm(att.q_norm), k_norm=self._norm(getattr(att, "k_norm", None)),
+            sinks=self._hold(_vector(sinks)),
+            gated=int(_gated(att)), shared=int(shared),
+            rotary_dim=getattr(att, "rotary_dim", att.head_dim), heads=att.num_heads,
+            kv_heads=att.num_kv_groups, head_dim=att.head_dim,
+            scale=att.scale if att.scale is not None else 1.0 / math.sqrt(att.head_dim),
             keys=self._hold(cache.keys), values=self._hold(cache.values),
             cache_len=cache.max_len, ring=int(cache.ring))
+
+    def _mlp(self, block: nn.Module, mlp: tuple, moe: Moe | None) -> dict:
+        """The Layer fields of a block's norms and feed-forward (dense or experts)."""
+        ff = block.ff
+        return dict(
+            **{f"w{n}": self._weight(m) for n, m in zip("123", mlp, strict=True)},
+            **{f"b{n}": None if m is None else self._hold(_vector(m.bias))
+               for n, m in zip("123", mlp, strict=True)},
+            norm1=self._norm(block.norm1), norm2=self._norm(block.norm2),
+            post_norm1=self._norm(block.post_norm1), post_norm2=self._norm(block.post_norm2),
+            act=ACT_SILU if isinstance(getattr(ff, "act", None), nn.SiLU) else ACT_GELU,
+            hidden=0 if mlp[0] is None else mlp[0].out_features,
+            moe=None if moe is None else ctypes.pointer(moe))
 
     def _grow_rope(self, length: int) -> None:
         """Give every RoPE layer a float32 cos/sin table of at least ``length`` positions
@@ -232,11 +457,12 @@ class NativeDecoder:
         self._rope = {}
         for block, layer in zip(self.model.trf_blocks, self._layers, strict=True):
             att = block.att
-            if not att.rope:
+            if not getattr(att, "rope", _kind(att) == "latent"):  # (latent always turns)
                 continue
-            key = (att.rope_base, repr(att.rope_scaling))
+            width = layer.rotary_dim  # partial RoPE, latent attention's RoPE part: fewer
+            key = (att.rope_base, repr(att.rope_scaling), width)
             if key not in self._rope:
-                cos, sin = rope_angles(torch.arange(n), att.head_dim, att.rope_base,
+                cos, sin = rope_angles(torch.arange(n), width, att.rope_base,
                                        att.rope_scaling)
                 self._rope[key] = (cos.float().contiguous(), sin.float().contiguous())
             cos, sin = self._rope[key]
@@ -255,7 +481,9 @@ class NativeDecoder:
             raise ValueError(f"token id {token} is outside the vocabulary of "
                              f"{self.struct.vocab}")
         self._grow_rope(pos + 1)
+        self._follow()
         self.lib.qkv_step(ctypes.byref(self.struct), token, pos, self.threads)
         for cache in self.caches:
-            cache.pos = pos + 1
+            if cache is not None:
+                cache.pos = pos + 1
         return self.logits

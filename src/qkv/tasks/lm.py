@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,14 @@ from ..models.gpt import (
 from ..models.hf_gpt2 import to_qkv as gpt2_to_qkv
 from ..models.hf_open import config_fields, read_open_config, read_open_weights, to_qkv
 from ..models.hub import fetch_model, is_repo_id
+from ..models.quantized import (
+    KEPT_TYPES,
+    QuantizedWeight,
+    dequantize_modules,
+    quantize_modules,
+    quantized_modules,
+    tie_output_head,
+)
 from ..options import settings_class
 from ..training import (
     LOAD_BYTES_PER_PARAMETER,
@@ -268,7 +277,8 @@ class LanguageModel:
         settings, model_config, tokenizer_dict = _read_config(run_dir)
         # The header first: a config edited to claim a huge model is a bad checkpoint,
         # not a machine short of memory.
-        dtype = _stored_dtype(run_dir, model_config)
+        qtypes = _run_qtypes(run_dir, settings)
+        _empty_model(run_dir, model_config, qtypes)
         n = model_config.num_parameters()
         check_memory(LOAD_BYTES_PER_PARAMETER * n, f"loading {_model_name(settings, n)}",
                      hint="load it on a machine with more memory")
@@ -284,7 +294,7 @@ class LanguageModel:
                 f"{run_dir}: tokenizer has {tokenizer.n_vocab} ids but the model expects "
                 f"vocab_size={model_config.vocab_size}"
             )
-        model = _load_model(run_dir, model_config, dtype)
+        model = _load_model(run_dir, model_config, qtypes)
         return cls(model.to(resolve_device(device)), tokenizer, settings)
 
     @property
@@ -470,30 +480,76 @@ def _model_name(settings: LMSettings, num_params: int) -> str:
 _ORIGIN_KEYS = ("model_type", "source", "repo_id", "revision")
 
 
+# Where a quantized run's settings record its quantized layers (module -> GGML type).
+QUANTIZED_KEY = "quantized"
+
 # The weight dtypes a run may store (safetensors' names): float32, or bfloat16 for an
 # open model imported with --dtype bfloat16.
 _STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16}
 
 
-def _stored_dtype(run_dir: str | Path, cfg: GPTConfig) -> torch.dtype:
-    """The dtype the run's weights are stored in, after the weights' header has been
-    checked against ``cfg`` (names, shapes, one dtype throughout): a config that does not
-    match its weights is a ``CheckpointError``, whatever size it claims."""
-    stored = read_weights_header(run_dir).shapes().get("tok_emb.weight", ("F32", ()))[0]
-    if stored not in _STORED_DTYPES:
-        raise CheckpointError(f"{run_dir}: tok_emb.weight is stored as {stored}; runs store "
+def _run_qtypes(run_dir: str | Path, settings: LMSettings) -> dict[str, str]:
+    """The run's quantized layers (``qkv lm import --keep-quantized``): module name ->
+    GGML type, as its settings record them; empty for a float run."""
+    qtypes = settings.extra.get(QUANTIZED_KEY, {})
+    if not (isinstance(qtypes, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                             for k, v in qtypes.items())):
+        raise CheckpointError(f"{run_dir}: config.json: settings.extra.{QUANTIZED_KEY} is "
+                              f"{show(qtypes)}; expected module name -> GGML type")
+    return qtypes
+
+
+def _empty_model(run_dir: str | Path, cfg: GPTConfig, qtypes: dict[str, str]
+                 ) -> tuple[GPTModel, torch.dtype]:
+    """The run's model on the meta device (no memory), in the dtype its weights are
+    stored in, its quantized layers in place, after the weights' header has been checked
+    against it (names, shapes, dtypes): a config that does not match its weights is a
+    ``CheckpointError``, whatever size it claims."""
+    found = read_weights_header(run_dir).shapes()
+    unlisted = [name for name in found if name.endswith(".blocks")
+                and name.rpartition(".")[0] not in qtypes]
+    if unlisted:
+        raise CheckpointError(f"{run_dir}: the weights hold {unlisted[0]}, quantized blocks "
+                              f"that config.json's settings.extra.{QUANTIZED_KEY} does not "
+                              "list")
+    floats = sorted({dtype for name, (dtype, _) in found.items()
+                     if name.rpartition(".")[0] not in qtypes})
+    if len(floats) != 1 or floats[0] not in _STORED_DTYPES:
+        raise CheckpointError(f"{run_dir}: the float weights are stored as "
+                              f"{', '.join(floats) or 'nothing'}; runs store one of "
                               f"{' or '.join(_STORED_DTYPES)}")
-    check_weights(run_dir, cfg.parameter_shapes(), cfg.num_saved_values(), dtype=stored)
-    return _STORED_DTYPES[stored]
+    dtype = _STORED_DTYPES[floats[0]]
+    if not qtypes:
+        check_weights(run_dir, cfg.parameter_shapes(), cfg.num_saved_values(),
+                      dtype=floats[0])
+        with torch.device("meta"):
+            return GPTModel(cfg).to(dtype), dtype
+    with torch.device("meta"):
+        model = GPTModel(cfg).to(dtype)
+        try:
+            quantize_modules(model, qtypes, dtype)
+            if cfg.tie_weights:
+                tie_output_head(model)
+        except ValueError as error:
+            raise CheckpointError(f"{run_dir}: config.json: {error}") from None
+    state = model.state_dict()
+    saved = ({id(p): p.numel() for p in model.parameters()}
+             | {id(b): b.numel() for b in model.buffers()})
+    check_weights(run_dir, ((k, tuple(v.shape)) for k, v in state.items()),
+                  sum(saved.values()), dtype=floats[0],
+                  dtypes={k: "U8" for k, v in state.items() if v.dtype == torch.uint8})
+    return model, dtype
 
 
-def _load_model(run_dir: str | Path, cfg: GPTConfig, dtype: torch.dtype | None = None
-                ) -> GPTModel:
-    """The run's model, built in the dtype its weights are stored in (``dtype``: already
-    found by :func:`_stored_dtype`)."""
-    dtype = _stored_dtype(run_dir, cfg) if dtype is None else dtype
-    model = GPTModel(cfg).to(dtype)
-    load_weights(run_dir, model)
+def _load_model(run_dir: str | Path, cfg: GPTConfig, qtypes: dict[str, str]) -> GPTModel:
+    """The run's model, in the dtype its weights are stored in, its quantized layers
+    kept in their blocks. Built on the meta device and given the tensors of the file as
+    read (``assign``): the weights are held once, in the buffer the file was read into."""
+    model, _ = _empty_model(run_dir, cfg, qtypes)
+    load_weights(run_dir, model, load=lambda tensors: model.load_state_dict(tensors,
+                                                                            assign=True))
+    if cfg.tie_weights:
+        tie_output_head(model)
     return model
 
 
@@ -600,9 +656,17 @@ def train_language_model(
             hint="choose a smaller --preset, --context-length or --batch-size",
         )
         if settings.init is not None and not resume:
-            model = _load_model(settings.init, cfg)
-            model.float()  # trained in float32 (--dtype: the forward's autocast), whatever stored
+            model = _load_model(settings.init, cfg,
+                                _run_qtypes(settings.init, _read_config(settings.init)[0]))
+            # trained in float32 (--dtype: the forward's autocast), whatever stored;
+            # quantized blocks expanded, as gradients need float weights
+            expanded = dequantize_modules(model, torch.float32)
+            model.float()
             log(f"starting from the weights of {settings.init}")
+            if expanded:
+                kinds = ", ".join(sorted(set(expanded.values())))
+                log(f"its {len(expanded)} quantized layers ({kinds}) are expanded to "
+                    "float32 to train")
         else:
             model = GPTModel(cfg).init_weights()
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -772,6 +836,7 @@ def import_model(
     cache_dir: str | Path | None = None,
     overwrite: bool = False,
     log: Callable[[str], None] | None = None,
+    keep_quantized: bool = False,
 ) -> LanguageModel:
     """Make a run directory of an open model, for ``lm generate``, ``lm attention``,
     ``qkv view``, ``lm train --init`` and :meth:`LanguageModel.load`.
@@ -788,7 +853,11 @@ def import_model(
     - a Hugging Face repo id (``HuggingFaceTB/SmolLM2-135M-Instruct``), downloaded
       through ``huggingface_hub`` (``revision``, ``cache_dir``) when no such path exists.
 
-    The weights are stored in ``dtype`` (``"float32"`` or ``"bfloat16"``). The config
+    The weights are stored in ``dtype`` (``"float32"`` or ``"bfloat16"``). With
+    ``keep_quantized`` (a ``.gguf`` file only), every linear layer and embedding whose
+    matrix the file holds as one of :data:`~qkv.models.quantized.KEPT_TYPES` keeps its
+    blocks (:class:`~qkv.models.quantized.QuantizedLinear`), stored as they are: the run
+    is no larger than the file; every other tensor is expanded to ``dtype``. The config
     and every tensor's name and shape are checked, and the memory the model needs, before
     anything is allocated; the run directory follows the usual rules (one writer, an
     existing checkpoint replaced only with ``overwrite``).
@@ -809,9 +878,13 @@ def import_model(
         origin = {"repo_id": text, "revision": path.name}
     torch_dtype = IMPORT_DTYPES[dtype]
     if path.is_file():
-        return _import_gguf(path, origin, run_dir, torch_dtype, overwrite, log)
+        return _import_gguf(path, origin, run_dir, torch_dtype, overwrite, log,
+                            keep_quantized)
     if not path.is_dir():
         raise ValueError(f"{path}: not a folder or a .gguf file")
+    if keep_quantized:
+        raise ValueError(f"{path}: --keep-quantized keeps a .gguf file's blocks; a Hugging "
+                         "Face folder's weights are floats (leave it out)")
     config = read_open_config(path)
     if config.get("model_type", "gpt2") == "gpt2":
         if dtype != "float32":
@@ -830,26 +903,53 @@ def import_model(
                         read, torch_dtype, run_dir, overwrite, log)
 
 
+# GGML types whose bytes are the values themselves (never "quantized").
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
 def _import_gguf(path: Path, origin: dict[str, str], run_dir: Path, dtype: torch.dtype,
-                 overwrite: bool, log: Callable[[str], None] | None) -> LanguageModel:
+                 overwrite: bool, log: Callable[[str], None] | None,
+                 keep_quantized: bool = False) -> LanguageModel:
     header = read_gguf_header(path)
     config = gguf_config(header)  # what a Hugging Face folder's config.json would say
     fields = config_fields(config, str(path))
     cfg = GPTConfig(**fields)
     tokenizer = _fit_tokenizer(tokenizer_from_gguf(path), cfg, path)
     gpt2 = config.get("model_type") == "gpt2"
+    # Blocks are kept where a matrix reaches its layer as stored (rows reordered at
+    # most): plain attention and dense MLPs. Experts, latent attention's split
+    # projections and GPT-2's transposed weights are expanded.
+    plain = not gpt2 and all(cfg.layer_spec(i).attention == "mha"
+                             and cfg.layer_spec(i).mlp == "dense" for i in range(cfg.n_layers))
+    keep = KEPT_TYPES if keep_quantized and plain else ()
+    notes = []
+    if keep_quantized:
+        quantized = [t.type_name for t in header.tensors.values()
+                     if t.type_name not in _FLOAT_TYPES]
+        expanded = sorted({t for t in quantized if t not in keep})
+        if expanded:
+            why = "" if plain else f" (a {config.get('model_type')} model's layers keep no blocks)"
+            notes.append(f"--keep-quantized: expanded to {str(dtype).removeprefix('torch.')}: "
+                         f"{', '.join(expanded)}{why}")
 
-    def read(budget: int | None) -> dict[str, Tensor]:
-        raw = gguf_state_dict(path, header, config, dtype, max_bytes=budget)
+    def read(budget: int | None) -> dict[str, Tensor | QuantizedWeight]:
+        raw = gguf_state_dict(path, header, config, dtype, max_bytes=budget, keep=keep)
         # consume: a tensor converted to qkv's layout (gpt-oss's experts) leaves raw as
         # its copy is made, so the model is not held twice
-        ours = gpt2_to_qkv(raw, fields) if gpt2 else to_qkv(raw, fields, consume=True)
-        return {name: t.to(dtype) for name, t in ours.items()}
+        ours = gpt2_to_qkv(raw, fields) if gpt2 else to_qkv(
+            raw, fields, config["model_type"], consume=True)
+        return {name: t if isinstance(t, QuantizedWeight) else t.to(dtype)
+                for name, t in ours.items()}
 
     # The model card's line: what the file holds, as a user compares quantizations.
-    card = f"tensors in the file: {quantization_mix(header)}"
+    card = [f"tensors in the file: {quantization_mix(header)}", *notes]
+    # What the weights take: kept tensors their blocks, the others expanded.
+    item = torch.empty((), dtype=dtype).element_size()
+    weight_bytes = sum(t.nbytes if t.type_name in keep and len(t.shape) == 2 else
+                       t.numel * item for t in header.tensors.values())
     return _save_import(cfg, {"model_type": str(config.get("model_type")), **origin},
-                        tokenizer, read, dtype, run_dir, overwrite, log, card)
+                        tokenizer, read, dtype, run_dir, overwrite, log, card,
+                        weight_bytes if keep else None)
 
 
 def _fit_tokenizer(tokenizer: HFTokenizer, cfg: GPTConfig, source: Path) -> HFTokenizer:
@@ -884,12 +984,15 @@ def _save_import(
     run_dir: Path,
     overwrite: bool,
     log: Callable[[str], None] | None,
-    card: str | None = None,
+    card: Sequence[str] = (),
+    weight_bytes: int | None = None,
 ) -> LanguageModel:
     """Check memory, read the weights (``read(budget in bytes)``, qkv's names) into a
     model built without allocating its own, and save the run; ``origin`` (the model
     type, and the source path or the repo id) is kept in the settings' ``extra``;
-    ``card``, a line about the source, is logged after the import's own."""
+    ``card``, lines about the source, are logged after the import's own. ``read`` may
+    give a weight as its blocks (a :class:`~qkv.models.quantized.QuantizedWeight`): its
+    layer is then kept quantized, and ``weight_bytes`` says what the weights take."""
     source = origin.get("repo_id") or origin.get("source")
     n = cfg.num_parameters()
     item = torch.empty((), dtype=dtype).element_size()
@@ -899,25 +1002,38 @@ def _save_import(
     settings.validate()
     what = f"importing {_model_name(settings, n)} as {str(dtype).removeprefix('torch.')}"
     # the weights, plus one tensor's float32 expansion at a time (a bounded extra)
-    check_memory(item * n, what, hint="import it on a machine with more memory, or pass "
-                 "--dtype bfloat16")
+    check_memory(item * n if weight_bytes is None else weight_bytes, what,
+                 hint="import it on a machine with more memory, or pass --dtype bfloat16")
     with pipeline.training_run(run_dir, "cpu", resume=False, overwrite=overwrite,
                                outputs=(), log=log) as log:
         tensors = read(available_memory())
-        with torch.device("meta"):
-            model = GPTModel(cfg)
         if cfg.tie_weights:
             tensors.setdefault("out_head.weight", tensors["tok_emb.weight"])
+        qtypes = {name.removesuffix(".weight"): t.qtype for name, t in tensors.items()
+                  if isinstance(t, QuantizedWeight)}
+        with torch.device("meta"):
+            model = GPTModel(cfg)
+            quantize_modules(model, qtypes, dtype)
+        tensors = {f"{name.removesuffix('.weight')}.blocks" if isinstance(t, QuantizedWeight)
+                   else name: t.blocks if isinstance(t, QuantizedWeight) else t
+                   for name, t in tensors.items()}
         # assign: the model takes the read tensors as its parameters, no second copy
         model.load_state_dict(tensors, assign=True)
         if cfg.tie_weights:
-            model.out_head.weight = model.tok_emb.weight
+            tie_output_head(model)
         model.eval()
+        if qtypes:
+            settings = dataclasses.replace(settings, extra={
+                **settings.extra, QUANTIZED_KEY: quantized_modules(model)})
         save_checkpoint(run_dir, model, {
             "task": TASK, "settings": dataclasses.asdict(settings), "model": cfg.to_dict(),
             "tokenizer": tokenizer.to_dict()})
         log(f"imported {_model_name(settings, n)} from {source} into {run_dir} "
             f"({str(dtype).removeprefix('torch.')})")
-        if card:
-            log(card)
+        for line in card:
+            log(line)
+        if qtypes:
+            kinds = Counter(qtypes.values())
+            log(f"kept in their blocks: {len(qtypes)} layers "
+                f"({', '.join(f'{t} x {k}' for t, k in kinds.most_common())})")
     return LanguageModel(model, tokenizer, settings)

@@ -61,7 +61,6 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import safetensors.torch
 import torch
 from torch import Tensor, nn
 
@@ -88,7 +87,6 @@ from ..utils.fileio import (
     write_atomic,
     write_durable,
 )
-from ..utils.native import library_call
 from ..utils.testing import pause_point
 from .limits import InsufficientDiskError, format_bytes, free_disk_space
 from .lock import run_dir_lock
@@ -174,6 +172,9 @@ _DTYPE_NAMES = {
 }
 
 
+_DTYPE_TORCH = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
 class _TensorFile:
     """A safetensors file, laid out but not yet written: its header and its tensors'
     bytes as views of the tensors themselves (CPU copies of others), so that writing
@@ -240,17 +241,36 @@ def _pickle_refused(path: Path) -> CheckpointError:
                        "(unpickling can run arbitrary code)")
 
 
-def _bytes_to_tensors(path: Path, data: bytes) -> dict[str, Tensor]:
+def _bytes_to_tensors(path: Path, data: bytearray) -> dict[str, Tensor]:
+    """The tensors of a safetensors file's bytes, each a view of ``data`` (no copy: a
+    model loads in the memory of its file). The header is checked first, as the format
+    defines it (:func:`_parse_header`: every range inside the data, the ranges tiling
+    it); tied names share one tensor."""
     try:
-        with library_call():
-            tensors = safetensors.torch.load(data)
-    except Exception as error:  # safetensors raises its own error types, or panics
-        if _looks_like_pickle(data):
+        if len(data) < 8:
+            raise _fail(path, f"is not a valid safetensors file ({len(data)} bytes)")
+        (header_len,) = struct.unpack("<Q", data[:8])
+        if header_len > min(len(data) - 8, MAX_HEADER_BYTES):
+            raise _fail(path, f"is not a valid safetensors file (its header length "
+                              f"{header_len:,} exceeds the file's {len(data):,} bytes or "
+                              f"the {MAX_HEADER_BYTES:,}-byte limit)")
+        header = _parse_header(path, bytes(data[8:8 + header_len]),
+                               len(data) - 8 - header_len)
+    except CheckpointError:
+        if _looks_like_pickle(bytes(data[:4])):
             raise _pickle_refused(path) from None
-        raise _fail(path, f"is not a valid safetensors file ({error})") from None
-    # The library parsed the header, so its length field is sound.
-    (header_len,) = struct.unpack("<Q", data[:8])
-    header = _parse_header(path, data[8:8 + header_len], len(data) - 8 - header_len)
+        raise
+    start = 8 + header_len
+    tensors = {}
+    for name, (dtype, shape) in header.tensors.items():
+        begin, end = header.offsets[name]
+        kind = _DTYPE_TORCH[dtype]
+        if end == begin:
+            tensors[name] = torch.empty(shape, dtype=kind)
+        else:
+            # The file's bytes are little-endian, as the machines torch runs on.
+            tensors[name] = torch.frombuffer(data, dtype=kind, offset=start + begin,
+                                             count=math.prod(shape)).reshape(shape)
     for alias, target in header.aliases.items():
         tensors[alias] = tensors[target]
     return tensors
@@ -608,6 +628,7 @@ class SafetensorsHeader(NamedTuple):
 
     tensors: dict[str, tuple[str, tuple[int, ...]]]
     aliases: dict[str, str]
+    offsets: dict[str, tuple[int, int]] = {}  # stored name -> its data's [begin, end)
 
     def shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Every name, aliases included, as ``state_dict()`` lists them."""
@@ -640,6 +661,7 @@ def _parse_header(path: Path, header: bytes, data_len: int) -> SafetensorsHeader
             and all(isinstance(v, str) for v in metadata.values())):
         raise bad("'__metadata__' must map strings to strings")
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    ranges: dict[str, tuple[int, int]] = {}
     spans = []
     for name, entry in raw.items():
         if not (isinstance(entry, dict) and set(entry) == {"dtype", "shape", "data_offsets"}):
@@ -662,6 +684,7 @@ def _parse_header(path: Path, header: bytes, data_len: int) -> SafetensorsHeader
                       f"but its data_offsets span {offsets[1] - offsets[0]:,}")
         tensors[name] = (dtype, tuple(shape))
         spans.append((offsets[0], offsets[1]))
+        ranges[name] = (offsets[0], offsets[1])
     end = 0
     for begin, stop in sorted(spans):
         if begin != end:
@@ -669,7 +692,7 @@ def _parse_header(path: Path, header: bytes, data_len: int) -> SafetensorsHeader
         end = stop
     if end != data_len:
         raise bad(f"tensors cover {end:,} of the {data_len:,} data bytes")
-    return SafetensorsHeader(tensors, _parse_aliases(path, metadata, tensors))
+    return SafetensorsHeader(tensors, _parse_aliases(path, metadata, tensors), ranges)
 
 
 def _parse_aliases(path: Path, metadata: Mapping[str, str], stored: Mapping[str, Any]
@@ -725,11 +748,19 @@ class _Checkpoint:
                                          f"manifest {self.files[name]['sha256'][:16]}..., "
                                          f"file {digest[:16]}...")
 
-    def read(self, name: str) -> bytes:
-        """The file's bytes after checking them against the manifest (one read, no race)."""
+    def read(self, name: str) -> bytearray:
+        """The file's bytes after checking them against the manifest (one read, no race),
+        in one writable buffer that tensors may be views of."""
         self.check_size(name)
         with open_regular(self.path(name), "checkpoint file") as f:
-            data = f.read()
+            data = bytearray(self.files[name]["bytes"])
+            view, got = memoryview(data), 0
+            while got < len(data) and (n := f.readinto(view[got:])):
+                got += n  # one read call returns at most about 2 GiB on Linux
+            view.release()
+            if got != len(data) or f.read(1):
+                raise _fail(self.path(name), f"changed while it was read (manifest says "
+                                             f"{len(data):,} bytes)")
         self.check_digest(name, hashlib.sha256(data).hexdigest())
         return data
 
@@ -883,15 +914,18 @@ def check_weights(
     num_parameters: int,
     *,
     dtype: str = "F32",
+    dtypes: Mapping[str, str] | None = None,
 ) -> int:
     """Check ``model.safetensors`` against the model a config describes, before it is built.
 
     ``shapes``: the model's ``state_dict`` names and shapes as the config implies them
     (e.g. ``config.parameter_shapes()``, read lazily: no more entries than the file holds
     are taken); ``num_parameters``: the config's parameter count (tied weights once).
-    Only the file's header is read, so an edited config naming a million-wide layer is
-    refused at once, in one line such as ``config.json says decoder.dense.weight is
-    (13, 1000000), the weights say (13, 32)``. Returns the file's size in bytes.
+    ``dtype``: every tensor's safetensors dtype, but those ``dtypes`` names (a quantized
+    layer's ``U8`` blocks). Only the file's header is read, so an edited config naming a
+    million-wide layer is refused at once, in one line such as ``config.json says
+    decoder.dense.weight is (13, 1000000), the weights say (13, 32)``. Returns the file's
+    size in bytes.
     """
     ckpt = _Checkpoint(run_dir)
     path = ckpt.path(MODEL)
@@ -906,8 +940,9 @@ def check_weights(
         if tuple(shape) != stored_shape:
             raise _fail(path, f"{CONFIG} says {name} is {_show_shape(shape)}, the weights say "
                               f"{_show_shape(stored_shape)}")
-        if stored_dtype != dtype:
-            raise _fail(path, f"{name} is stored as {stored_dtype}; the model is {dtype}")
+        wanted = (dtypes or {}).get(name, dtype)
+        if stored_dtype != wanted:
+            raise _fail(path, f"{name} is stored as {stored_dtype}; the model is {wanted}")
         described.add(name)
     extra = sorted(set(found) - described)
     if extra:
@@ -918,6 +953,15 @@ def check_weights(
         raise _fail(path, f"{CONFIG} says the model has {num_parameters:,} parameters, the "
                           f"weights hold {stored:,}")
     return path.stat().st_size
+
+
+def _finite(tensor: Tensor) -> bool:
+    """Whether every value is finite: NaN propagates through min and max, and an
+    infinity is one of them, so one pass that allocates nothing the tensor's size."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
 def _describe(keys: list[str], limit: int = 3) -> str:
@@ -967,7 +1011,7 @@ def load_weights(
     if bad:
         raise _fail(path, f"{len(bad)} tensor(s) do not match the model: {_describe(bad)}")
     nonfinite = [k for k, v in found.items()
-                 if k in expected and v.is_floating_point() and not bool(v.isfinite().all())]
+                 if k in expected and v.is_floating_point() and not _finite(v)]
     if nonfinite:
         raise _fail(path, f"{len(nonfinite)} tensor(s) hold NaN or infinite values "
                           f"({_describe(nonfinite)}); refusing weights no model can use")
