@@ -1,20 +1,23 @@
 """Native CPU kernels: C source shipped with qkv, compiled on first use, loaded with ctypes.
 
-:func:`decode_kernels` returns the library built from ``decode.c`` (one-token decoding
-of every model :mod:`qkv.models.gpt` builds: linear layers and gated MLPs that read
-float32 or bfloat16 weights in place, LayerNorm and RMSNorm, RoPE, grouped-query
-attention over a full or ring KV cache with sinks, gates, partial RoPE and shared
-caches, latent and sparse latent attention in the absorbed form, Gated DeltaNet, and
-mixtures of experts that read only the chosen experts' rows; see the file), or None
-when it cannot be had here; :func:`unavailable_reason` then says why. It needs an
-x86-64 CPU with AVX2 and FMA (the same check as PyTorch's own kernel dispatch), a C
-compiler with OpenMP (``$CC``, else ``cc``), and is switched off by ``QKV_NATIVE=0``.
-Nothing else in qkv needs it: every caller has a PyTorch path that does the same maths
+:func:`decode_kernels` returns the library built from ``decode.c`` and ``quant.c``
+(one-token decoding of every model :mod:`qkv.models.gpt` builds: linear layers and gated
+MLPs that read float32, bfloat16 or GGML block-quantized weights (:data:`QUANT_TYPES`)
+in place, LayerNorm and RMSNorm, RoPE, grouped-query attention over a full or ring KV
+cache with sinks, gates, partial RoPE and shared caches, latent and sparse latent
+attention in the absorbed form, Gated DeltaNet, and mixtures of experts that read only
+the chosen experts' rows; see the files), or None when it cannot be had here;
+:func:`unavailable_reason` then says why. It needs an x86-64 CPU with AVX2 and FMA (the
+same check as PyTorch's own kernel dispatch), a C compiler with OpenMP (``$CC``, else
+``cc``), and is switched off by ``QKV_NATIVE=0``. Nothing else in qkv needs it: every
+caller has a PyTorch path that does the same maths
 (:func:`qkv.models.gpt.generate`'s ``native`` switch).
 
 Where PyTorch reports AVX-512, the library is built with ``-mavx512f`` too (its dot
 products then read 64 bytes per instruction; :func:`flags`); ``QKV_NATIVE_AVX512=0``
-builds the AVX2 one instead. The library is built once per source version and flags
+builds the AVX2 one instead. Where the CPU also has AVX-512 VNNI (``avx512_vnni`` in
+``/proc/cpuinfo``), the block products use its byte dot product (``QKV_NATIVE_VNNI=0``
+leaves it out). The library is built once per source version and flags
 into ``$QKV_KERNEL_DIR`` (default ``~/.cache/qkv/kernels``), in about a second, and
 reused by later processes. Its
 OpenMP runtime is ``libgomp.so.1``, the name PyTorch's own is loaded under, so the
@@ -37,22 +40,64 @@ import torch
 
 __all__ = ["ACT_GELU", "ACT_SILU", "AVX512_FLAGS", "DeltaNet", "FLAGS", "GLU_CLAMPED", "GLU_GEGLU",
            "GLU_SWIGLU", "Latent", "Layer", "Mat", "Model", "Moe", "NORM_LAYER", "SCORE_SIGMOID",
-           "SCORE_SOFTMAX",
-           "NORM_NONE", "NORM_RMS", "Norm", "decode_kernels", "flags", "unavailable_reason"]
+           "SCORE_SOFTMAX", "NORM_NONE", "NORM_RMS", "Norm", "QUANT_TYPES", "VNNI_FLAGS",
+           "decode_kernels", "flags", "quant_type_code", "unavailable_reason"]
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 # Added where the CPU has AVX-512 (PyTorch's capability "AVX512"): the dot products then
 # read 64 bytes per instruction, half the loop of AVX2's for the same bytes.
 AVX512_FLAGS = ("-mavx512f",)
+# Added beside them where the CPU has VNNI: the block products' byte dot products take
+# one instruction (vpdpbusd) instead of AVX2's two.
+VNNI_FLAGS = ("-mavx512bw", "-mavx512vl", "-mavx512vnni")
+
+# GGML's block types the kernels compute on in place: name -> (type code in qkv_mat,
+# values per block, bytes per block). Codes 0 and 1 are float32 and bfloat16; the build
+# passes these to quant.c as -DQKV_<name>=<code>.
+QUANT_TYPES = {"Q8_0": (2, 32, 34), "Q4_0": (3, 32, 18), "Q4_1": (4, 32, 20),
+               "Q5_0": (5, 32, 22), "Q5_1": (6, 32, 24), "Q4_K": (7, 256, 144),
+               "Q5_K": (8, 256, 176), "Q6_K": (9, 256, 210)}
+
+
+def quant_type_code(qtype: str, columns: int) -> int:
+    """The type code of a ``qtype`` matrix of ``columns`` values a row (one line if the
+    type is not one of :data:`QUANT_TYPES` or a row is not whole blocks)."""
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"the kernels do not read {qtype!r} blocks; they read "
+                         f"{', '.join(QUANT_TYPES)}")
+    code, values, _ = QUANT_TYPES[qtype]
+    if columns % values:
+        raise ValueError(f"a {qtype} row of {columns:,} values is not whole blocks of "
+                         f"{values}")
+    return code
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
 
 
 def flags() -> tuple[str, ...]:
-    """The compiler flags for this CPU: :data:`FLAGS`, and :data:`AVX512_FLAGS` where
-    PyTorch reports AVX-512 and ``QKV_NATIVE_AVX512`` is not ``0``."""
+    """The compiler flags for this CPU: :data:`FLAGS`, :data:`AVX512_FLAGS` where PyTorch
+    reports AVX-512 and ``QKV_NATIVE_AVX512`` is not ``0``, and :data:`VNNI_FLAGS` beside
+    them where the CPU has AVX-512 VNNI and ``QKV_NATIVE_VNNI`` is not ``0``."""
     wide = torch.backends.cpu.get_cpu_capability() == "AVX512" and \
         os.environ.get("QKV_NATIVE_AVX512", "1") != "0"
-    return FLAGS + AVX512_FLAGS if wide else FLAGS
-_SOURCE = Path(__file__).with_name("decode.c")
+    if not wide:
+        return FLAGS
+    vnni = os.environ.get("QKV_NATIVE_VNNI", "1") != "0" and _cpu_has("avx512_vnni")
+    return FLAGS + AVX512_FLAGS + (VNNI_FLAGS if vnni else ())
+
+
+def _defines() -> tuple[str, ...]:
+    return tuple(f"-DQKV_{name}={code}" for name, (code, _, _) in QUANT_TYPES.items())
+
+
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "quant.c"))
+_HEADER = Path(__file__).with_name("quant.h")
 _state: dict[str, object] = {}
 
 
@@ -82,7 +127,8 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *flags(), "-o", tmp, str(_SOURCE), "-lm"],
+        proc = subprocess.run([compiler, *flags(), *_defines(), f"-I{_HEADER.parent}",
+                               "-o", tmp, *map(str, _SOURCES), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode:
             raise RuntimeError(f"{compiler} failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
@@ -106,8 +152,9 @@ NORM_NONE, NORM_LAYER, NORM_RMS = 0, 1, 2
 
 
 class Mat(ctypes.Structure):
-    """``qkv_mat`` of decode.c: a weight matrix's address (``data``, row-major ``(rows,
-    n)``) and its type code (0 float32, 1 bfloat16); ``data`` None where there is none."""
+    """``qkv_mat`` of quant.h: a weight matrix's address (``data``, row-major ``(rows,
+    n)``) and its type code (0 float32, 1 bfloat16, or a :data:`QUANT_TYPES` code: each
+    row then is its blocks, back to back); ``data`` None where there is none."""
 
     _fields_ = [("data", _P), ("type", _I)]
 ACT_GELU, ACT_SILU = 0, 1
@@ -205,9 +252,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qkv_route.argtypes = [ctypes.POINTER(Moe)]
     lib.qkv_moe_forward.argtypes = [ctypes.POINTER(Moe), p, p, n, i, i]
     lib.qkv_step.argtypes = [ctypes.POINTER(Model), n, n, i]
+    lib.qkv_dequantize_row.argtypes = [m, n, n, p]
+    lib.qkv_quant_dot_ref.argtypes = [m, n, n, p]
+    lib.qkv_quant_dot_ref.restype = ctypes.c_double
     for fn in (lib.qkv_linear, lib.qkv_gated, lib.qkv_layer_norm, lib.qkv_rms_norm,
                lib.qkv_embed, lib.qkv_rope, lib.qkv_attend, lib.qkv_attend_cached, lib.qkv_route,
-               lib.qkv_moe_forward, lib.qkv_step):
+               lib.qkv_moe_forward, lib.qkv_step, lib.qkv_dequantize_row):
         fn.restype = None
 
 
@@ -221,7 +271,9 @@ def decode_kernels() -> ctypes.CDLL | None:
         if compiler is None:
             reason = "no C compiler (set CC, or install gcc)"
         else:
-            key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags()).encode()).hexdigest()
+            # a new version of any source, or other flags or type codes, is a new build
+            text = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
+            key = hashlib.sha256(text + " ".join(flags() + _defines()).encode()).hexdigest()
             target = _kernel_dir() / f"decode-{key[:16]}.so"
             try:
                 if not target.is_file():

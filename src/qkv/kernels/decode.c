@@ -28,21 +28,15 @@
 
    The caller (Python, through ctypes) owns every buffer. dtype codes: 0 = float32,
    1 = bfloat16. Each weight matrix carries its own type (a qkv_mat), so one model may
-   mix them; the activations and the caches' dtype are the model's. */
+   mix them; the activations and the caches' dtype are the model's. A weight may also be
+   kept in one of GGML's quantized block types (quant.c computes its products). */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
-#define QKV_F32 0
-#define QKV_BF16 1
-
-/* A weight matrix, (rows, n) row-major: its address and its type code. */
-typedef struct {
-    const void *data;
-    int type;
-} qkv_mat;
+#include "quant.h" /* qkv_mat, the type codes, GGML's block types (quant.c) */
 
 /* ---------------------------------------------------------------------------------
    Scalar conversions */
@@ -210,8 +204,11 @@ static float dot_row_bf16(const uint16_t *w, long n, const float *x, const float
 #define STORE 0
 #define ADD 1
 
+/* Every product opens with it, on every thread: it also tells quant.c that x may have
+   changed since its last product (block matrices quantize x once per product). */
 #define DEINTERLEAVE(x, n, need)                                                          \
     float xe[(need) ? n / 2 + 1 : 1], xo[(need) ? n / 2 + 1 : 1];                        \
+    qkv_quant_forget_x();                                                                 \
     if (need)                                                                             \
         for (long k_ = 0; k_ + 1 < n; k_ += 2) {                                          \
             xe[k_ / 2] = x[k_];                                                           \
@@ -220,12 +217,17 @@ static float dot_row_bf16(const uint16_t *w, long n, const float *x, const float
 
 static inline float dot_row(const qkv_mat *W, long r, long n, const float *x, const float *xe,
                             const float *xo) {
-    return W->type == QKV_BF16 ? dot_row_bf16((const uint16_t *)W->data + r * n, n, x, xe, xo)
-                               : dot_row_f32((const float *)W->data + r * n, n, x);
+    if (W->type == QKV_BF16) return dot_row_bf16((const uint16_t *)W->data + r * n, n, x, xe, xo);
+    if (W->type == QKV_F32) return dot_row_f32((const float *)W->data + r * n, n, x);
+    return qkv_quant_dot_row(W, r, n, x);
 }
 
-/* Row r of W (n values) as float32. */
+/* Row r of W (n values) as float32 (a quantized embedding expands only this row). */
 static void row_to_f32(const qkv_mat *W, long r, long n, float *y) {
+    if (qkv_is_quantized(W->type)) {
+        qkv_dequantize_row(W, r, n, y);
+        return;
+    }
     for (long i = 0; i < n; i++) y[i] = load1(W->data, r * n + i, W->type);
 }
 

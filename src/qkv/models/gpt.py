@@ -45,7 +45,7 @@ from ..checks import (
     show,
     small_divisors,
 )
-from ..kernels import unavailable_reason
+from ..kernels import QUANT_TYPES, unavailable_reason
 from ..kv_cache import KVCache
 from ..latent_attention import LatentAttention, SparseLatentAttention
 from ..linear_attention import GatedDeltaNet
@@ -56,7 +56,6 @@ from ..positional import check_rope_scaling
 from .moe import Experts, GatedMLP, MoE
 from .native_decode import DTYPES as NATIVE_DTYPES
 from .native_decode import NativeDecoder
-from .quantized import quantized_modules
 
 __all__ = [
     "GPTEmbedding",
@@ -1280,9 +1279,7 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
     steps) cannot decode ``model`` at ``batch_size`` (None when it can)."""
     if type(model) is not GPTModel:
         return f"a plain GPTModel is needed, got {type(model).__name__}"
-    if quantized_modules(model):
-        return "its layers are kept in quantized blocks, which only the PyTorch forward runs"
-    weight = model.out_head.weight
+    weight = model.final_norm.scale  # (a quantized head's weight would expand its blocks)
     if weight.device.type != "cpu":
         return f"the kernels run on the CPU, the model is on {weight.device}"
     dtypes = {p.dtype for p in model.parameters()}
@@ -1327,8 +1324,8 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
             return "values taken from the keys, or normalised (Gemma 4), are not in the kernels"
         elif any(m is not None and type(m) not in norms for m in (att.q_norm, att.k_norm)):
             return "QK-norms must be qkv's LayerNorm or RMSNorm"
-        if type(ff) is FeedForward and \
-                [type(m) for m in ff.layers] != [nn.Linear, GELU, nn.Linear]:
+        if type(ff) is FeedForward and (len(ff.layers) != 3 or type(ff.layers[1]) is not GELU
+                                        or not all(map(_native_linear, ff.layers[::2]))):
             return "the feed-forward must be Linear, GELU, Linear"
         if type(ff) is GatedFeedForward and type(ff.act) not in (nn.SiLU, GELU):
             return "the gated feed-forward's activation must be SiLU or GELU"
@@ -1343,7 +1340,16 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         return "the final norm must be qkv's LayerNorm or RMSNorm"
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return "forward hooks are registered, and only the model's forward runs them"
+    for name, m in model.named_modules():
+        if hasattr(m, "blocks") and m.qtype not in QUANT_TYPES:
+            return f"{name} keeps {m.qtype} blocks; the kernels read {', '.join(QUANT_TYPES)}"
     return unavailable_reason()
+
+
+def _native_linear(m: nn.Module) -> bool:
+    """Whether the kernels read ``m`` as a linear layer: an ``nn.Linear``, or a layer that
+    keeps its weight in GGML blocks (``blocks``, ``qtype``)."""
+    return type(m) is nn.Linear or hasattr(m, "blocks")
 
 
 # MAX_NEW_TOKENS (qkv.options): most tokens one generate() call adds.

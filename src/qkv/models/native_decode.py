@@ -41,6 +41,14 @@ path's maths in another summation order, so logits agree to rounding
 one-token steps run here: the prompt (as matrix products), and the re-fill of a full
 cache, go through the module path and the same caches.
 
+A layer may keep its weight in GGML's quantized blocks, as a GGUF file stores them (a
+module with ``qtype``, the type's name, and ``blocks``, uint8 ``(rows, row bytes)``:
+:class:`~qkv.models.quantized.QuantizedLinear` and ``QuantizedEmbedding``). The kernels
+then read the blocks in place, with the activations quantized to 8 bits per block of 32
+for each product (``kernels/quant.c``): logits agree with the float64 model on the
+dequantized weights to that quantization, not to rounding
+(``tests/test_quant_decode.py``). Any mix of types, per matrix, is fine.
+
 :func:`qkv.models.gpt.native_unsupported` says why a model cannot be decoded here (None
 when it can): the kernels must load (:func:`qkv.kernels.unavailable_reason`), and the
 model must be a plain ``GPTModel`` built from its own classes (no forward hooks), on
@@ -75,6 +83,7 @@ from ..kernels import (
     Moe,
     Norm,
     decode_kernels,
+    quant_type_code,
     unavailable_reason,
 )
 from ..kv_cache import KVCache
@@ -151,7 +160,8 @@ class NativeDecoder:
             raise ValueError(f"one sequence at a time, got a batch of {_batch(caches[0])}")
         self.lib = lib
         self.model, self.caches = model, caches
-        self.dtype = model.out_head.weight.dtype
+        # the float dtype the model computes in (its norms', biases' and caches')
+        self.dtype = model.final_norm.scale.dtype
         self.threads = torch.get_num_threads() if threads is None else threads
         cfg = model.cfg
         # The sizes of the multi-head attention layers (all alike); latent ones have
@@ -228,9 +238,8 @@ class NativeDecoder:
         self.struct = Model(
             dt=DTYPES[self.dtype], n_layers=cfg.n_layers, dim=cfg.emb_dim,
             vocab=cfg.vocab_size, embed_scale=embed_scale,
-            tok_emb=self._weight(model.tok_emb.weight),
-            pos_emb=self._weight(None if model.pos_emb is None else model.pos_emb.weight),
-            head=self._weight(model.out_head.weight), final_norm=self._norm(model.final_norm),
+            tok_emb=self._weight(model.tok_emb), pos_emb=self._weight(model.pos_emb),
+            head=self._weight(model.out_head), final_norm=self._norm(model.final_norm),
             layers=self._layers, **{name: t.data_ptr() for name, t in buffers.items()})
         self._grow_rope(caches[0].pos + 1)
 
@@ -247,11 +256,22 @@ class NativeDecoder:
         self._keep.append(t)
         return t.data_ptr()
 
-    def _weight(self, w: Tensor | None) -> Mat:
-        """A weight matrix as the kernels read it: its address and type (``Mat()``, no
-        matrix, for None)."""
-        if w is None:
+    def _weight(self, layer: nn.Module | Tensor | None) -> Mat:
+        """A linear or embedding layer's weight matrix (or a bare weight tensor) as the
+        kernels read it: its address and type (``Mat()``, no matrix, for None). A layer
+        with ``blocks`` is read in its GGML blocks (its ``weight``, if it has one, would
+        expand them)."""
+        if layer is None:
             return Mat()
+        blocks = None if isinstance(layer, Tensor) else getattr(layer, "blocks", None)
+        if blocks is not None:
+            columns = getattr(layer, "in_features", None) or layer.embedding_dim
+            code = quant_type_code(layer.qtype, columns)
+            if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+                raise ValueError(f"blocks must be contiguous uint8 (rows, row bytes), got "
+                                 f"{blocks.dtype} {tuple(blocks.shape)}")
+            return Mat(data=self._hold(blocks), type=code)
+        w = layer if isinstance(layer, Tensor) else layer.weight
         if not w.is_contiguous():
             raise ValueError("weights must be contiguous (nn.Linear's (out, in) layout)")
         return Mat(data=self._hold(w.detach()), type=DTYPES[w.dtype])
@@ -400,8 +420,7 @@ class NativeDecoder:
                             getattr(att, "W_value", None), att.out_proj, *mlp), strict=True))
         sinks = getattr(att, "sinks", None)
         return Layer(
-            **{f"w{n}": self._weight(None if m is None else m.weight)
-               for n, m in list(linears.items())[:4]},
+            **{f"w{n}": self._weight(m) for n, m in list(linears.items())[:4]},
             **{f"b{n}": None if m is None else self._hold(_vector(m.bias))
                for n, m in list(linears.items())[:4]},
             **self._mlp(block, mlp, moe),
@@ -418,8 +437,7 @@ class NativeDecoder:
         """The Layer fields of a block's norms and feed-forward (dense or experts)."""
         ff = block.ff
         return dict(
-            **{f"w{n}": self._weight(None if m is None else m.weight)
-               for n, m in zip("123", mlp, strict=True)},
+            **{f"w{n}": self._weight(m) for n, m in zip("123", mlp, strict=True)},
             **{f"b{n}": None if m is None else self._hold(_vector(m.bias))
                for n, m in zip("123", mlp, strict=True)},
             norm1=self._norm(block.norm1), norm2=self._norm(block.norm2),
