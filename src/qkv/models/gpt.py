@@ -844,6 +844,9 @@ class TransformerBlock(nn.Module):
         self.post_norm1 = make_norm(cfg) if cfg.post_norms else None
         self.post_norm2 = make_norm(cfg) if cfg.post_norms else None
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
+        # None, or qkv.heads' callable tap(name, tensor) -> tensor with a set tap.names of
+        # the block points (qkv.options.CAPTURE_POINTS) it records or replaces
+        self.tap: Any = None
 
     def forward(
         self, x: Tensor, *, cache: Any = None, shared: KVHandoff | None = None,
@@ -853,6 +856,9 @@ class TransformerBlock(nn.Module):
 
         ``cache`` is the layer's own (its attention's ``new_cache``); a ``"shared_kv"``
         layer has none and takes its source layer's keys and values as ``shared``."""
+        tap = self._tap_point if self.tap is not None else None
+        if tap is not None:
+            x = tap("resid_pre", x)
         if self.spec.attention == "shared_kv":
             if shared is None:
                 raise ValueError("a shared_kv layer needs the KVHandoff of its kv_source "
@@ -865,12 +871,24 @@ class TransformerBlock(nn.Module):
             attended, weights = attended
         if self.post_norm1 is not None:
             attended = self.post_norm1(attended)
+        if tap is not None:
+            attended = tap("attn_out", attended)
         x = x + self.drop_shortcut(attended)
+        if tap is not None:
+            x = tap("resid_mid", x)
         fed = self.ff(self.norm2(x))
         if self.post_norm2 is not None:
             fed = self.post_norm2(fed)
+        if tap is not None:
+            fed = tap("mlp_out", fed)
         x = x + self.drop_shortcut(fed)
+        if tap is not None:
+            x = tap("resid_post", x)
         return (x, weights) if need_weights else x
+
+    def _tap_point(self, name: str, x: Tensor) -> Tensor:
+        """``x`` through ``self.tap`` if it wants the point ``name``."""
+        return self.tap(name, x) if name in self.tap.names else x
 
 
 # ----------------------------------------------------------------------------
@@ -1074,6 +1092,9 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
             return "the norms must be qkv's LayerNorm or RMSNorm"
     if type(model.final_norm) not in norms:
         return "the final norm must be qkv's LayerNorm or RMSNorm"
+    if any(getattr(m, "tap", None) is not None for m in model.modules()):
+        return "a capture or an intervention taps the layers, and only the model's forward " \
+               "runs its taps"
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return "forward hooks are registered, and only the model's forward runs them"
     return unavailable_reason()
