@@ -301,3 +301,77 @@ def test_json_rows_are_zero_based(tmp_path):
     assert [(r["layer"], r["head"]) for r in table][:2] == [(0, 0), (0, 1)]
     json.dumps(table)
     assert re.match(r"^\d", str(table[0]["layer"]))
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+    """A run directory of a tiny Llama (qkv lm import of a transformers folder)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from qkv.cli import main
+    hf, _ = hf_open("llama")
+    folder = tmp_path_factory.mktemp("llama") / "hf"
+    hf.save_pretrained(folder)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>"], show_progress=False)
+    tok.train_from_iterator(["Mary and John went to the store. " * 4], trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    run = folder.parent / "run"
+    assert main(["lm", "import", str(folder), "--run-dir", str(run)]) == 0
+    return run
+
+
+def test_qkv_heads_writes_the_catalogue(llama_run, tmp_path, capsys):
+    from qkv.cli import main
+    out = tmp_path / "out"
+    argv = ["heads", "--ckpt", str(llama_run), "--length", "5", "--batch", "2", "--seed", "3",
+            "--json", str(out / "h.json"), "--csv", str(out / "h.csv"), "--heatmaps", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "2 sequences of BOS (id 0) + 5 random tokens" in printed and "seed 3" in printed
+    rows = json.loads((out / "h.json").read_text())
+    assert len(rows) == 8 and rows[0]["layer"] == 0 and rows[-1]["head"] == 3
+    assert set(SCORES) <= set(rows[0])
+    assert (out / "h.csv").read_text().splitlines()[0].startswith("layer,head,entropy")
+    assert (out / "heads-induction.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_qkv_heads_ablates_and_errors_are_one_line(llama_run, capsys):
+    from qkv.cli import main
+    argv = ["heads", "--ckpt", str(llama_run), "--ablate", "1.2", "0.0", "--prompt",
+            "Mary and John"]
+    assert main(argv) == 0
+    assert "heads 1.2, 0.0 ablated (zero)" in capsys.readouterr().out
+    for bad, message in (
+            (["--ablate", "1.9", "--prompt", "Mary"], "head 1.9: layer 1 has heads 0..3"),
+            (["--ablate", "x", "--prompt", "Mary"], "a head is LAYER.HEAD"),
+            (["--ablate", "1.1"], "--ablate needs --prompt"),
+            (["--json", "t.txt"], "--json t.txt: give a file name ending in .json"),
+            (["--length", "40"], "--length 40: 2 x length + 1 tokens must fit")):
+        assert main(["heads", "--ckpt", str(llama_run), *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err
+
+
+def test_induction_demo_writes_its_history(tmp_path, capsys):
+    from qkv.cli import main
+    assert main(["heads", "--induction-demo", "--run-dir", str(tmp_path), "--steps", "4"]) == 0
+    history = json.loads((tmp_path / "heads-history.json").read_text())
+    assert [h["step"] for h in history] == [0, 1, 2, 3, 4]
+    assert {"step", "loss", "heads"} <= set(history[0])
+    assert {(h["layer"], h["head"]) for h in history[0]["heads"]} == \
+        {(layer, head) for layer in (0, 1) for head in range(4)}
+    assert (tmp_path / "heads-history.png").exists()
+
+
+@pytest.mark.slow
+def test_the_induction_demo_forms_an_induction_head(tmp_path):
+    from qkv.heads.induction import train_induction
+    history = train_induction(tmp_path, steps=600, every=100)
+    first = max(h["induction"] for h in history[0]["heads"] if h["layer"] == 1)
+    last = max(h["induction"] for h in history[-1]["heads"] if h["layer"] == 1)
+    assert last > first + 0.3, (first, last)
+    assert history[-1]["in_context_loss"] < 1.0 < history[0]["in_context_loss"]

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from ..multihead import MultiHeadAttention
 from ..options import CAPTURE_POINTS
 
-__all__ = ["ActivationCache", "capture", "intervene", "layer_names", "tap_sites",
+__all__ = ["ActivationCache", "capture", "intervene", "layer_names", "names_table", "tap_sites",
            "ATTENTION_POINTS", "BLOCK_POINTS"]
 
 ATTENTION_POINTS = tuple(n for n, (where, _, _) in CAPTURE_POINTS.items() if where == "attention")
@@ -278,3 +278,11 @@ def intervene(model: nn.Module, edits: Mapping[tuple[str, int], Edit]) -> Iterat
         for layer, layer_edits in by_layer.items():
             stack.enter_context(_tapping(sites, tuple(layer_edits), (layer,), apply))
         yield
+
+
+def names_table() -> str:
+    """:data:`qkv.options.CAPTURE_POINTS` as the Markdown table docs/heads.md shows."""
+    lines = ["| name | where | shape | what it holds |", "|---|---|---|---|"]
+    lines += [f"| `{name}` | {where} | `{shape}` | {meaning} |"
+              for name, (where, shape, meaning) in CAPTURE_POINTS.items()]
+    return "\n".join(lines)

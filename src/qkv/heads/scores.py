@@ -9,18 +9,25 @@ the one after it was at ``i - n + 1``.
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ..checks import check_positive_int
+from ..utils.fileio import write_atomic
 from .capture import capture, tap_sites
 
 __all__ = ["SCORES", "SINK_EPSILON", "LOCAL_WINDOW", "induction_batch", "scores_of_weights",
-           "head_scores", "InductionProtocol", "sink_metric"]
+           "head_scores", "InductionProtocol", "sink_metric",
+           "format_table", "write_table", "score_grid", "plot_score_maps", "scores_table"]
 
 SINK_EPSILON = 0.3  # Gu et al.'s threshold on a head's mean weight on the first token
 LOCAL_WINDOW = 4  # "local": the weight on the query's own token and the 3 before it
@@ -175,3 +182,69 @@ def sink_metric(table: Sequence[dict[str, Any]]) -> float:
     if not table:
         return math.nan
     return 100.0 * sum(row["sink_gu"] for row in table) / len(table)
+
+
+def format_table(table: Sequence[dict[str, Any]]) -> str:
+    """The catalogue as a terminal table: one line per head, a column per score."""
+    names = [n for n in SCORES if n in table[0]] if table else []
+    header = f"{'layer':>5} {'head':>4} " + " ".join(f"{n[:10]:>10}" for n in names)
+    lines = [header]
+    for row in table:
+        lines.append(f"{row['layer']:>5} {row['head']:>4} "
+                     + " ".join(f"{row[n]:>10.4f}" for n in names))
+    return "\n".join(lines)
+
+
+def write_table(table: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """Write the catalogue to ``path``: JSON (a list of ``{"layer", "head", score: value}``,
+    0-based) for ``.json``, CSV (a header, then a row per head) for ``.csv``."""
+    path = Path(path)
+    if path.suffix.lower() == ".json":
+        text = json.dumps(list(table), indent=1) + "\n"
+    elif path.suffix.lower() == ".csv":
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=list(table[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(table)
+        text = buffer.getvalue()
+    else:
+        raise ValueError(f"{path}: write the table to a .json or .csv file")
+    return write_atomic(path, text.encode())
+
+
+def score_grid(table: Sequence[dict[str, Any]], name: str) -> np.ndarray:
+    """``(layers, heads)`` of score ``name``; NaN where a layer has no such head."""
+    layers = max(r["layer"] for r in table) + 1
+    heads = max(r["head"] for r in table) + 1
+    grid = np.full((layers, heads), np.nan)
+    for row in table:
+        grid[row["layer"], row["head"]] = row[name]
+    return grid
+
+
+def plot_score_maps(table: Sequence[dict[str, Any]], folder: str | Path, title: str = ""
+                    ) -> list[Path]:
+    """One layers x heads heatmap per score, ``folder/heads-SCORE.png``; the paths."""
+    from ..utils.figures import new_figure, save_figure
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name in (n for n in SCORES if n in table[0]):
+        grid = score_grid(table, name)
+        fig = new_figure(1.2 + 0.35 * grid.shape[1], 1.2 + 0.3 * grid.shape[0])
+        ax = fig.add_subplot()
+        image = ax.imshow(grid, cmap="viridis", aspect="auto")
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_title(f"{name}{': ' + title if title else ''}", fontsize=8)
+        fig.colorbar(image, ax=ax)
+        paths.append(save_figure(fig, folder / f"heads-{name}.png"))
+    return paths
+
+
+def scores_table() -> str:
+    """:data:`SCORES` as the Markdown table docs/heads.md shows."""
+    lines = ["| score | definition (A: one head's weights, queries i, keys j) |", "|---|---|"]
+    lines += [f"| `{name}` | {definition} |" for name, definition in SCORES.items()]
+    return "\n".join(lines)
