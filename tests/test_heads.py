@@ -12,7 +12,7 @@ import torch
 
 from qkv.heads import capture, intervene
 from qkv.heads.interventions import ablate, ablated_logits, parse_heads, patch
-from qkv.heads.scores import SCORES, head_scores, induction_batch
+from qkv.heads.scores import SCORES, head_scores, induction_batch, scores_of_weights
 from qkv.models.gpt import GPTConfig, GPTModel, generate
 from qkv.options import CAPTURE_POINTS
 
@@ -375,3 +375,21 @@ def test_the_induction_demo_forms_an_induction_head(tmp_path):
     last = max(h["induction"] for h in history[-1]["heads"] if h["layer"] == 1)
     assert last > first + 0.3, (first, last)
     assert history[-1]["in_context_loss"] < 1.0 < history[0]["in_context_loss"]
+
+
+def test_the_walkthrough_builds_the_two_heads_by_hand():
+    from qkv.book.walkthrough_variants import variant_steps
+    steps = {s.section: s for s in variant_steps() if s.section.startswith("induction")}
+    t = 6  # the book's "Your journey starts with one step"
+    prev = steps["induction.1"].weights  # (2T + 1, 2T + 1): BOS, the words twice
+    ind = steps["induction.2"].weights
+    for i in range(1, 2 * t + 1):
+        assert int(prev[i].argmax()) == i - 1
+    for i in range(t + 1, 2 * t + 1):  # the second copy attends to the word after its twin
+        assert int(ind[i].argmax()) == i - t + 1
+    # the scores it prints are qkv heads' definitions on its weights
+    repeat = scores_of_weights(ind[None, None], repeat=t)
+    assert float(steps["induction.2"].tensors["induction score"]) == \
+        pytest.approx(float(repeat["induction"][0]), abs=1e-6)
+    assert steps["induction.3"].tensors["second copy: guess == next word"].tolist() == \
+        [1.0] * (t - 1)

@@ -114,6 +114,9 @@ WALKTHROUGH_MECHANISMS = {
     "delta": "linear attention to Gated DeltaNet (Qwen3-Next, Qwen3.5): a running sum of "
              "k v^T, then a decay, then the delta correction; a state of fixed size "
              "against a cache that grows",
+    "induction": "induction heads, built by hand: a previous-token head in layer 0 writes "
+                 "'the word before me', an induction head in layer 1 finds where the current "
+                 "word came before and copies the word after it",
 }
 
 # What qkv.heads.capture records (and an intervention may replace), by name: where it is
