@@ -4,13 +4,13 @@ against float64 computations from the definitions, the page in headless Chromium
 from __future__ import annotations
 
 import torch
-from test_viz_page import browser, opened  # noqa: F401 (the browser fixture)
 
 from qkv.data.tokenizers import get_tokenizer
 from qkv.heads.scores import head_scores, induction_batch
 from qkv.models.gpt import GPTConfig, GPTModel
 from qkv.tasks.lm import LanguageModel, LMSettings
 from qkv.viz.data import decode_section, page_data
+from test_viz_page import browser, opened  # noqa: F401 (the browser fixture)
 
 TEXT = "abcabcab"
 

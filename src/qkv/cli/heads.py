@@ -3,7 +3,7 @@
     qkv heads --ckpt runs/smollm2 --json heads.json --csv heads.csv --heatmaps heads/
     qkv heads --ckpt runs/smollm2 --ablate 4.11 --prompt "Mary and John: John" --good " Mary"
     qkv heads --ckpt runs/lm --ablate 0.1 1.2 --how mean --reference-text "A text." --prompt "A"
-    qkv heads --induction-demo --run-dir runs/induction --steps 1500
+    qkv heads --induction-demo --run-dir runs/induction --steps 800
 
 The catalogue scores every head on the induction protocol (BOS + random tokens,
 repeated; its seed and sizes are printed); docs/heads.md defines each score. See
@@ -74,8 +74,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--run-dir", type=Path, default=None, metavar="RUN",
                         help="with --induction-demo: where heads-history.json and "
                              "heads-history.png go (default: none)")
-    parser.add_argument("--steps", type=int, default=1500,
-                        help="with --induction-demo: training steps (default 1500)")
+    parser.add_argument("--steps", type=int, default=800,
+                        help="with --induction-demo: training steps (default 800)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or auto")
     parser.add_argument("--bpe-dir", default=None,
                         help="GPT-2's BPE files, for a run with the gpt2 tokenizer (default: "

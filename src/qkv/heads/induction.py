@@ -64,8 +64,8 @@ def _losses(model: nn.Module, ids: Tensor, repeat: int) -> tuple[Tensor, float]:
     return per_token.mean(), float(second.detach().mean())
 
 
-def train_induction(run_dir: str | Path, *, steps: int = 1500, vocab_size: int = 64,
-                    repeat: int = 16, batch_size: int = 32, lr: float = 1e-3, seed: int = 0,
+def train_induction(run_dir: str | Path, *, steps: int = 800, vocab_size: int = 64,
+                    repeat: int = 16, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
                     every: int = 50, log: Callable[[str], None] | None = None
                     ) -> list[dict[str, Any]]:
     """Train :class:`AttentionOnly` (2 layers, 4 heads, width 64) on BOS + ``n`` random
