@@ -3,6 +3,7 @@
     qkv heads --ckpt runs/smollm2 --json heads.json --csv heads.csv --heatmaps heads/
     qkv heads --ckpt runs/smollm2 --ablate 4.11 --prompt "Mary and John: John" --good " Mary"
     qkv heads --ckpt runs/lm --ablate 0.1 1.2 --how mean --reference-text "A text." --prompt "A"
+    qkv heads --ckpt runs/lm --patch 1.2 --prompt "Mary and John: John" --corrupted "Mary and Al: Al"
     qkv heads --induction-demo --run-dir runs/induction --steps 800
 
 The catalogue scores every head on the induction protocol (BOS + random tokens,
@@ -68,6 +69,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "tokenizer (default: the model's own next token)")
     parser.add_argument("--bad", default=None, metavar="TOKEN",
                         help="the token subtracted: logit[good] - logit[bad] (default: none)")
+    parser.add_argument("--patch", default=None, metavar="LAYER[.HEAD]",
+                        help="activation patching: run --corrupted with the residual stream "
+                             "entering LAYER (or head LAYER.HEAD's output) at each position "
+                             "taken from --prompt's run, and print the logit difference "
+                             "(default: none)")
+    parser.add_argument("--corrupted", default=None, metavar="TEXT",
+                        help="with --patch: the corrupted prompt, as many tokens as --prompt "
+                             "(default: none)")
     parser.add_argument("--induction-demo", action="store_true",
                         help="train a 2-layer attention-only transformer on repeated random "
                              "segments into --run-dir, scoring its heads as it learns")
@@ -97,6 +106,12 @@ def run(args: argparse.Namespace) -> int:
             check_writable(path)
     if args.heatmaps is not None and args.heatmaps.exists() and not args.heatmaps.is_dir():
         raise ValueError(f"--heatmaps {args.heatmaps}: not a folder")
+    if args.ablate is not None and args.patch is not None:
+        raise ValueError("--ablate and --patch are two experiments: pass one of them")
+    if args.patch is not None and (args.prompt is None or args.corrupted is None):
+        raise ValueError("--patch needs --prompt (the clean run) and --corrupted")
+    if args.corrupted is not None and args.patch is None:
+        raise ValueError("--corrupted goes with --patch LAYER[.HEAD]")
     if args.ablate is not None:
         if args.prompt is None:
             raise ValueError("--ablate needs --prompt, the text whose logits it reads")
@@ -107,12 +122,15 @@ def run(args: argparse.Namespace) -> int:
     from ..heads.scores import InductionProtocol
 
     heads = parse_heads(args.ablate) if args.ablate is not None else None
+    patched = _patch_spec(args.patch) if args.patch is not None else None
     protocol = InductionProtocol(args.length, args.batch, args.seed)
     from ..tasks.lm import LanguageModel
 
     lm = LanguageModel.load(args.ckpt, device=args.device, bpe_dir=args.bpe_dir)
     if heads is not None:
         return _ablate(lm, heads, args)
+    if patched is not None:
+        return _patch(lm, *patched, args)
     return _catalogue(lm, protocol, args)
 
 
@@ -169,25 +187,66 @@ def _token(lm, text: str, flag: str) -> int:
 
 
 def _ablate(lm, heads: list[tuple[int, int]], args: argparse.Namespace) -> int:
-    import torch
-
     from ..heads.interventions import ablate
 
     ids = lm.encode_prompt(args.prompt)
-    with torch.no_grad():
-        next_id = int(lm.model(ids)[0, -1].argmax())
-    good = _token(lm, args.good, "--good") if args.good is not None else next_id
-    bad = _token(lm, args.bad, "--bad") if args.bad is not None else None
+    good, bad, what = _targets(lm, ids, args)
     reference = lm.encode_prompt(args.reference_text) if args.how == "mean" else None
     effect = ablate(lm.model, ids, heads, good, bad, how=args.how, reference=reference)
-    what = f"logit[{lm.tokenizer.decode([good])!r}]"
-    if bad is not None:
-        what += f" - logit[{lm.tokenizer.decode([bad])!r}]"
     names = ", ".join(f"{layer}.{head}" for layer, head in heads)
     print(f"{what} at the last position of the prompt ({ids.shape[1]} tokens)")
     print(f"  model as it is:          {effect.before:+.4f}")
     print(f"  heads {names} ablated ({args.how}): {effect.after:+.4f}")
     print(f"  change:                  {effect.change:+.4f}")
+    return 0
+
+
+def _patch_spec(text: str) -> tuple[int, int | None]:
+    """``"3"`` -> (3, None): the residual stream entering layer 3; ``"3.1"`` -> (3, 1)."""
+    layer, dot, head = text.partition(".")
+    if not layer.isdigit() or (dot and not head.isdigit()):
+        raise ValueError(f"--patch is LAYER (the residual stream entering it) or LAYER.HEAD "
+                         f"(that head's output), counted from 0; got {text!r}")
+    return int(layer), int(head) if dot else None
+
+
+def _targets(lm, ids, args: argparse.Namespace) -> tuple[int, int | None, str]:
+    """The logit difference's tokens (``--good``, default the model's next token on
+    ``ids``; ``--bad``) and its name."""
+    import torch
+
+    with torch.no_grad():
+        next_id = int(lm.model(ids)[0, -1].argmax())
+    good = _token(lm, args.good, "--good") if args.good is not None else next_id
+    bad = _token(lm, args.bad, "--bad") if args.bad is not None else None
+    what = f"logit[{lm.tokenizer.decode([good])!r}]"
+    if bad is not None:
+        what += f" - logit[{lm.tokenizer.decode([bad])!r}]"
+    return good, bad, what
+
+
+def _patch(lm, layer: int, head: int | None, args: argparse.Namespace) -> int:
+    from ..heads.interventions import patch
+
+    clean = lm.encode_prompt(args.prompt)
+    corrupted = lm.encode_prompt(args.corrupted)
+    if clean.shape != corrupted.shape:
+        raise ValueError(f"--prompt has {clean.shape[1]} tokens and --corrupted "
+                         f"{corrupted.shape[1]}; patching needs the same number")
+    good, bad, what = _targets(lm, clean, args)
+    point = "resid_pre" if head is None else "head_out"
+    where = (f"the residual stream entering layer {layer}" if head is None
+             else f"head {layer}.{head}'s output")
+    print(f"{what} at the last position; {where} patched from --prompt into --corrupted")
+    effects = [patch(lm.model, clean, corrupted, point=point, layer=layer, position=p,
+                     good=good, bad=bad, head=head) for p in range(clean.shape[1])]
+    itself = patch(lm.model, clean, clean, point=point, layer=layer, position=0, good=good,
+                   bad=bad, head=head)
+    print(f"  clean run:      {itself.before:+.4f}")
+    print(f"  corrupted run:  {effects[0].before:+.4f}")
+    for p, effect in enumerate(effects):
+        token = lm.tokenizer.decode([int(corrupted[0, p])])
+        print(f"  patched at {p:3d} {token!r:>14}: {effect.after:+.4f} ({effect.change:+.4f})")
     return 0
 
 
