@@ -3,7 +3,7 @@
     qkv heads --ckpt runs/smollm2 --json heads.json --csv heads.csv --heatmaps heads/
     qkv heads --ckpt runs/smollm2 --ablate 4.11 --prompt "Mary and John: John" --good " Mary"
     qkv heads --ckpt runs/lm --ablate 0.1 1.2 --how mean --reference-text "A text." --prompt "A"
-    qkv heads --ckpt runs/lm --patch 1.2 --prompt "Mary and John: John" --corrupted "Mary and Al: Al"
+    qkv heads --ckpt runs/lm --patch 1.2 --prompt "Mary and John: John" --corrupted "Al and Jo: Jo"
     qkv heads --induction-demo --run-dir runs/induction --steps 800
 
 The catalogue scores every head on the induction protocol (BOS + random tokens,
