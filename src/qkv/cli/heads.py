@@ -29,7 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "import): entropy, sink mass and Gu et al.'s Sink metric, previous-token, "
                     "duplicate-token, induction, local and distance scores, as a table, CSV, "
                     "JSON and a layers x heads heatmap per score. With --ablate, the change "
-                    "in a logit difference when heads are removed. With --induction-demo, "
+                    "in a logit difference when heads are removed; with --patch, when a "
+                    "layer's input or a head's output comes from a clean prompt, position "
+                    "by position. With --induction-demo, "
                     "train a 2-layer attention-only transformer and watch an induction head "
                     "form. docs/heads.md defines the scores.",
         epilog="examples:\n" + "\n".join("  " + line.strip() for line in __doc__.splitlines()
