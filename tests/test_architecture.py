@@ -24,7 +24,7 @@ LAYERS = {
     "models": 3,
     "data": 4,
     "training": 5,
-    "tasks": 6,
+    "tasks": 6, "heads": 6,
     "cli": 7, "bench": 7, "d2l": 7, "viz": 7,
     "__main__": 8,
 }

@@ -7,7 +7,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", "docs/book-map.md", "docs/distributed.md", "docs/modern-attention.md",
-        "docs/attention-variants.md"]
+        "docs/attention-variants.md", "docs/heads.md"]
 
 
 def python_blocks(path: Path) -> list[str]:

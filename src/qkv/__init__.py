@@ -38,6 +38,8 @@ _SOURCES = {
                      "SelfAttention_v2", "SelfAttentionV1", "SelfAttentionV2"),
                     ".book.self_attention"),
     "PyTorchMultiHeadAttention": ".book.efficient_attention",
+    # what each head does (docs/heads.md): record and replace activations
+    **dict.fromkeys(("capture", "intervene"), ".heads.capture"),
 }
 
 __all__ = ["functional", *_SOURCES]

@@ -146,7 +146,7 @@ class GatedAttention(MultiHeadAttention):
                                           need_weights=need_weights)
         # (b, T, heads * head_dim), each head's output scaled by its gate in (0, 1)
         out = self._merge_heads(out) * torch.sigmoid(gate.reshape(batch, num_queries, -1))
-        out = self.out_proj(out)
+        out = self.out_proj(self._tap_heads(out))
         return (out, weights) if need_weights else out
 
     def _rotate(self, t: Tensor, past: int) -> Tensor:
@@ -316,9 +316,11 @@ class SharedKVAttention(MultiHeadAttention):
             q = self.q_norm(q)
         if self.rope:
             q = self._rotate(q, shared.past)
-        out, weights = self._attend(q, keys, values, mask=mask, ring=shared.ring,
-                                    need_weights=need_weights)
-        out = self.out_proj(self._merge_heads(out))
+        if self.tap is not None:
+            q, _, _ = self._tap_inputs(q, None, None)  # the keys and values are the source's
+        out, weights = self._attend_tapped(q, keys, values, mask=mask, ring=shared.ring,
+                                           need_weights=need_weights)
+        out = self.out_proj(self._tap_heads(self._merge_heads(out)))
         return (out, weights) if need_weights else out
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> None:  # type: ignore[override]

@@ -54,6 +54,7 @@ __all__ = [
     "masked_softmax",
     "softmax_with_mask",
     "attention",
+    "attention_logits",
     "BACKENDS",
 ]
 
@@ -617,3 +618,38 @@ def attention(
     if row_ok is not None:
         out = out * row_ok
     return out, None
+
+
+def attention_logits(
+    query: Tensor,
+    key: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    window: int | None = None,
+) -> Tensor:
+    """The scores :func:`attention`'s softmax takes: ``q k^T * scale``, ``-inf`` where a
+    key is hidden (by ``mask``, ``causal`` or ``window``, as :func:`attention` hides it).
+
+    Shapes: ``query (..., H, T_q, d)``, ``key (..., G, T_k, d)`` with ``G`` dividing
+    ``H`` (grouped queries, as in :func:`attention`) ``-> (..., H, T_q, T_k)``. The
+    product is the eager kernel's own, ``(query * scale) @ key^T``, so a softmax of
+    these scores is its weights. For reading a layer (qkv.heads); the kernels never
+    need it.
+    """
+    groups = _query_groups(query, key, key)
+    mask = _checked_mask(mask, _scores_shape(query, key, key, groups))
+    if window is not None and not causal:
+        raise ValueError("window needs causal=True: each query sees its last window keys")
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=-3)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = (query * scale) @ key.transpose(-2, -1)
+    num_queries, num_keys = query.shape[-2], key.shape[-2]
+    banded = window is not None and num_keys > window
+    if causal and (num_queries > 1 or banded):
+        tri = causal_mask(num_queries, num_keys, device=query.device,
+                          window=window if banded else None)
+        mask = tri if mask is None else mask & tri
+    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))

@@ -18,6 +18,7 @@ from .checks import check_bool, check_dropout, check_float, check_heads, check_p
 from .functional import (
     BACKENDS,
     attention,
+    attention_logits,
     check_valid_lens,
     lengths_to_mask,
 )
@@ -91,6 +92,14 @@ class MultiHeadAttention(nn.Module):
     Shapes:
         ``x (batch, T_q, d_in) -> (batch, T_q, d_out)``; with
         ``need_weights=True`` also the weights ``(batch, num_heads, T_q, T_k)``.
+
+    Taps: ``tap`` is None, or a callable ``tap(name, tensor) -> tensor`` with a set
+    ``tap.names`` of the points it wants (:data:`qkv.options.CAPTURE_POINTS`'s attention
+    points: ``q``, ``k``, ``v``, ``scores``, ``weights``, ``head_out``); qkv.heads sets it
+    to record them or to replace ``q``, ``k``, ``v`` and ``head_out`` with what it
+    returns. ``scores`` and ``weights`` are computed beside the kernel, only when
+    wanted, and only read: the output still comes from this layer's backend, so a
+    recorded call gives the logits an unrecorded one gives.
 
     Padding: pass either ``valid_lens`` (d2l's form: ``(batch,)`` or
     ``(batch, T_q)``, keys at index ``>= valid_len`` are ignored) or
@@ -192,6 +201,7 @@ class MultiHeadAttention(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.v_norm = v_norm
         self._rope_table = RopeTable(context_length)
+        self.tap: Any = None  # see "Taps" above
 
     def _split_heads(self, x: Tensor) -> Tensor:
         # (b, T, heads * head_dim) -> (b, heads, T, head_dim): heads become a batch axis
@@ -270,7 +280,7 @@ class MultiHeadAttention(nn.Module):
         q = self._split_heads(self.W_query(x))
         out, weights = self._attend_heads(q, key, value, cache=cache, past=past, mask=mask,
                                           ring=ring, need_weights=need_weights)
-        out = self.out_proj(self._merge_heads(out))
+        out = self.out_proj(self._tap_heads(self._merge_heads(out)))
         return (out, weights) if need_weights else out
 
     # The steps of forward that the attention classes built on this one share
@@ -331,9 +341,11 @@ class MultiHeadAttention(nn.Module):
             v = self.v_norm(v)
         if self.rope:  # rotated at their absolute positions, before they are cached
             q, k = self._rotate(q, past), self._rotate(k, past)
+        if self.tap is not None:
+            q, k, v = self._tap_inputs(q, k, v)
         if cache is not None:
             k, v = cache.append(k, v)
-        return self._attend(q, k, v, mask=mask, ring=ring, need_weights=need_weights)
+        return self._attend_tapped(q, k, v, mask=mask, ring=ring, need_weights=need_weights)
 
     def _rotate(self, t: Tensor, past: int) -> Tensor:
         """RoPE on queries or keys ``t (batch, heads, T, head_dim)`` at positions ``past,
@@ -364,6 +376,47 @@ class MultiHeadAttention(nn.Module):
             scale=self.scale,
             **kernel,
         )
+
+    def _tap_inputs(self, q: Tensor, k: Tensor | None, v: Tensor | None
+                    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``self.tap``'s ``q``, ``k`` and ``v`` (the new tokens' keys and values, before
+        the cache; None for a layer that has none of its own): each passed to the tap
+        if it wants it, and replaced by what it returns."""
+        names = self.tap.names
+        if "q" in names:
+            q = self.tap("q", q)
+        if k is not None and "k" in names:
+            k = self.tap("k", k)
+        if v is not None and "v" in names:
+            v = self.tap("v", v)
+        return q, k, v
+
+    def _attend_tapped(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None,
+                       ring: bool, need_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """:meth:`_attend`, then the ``scores`` and ``weights`` a tap wants, computed beside
+        it (the eager kernel's weights, :func:`qkv.functional.attention_logits`'s
+        scores) so that the output is the backend's, recorded or not."""
+        out, weights = self._attend(q, k, v, mask=mask, ring=ring, need_weights=need_weights)
+        tap = self.tap
+        if tap is not None and "weights" in tap.names:
+            if weights is None:
+                weights = self._attend(q, k, v, mask=mask, ring=ring, need_weights=True)[1]
+            tap("weights", weights)
+            weights = weights if need_weights else None
+        if tap is not None and "scores" in tap.names:
+            window = None if ring and q.shape[-2] == 1 else self.window_size
+            tap("scores", attention_logits(q, k, mask=mask, causal=self.causal, window=window,
+                                           scale=self.scale))
+        return out, weights
+
+    def _tap_heads(self, merged: Tensor) -> Tensor:
+        """``merged (batch, T, heads * head_dim)``, the heads' outputs side by side, through
+        ``self.tap``'s ``head_out`` as ``(batch, T, heads, head_dim)``."""
+        if self.tap is None or "head_out" not in self.tap.names:
+            return merged
+        batch, num_queries, _ = merged.shape
+        heads = merged.view(batch, num_queries, self.num_heads, self.head_dim)
+        return self.tap("head_out", heads).reshape(batch, num_queries, self.inner_dim)
 
     def _merge_heads(self, out: Tensor) -> Tensor:
         # (b, heads, T, head_dim) -> (b, T, heads * head_dim)

@@ -114,6 +114,39 @@ WALKTHROUGH_MECHANISMS = {
     "delta": "linear attention to Gated DeltaNet (Qwen3-Next, Qwen3.5): a running sum of "
              "k v^T, then a decay, then the delta correction; a state of fixed size "
              "against a cache that grows",
+    "induction": "induction heads, built by hand: a previous-token head in layer 0 writes "
+                 "'the word before me', an induction head in layer 1 finds where the current "
+                 "word came before and copies the word after it",
+}
+
+# What qkv.heads.capture records (and an intervention may replace), by name: where it is
+# taken, its shape and what it holds. The one declaration: the attention classes and the
+# decoder block tap these names, docs/heads.md's table is rendered from it. "attention"
+# points are taken inside an attention module, "block" points in the decoder's
+# TransformerBlock around it. H: query heads; G: key/value heads (H without grouped-query
+# attention); T: the call's new tokens; T_k: the keys its queries attend to.
+CAPTURE_POINTS: dict[str, tuple[str, str, str]] = {
+    "q": ("attention", "(batch, H, T, head_dim)",
+          "queries after the projection, QK-norm and RoPE"),
+    "k": ("attention", "(batch, G, T, head_dim)",
+          "the new tokens' keys after the projection, QK-norm and RoPE, before the cache "
+          "(a shared_kv layer has none of its own)"),
+    "v": ("attention", "(batch, G, T, head_dim)",
+          "the new tokens' values, before the cache (none in a shared_kv layer)"),
+    "scores": ("attention", "(batch, H, T, T_k)",
+               "pre-softmax scores q.k * scale, -inf where a key is hidden (causal, window, "
+               "padding); a learned sink is not a column"),
+    "weights": ("attention", "(batch, H, T, T_k)",
+                "the attention weights, as the eager kernel computes them: rows sum to 1 "
+                "(less with learned sinks)"),
+    "head_out": ("attention", "(batch, T, H, head_dim)",
+                 "each head's output before out_proj (after a gated layer's gate)"),
+    "resid_pre": ("block", "(batch, T, emb_dim)", "the residual stream entering the block"),
+    "attn_out": ("block", "(batch, T, emb_dim)",
+                 "the attention branch as it is added to the stream (out_proj, post-norm)"),
+    "resid_mid": ("block", "(batch, T, emb_dim)", "the stream between attention and MLP"),
+    "mlp_out": ("block", "(batch, T, emb_dim)", "the MLP branch as it is added"),
+    "resid_post": ("block", "(batch, T, emb_dim)", "the residual stream leaving the block"),
 }
 
 

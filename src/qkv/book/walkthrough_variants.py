@@ -19,6 +19,8 @@ cache a decoder keeps, counted token by token. The sections (prefixes of
 - ``kvshare``: :class:`~qkv.attention_variants.SharedKVAttention`: a later layer attends
   with an earlier layer's keys and values (a :class:`~qkv.attention_variants.KVHandoff`),
   which only the earlier layer caches;
+- ``induction``: a previous-token head and an induction head built by hand from
+  :class:`qkv.MultiHeadAttention` on the text said twice, and the next word they predict;
 - ``delta``: linear attention built up to the gated delta rule of
   :class:`qkv.linear_attention.GatedDeltaNet`: a running sum of ``k v^T``, a decay, the
   delta correction, and a state of fixed size against a cache that grows.
@@ -78,7 +80,8 @@ BYTES = 4  # float32
 MECHANISMS = tuple(WALKTHROUGH_MECHANISMS)
 VARIANT_SECTIONS = ("mla.1", "mla.2", "mla.3", "absorbed.1", "absorbed.2", "dsa.1", "dsa.2",
                     "dsa.3", "sinks.1", "sinks.2", "kvshare.1", "kvshare.2", "delta.1",
-                    "delta.2", "delta.3", "delta.4")
+                    "delta.2", "delta.3", "delta.4", "induction.1", "induction.2",
+                    "induction.3")
 # The linear-attention head: keys and queries of 4, values of 3 (a state of 4 x 3).
 DELTA_KEY, DELTA_VALUE = 4, 3
 
@@ -752,6 +755,135 @@ def _step_delta_4(c: _Toy, d: _Delta) -> Step:
 
 
 # ---------------------------------------------------------------------------
+# Induction heads, built by hand
+# ---------------------------------------------------------------------------
+
+# How sharply the hand-built heads pick their key: a matching key scores this much more
+# than any other, e^8 ~ 3000 times the weight.
+INDUCTION_SHARPNESS = 8.0
+BOS = "<bos>"
+
+
+@dataclass
+class _Induction:
+    """The two hand-built heads, the text twice and its one-hot residual stream."""
+
+    tokens: tuple[str, ...]  # BOS, the toy's T words, the same words again: 2T + 1
+    ids: Tensor  # (2T + 1,) each word's index among the distinct words
+    x: Tensor  # (1, 2T + 1, width): [word one-hot | position | prev slot | out slot]
+    previous: MultiHeadAttention  # layer 0
+    induction: MultiHeadAttention  # layer 1
+    vocab: int
+
+
+def _induction_circuit(c: _Toy) -> _Induction:
+    # BOS first, as the induction protocol has it: the first position has no word before
+    # it, and BOS, never said again, is what layer 0 writes there.
+    words = [BOS] + [t.lower() for t in c.tokens] * 2
+    index = {w: i for i, w in enumerate(dict.fromkeys(words))}
+    v, n = len(index), len(words)
+    ids = torch.tensor([index[w] for w in words])
+    width = 3 * v + n  # word, position, the previous word (layer 0 writes), output
+    word, pos, prev, out = (slice(0, v), slice(v, v + n), slice(v + n, 2 * v + n),
+                            slice(2 * v + n, width))
+    x = torch.zeros(1, n, width)
+    x[0, torch.arange(n), ids] = 1.0
+    x[0, torch.arange(n), v + torch.arange(n)] = 1.0
+
+    def head() -> MultiHeadAttention:
+        layer = MultiHeadAttention(width, width, n, 0.0, num_heads=1, out_bias=False)
+        for lin in (layer.W_query, layer.W_key, layer.W_value, layer.out_proj):
+            lin.weight.zero_()
+        return layer
+
+    # Layer 0: position i's query is position i; position j's key is position j + 1, so
+    # the query meets the key of j = i - 1. Its value is j's word, written to "prev".
+    scale = INDUCTION_SHARPNESS * width ** 0.5  # undoes the 1/sqrt(d) of the scores
+    previous = head()
+    previous.W_query.weight[pos, pos] = torch.eye(n) * scale
+    previous.W_key.weight[pos, pos] = torch.ones(n, n).tril(-1).triu(-1)  # row j+1 <- col j
+    previous.W_value.weight[word, word] = torch.eye(v)
+    previous.out_proj.weight[prev, word] = torch.eye(v)
+    # Layer 1: the query is i's own word; a key is the word *before* j (the prev slot):
+    # they meet where the word before j is the word at i, j the word that followed it.
+    # Its value is j's word, written to "out": the prediction of the next word.
+    induction = head()
+    induction.W_query.weight[word, word] = torch.eye(v) * scale
+    induction.W_key.weight[word, prev] = torch.eye(v)
+    induction.W_value.weight[word, word] = torch.eye(v)
+    induction.out_proj.weight[out, word] = torch.eye(v)
+    return _Induction((BOS, *c.tokens, *c.tokens), ids, x, previous, induction, v)
+
+
+def _step_induction_1(c: _Toy, d: _Induction) -> Step:
+    _, weights = d.previous(d.x, need_weights=True)
+    a = weights[0, 0]
+    n = a.shape[-1]
+    score = a[torch.arange(1, n), torch.arange(n - 1)].mean()
+    return Step(
+        "induction.1",
+        "A previous-token head (layer 0)",
+        "BOS, then the text twice, each word a one-hot row beside a one-hot position (no "
+        "learned embedding: the circuit is easier to read). Layer 0's query at position i is i, "
+        "the key at j is j + 1: they meet where j = i - 1, so each token attends to the "
+        "one before it, and the head writes that word into a slot of the residual stream "
+        "of its own: after it, each position carries 'the word before me was A'. Its "
+        "previous-token score (the mean weight on i - 1, qkv heads' definition) is near 1.",
+        {"attn_weights (layer 0)": a, "previous_token score": score},
+        labels={"attn_weights (layer 0)": (d.tokens, d.tokens)},
+        weights=a, weights_title="previous-token head", tokens=d.tokens,
+        modules={"previous": d.previous, "induction": d.induction},
+    )
+
+
+def _step_induction_2(c: _Toy, d: _Induction) -> Step:
+    x = d.x + d.previous(d.x)
+    _, weights = d.induction(x, need_weights=True)
+    a = weights[0, 0]
+    t = c.num_tokens
+    second = torch.arange(t + 1, 2 * t + 1)  # the second copy's positions
+    score = a[second, second - t + 1].mean()
+    return Step(
+        "induction.2",
+        "An induction head (layer 1) finds what came next last time",
+        "Layer 1's query is the current word A; its keys read the slot layer 0 wrote, "
+        "the word before each position. They meet at the positions that followed an "
+        "earlier A: in the second copy, at i - T + 1, the word after A the first time "
+        "(BOS, written where no word came before, is never a query's word). That is the "
+        "induction head's stripe, T - 1 to the left of the diagonal; its induction score "
+        "(mean weight on i - T + 1 over the second copy) is near 1. "
+        "(A word said twice in one copy splits the weight between its followers.)",
+        {"attn_weights (layer 1)": a, "induction score": score},
+        labels={"attn_weights (layer 1)": (d.tokens, d.tokens)},
+        weights=a, weights_title="induction head", tokens=d.tokens,
+        modules={"previous": d.previous, "induction": d.induction},
+    )
+
+
+def _step_induction_3(c: _Toy, d: _Induction) -> Step:
+    x = d.x + d.previous(d.x)
+    x = x + d.induction(x)
+    predicted = x[0, :, -d.vocab:]  # the out slot: the copied word, (2T, V)
+    guess = predicted.argmax(dim=-1)
+    t = c.num_tokens
+    # the second copy's positions but its last, whose next word is not in the text
+    right = (guess[t + 1:-1] == d.ids[t + 2:]).float()
+    return Step(
+        "induction.3",
+        "What it predicts: the next word of the second copy",
+        "The value the induction head copies is the word at the position it found, the "
+        "one that followed A last time, so the out slot holds the next word of the "
+        "second copy before it is read: [A][B] ... [A] -> [B]. A trained model does this "
+        "with learned weights (qkv heads --induction-demo shows them forming); its loss on "
+        "repeated text falls at the step the two heads appear (Olsson et al., 2022).",
+        {"out slot (copied word, one column per distinct word)": predicted,
+         "second copy: guess == next word": right},
+        labels={"out slot (copied word, one column per distinct word)": (d.tokens, ())},
+        modules={"previous": d.previous, "induction": d.induction},
+    )
+
+
+# ---------------------------------------------------------------------------
 # All sections
 # ---------------------------------------------------------------------------
 
@@ -776,6 +908,7 @@ def variant_steps(text: str | None = None, *, seed: int = 123) -> list[Step]:
         sinks = _sink_layer(c)
         source, later = _shared_pair(c)
         delta = _delta_inputs(c)
+        circuit = _induction_circuit(c)
         steps = [
             _step_mla_1(c, mla),
             _step_mla_2(c, mla),
@@ -793,6 +926,9 @@ def variant_steps(text: str | None = None, *, seed: int = 123) -> list[Step]:
             _step_delta_2(c, delta),
             _step_delta_3(c, delta),
             _step_delta_4(c, delta),
+            _step_induction_1(c, circuit),
+            _step_induction_2(c, circuit),
+            _step_induction_3(c, circuit),
         ]
     for step in steps:
         step.tensors = {name: t.detach().cpu() for name, t in step.tensors.items()}

@@ -72,11 +72,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 from .. import __version__
-from . import bench, lm, translate, view, walkthrough
+from . import bench, heads, lm, translate, view, walkthrough
 from .runs import RunStoppedError, Terminated
 
 # Sub-command modules, in the order ``qkv --help`` lists them.
-COMMANDS = [translate, lm, view, bench, walkthrough]
+COMMANDS = [translate, lm, view, heads, bench, walkthrough]
 
 
 class UsageError(Exception):

@@ -1029,6 +1029,9 @@ class TransformerBlock(nn.Module):
             self.register_buffer("layer_scalar", torch.ones(1))
         else:
             self.layer_scalar = None
+        # None, or qkv.heads' callable tap(name, tensor) -> tensor with a set tap.names of
+        # the block points (qkv.options.CAPTURE_POINTS) it records or replaces
+        self.tap: Any = None
 
     def forward(
         self, x: Tensor, *, cache: Any = None, shared: KVHandoff | None = None,
@@ -1052,6 +1055,9 @@ class TransformerBlock(nn.Module):
             padding["key_padding_mask"] = (key_padding_mask[:, -x.shape[1]:]
                                            if self.spec.attention == "gated_deltanet"
                                            else key_padding_mask)
+        tap = self._tap_point if self.tap is not None else None
+        if tap is not None:
+            x = tap("resid_pre", x)
         if self.spec.attention == "shared_kv":
             if shared is None:
                 raise ValueError("a shared_kv layer needs the KVHandoff of its kv_source "
@@ -1065,13 +1071,19 @@ class TransformerBlock(nn.Module):
             attended, weights = attended
         if self.post_norm1 is not None:
             attended = self.post_norm1(attended)
+        if tap is not None:
+            attended = tap("attn_out", attended)
         x = x + self.drop_shortcut(attended)
+        if tap is not None:
+            x = tap("resid_mid", x)
         if self.spec.mlp == "dense_and_moe":  # its router reads x before the norm
             fed = self.ff(self.norm2(x), x)
         else:
             fed = self.ff(self.norm2(x))
         if self.post_norm2 is not None:
             fed = self.post_norm2(fed)
+        if tap is not None:
+            fed = tap("mlp_out", fed)
         x = x + self.drop_shortcut(fed)
         if self.ple is not None:
             if per_layer_input is None:
@@ -1080,7 +1092,13 @@ class TransformerBlock(nn.Module):
             x = self.ple(x, per_layer_input)
         if self.layer_scalar is not None:
             x = x * self.layer_scalar
+        if tap is not None:
+            x = tap("resid_post", x)
         return (x, weights) if need_weights else x
+
+    def _tap_point(self, name: str, x: Tensor) -> Tensor:
+        """``x`` through ``self.tap`` if it wants the point ``name``."""
+        return self.tap(name, x) if name in self.tap.names else x
 
 
 # ----------------------------------------------------------------------------
@@ -1338,6 +1356,9 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
             return "the norms must be qkv's LayerNorm or RMSNorm"
     if type(model.final_norm) not in norms:
         return "the final norm must be qkv's LayerNorm or RMSNorm"
+    if any(getattr(m, "tap", None) is not None for m in model.modules()):
+        return "a capture or an intervention taps the layers, and only the model's forward " \
+               "runs its taps"
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return "forward hooks are registered, and only the model's forward runs them"
     for name, m in model.named_modules():

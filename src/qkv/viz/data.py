@@ -44,16 +44,29 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..attention_variants import SinkAttention
 from ..data.translate import BOS, EOS
+from ..heads.capture import capture
+from ..heads.scores import SCORES, InductionProtocol, head_scores
 from ..models.decoding import eval_mode
 from ..models.gpt import check_max_new_tokens
 from ..models.gpt import generate as generate_ids
 from ..models.transformer import TransformerSeq2Seq
+from ..multihead import MultiHeadAttention
 from ..tasks.lm import LanguageModel
 from ..tasks.translate import Translator
 
 __all__ = ["VERSION", "DECADES", "MAX_TEXT_CHARS", "encode_section", "decode_section",
-           "example", "page_data", "describe", "check_generate", "check_translator_generate"]
+           "example", "page_data", "describe", "check_generate", "check_translator_generate",
+           "contributions", "rollout", "heads_catalogue", "VIEW_TITLES"]
+
+# The other things a language model's softmax section can show beside its weights.
+VIEW_TITLES = {
+    "contribution": "Contribution: |a_ij v_j W_O,h|, each weighted, projected value's norm "
+                    "(Kobayashi et al., 2020)",
+    "rollout": "Attention rollout through each layer: (A + I) / 2 averaged over heads, "
+               "multiplied from layer 0 up (Abnar & Zuidema, 2020)",
+}
 
 VERSION = 2
 # The range of the stored log scale: weights down to 10**-DECADES of their row's largest.
@@ -208,7 +221,12 @@ def _lm_example(lm: LanguageModel, text: str, generate: int,
         idx = generate_ids(lm.model, idx, generate, temperature=0.0, use_cache=True)
     # One forward pass over prompt and continuation: causal, so each generated token's
     # row is what it saw when it was generated.
-    _, weights = lm.model(idx, need_weights=True)  # per layer (1, heads, T, T)
+    # The values of the layers whose heads' outputs are their weighted values (before
+    # out_proj), for the contribution view.
+    plain = [i for i, block in enumerate(lm.model.trf_blocks)
+             if type(block.att) in (MultiHeadAttention, SinkAttention)]
+    with capture(lm.model, ["v"], plain) as cache:
+        _, weights = lm.model(idx, need_weights=True)  # per layer (1, heads, T, T)
     ids = idx[0].tolist()
     labels = [lm.tokenizer.decode([i]) for i in ids]
     # The layers of each kind of weights (softmax attention first) and head count.
@@ -223,13 +241,78 @@ def _lm_example(lm: LanguageModel, text: str, generate: int,
         sid = "self" if kind is None else "-".join(kind.split(":")[0].lower().split())
         if any(s["id"] == sid for s in sections):  # another head count of one kind
             sid = f"{sid}-{len(sections)}"
-        sections.append(encode_section(
+        stacked = torch.stack([weights[i][0] for i in layers])
+        section = encode_section(
             sid, title + (" (prompt and greedy continuation)" if generate else ""),
-            labels, labels, torch.stack([weights[i][0] for i in layers]), causal=True,
+            labels, labels, stacked, causal=True,
             generated_from=prompt if generate else None, signed=kind is not None,
-            layer_ids=None if len(groups) == 1 else layers))
+            layer_ids=None if len(groups) == 1 else layers)
+        views = {}
+        if kind is None and all(i in plain for i in layers):
+            views["contribution"] = torch.stack([
+                contributions(weights[i][0], cache["v", i][0],
+                              lm.model.trf_blocks[i].att.out_proj.weight)
+                for i in layers])
+        if kind is None and len(groups) == 1:
+            views["rollout"] = rollout(stacked)[:, None]
+        section["views"] = {
+            name: encode_section(f"{sid}:{name}", VIEW_TITLES[name], labels, labels, view,
+                                 causal=True, generated_from=prompt if generate else None,
+                                 layer_ids=None if len(groups) == 1 else layers)
+            for name, view in views.items()}
+        sections.append(section)
     output = lm.tokenizer.decode(ids[prompt:]) if generate else None
     return {"text": text, "output": output, "sections": sections}
+
+
+def contributions(weights: Tensor, values: Tensor, out_proj: Tensor) -> Tensor:
+    """Kobayashi et al.'s (2020) norm view of one layer: how much each key's value adds to
+    each query's output, ``|a_ij f_h(x_j)|`` with ``f_h(x_j) = v_j W_O,h`` the value of
+    key ``j`` in head ``h`` projected by that head's columns of ``out_proj``.
+
+    ``weights (H, T_q, T_k)``, ``values (G, T_k, head_dim)`` (G dividing H),
+    ``out_proj (d_out, H * head_dim)`` -> ``(H, T_q, T_k)``, non-negative.
+    """
+    heads, _, head_dim = weights.shape[0], weights.shape[1], values.shape[-1]
+    v = values.repeat_interleave(heads // values.shape[0], dim=0)  # (H, T_k, head_dim)
+    w_o = out_proj.reshape(out_proj.shape[0], heads, head_dim)  # (d_out, H, head_dim)
+    projected = torch.einsum("hkd,ehd->hke", v.float(), w_o.float())  # (H, T_k, d_out)
+    return weights.float() * projected.norm(dim=-1)[:, None, :]
+
+
+def rollout(weights: Tensor) -> Tensor:
+    """Abnar and Zuidema's (2020) attention rollout: ``weights (L, H, T, T)`` of causal
+    self-attention -> ``(L, T, T)``, entry ``l`` how much each token's input reaches each
+    position after layer ``l``, the residual counted as half: ``R_l = A'_l R_(l-1)`` with
+    ``A'_l`` the heads' mean ``(A + I) / 2``, rows renormalised to 1 (a sink's share
+    dropped)."""
+    mean = weights.double().mean(dim=1)  # (L, T, T)
+    eye = torch.eye(mean.shape[-1], dtype=torch.float64)
+    out, r = [], eye
+    for a in mean:
+        a = (a + eye) / 2
+        a = a / a.sum(dim=-1, keepdim=True)
+        r = a @ r
+        out.append(r)
+    return torch.stack(out).float()
+
+
+@torch.no_grad()
+def heads_catalogue(lm: LanguageModel) -> dict[str, Any] | None:
+    """The page's heads panel: every head's scores (:mod:`qkv.heads.scores`) on the
+    induction protocol (BOS + up to 50 random tokens, repeated, within the context), or
+    None for a model without per-head softmax weights."""
+    context = lm.model.cfg.context_length
+    protocol = InductionProtocol(length=max(1, min(50, (context - 1) // 2)), batch=4)
+    bos = getattr(lm.tokenizer, "bos_token_id", None)
+    protocol.bos_id = bos if isinstance(bos, int) else (lm.tokenizer.eot_token or 0)
+    vocab = lm.model.cfg.vocab_size
+    try:
+        table = head_scores(lm.model, protocol.ids(vocab), repeat=protocol.length)
+    except ValueError:  # no layer with per-head softmax weights
+        return None
+    return {"protocol": protocol.describe(vocab), "scores": table,
+            "definitions": dict(SCORES)}
 
 
 @torch.no_grad()
@@ -321,6 +404,9 @@ def page_data(target: Target, texts: Sequence[str], *, run_dir: str | Path | Non
         check_translator_generate(generate, generate_name)
     else:
         check_max_new_tokens(generate, generate_name)
-    return {"version": VERSION, "model": describe(target, run_dir),
+    data = {"version": VERSION, "model": describe(target, run_dir),
             "examples": [example(target, text, beam=beam, generate=generate,
                                  generate_name=generate_name) for text in texts]}
+    if isinstance(target, LanguageModel):
+        data["heads"] = heads_catalogue(target)
+    return data
