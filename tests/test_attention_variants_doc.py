@@ -40,6 +40,9 @@ BY_HAND = {
     "Gemma 3 27B": (10 * GEMMA3_LAYER, 52 * 1024 * GEMMA3_LAYER),
     "Gemma 3n E4B": (4 * GEMMA3N_LAYER, 16 * 512 * GEMMA3N_LAYER),
     "Gemma 3n E4B, no sharing": (7 * GEMMA3N_LAYER, 28 * 512 * GEMMA3N_LAYER),
+    # Gemma 4 E2B: of the first 15 layers (the last 20 share), 3 are full (4, 9, 14) with
+    # one key/value head of 512, 12 slide over 512 tokens with one of 256
+    "Gemma 4 E2B": (3 * 512 * KV * BF16, 12 * 512 * 256 * KV * BF16),
     # 61 layers x (latent 512 + RoPE key 64), no key/value heads at all
     "DeepSeek-V3": (61 * (512 + 64) * BF16, 0),
     # and the indexer's key, 128 wide

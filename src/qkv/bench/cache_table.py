@@ -119,6 +119,24 @@ QWEN3_NEXT_80B = {"model_type": "qwen3_next", "vocab_size": 151_936, "hidden_siz
                   # its 256k context stretched to 1M by YaRN, as Qwen's model card runs it
                   "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                    "original_max_position_embeddings": 262_144}}
+# Gemma 4 E2B's text model (google/gemma-4-E2B-it's text_config): 35 layers, every 5th
+# full attention with 512-wide heads, the others a 512-token window with 256-wide ones, one
+# key/value head, and the last 20 layers reusing the keys and values of the last earlier
+# layer of their kind; per-layer inputs and doubled MLPs in the shared layers cache nothing.
+GEMMA4_E2B = {"model_type": "gemma4_text", "vocab_size": 262_144, "hidden_size": 1536,
+              "intermediate_size": 6144, "num_hidden_layers": 35, "num_attention_heads": 8,
+              "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+              "sliding_window": 512,
+              "layer_types": ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
+                              for i in range(35)],
+              "num_kv_shared_layers": 20, "use_double_wide_mlp": True,
+              "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
+              "attention_k_eq_v": False, "final_logit_softcapping": 30.0,
+              "max_position_embeddings": 131_072, "tie_word_embeddings": True,
+              "rope_parameters": {
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                     "rope_theta": 1_000_000.0}}}
 # Gemma 3n E4B's text model (transformers' Gemma3nTextConfig defaults, documented as
 # google/gemma-3n-E4B): 35 layers, 8 query heads sharing 2 key/value heads of 256, a
 # full-attention layer every 5th and a 512-token window on the others, and the last 15
@@ -162,6 +180,9 @@ PUBLISHED = (
     Published("Gemma 3n E4B, no sharing", "the same, every layer caching its own KV",
               "Gemma 3n E4B's sizes without num_kv_shared_layers",
               lambda: _gemma3n_e4b(shared=0), hypothetical=True),
+    Published("Gemma 4 E2B", "MQA; 512-token window on 4 layers of 5, 512-wide heads on "
+              "the 5th; last 20 of 35 layers share KV", "google/gemma-4-E2B-it",
+              _imported(GEMMA4_E2B)),
     Published("DeepSeek-V3", "MLA: latent 512 + RoPE key 64 per token and layer",
               "deepseek-ai/DeepSeek-V3", _imported(DEEPSEEK_V3)),
     Published("DeepSeek-V3.2", "MLA + DSA: index key 128 more; each query reads 2,048 keys",
