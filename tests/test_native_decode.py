@@ -191,13 +191,14 @@ def greedy_logits(model, ids, prompt_len, context):
                             for t in range(prompt_len, ids.shape[1])])
 
 
-def step_logits(model, ids, prefix, native):
-    """Logits behind each token of ``ids`` after ``prefix``, one cached step at a time."""
+def step_logits(model, ids, prefix, native, threads=None):
+    """Logits behind each token of ``ids`` after ``prefix``, one cached step at a time
+    (``threads``: the native decoder's, default torch's)."""
     caches = model.new_caches(1)
     out = []
     with torch.no_grad():
         model(ids[:, :prefix], caches=caches)
-        decoder = NativeDecoder(model, caches) if native else None
+        decoder = NativeDecoder(model, caches, threads=threads) if native else None
         for t in range(prefix, ids.shape[1]):
             if native:
                 out.append(decoder.step(int(ids[0, t]))[0, 0].clone())

@@ -21,6 +21,7 @@ from qkv.models.gpt import native_unsupported as unsupported
 from qkv.models.moe import MoE
 from qkv.models.native_decode import NativeDecoder
 from qkv.multihead import MultiHeadAttention
+from test_native_decode import as_float64, ptr, step_logits
 
 LIB = decode_kernels()
 needs_kernels = pytest.mark.skipif(LIB is None, reason=f"no native kernels: "
@@ -44,10 +45,6 @@ ROUTINGS = {
 }
 SCORE = {"softmax": 0, "sigmoid": 1}
 GLU = {"swiglu": 0, "geglu": 1, "clamped_swiglu": 2}
-
-
-def ptr(t):
-    return None if t is None else t.data_ptr()
 
 
 def mat(w):
@@ -249,26 +246,6 @@ FAMILIES = {
                          "layout": [{}, {}, {"attention": "shared_kv", "kv_source": 0},
                                     {"attention": "shared_kv", "kv_source": 1}]},
 }
-
-
-def as_float64(model: GPTModel) -> GPTModel:
-    copy = GPTModel(model.cfg).eval()
-    copy.load_state_dict(model.state_dict())
-    return copy.double()
-
-
-def step_logits(model, ids, prefix, native, threads=None):
-    caches = model.new_caches(1)
-    out = []
-    with torch.no_grad():
-        model(ids[:, :prefix], caches=caches)
-        decoder = NativeDecoder(model, caches, threads=threads) if native else None
-        for t in range(prefix, ids.shape[1]):
-            if native:
-                out.append(decoder.step(int(ids[0, t]))[0, 0].clone())
-            else:
-                out.append(model(ids[:, t : t + 1], caches=caches)[0, 0])
-    return torch.stack(out).double()
 
 
 @needs_kernels
