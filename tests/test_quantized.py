@@ -131,13 +131,13 @@ def test_native_backend_is_the_product_with_8_bit_activations(qtype):
         for backend in ("native", "torch", "auto"):
             layer.backend = backend
             out[backend] = layer(xs)
-        one = layer(xs[0, :1])  # "auto", one row: the readable path
+        one = layer(xs[0, :1])  # "auto", one row (a prompt's last position in the head)
         half = layer(xs.bfloat16())
     error = np.abs(out["native"].numpy() - want)
     assert (error <= bound).all() and error.max() > 1e-3 * bound.max()
     assert (np.abs(out["native"].numpy() - out["torch"].numpy()) <= 2 * bound).all()
     assert torch.equal(out["auto"], out["native"])
-    torch.testing.assert_close(one, out["torch"][0, :1], rtol=1e-6, atol=1e-5)
+    assert torch.equal(one, out["native"][0, :1])  # each row's sums in the same order
     assert half.dtype == torch.bfloat16 and half.shape == (2, 9, rows)
     # gradients: "auto" takes the readable path, "native" (which has no backward) says so
     xg = xs.clone().requires_grad_()
@@ -253,6 +253,26 @@ def test_keep_quantized_runs_as_the_float_import_does(runs, capsys):
     # generate's cached steps above ran on the native kernels, which read the blocks in
     # place (their 8-bit activations are checked in tests/test_quant_decode.py)
     assert native_unsupported(ours.model) is None
+
+
+@pytest.mark.skipif(decode_kernels() is None, reason=f"no native kernels: "
+                    f"{unavailable_reason()}")
+def test_a_prompt_runs_on_the_native_matrix_products(runs, monkeypatch):
+    # generate feeds the prompt through the module path (its steps through NativeDecoder):
+    # every quantized linear layer takes the prompt's rows, or the head its last one, in
+    # one native matrix product each
+    model = LanguageModel.load(runs["quantized"]).model
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    rows: dict[int, list[int]] = {}
+    native = QuantizedLinear._native_forward
+
+    def counted(self, x):
+        rows.setdefault(id(self), []).append(x.numel() // self.in_features)
+        return native(self, x)
+
+    monkeypatch.setattr(QuantizedLinear, "_native_forward", counted)
+    generate(model, IDS[:, :7], 5)
+    assert rows == {id(m): [1 if m is model.out_head else 7] for m in layers}
 
 
 def test_a_tied_head_shares_the_embedding_s_blocks_through_a_reload(runs):

@@ -7,7 +7,7 @@ bytes, 4.5 bits a value). Expanded to float32 such a matrix takes 7x the bytes.
 exactly as the file holds them, ``blocks`` uint8 ``(rows, row_bytes)``, and expand
 them only while they compute: the linear layer one whole matrix per call, the
 embedding only the rows it looks up. This is the readable path; native kernels may
-compute on the blocks themselves.
+compute on the blocks themselves (``QuantizedLinear.backend``).
 
 The types kept are :func:`quantized_types` (the ones nearly every published file uses);
 :func:`~qkv.models.gguf_weights.decode_blocks` decodes them.
@@ -130,8 +130,8 @@ class QuantizedLinear(_Blocks):
             blocks in place, each input row quantized to 8 bits per block of 32 as
             GGML's CPU backend does (so it differs from ``"torch"`` by that
             quantization, not by rounding); CPU only, no gradients. ``"auto"``
-            (default): ``"native"`` for inputs of more than one row (a prompt, a
-            batch) where it can run, else ``"torch"``.
+            (default): ``"native"`` where it can run (a prompt's rows, and the one
+            row of its last position through the output head), else ``"torch"``.
     """
 
     backend: str = "auto"
@@ -154,12 +154,11 @@ class QuantizedLinear(_Blocks):
             raise ValueError(f"QuantizedLinear.backend must be one of {LINEAR_BACKENDS}, got "
                              f"{show(self.backend)}")
         if self.backend != "torch":
-            rows = x.numel() // self.in_features if x.dim() else 0
             reason = self._native_unsupported(x)
-            if self.backend == "native" and reason is not None:
-                raise ValueError(f"QuantizedLinear backend 'native' cannot run: {reason}")
-            if reason is None and (self.backend == "native" or rows > 1):
+            if reason is None:
                 return self._native_forward(x)
+            if self.backend == "native":
+                raise ValueError(f"QuantizedLinear backend 'native' cannot run: {reason}")
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
     def _native_unsupported(self, x: Tensor) -> str | None:
