@@ -404,6 +404,19 @@ INLINE void dot_blocks32(const int type, const uint8_t *w, long nb, const quanti
     for (int j = 0; j < nx; j++) out[j] = s[j] + offset[j];
 }
 
+/* k_scale_min's eight scales and eight mins as two vectors, four at a time in 32-bit
+   words (a = bytes 0-3, b = 4-7, c = 8-11) and in registers: going through memory, a
+   32-byte load of values just stored one by one stalls on the stores. */
+INLINE void k_scales_mins(const uint8_t *s, __m256 *scales, __m256 *mins) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4), memcpy(&b, s + 4, 4), memcpy(&c, s + 8, 4);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+    const uint64_t sc = (a & low6) | (uint64_t)((c & low4) | (((a >> 6) & low2) << 4)) << 32;
+    const uint64_t mn = (b & low6) | (uint64_t)(((c >> 4) & low4) | (((b >> 6) & low2) << 4)) << 32;
+    *scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
+    *mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)));
+}
+
 /* Q4_K, Q5_K: super-blocks of 256, eight sub-blocks of 32: their eight integer sums in
    one vector, times d * sc_s * dx_b; the mins' offsets dmin * m_s * dx_b S_b likewise */
 INLINE void dot_q4_q5_k(const int five, const uint8_t *w, long nb, const quantized_x *const *xs,
@@ -432,11 +445,9 @@ INLINE void dot_q4_q5_k(const int five, const uint8_t *w, long nb, const quantiz
                 p[j][2 * c + 1] = dot_u8_s8(hi, load32(x + 64 * c + 32));
             }
         }
-        int sc[8], mn[8];
-        for (int k = 0; k < 8; k++) k_scale_min(w + 4, k, &sc[k], &mn[k]);
+        __m256 scales, mins;
+        k_scales_mins(w + 4, &scales, &mins);
         const __m256 d = _mm256_set1_ps(f16(w)), dmin = _mm256_set1_ps(f16(w + 2));
-        const __m256 scales = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)sc));
-        const __m256 mins = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)mn));
         const __m256 dsc = _mm256_mul_ps(d, scales), dmn = _mm256_mul_ps(dmin, mins);
         for (int j = 0; j < nx; j++) {
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each8(p[j])),
