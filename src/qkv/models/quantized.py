@@ -30,8 +30,7 @@ from ..kernels import Mat, decode_kernels, quant_type_code, unavailable_reason
 from .gguf_weights import decode_blocks, import_gguf
 
 __all__ = ["KEPT_TYPES", "LINEAR_BACKENDS", "QuantizedEmbedding", "QuantizedLinear",
-           "QuantizedWeight",
-           "dequantize_modules", "tie_output_head",
+           "QuantizedWeight", "dequantize_modules", "tie_output_head",
            "quantize_modules", "quantized_modules", "quantized_types"]
 
 # The GGML types a quantized run keeps in their blocks (every other type is expanded).
