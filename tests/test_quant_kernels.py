@@ -120,3 +120,38 @@ def test_embedding_expands_only_its_row(qtype):
     LIB.qkv_embed(as_mat(qtype, data), 6, ctypes.byref(Mat()), 0, ctypes.c_float(2.0),
                   y.data_ptr(), n)
     np.testing.assert_allclose(y.numpy(), 2.0 * table[6], rtol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_block_matrix_products_against_float64(qtype):
+    # A prompt's rows times W^T: 7 rows (a group of 4 and one of 3) by 37 weight rows
+    # (two tiles of 16 and part of one); rows of 11 blocks of 32 (eight at a time, then
+    # three one by one) or 3 super-blocks of 256.
+    T, rows = 7, 37
+    n = 352 if QUANT_TYPES[qtype][1] == 32 else 768
+    data = blocks(qtype, rows, n, seed=n + 3)
+    w = dequantize(data, gguf.GGMLQuantizationType[qtype]).astype(np.float64)
+    rng = np.random.default_rng(T)
+    x = rng.standard_normal((T, n)).astype(np.float32)
+    x[1, :32] = 0.0  # a block of zeros, and one of outliers
+    x[2, 32:64] *= 50.0
+    bias = rng.standard_normal(rows).astype(np.float32)
+    y = np.empty((T, rows), dtype=np.float32)
+    assert LIB.qkv_quant_matmul(as_mat(qtype, data), x.ctypes.data, bias.ctypes.data,
+                                y.ctypes.data, T, rows, n, 2) == 0
+    exact = x.astype(np.float64) @ w.T + bias
+    bound = np.stack([quantization_bound(w, xt.astype(np.float64)) for xt in x])
+    assert (np.abs(y - exact) <= bound).all()
+    assert np.abs(y - exact).max() > 1e-3 * bound.max()
+    # the scalar reference, product by product (the same quantized sums in double)
+    ref = np.array([[LIB.qkv_quant_dot_ref(as_mat(qtype, data), r, n, xt.ctypes.data)
+                     for r in range(rows)] for xt in x]) + bias
+    assert (np.abs(y - ref) <= 1e-5 * np.abs(x) @ np.abs(w).T + 1e-5).all()
+    # each row of X is quantized as the vector product quantizes x, and each weight
+    # row's sums run in the same order, so a row of Y is the vector product's, exactly
+    for t in (0, 6):
+        yt = np.empty(rows, dtype=np.float32)
+        LIB.qkv_linear(as_mat(qtype, data), x[t].ctypes.data, bias.ctypes.data,
+                       yt.ctypes.data, rows, n, 0, 1)
+        np.testing.assert_array_equal(y[t], yt)

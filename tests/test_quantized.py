@@ -24,6 +24,7 @@ gguf = pytest.importorskip("gguf")
 
 from gguf_files import write_gguf  # noqa: E402
 from qkv.cli import main  # noqa: E402
+from qkv.kernels import decode_kernels, unavailable_reason  # noqa: E402
 from qkv.models.gguf_weights import read_gguf_header  # noqa: E402
 from qkv.models.gpt import GPTConfig, GPTModel, generate, native_unsupported  # noqa: E402
 from qkv.models.quantized import (  # noqa: E402
@@ -35,6 +36,7 @@ from qkv.models.quantized import (  # noqa: E402
 )
 from qkv.tasks.lm import LanguageModel  # noqa: E402
 from qkv.training.checkpoint import CheckpointError, load_config, save_checkpoint  # noqa: E402
+from test_quant_kernels import quantization_bound  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -60,6 +62,15 @@ def blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
     return raw.reshape(rows, cols // block * size)
 
 
+def readable(model: nn.Module) -> nn.Module:
+    """``model`` with its quantized linear layers on the readable path (backend
+    ``"torch"``: each weight expanded, then ``F.linear``)."""
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.backend = "torch"
+    return model
+
+
 def test_quantized_types_are_gguf_s_sizes():
     assert list(quantized_types()) == list(KEPT_TYPES)
     assert quantized_types()["Q4_K"] == (256, 144) and quantized_types()["Q8_0"] == (32, 34)
@@ -76,6 +87,7 @@ def test_quantized_linear_and_embedding_against_gguf_s_dequantize(qtype):
     want = np.einsum("btc,rc->btr", x, weight) + bias  # float64, from the equation
 
     layer = QuantizedLinear(cols, rows, qtype, bias=True, blocks=torch.from_numpy(data))
+    layer.backend = "torch"  # the readable path: the expanded weight, to rounding
     with torch.no_grad():
         layer.bias.copy_(torch.from_numpy(bias))
         got = layer(torch.from_numpy(x).float())
@@ -92,6 +104,51 @@ def test_quantized_linear_and_embedding_against_gguf_s_dequantize(qtype):
     assert table.bfloat16()(ids).dtype == torch.bfloat16  # .to(dtype) moves its dtype
     with pytest.raises(IndexError, match=r"token ids must be in \[0, 12\), got 0..12"):
         table(torch.tensor([0, 12]))
+
+
+@pytest.mark.skipif(decode_kernels() is None, reason=f"no native kernels: "
+                    f"{unavailable_reason()}")
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+def test_native_backend_is_the_product_with_8_bit_activations(qtype):
+    rows, cols = 40, 512
+    data = blocks(qtype, rows, cols, seed=len(qtype) + 1)
+    weight = gguf.quants.dequantize(data, Q[qtype]).astype(np.float64)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 9, cols)).astype(np.float32)
+    x[0, 0, :32] = 0.0  # a block of zeros, and one of outliers
+    x[1, 3, 32:64] *= 50.0
+    bias = rng.standard_normal(rows)
+    want = np.einsum("btc,rc->btr", x.astype(np.float64), weight) + bias
+    # each activation row quantized to 8 bits per block of 32 (tests/test_quant_kernels.py)
+    bound = np.stack([quantization_bound(weight, row) for row in
+                      x.reshape(-1, cols).astype(np.float64)]).reshape(want.shape)
+
+    layer = QuantizedLinear(cols, rows, qtype, bias=True, blocks=torch.from_numpy(data))
+    xs = torch.from_numpy(x)
+    with torch.no_grad():
+        layer.bias.copy_(torch.from_numpy(bias))
+        out = {}
+        for backend in ("native", "torch", "auto"):
+            layer.backend = backend
+            out[backend] = layer(xs)
+        one = layer(xs[0, :1])  # "auto", one row (a prompt's last position in the head)
+        half = layer(xs.bfloat16())
+    error = np.abs(out["native"].numpy() - want)
+    assert (error <= bound).all() and error.max() > 1e-3 * bound.max()
+    assert (np.abs(out["native"].numpy() - out["torch"].numpy()) <= 2 * bound).all()
+    assert torch.equal(out["auto"], out["native"])
+    assert torch.equal(one, out["native"][0, :1])  # each row's sums in the same order
+    assert half.dtype == torch.bfloat16 and half.shape == (2, 9, rows)
+    # gradients: "auto" takes the readable path, "native" (which has no backward) says so
+    xg = xs.clone().requires_grad_()
+    assert torch.equal(layer(xg), out["torch"])
+    layer.backend = "native"
+    with pytest.raises(ValueError, match="^QuantizedLinear backend 'native' cannot run: it has "
+                                         "no backward"):
+        layer(xg)
+    layer.backend = "fast"
+    with pytest.raises(ValueError, match=r"^QuantizedLinear.backend must be one of \('auto', "):
+        layer(xs)
 
 
 def test_a_layer_refuses_blocks_of_another_shape_or_type():
@@ -185,13 +242,37 @@ def test_keep_quantized_runs_as_the_float_import_does(runs, capsys):
     with torch.no_grad():
         want = theirs.model(IDS)
         assert want.abs().max() > 0.1  # the weights carry signal
-        torch.testing.assert_close(ours.model(IDS), want, atol=1e-5, rtol=1e-5)
+        # the readable path computes with the expanded weights: the float run's logits
+        torch.testing.assert_close(readable(ours.model)(IDS), want, atol=1e-5, rtol=1e-5)
+    for m in ours.model.modules():  # and generation with the default: prompts native
+        if isinstance(m, QuantizedLinear):
+            m.backend = "auto"
     tokens = generate(theirs.model, IDS[:, :5], 12, use_cache=False)
     for use_cache in (True, False):
         assert torch.equal(generate(ours.model, IDS[:, :5], 12, use_cache=use_cache), tokens)
     # generate's cached steps above ran on the native kernels, which read the blocks in
     # place (their 8-bit activations are checked in tests/test_quant_decode.py)
     assert native_unsupported(ours.model) is None
+
+
+@pytest.mark.skipif(decode_kernels() is None, reason=f"no native kernels: "
+                    f"{unavailable_reason()}")
+def test_a_prompt_runs_on_the_native_matrix_products(runs, monkeypatch):
+    # generate feeds the prompt through the module path (its steps through NativeDecoder):
+    # every quantized linear layer takes the prompt's rows, or the head its last one, in
+    # one native matrix product each
+    model = LanguageModel.load(runs["quantized"]).model
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    rows: dict[int, list[int]] = {}
+    native = QuantizedLinear._native_forward
+
+    def counted(self, x):
+        rows.setdefault(id(self), []).append(x.numel() // self.in_features)
+        return native(self, x)
+
+    monkeypatch.setattr(QuantizedLinear, "_native_forward", counted)
+    generate(model, IDS[:, :7], 5)
+    assert rows == {id(m): [1 if m is model.out_head else 7] for m in layers}
 
 
 def test_a_tied_head_shares_the_embedding_s_blocks_through_a_reload(runs):
@@ -201,6 +282,7 @@ def test_a_tied_head_shares_the_embedding_s_blocks_through_a_reload(runs):
     assert head.blocks is emb.blocks and head.qtype == "Q6_K"
     weight = gguf.quants.dequantize(emb.blocks.numpy(), Q.Q6_K)
     x = torch.randn(2, D)
+    head.backend = "torch"
     torch.testing.assert_close(head(x), x.double().matmul(torch.from_numpy(weight).double().T)
                                .float(), atol=1e-5, rtol=1e-5)
     # stored once: the run is smaller than the untied one by about the head's blocks
@@ -347,6 +429,7 @@ def test_quality_against_a_float64_computation(runs, tmp_path, capsys):
     from qkv.bench.quality import next_token_quality
 
     ours, ref = LanguageModel.load(runs["quantized"]).model, LanguageModel.load(runs["float"]).model
+    readable(ours)
     ids = torch.arange(48).mul(5).remainder(V)
     same = next_token_quality(ours, ref, ids, 16)
     assert same["positions"] == 3 * 7 and same["kl_max"] == 0.0
@@ -388,7 +471,10 @@ def test_quality_against_a_float64_computation(runs, tmp_path, capsys):
                  str(runs["float"]), "--text", str(text), "--tokens", "64", "--window", "32",
                  "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "quality.json").read_text())
-    assert report["positions"] == 2 * 15 and report["kl_max"] == 0.0
+    # the run computes its windows with the native matrix products where they run, which
+    # quantize activations to 8 bits as llama.cpp's CPU products do: a KL of that order
+    assert report["positions"] == 2 * 15 and report["kl_max"] < 1e-4
+    assert report["top1_agreement"] == 1.0
     assert "| positions |" in capsys.readouterr().out
     assert main(["bench", "quality", "--ckpt", str(runs["quantized"]), "--ref",
                  str(runs["float"]), "--text", str(text), "--out", str(tmp_path / "out")]) != 0

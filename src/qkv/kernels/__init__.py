@@ -6,7 +6,8 @@ MLPs that read float32, bfloat16 or GGML block-quantized weights (:data:`QUANT_T
 in place, LayerNorm and RMSNorm, RoPE, grouped-query attention over a full or ring KV
 cache with sinks, gates, partial RoPE and shared caches, latent and sparse latent
 attention in the absorbed form, Gated DeltaNet, and mixtures of experts that read only
-the chosen experts' rows; see the files), or None when it cannot be had here;
+the chosen experts' rows; see the files), and the matrix products of a prompt's rows
+with block-quantized weights (``qkv_quant_matmul``), or None when it cannot be had here;
 :func:`unavailable_reason` then says why. It needs an x86-64 CPU with AVX2 and FMA (the
 same check as PyTorch's own kernel dispatch), a C compiler with OpenMP (``$CC``, else
 ``cc``), and is switched off by ``QKV_NATIVE=0``. Nothing else in qkv needs it: every
@@ -255,6 +256,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qkv_dequantize_row.argtypes = [m, n, n, p]
     lib.qkv_quant_dot_ref.argtypes = [m, n, n, p]
     lib.qkv_quant_dot_ref.restype = ctypes.c_double
+    lib.qkv_quant_matmul.argtypes = [m, p, p, p, n, n, n, i]
+    lib.qkv_quant_matmul.restype = ctypes.c_int
     for fn in (lib.qkv_linear, lib.qkv_gated, lib.qkv_layer_norm, lib.qkv_rms_norm,
                lib.qkv_embed, lib.qkv_rope, lib.qkv_attend, lib.qkv_attend_cached, lib.qkv_route,
                lib.qkv_moe_forward, lib.qkv_step, lib.qkv_dequantize_row):

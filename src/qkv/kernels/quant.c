@@ -220,7 +220,36 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* As quantize_x_ref (the same float operations, so the same bytes), 32 values at a time. */
+/* x (n) quantized as quantize_x_ref does (the same float operations, so the same bytes),
+   32 values at a time, into q (n), d (n / 32), ds (n / 32) and ds16 (n / 16). */
+static void quantize_x(const float *x, long n, int8_t *q, float *d, float *ds, float *ds16) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (long b = 0; b < n / 32; b++) {
+        const float *v = x + 32 * b;
+        __m256 a0 = _mm256_loadu_ps(v), a1 = _mm256_loadu_ps(v + 8),
+               a2 = _mm256_loadu_ps(v + 16), a3 = _mm256_loadu_ps(v + 24);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a0, abs_mask), _mm256_and_ps(a1, abs_mask)),
+                                 _mm256_max_ps(_mm256_and_ps(a2, abs_mask), _mm256_and_ps(a3, abs_mask)));
+        const float amax = hmax8(m);
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        d[b] = amax / 127.0f;
+        /* rounds to nearest even (the default rounding mode), as nearbyintf */
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, inv)),
+                i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, inv));
+        /* the packs work per 128-bit lane: 32-bit groups come out as i0 lo, i1 lo, i2 lo,
+           i3 lo | i0 hi, ..., and the permutation puts them back in order */
+        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm256_permutevar8x32_epi32(bytes, order));
+        int sums[2] = {0, 0};
+        for (int j = 0; j < 32; j++) sums[j / 16] += q[32 * b + j];
+        ds16[2 * b] = d[b] * (float)sums[0];
+        ds16[2 * b + 1] = d[b] * (float)sums[1];
+        ds[b] = d[b] * (float)(sums[0] + sums[1]);
+    }
+}
+
+/* x quantized for the vector products on this thread (kept while x is the same). */
 static const quantized_x *prepared(const float *x, long n) {
     quantized_x *p = &xq_;
     if (p->valid && p->x == x && p->n == n) return p;
@@ -232,30 +261,7 @@ static const quantized_x *prepared(const float *x, long n) {
         p->ds16 = malloc((size_t)(n / 16) * sizeof *p->ds16);
         p->cap = n;
     }
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (long b = 0; b < n / 32; b++) {
-        const float *v = x + 32 * b;
-        __m256 a0 = _mm256_loadu_ps(v), a1 = _mm256_loadu_ps(v + 8),
-               a2 = _mm256_loadu_ps(v + 16), a3 = _mm256_loadu_ps(v + 24);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a0, abs_mask), _mm256_and_ps(a1, abs_mask)),
-                                 _mm256_max_ps(_mm256_and_ps(a2, abs_mask), _mm256_and_ps(a3, abs_mask)));
-        const float amax = hmax8(m);
-        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        p->d[b] = amax / 127.0f;
-        /* rounds to nearest even (the default rounding mode), as nearbyintf */
-        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, inv)),
-                i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, inv));
-        /* the packs work per 128-bit lane: 32-bit groups come out as i0 lo, i1 lo, i2 lo,
-           i3 lo | i0 hi, ..., and the permutation puts them back in order */
-        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-        _mm256_storeu_si256((__m256i *)(p->q + 32 * b), _mm256_permutevar8x32_epi32(bytes, order));
-        int sums[2] = {0, 0};
-        for (int j = 0; j < 32; j++) sums[j / 16] += p->q[32 * b + j];
-        p->ds16[2 * b] = p->d[b] * (float)sums[0];
-        p->ds16[2 * b + 1] = p->d[b] * (float)sums[1];
-        p->ds[b] = p->d[b] * (float)(sums[0] + sums[1]);
-    }
+    quantize_x(x, n, p->q, p->d, p->ds, p->ds16);
     p->x = x, p->n = n, p->valid = 1;
     return p;
 }
@@ -294,19 +300,39 @@ static inline __m256i fifth_bits(const uint8_t *p) {
 }
 
 
-/* The integer dot product of one 32-value block with its 32 bytes of x: Q8_0's signed
-   bytes, or the u of Q4_0 ... Q5_1 (nibbles, and Q5's fifth bits) */
-static inline __attribute__((always_inline)) __m256i block_dot(const int type, const uint8_t *w,
-                                                               const int8_t *xq) {
-    const __m256i x = load32(xq);
+/* A product runs up to MAX_NX rows of quantized activations past each weight block it
+   unpacks: the matrix product (qkv_quant_matmul) reuses every unpacked block MAX_NX
+   times, and the vector product is the case of one row. Every helper below takes the
+   rows (xs, nx) and writes each row's product (out); inlined with nx a constant, each
+   row's arithmetic is the same sequence of operations whatever nx is. */
+#define MAX_NX 4
+#define INLINE static inline __attribute__((always_inline))
+
+/* One 32-value block unpacked for the byte dot products: u, the unsigned bytes
+   (Q4_0 ... Q5_1: nibbles, and Q5's fifth bits; Q8_0: |q|), and Q8_0's q for its signs */
+typedef struct {
+    __m256i u, q;
+} block32;
+
+INLINE block32 unpack32(const int type, const uint8_t *w) {
+    block32 b;
     if (type == QKV_Q8_0) {
-        const __m256i q = load32(w + 2);
-        return dot_u8_s8(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+        b.q = load32(w + 2);
+        b.u = _mm256_abs_epi8(b.q);
+        return b;
     }
     const int one = type == QKV_Q4_1 || type == QKV_Q5_1, five = type == QKV_Q5_0 || type == QKV_Q5_1;
-    __m256i u = nibbles16(w + (one ? 4 : 2) + (five ? 4 : 0));
-    if (five) u = _mm256_or_si256(u, fifth_bits(w + (one ? 4 : 2)));
-    return dot_u8_s8(u, x);
+    b.u = nibbles16(w + (one ? 4 : 2) + (five ? 4 : 0));
+    if (five) b.u = _mm256_or_si256(b.u, fifth_bits(w + (one ? 4 : 2)));
+    b.q = b.u;
+    return b;
+}
+
+/* The integer dot product of an unpacked block with its 32 bytes of x (Q8_0: |q| times
+   x with q's sign) */
+INLINE __m256i block_dot(const int type, const block32 w, const int8_t *xq) {
+    const __m256i x = load32(xq);
+    return dot_u8_s8(w.u, type == QKV_Q8_0 ? _mm256_sign_epi8(x, w.q) : x);
 }
 
 /* 8 vectors of 8 int32 -> the 8 vectors' sums, in order */
@@ -328,56 +354,81 @@ static inline uint16_t u16(const uint8_t *p) {
 /* Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: blocks of 32 with scale d and offset m (Q4_1, Q5_1) or
    -8 d, -16 d (Q4_0, Q5_0). Eight blocks at a time: their eight integer sums in one
    vector, times the eight d * dx_b (float16 scales widened together), so that the
-   per-block work is the unpacking and one byte dot product; the offsets the same way. */
-static inline __attribute__((always_inline)) float dot_blocks32(const int type, const uint8_t *w,
-                                                                long nb, const quantized_x *xq) {
+   per-block work is the unpacking and one byte dot product per row; the offsets the
+   same way. */
+INLINE void dot_blocks32(const int type, const uint8_t *w, long nb, const quantized_x *const *xs,
+                         const int nx, float *out) {
     long values, bytes;
     block_shape(type, &values, &bytes);
     const int one = type == QKV_Q4_1 || type == QKV_Q5_1;
     const float shift = type == QKV_Q8_0 ? 0.0f : type == QKV_Q4_0 ? -8.0f : -16.0f;
-    __m256 acc = _mm256_setzero_ps(), off = acc;
+    __m256 acc[MAX_NX], off[MAX_NX];
+    for (int j = 0; j < nx; j++) acc[j] = off[j] = _mm256_setzero_ps();
     long b = 0;
     for (; b + 8 <= nb; b += 8) {
         const uint8_t *blk = w + b * bytes;
-        __m256i p[8];
-        for (int k = 0; k < 8; k++) p[k] = block_dot(type, blk + k * bytes, xq->q + 32 * (b + k));
+        __m256i p[MAX_NX][8];
+        for (int k = 0; k < 8; k++) {
+            const block32 u = unpack32(type, blk + k * bytes);
+            for (int j = 0; j < nx; j++) p[j][k] = block_dot(type, u, xs[j]->q + 32 * (b + k));
+        }
         const __m256 d = _mm256_cvtph_ps(_mm_setr_epi16(
             (short)u16(blk), (short)u16(blk + bytes), (short)u16(blk + 2 * bytes), (short)u16(blk + 3 * bytes),
             (short)u16(blk + 4 * bytes), (short)u16(blk + 5 * bytes), (short)u16(blk + 6 * bytes),
             (short)u16(blk + 7 * bytes)));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each8(p)), _mm256_mul_ps(d, _mm256_loadu_ps(xq->d + b)), acc);
+        __m256 mins = d;
         if (one) {
             const uint8_t *m = blk + 2;
-            const __m256 mins = _mm256_cvtph_ps(_mm_setr_epi16(
+            mins = _mm256_cvtph_ps(_mm_setr_epi16(
                 (short)u16(m), (short)u16(m + bytes), (short)u16(m + 2 * bytes), (short)u16(m + 3 * bytes),
                 (short)u16(m + 4 * bytes), (short)u16(m + 5 * bytes), (short)u16(m + 6 * bytes),
                 (short)u16(m + 7 * bytes)));
-            off = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xq->ds + b), off);
-        } else if (type != QKV_Q8_0) {
-            off = _mm256_fmadd_ps(d, _mm256_loadu_ps(xq->ds + b), off);
+        }
+        for (int j = 0; j < nx; j++) {
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each8(p[j])),
+                                     _mm256_mul_ps(d, _mm256_loadu_ps(xs[j]->d + b)), acc[j]);
+            if (type != QKV_Q8_0) off[j] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs[j]->ds + b), off[j]);
         }
     }
-    float s = hsum8(acc), offset = one ? hsum8(off) : shift * hsum8(off);
+    float s[MAX_NX], offset[MAX_NX];
+    for (int j = 0; j < nx; j++) s[j] = hsum8(acc[j]), offset[j] = one ? hsum8(off[j]) : shift * hsum8(off[j]);
     for (; b < nb; b++) { /* the row's last blocks, one at a time */
         const uint8_t *blk = w + b * bytes;
-        const __m256i p = block_dot(type, blk, xq->q + 32 * b);
-        s += f16(blk) * xq->d[b] * hsum8(_mm256_cvtepi32_ps(p));
-        offset += (one ? f16(blk + 2) : shift * f16(blk)) * xq->ds[b];
+        const block32 u = unpack32(type, blk);
+        const float d = f16(blk), m = one ? f16(blk + 2) : shift * f16(blk);
+        for (int j = 0; j < nx; j++) {
+            s[j] += d * xs[j]->d[b] * hsum8(_mm256_cvtepi32_ps(block_dot(type, u, xs[j]->q + 32 * b)));
+            offset[j] += m * xs[j]->ds[b];
+        }
     }
-    return s + offset;
+    for (int j = 0; j < nx; j++) out[j] = s[j] + offset[j];
+}
+
+/* k_scale_min's eight scales and eight mins as two vectors, four at a time in 32-bit
+   words (a = bytes 0-3, b = 4-7, c = 8-11) and in registers: going through memory, a
+   32-byte load of values just stored one by one stalls on the stores. */
+INLINE void k_scales_mins(const uint8_t *s, __m256 *scales, __m256 *mins) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4), memcpy(&b, s + 4, 4), memcpy(&c, s + 8, 4);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+    const uint64_t sc = (a & low6) | (uint64_t)((c & low4) | (((a >> 6) & low2) << 4)) << 32;
+    const uint64_t mn = (b & low6) | (uint64_t)(((c >> 4) & low4) | (((b >> 6) & low2) << 4)) << 32;
+    *scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
+    *mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)));
 }
 
 /* Q4_K, Q5_K: super-blocks of 256, eight sub-blocks of 32: their eight integer sums in
    one vector, times d * sc_s * dx_b; the mins' offsets dmin * m_s * dx_b S_b likewise */
-static float dot_q4_q5_k(const int five, const uint8_t *w, long nb, const quantized_x *xq) {
+INLINE void dot_q4_q5_k(const int five, const uint8_t *w, long nb, const quantized_x *const *xs,
+                        const int nx, float *out) {
     const long bytes = five ? 176 : 144;
     const __m256i low4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps(), off = acc;
+    __m256 acc[MAX_NX], off[MAX_NX];
+    for (int j = 0; j < nx; j++) acc[j] = off[j] = _mm256_setzero_ps();
     for (long sb = 0; sb < nb; sb++, w += bytes) {
         const uint8_t *qs = w + (five ? 48 : 16);
-        const int8_t *x = xq->q + 256 * sb;
         __m256i high = five ? load32(w + 16) : _mm256_setzero_si256();
-        __m256i p[8];
+        __m256i p[MAX_NX][8];
         for (int c = 0; c < 4; c++) {
             const __m256i raw = load32(qs + 32 * c);
             __m256i lo = _mm256_and_si256(raw, low4);
@@ -388,31 +439,37 @@ static float dot_q4_q5_k(const int five, const uint8_t *w, long nb, const quanti
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(high, one), 4));
                 high = _mm256_srli_epi16(high, 1);
             }
-            p[2 * c] = dot_u8_s8(lo, load32(x + 64 * c));
-            p[2 * c + 1] = dot_u8_s8(hi, load32(x + 64 * c + 32));
+            for (int j = 0; j < nx; j++) {
+                const int8_t *x = xs[j]->q + 256 * sb;
+                p[j][2 * c] = dot_u8_s8(lo, load32(x + 64 * c));
+                p[j][2 * c + 1] = dot_u8_s8(hi, load32(x + 64 * c + 32));
+            }
         }
-        int sc[8], mn[8];
-        for (int j = 0; j < 8; j++) k_scale_min(w + 4, j, &sc[j], &mn[j]);
+        __m256 scales, mins;
+        k_scales_mins(w + 4, &scales, &mins);
         const __m256 d = _mm256_set1_ps(f16(w)), dmin = _mm256_set1_ps(f16(w + 2));
-        const __m256 scales = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)sc));
-        const __m256 mins = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)mn));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each8(p)),
-                              _mm256_mul_ps(_mm256_mul_ps(d, scales), _mm256_loadu_ps(xq->d + 8 * sb)), acc);
-        off = _mm256_fmadd_ps(_mm256_mul_ps(dmin, mins), _mm256_loadu_ps(xq->ds + 8 * sb), off);
+        const __m256 dsc = _mm256_mul_ps(d, scales), dmn = _mm256_mul_ps(dmin, mins);
+        for (int j = 0; j < nx; j++) {
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each8(p[j])),
+                                     _mm256_mul_ps(dsc, _mm256_loadu_ps(xs[j]->d + 8 * sb)), acc[j]);
+            off[j] = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(xs[j]->ds + 8 * sb), off[j]);
+        }
     }
-    return hsum8(acc) - hsum8(off);
+    for (int j = 0; j < nx; j++) out[j] = hsum8(acc[j]) - hsum8(off[j]);
 }
 
 /* Q6_K: super-blocks of 256, a signed scale per 16 values. Each group of 32 values's
    pair products (maddubs: int16 sums of 2) are summed in fours by madd with the group's
    two scales (first 16 bytes, next 16), so one vector per group already holds
    sc * sum(u * qx); eight groups' sums in one vector, times d * dx_b. */
-static float dot_q6_k(const uint8_t *w, long nb, const quantized_x *xq) {
-    __m256 acc = _mm256_setzero_ps(), off = acc;
+INLINE void dot_q6_k(const uint8_t *w, long nb, const quantized_x *const *xs, const int nx,
+                     float *out) {
+    __m256 acc[MAX_NX], off[MAX_NX];
+    for (int j = 0; j < nx; j++) acc[j] = off[j] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
     for (long sb = 0; sb < nb; sb++, w += 210) {
-        const int8_t *scales = (const int8_t *)(w + 192), *x = xq->q + 256 * sb;
-        __m256i p[8];
+        const int8_t *scales = (const int8_t *)(w + 192);
+        __m256i p[MAX_NX][8];
         for (int h = 0; h < 2; h++) {
             __m256i high = load32(w + 128 + 32 * h);
             const __m256i raw0 = load32(w + 64 * h), raw1 = load32(w + 64 * h + 32);
@@ -423,36 +480,104 @@ static float dot_q6_k(const uint8_t *w, long nb, const quantized_x *xq) {
                 const __m256i u = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(high, low2), 4));
                 high = _mm256_srli_epi16(high, 2);
                 const int t = 4 * h + k;
-                /* u <= 63: the pairs stay below 2 * 63 * 127 < 2^15 */
-                const __m256i pairs = _mm256_maddubs_epi16(u, load32(x + 32 * t));
                 const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(scales[2 * t + 1]),
                                                     _mm_set1_epi16(scales[2 * t]));
-                p[t] = _mm256_madd_epi16(pairs, sc);
+                /* u <= 63: the pairs stay below 2 * 63 * 127 < 2^15 */
+                for (int j = 0; j < nx; j++)
+                    p[j][t] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, load32(xs[j]->q + 256 * sb + 32 * t)), sc);
             }
         }
         const __m256 d = _mm256_set1_ps(f16(w + 208));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each8(p)), _mm256_mul_ps(d, _mm256_loadu_ps(xq->d + 8 * sb)), acc);
         /* offsets: -32 d sum_s sc_s dx S_s over the 16 scales */
         const __m128i sc16 = _mm_loadu_si128((const __m128i *)scales);
         const __m256 s_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc16));
         const __m256 s_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8)));
-        const __m256 part = _mm256_fmadd_ps(s_hi, _mm256_loadu_ps(xq->ds16 + 16 * sb + 8),
-                                            _mm256_mul_ps(s_lo, _mm256_loadu_ps(xq->ds16 + 16 * sb)));
-        off = _mm256_fmadd_ps(d, part, off);
+        for (int j = 0; j < nx; j++) {
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each8(p[j])),
+                                     _mm256_mul_ps(d, _mm256_loadu_ps(xs[j]->d + 8 * sb)), acc[j]);
+            const float *ds16 = xs[j]->ds16 + 16 * sb;
+            const __m256 part = _mm256_fmadd_ps(s_hi, _mm256_loadu_ps(ds16 + 8),
+                                                _mm256_mul_ps(s_lo, _mm256_loadu_ps(ds16)));
+            off[j] = _mm256_fmadd_ps(d, part, off[j]);
+        }
     }
-    return hsum8(acc) - 32.0f * hsum8(off);
+    for (int j = 0; j < nx; j++) out[j] = hsum8(acc[j]) - 32.0f * hsum8(off[j]);
+}
+
+/* A row of W's blocks (n values) times nx rows of quantized x -> out (nx); each type its
+   own copy of its helper, the type a constant there. */
+INLINE void dot_rows(const int type, const uint8_t *row, long n, const quantized_x *const *xs,
+                     const int nx, float *out) {
+    if (type == QKV_Q8_0) dot_blocks32(QKV_Q8_0, row, n / 32, xs, nx, out);
+    else if (type == QKV_Q4_0) dot_blocks32(QKV_Q4_0, row, n / 32, xs, nx, out);
+    else if (type == QKV_Q4_1) dot_blocks32(QKV_Q4_1, row, n / 32, xs, nx, out);
+    else if (type == QKV_Q5_0) dot_blocks32(QKV_Q5_0, row, n / 32, xs, nx, out);
+    else if (type == QKV_Q5_1) dot_blocks32(QKV_Q5_1, row, n / 32, xs, nx, out);
+    else if (type == QKV_Q4_K) dot_q4_q5_k(0, row, n / 256, xs, nx, out);
+    else if (type == QKV_Q5_K) dot_q4_q5_k(1, row, n / 256, xs, nx, out);
+    else dot_q6_k(row, n / 256, xs, nx, out);
 }
 
 float qkv_quant_dot_row(const qkv_mat *W, long r, long n, const float *x) {
     const quantized_x *xq = prepared(x, n);
-    const uint8_t *row = row_of(W, r, n);
-    const int type = W->type;
-    /* each type its own copy of dot_blocks32, its type a constant there */
-    if (type == QKV_Q8_0) return dot_blocks32(QKV_Q8_0, row, n / 32, xq);
-    if (type == QKV_Q4_0) return dot_blocks32(QKV_Q4_0, row, n / 32, xq);
-    if (type == QKV_Q4_1) return dot_blocks32(QKV_Q4_1, row, n / 32, xq);
-    if (type == QKV_Q5_0) return dot_blocks32(QKV_Q5_0, row, n / 32, xq);
-    if (type == QKV_Q5_1) return dot_blocks32(QKV_Q5_1, row, n / 32, xq);
-    if (type == QKV_Q4_K || type == QKV_Q5_K) return dot_q4_q5_k(type == QKV_Q5_K, row, n / 256, xq);
-    return dot_q6_k(row, n / 256, xq);
+    float y;
+    dot_rows(W->type, row_of(W, r, n), n, &xq, 1, &y);
+    return y;
+}
+
+/* ---------------------------------------------------------------------------------
+   The matrix product: a prompt's T rows of activations times W^T.
+
+   Each row of X is quantized once (as the vector path quantizes x), then the threads
+   share out tiles of ROW_TILE weight rows. Within a tile, each group of MAX_NX rows of
+   X (MAX_NX n bytes) meets every weight row of the tile while both stay in the L1
+   cache, and each weight block is unpacked once per group rather than once per row. */
+#define ROW_TILE 16
+
+/* nx (1 .. MAX_NX) rows at a time, nx a constant in each copy */
+static void dot_rows_n(int type, const uint8_t *row, long n, const quantized_x *const *xs, int nx,
+                       float *out) {
+    switch (nx) {
+    case 4: dot_rows(type, row, n, xs, 4, out); break;
+    case 3: dot_rows(type, row, n, xs, 3, out); break;
+    case 2: dot_rows(type, row, n, xs, 2, out); break;
+    default: dot_rows(type, row, n, xs, 1, out);
+    }
+}
+
+int qkv_quant_matmul(const qkv_mat *W, const float *X, const float *bias, float *Y, long T,
+                     long rows, long n, int threads) {
+    int8_t *q = malloc((size_t)(T * n));
+    float *d = malloc((size_t)(T * (n / 32)) * sizeof *d), *ds = malloc((size_t)(T * (n / 32)) * sizeof *ds),
+          *ds16 = malloc((size_t)(T * (n / 16)) * sizeof *ds16);
+    quantized_x *xs = malloc((size_t)T * sizeof *xs);
+    const int ok = q && d && ds && ds16 && xs;
+    if (ok) {
+#pragma omp parallel num_threads(threads)
+        {
+#pragma omp for schedule(static)
+            for (long t = 0; t < T; t++) {
+                quantize_x(X + t * n, n, q + t * n, d + t * (n / 32), ds + t * (n / 32), ds16 + t * (n / 16));
+                xs[t] = (quantized_x){.x = X + t * n, .n = n, .cap = n, .valid = 1, .q = q + t * n,
+                                      .d = d + t * (n / 32), .ds = ds + t * (n / 32), .ds16 = ds16 + t * (n / 16)};
+            }
+            const long tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+#pragma omp for schedule(static)
+            for (long tile = 0; tile < tiles; tile++) {
+                const long r0 = tile * ROW_TILE, r1 = r0 + ROW_TILE < rows ? r0 + ROW_TILE : rows;
+                for (long t0 = 0; t0 < T; t0 += MAX_NX) {
+                    const int nx = T - t0 < MAX_NX ? (int)(T - t0) : MAX_NX;
+                    const quantized_x *group[MAX_NX];
+                    for (int j = 0; j < nx; j++) group[j] = &xs[t0 + j];
+                    for (long r = r0; r < r1; r++) {
+                        float out[MAX_NX];
+                        dot_rows_n(W->type, row_of(W, r, n), n, group, nx, out);
+                        for (int j = 0; j < nx; j++) Y[(t0 + j) * rows + r] = out[j] + (bias ? bias[r] : 0.0f);
+                    }
+                }
+            }
+        }
+    }
+    free(q), free(d), free(ds), free(ds16), free(xs);
+    return ok ? 0 : -1;
 }

@@ -26,6 +26,13 @@ int qkv_is_quantized(int type);
 float qkv_quant_dot_row(const qkv_mat *W, long r, long n, const float *x);
 void qkv_quant_forget_x(void);
 
+/* Y (T, rows) = X (T, n) W^T (+ bias (rows), may be NULL), all float32, W a block matrix
+   (rows, n): each row of X quantized to 8 bits once, as for qkv_quant_dot_row, and the
+   rows of W shared out among `threads` threads. Returns 0, or -1 when its buffers for
+   the quantized X (about T n bytes) could not be allocated. */
+int qkv_quant_matmul(const qkv_mat *W, const float *X, const float *bias, float *Y, long T,
+                     long rows, long n, int threads);
+
 /* Row r of the block matrix W as n float32 values. */
 void qkv_dequantize_row(const qkv_mat *W, long r, long n, float *y);
 

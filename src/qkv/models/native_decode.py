@@ -47,7 +47,9 @@ module with ``qtype``, the type's name, and ``blocks``, uint8 ``(rows, row bytes
 then read the blocks in place, with the activations quantized to 8 bits per block of 32
 for each product (``kernels/quant.c``): logits agree with the float64 model on the
 dequantized weights to that quantization, not to rounding
-(``tests/test_quant_decode.py``). Any mix of types, per matrix, is fine.
+(``tests/test_quant_decode.py``). Any mix of types, per matrix, is fine. The prompt's
+products with such layers run on the blocks too: ``QuantizedLinear``'s ``"auto"``
+backend takes ``kernels/quant.c``'s matrix product, which quantizes each row alike.
 
 :func:`qkv.models.gpt.native_unsupported` says why a model cannot be decoded here (None
 when it can): the kernels must load (:func:`qkv.kernels.unavailable_reason`), and the

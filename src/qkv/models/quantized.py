@@ -7,7 +7,7 @@ bytes, 4.5 bits a value). Expanded to float32 such a matrix takes 7x the bytes.
 exactly as the file holds them, ``blocks`` uint8 ``(rows, row_bytes)``, and expand
 them only while they compute: the linear layer one whole matrix per call, the
 embedding only the rows it looks up. This is the readable path; native kernels may
-compute on the blocks themselves.
+compute on the blocks themselves (``QuantizedLinear.backend``).
 
 The types kept are :func:`quantized_types` (the ones nearly every published file uses);
 :func:`~qkv.models.gguf_weights.decode_blocks` decodes them.
@@ -15,6 +15,7 @@ The types kept are :func:`quantized_types` (the ones nearly every published file
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -25,14 +26,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checks import show
+from ..kernels import Mat, decode_kernels, quant_type_code, unavailable_reason
 from .gguf_weights import decode_blocks, import_gguf
 
-__all__ = ["KEPT_TYPES", "QuantizedEmbedding", "QuantizedLinear", "QuantizedWeight",
-           "dequantize_modules", "tie_output_head",
+__all__ = ["KEPT_TYPES", "LINEAR_BACKENDS", "QuantizedEmbedding", "QuantizedLinear",
+           "QuantizedWeight", "dequantize_modules", "tie_output_head",
            "quantize_modules", "quantized_modules", "quantized_types"]
 
 # The GGML types a quantized run keeps in their blocks (every other type is expanded).
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# How QuantizedLinear.forward computes (its `backend` attribute).
+LINEAR_BACKENDS = ("auto", "torch", "native")
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,19 @@ class QuantizedLinear(_Blocks):
         dtype: the float dtype it computes in (and its bias's).
         blocks: uint8 ``(out_features, row_bytes)``, each row's blocks as the file
             stores them; None: uninitialised (to be loaded).
+
+    Attributes:
+        backend: how :meth:`forward` computes (:data:`LINEAR_BACKENDS`). ``"torch"``:
+            the whole weight expanded to the input's dtype, then ``F.linear`` (the
+            readable path). ``"native"``: ``kernels/quant.c``'s matrix product on the
+            blocks in place, each input row quantized to 8 bits per block of 32 as
+            GGML's CPU backend does (so it differs from ``"torch"`` by that
+            quantization, not by rounding); CPU only, no gradients. ``"auto"``
+            (default): ``"native"`` where it can run (a prompt's rows, and the one
+            row of its last position through the output head), else ``"torch"``.
     """
+
+    backend: str = "auto"
 
     def __init__(self, in_features: int, out_features: int, qtype: str, bias: bool = False,
                  dtype: torch.dtype = torch.float32, blocks: Tensor | None = None) -> None:
@@ -132,7 +148,52 @@ class QuantizedLinear(_Blocks):
         return self.dequantized_weight()
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x (..., in) -> (..., out)`` by :attr:`backend`."""
+        if self.backend not in LINEAR_BACKENDS:
+            raise ValueError(f"QuantizedLinear.backend must be one of {LINEAR_BACKENDS}, got "
+                             f"{show(self.backend)}")
+        if self.backend != "torch":
+            reason = self._native_unsupported(x)
+            if reason is None:
+                return self._native_forward(x)
+            if self.backend == "native":
+                raise ValueError(f"QuantizedLinear backend 'native' cannot run: {reason}")
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def _native_unsupported(self, x: Tensor) -> str | None:
+        """Why the native product cannot compute ``self(x)`` (None when it can)."""
+        if decode_kernels() is None:
+            return f"no native kernels ({unavailable_reason()})"
+        if x.device.type != "cpu" or self.blocks.device.type != "cpu":
+            return f"it runs on the CPU, the input is on {x.device} and the blocks on " \
+                   f"{self.blocks.device}"
+        if not x.is_floating_point() or x.dim() == 0 or x.shape[-1] != self.in_features:
+            return (f"it takes float (..., {self.in_features}) inputs, got {x.dtype} "
+                    f"{tuple(x.shape)}")
+        if torch.is_grad_enabled() and (x.requires_grad or (
+                self.bias is not None and self.bias.requires_grad)):
+            return "it has no backward (gradients need backend 'torch', or torch.no_grad())"
+        return None
+
+    def _native_forward(self, x: Tensor) -> Tensor:
+        """The C kernel's product: rows of ``x`` quantized to 8 bits per block of 32,
+        integer dot products with the blocks, float32 sums and bias, back in ``x``'s
+        dtype."""
+        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        y = torch.empty(len(rows), self.out_features)
+        if not len(rows):
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        bias = None if self.bias is None else self.bias.detach().to(torch.float32).contiguous()
+        blocks = self.blocks.contiguous()
+        weight = Mat(data=blocks.data_ptr(), type=quant_type_code(self.qtype, self.in_features))
+        status = decode_kernels().qkv_quant_matmul(
+            ctypes.byref(weight), rows.data_ptr(), None if bias is None else bias.data_ptr(),
+            y.data_ptr(), len(rows), self.out_features, self.in_features,
+            torch.get_num_threads())
+        if status:
+            raise MemoryError(f"QuantizedLinear: no memory for {len(rows):,} rows of "
+                              f"{self.in_features:,} activations quantized to 8 bits")
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
