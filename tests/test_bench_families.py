@@ -1,0 +1,82 @@
+"""``qkv bench generate --ckpt RUN`` on a tiny model of each family of the new layer kinds.
+
+Each model is made with transformers' own classes (:func:`test_open_models.hf_model`),
+saved as a folder and imported with ``qkv lm import``; the benchmark then writes it back
+as a folder for its transformers peer. The reference is transformers' ``generate`` on
+the original model: every float32 path, the peer's included, must give its greedy
+tokens. Timings are not checked. Two families run in the default suite (latent attention
+with experts, the DeltaNet hybrid); the others with ``QKV_SLOW=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from qkv.bench import generate_run
+from qkv.cli import main
+
+transformers = pytest.importorskip("transformers")
+open_models = pytest.importorskip("test_open_models")
+
+DEFAULT = ("deepseek_v3", "qwen3_5_text")
+SLOW = ("gpt_oss", "deepseek_v32", "qwen3_next", "gemma4_text")
+NEW_TOKENS = 6
+
+
+def imported_run(family, root):
+    """(transformers' model of ``family``, the run ``qkv lm import`` made of its folder)."""
+    model = open_models.hf_model(family, seed=3)
+    folder = root / "hf"
+    model.save_pretrained(folder)
+    open_models.byte_level_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    assert main(["lm", "import", str(folder), "--run-dir", str(root / "run")]) == 0
+    return model, root / "run"
+
+
+def check_family(family, tmp_path):
+    hf, run = imported_run(family, tmp_path)
+    config = generate_run.RunGenerateConfig(
+        ckpt=str(run), new_tokens=NEW_TOKENS, repeats=1, warmup=0, prefill_tokens=8,
+        contexts=(8,), sweep_tokens=2, bandwidth_mib=8)
+    lines: list[str] = []
+    report = generate_run.run_generate_run(config, tmp_path / "out", log=lines.append)
+    prompt = report["prompt"]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                                                              dtype=torch.long),
+                           max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                           do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    assert report["tokens"] == want
+    assert "transformers" not in report["skipped"], report["skipped"]
+    for name in ("qkv float32, model forward", "transformers float32"):
+        assert report["identity"][name]["identical"], name
+    # a family llama.cpp is not given is skipped with a one-line note, never a crash
+    for why in report["skipped"].values():
+        assert "\n" not in why
+    return report
+
+
+@pytest.mark.parametrize("family", DEFAULT)
+def test_bench_gives_transformers_tokens(family, tmp_path):
+    report = check_family(family, tmp_path)
+    results = report["results"]
+    if family == "deepseek_v3":
+        # the sweep's reference for the absorbed form: the latents decompressed each step
+        decompressed = "qkv float32, model forward, MLA decompressed"
+        assert report["identity"][decompressed]["identical"]
+        assert set(results[decompressed]["sweep_tokens_per_sec"]) == {8}
+    else:
+        assert not any("decompressed" in name for name in results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SLOW)
+def test_bench_gives_transformers_tokens_slow(family, tmp_path):
+    if os.environ.get("QKV_SLOW") != "1":  # the suite's time budget
+        pytest.skip("set QKV_SLOW=1 to run the bench on this family too")
+    check_family(family, tmp_path)
