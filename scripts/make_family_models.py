@@ -9,7 +9,7 @@ word-level tokenizer over them (the benchmark's prompt is a few of its words):
 
 - ``deepseek_v2_lite``: DeepSeek-V2-Lite's shape (latent attention with no query
   compression, a 512-wide latent and a 64-wide RoPE key; two dense layers, then experts:
-  2 shared and 6 of 32 routed), written with ``DeepseekV3Config`` (the class qkv imports;
+  2 shared and 6 of 24 routed), written with ``DeepseekV3Config`` (the class qkv imports;
   V2's softmax router is V3's sigmoid one here);
 - ``deepseek_v32``: DeepSeek-V3.2's (query compression, sparse attention: an indexer of
   8 heads picks each query's 2,048 best cached positions; experts grouped V3's way);
@@ -17,7 +17,7 @@ word-level tokenizer over them (the benchmark's prompt is a few of its words):
   alternating, 4 of 16 experts with biases, clamped SwiGLU);
 - ``qwen3_5``: Qwen3.5's DeltaNet hybrid (three Gated DeltaNet layers to one gated
   full-attention layer turning a quarter of each 256-wide head; dense MLPs; tied);
-- ``qwen3_next``: Qwen3-Next's (the same hybrid with 8 of 48 experts and a gated shared
+- ``qwen3_next``: Qwen3-Next's (the same hybrid with 8 of 32 experts and a gated shared
   expert in every layer);
 - ``gemma4``: Gemma 4's text model with KV sharing (five sliding (512) layers to one full,
   full layers with 512-wide heads whose values are their keys; the last third of the
@@ -63,9 +63,11 @@ from typing import Any
 
 import torch
 
+from qkv.bench.generate_run import PROMPT
+
 VOCAB = 32_000
 CONTEXT = 8192 + 256  # the sweep's longest prompt and what is decoded after it
-PROMPT_WORDS = "Once upon a time , in a small village by the sea".split()
+PROMPT_WORDS = PROMPT.replace(",", " ,").split()  # the benchmark's prompt, word by word
 
 
 def _configs(tiny: bool) -> dict[str, Callable[[], Any]]:
@@ -96,16 +98,16 @@ def _configs(tiny: bool) -> dict[str, Callable[[], Any]]:
             **common, **latent, hidden_size=hidden, intermediate_size=pick(5632, 96),
             num_hidden_layers=pick(12, 3), num_attention_heads=pick(16, 4),
             num_key_value_heads=pick(16, 4), q_lora_rank=None,
-            n_routed_experts=pick(32, 8), num_experts_per_tok=pick(6, 2),
-            n_shared_experts=2, moe_intermediate_size=pick(512, 16), n_group=1,
+            n_routed_experts=pick(24, 8), num_experts_per_tok=pick(6, 2),
+            n_shared_experts=2, moe_intermediate_size=pick(384, 16), n_group=1,
             topk_group=1, first_k_dense_replace=pick(2, 1), norm_topk_prob=False,
             routed_scaling_factor=1.0, tie_word_embeddings=False),
         "deepseek_v32": lambda: transformers.DeepseekV32Config(
             **common, **latent, hidden_size=hidden, intermediate_size=pick(4096, 96),
             num_hidden_layers=pick(12, 3), num_attention_heads=pick(16, 4),
             num_key_value_heads=pick(16, 4), q_lora_rank=pick(384, 24),
-            n_routed_experts=pick(32, 8), num_experts_per_tok=pick(4, 2),
-            n_shared_experts=1, moe_intermediate_size=pick(512, 16), n_group=pick(4, 2),
+            n_routed_experts=pick(24, 8), num_experts_per_tok=pick(4, 2),
+            n_shared_experts=1, moe_intermediate_size=pick(384, 16), n_group=pick(4, 2),
             topk_group=pick(2, 1), first_k_dense_replace=pick(3, 1),
             index_n_heads=pick(8, 2), index_head_dim=pick(128, 16),
             index_topk=pick(2048, 8), tie_word_embeddings=False),
@@ -124,7 +126,7 @@ def _configs(tiny: bool) -> dict[str, Callable[[], Any]]:
         "qwen3_next": lambda: transformers.Qwen3NextConfig(
             **common, **hybrid, intermediate_size=pick(3584, 96),
             num_hidden_layers=pick(12, 4), layer_types=hybrid_types[:pick(12, 4)],
-            num_experts=pick(48, 4), num_experts_per_tok=pick(8, 2),
+            num_experts=pick(32, 4), num_experts_per_tok=pick(8, 2),
             moe_intermediate_size=pick(256, 16), shared_expert_intermediate_size=pick(512, 32),
             decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
             tie_word_embeddings=False),

@@ -1,4 +1,5 @@
-"""``qkv bench generate --ckpt RUN`` on a tiny model of each family of the new layer kinds.
+"""``qkv bench generate --ckpt RUN`` on a tiny model of each family of the new layer kinds,
+and the Hugging Face folders it writes of them for its transformers peer.
 
 Each model is made with transformers' own classes (:func:`test_open_models.hf_model`),
 saved as a folder and imported with ``qkv lm import``; the benchmark then writes it back
@@ -18,12 +19,14 @@ import torch
 
 from qkv.bench import generate_run
 from qkv.cli import main
+from qkv.models.hf_open import config_fields, read_open_weights, write_hf_folder
 
 transformers = pytest.importorskip("transformers")
 open_models = pytest.importorskip("test_open_models")
 
 DEFAULT = ("deepseek_v3", "qwen3_5_text")
 SLOW = ("gpt_oss", "deepseek_v32", "qwen3_next", "gemma4_text")
+FAMILIES = (*DEFAULT, *SLOW)
 NEW_TOKENS = 6
 
 
@@ -36,6 +39,37 @@ def imported_run(family, root):
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     assert main(["lm", "import", str(folder), "--run-dir", str(root / "run")]) == 0
     return model, root / "run"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_written_folder_gives_transformers_logits(family, tmp_path):
+    """A model read from transformers' folder and written back by qkv loads in transformers
+    as the same model: the same logits as the original."""
+    hf = open_models.hf_model(family, seed=5)
+    hf.save_pretrained(tmp_path / "original")
+    config = json.loads((tmp_path / "original" / "config.json").read_text())
+    fields = config_fields(config, family)
+    state = read_open_weights(tmp_path / "original", fields, model_type=family)
+    write_hf_folder(tmp_path / "written", fields, family, state)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "written",
+                                                             dtype=torch.float32).eval()
+    ids = torch.randint(0, open_models.VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_gemma4_layer_indices_as_transformers_saves_them():
+    """transformers saves per_layer_config's keys zero-padded ("05" of 12 layers): the same
+    layers as "5"."""
+    config = transformers.Gemma4TextConfig(**{**open_models.GEMMA4, "num_hidden_layers": 12,
+                                              "num_kv_shared_layers": 0, "layer_types": None})
+    saved = json.loads(config.to_json_string())
+    assert "05" in saved["per_layer_config"]
+    unpadded = {**saved, "per_layer_config": {str(int(k)): v for k, v in
+                                              saved["per_layer_config"].items()}}
+    fields = config_fields(saved, "saved")
+    assert fields == config_fields(unpadded, "unpadded")
+    assert [entry["head_dim"] for entry in fields["layout"]][5::6] == [32, 32]
 
 
 def check_family(family, tmp_path):

@@ -390,6 +390,9 @@ def _gemma4_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         if k_eq_v and get("num_global_key_value_heads") is not None:
             full_heads["num_key_value_heads"] = size("num_global_key_value_heads")
         overrides = {str(i): full_heads for i, k in enumerate(kinds) if k == "full"}
+    elif isinstance(overrides, Mapping):  # transformers saves "05" for layer 5 of 10 or more
+        overrides = {str(int(k)) if isinstance(k, str) and k.isdecimal() else k: v
+                     for k, v in overrides.items()}
     if not isinstance(overrides, Mapping) or any(
             not isinstance(v, Mapping) or set(v) - {"head_dim", "num_key_value_heads"}
             for v in overrides.values()) or not set(overrides) <= {
