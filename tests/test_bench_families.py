@@ -19,7 +19,7 @@ import torch
 
 from qkv.bench import generate_run
 from qkv.cli import main
-from qkv.models.hf_open import config_fields, read_open_weights, write_hf_folder
+from qkv.models.hf_open import config_fields, hf_config, read_open_weights, write_hf_folder
 
 transformers = pytest.importorskip("transformers")
 open_models = pytest.importorskip("test_open_models")
@@ -56,6 +56,20 @@ def test_written_folder_gives_transformers_logits(family, tmp_path):
     ids = torch.randint(0, open_models.VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family, change, match", [
+    # DeepSeek-V3 keeps its dense layers first (first_k_dense_replace)
+    ("deepseek_v3", lambda f: f["layout"].reverse(), "layout[2] is"),
+    # Qwen3-Next's router is a softmax
+    ("qwen3_next", lambda f: f["moe"].update(score="sigmoid"), "moe is"),
+])
+def test_hf_config_refuses_what_a_family_cannot_express(family, change, match):
+    fields = config_fields(open_models.FAMILIES[family]().to_dict(), family)
+    change(fields)
+    with pytest.raises(ValueError) as error:
+        hf_config(fields, family)
+    assert len(str(error.value).splitlines()) == 1 and match in str(error.value)
 
 
 def test_gemma4_layer_indices_as_transformers_saves_them():
