@@ -22,7 +22,8 @@ word-level tokenizer over them (the benchmark's prompt is a few of its words):
 - ``gemma4``: Gemma 4's text model with KV sharing (five sliding (512) layers to one full,
   full layers with 512-wide heads whose values are their keys; the last third of the
   layers attend with the cache of the last earlier layer of their kind, with twice wider
-  MLPs), no per-layer inputs;
+  MLPs) and per-layer inputs (128 wide; transformers 5.24 fails on a KV-sharing
+  Gemma 4 without them);
 - ``llama``: a plain GQA Llama of the same size, the context sweep's reference.
 
 Each model's matrices are random (transformers' initialisation, seeded), its norms moved
@@ -139,7 +140,8 @@ def _configs(tiny: bool) -> dict[str, Callable[[], Any]]:
             layer_types=["sliding_attention" if (i + 1) % pick(6, 3) else "full_attention"
                          for i in range(gemma_layers)],
             num_kv_shared_layers=gemma_layers // 3, use_double_wide_mlp=True,
-            hidden_size_per_layer_input=0, enable_moe_block=False,
+            hidden_size_per_layer_input=pick(128, 8), vocab_size_per_layer_input=vocab,
+            enable_moe_block=False,
             final_logit_softcapping=30.0, tie_word_embeddings=True),
         "llama": lambda: transformers.LlamaConfig(
             **common, hidden_size=hidden, intermediate_size=pick(4096, 96),

@@ -176,6 +176,9 @@ def _peers(lm: LanguageModel, config: RunGenerateConfig, folder: Path,
     try:
         write_hf_folder(hf_folder, fields, model_type, state)
         peer = transformers_peer(hf_folder, torch.float32, "transformers float32")
+        if not isinstance(peer, str):  # a model transformers loads but cannot run
+            peer.generate([1, 2, 3], 2)
+            peer.prefill([1, 2, 3])
     except Exception as error:  # noqa: BLE001 - the peer is skipped, qkv's paths still run
         peer = f"{type(error).__name__}: {error}".splitlines()[0]
     if isinstance(peer, str):
