@@ -48,3 +48,36 @@ def one_line(error: pytest.ExceptionInfo, *parts: str) -> None:
     assert "\n" not in text, text
     for part in parts:
         assert part in text, text
+
+
+def family_files(tmp_path_factory, families, hf_model, convert, arches) -> dict[str, tuple]:
+    """family -> (its tiny transformers model, that model written as a GGUF file the way
+    llama.cpp's converter writes it: ``convert(model, family)`` gives the arrays and
+    metadata, ``arches[family]`` the architecture)."""
+    out = {}
+    for i, family in enumerate(families):
+        model = hf_model(family, seed=i)
+        arrays, meta = convert(model, family)
+        path = write_gguf(tmp_path_factory.mktemp(family) / f"{family}.gguf", arrays,
+                          gguf.MODEL_ARCH_NAMES[arches[family]], meta)
+        out[family] = model, path
+    return out
+
+
+def refused(path, *parts: str) -> None:
+    """Reading the model of the file at ``path`` fails with one line holding ``parts``."""
+    from qkv.models.gguf_model import read_gguf_model
+
+    with pytest.raises(ValueError) as error:
+        read_gguf_model(path)
+    one_line(error, str(path), *parts)
+
+
+@pytest.fixture
+def no_reads(monkeypatch):
+    """Fails a test that reads any tensor (a refusal must come from the metadata)."""
+    from qkv.models import gguf_model
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read before the file was checked")
+    monkeypatch.setattr(gguf_model, "read_gguf_tensors", refuse)

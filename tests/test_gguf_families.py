@@ -33,7 +33,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from gguf_files import one_line, write_gguf  # noqa: E402
+from gguf_files import family_files, no_reads, one_line, refused, write_gguf  # noqa: E402, F401 (no_reads: a fixture)
 from qkv.cli import main  # noqa: E402
 from qkv.models import gguf_model  # noqa: E402
 from qkv.models.gguf_model import gguf_config, read_gguf_model  # noqa: E402
@@ -261,14 +261,7 @@ def quantize_experts(model, arrays: dict) -> None:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, tuple]:
     """family -> (transformers model, its GGUF file)."""
-    out = {}
-    for i, family in enumerate(CONFIGS):
-        model = hf_model(family, seed=i)
-        arrays, meta = convert(model, family)
-        path = write_gguf(tmp_path_factory.mktemp(family) / f"{family}.gguf", arrays,
-                          gguf.MODEL_ARCH_NAMES[ARCHES[family]], meta)
-        out[family] = model, path
-    return out
+    return family_files(tmp_path_factory, CONFIGS, hf_model, convert, ARCHES)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
@@ -449,20 +442,8 @@ def test_older_and_fused_forms(files, tmp_path):
                 assert torch.equal(state[name], tensor), name
 
 
-def refused(path, *parts: str) -> None:
-    with pytest.raises(ValueError) as error:
-        read_gguf_model(path)
-    one_line(error, str(path), *parts)
-
-
-@pytest.fixture
-def no_reads(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a tensor was read before the file was checked")
-    monkeypatch.setattr(gguf_model, "read_gguf_tensors", refuse)
-
-
-def test_refusals_are_one_line_before_any_tensor_is_read(files, tmp_path, no_reads):
+@pytest.mark.usefixtures("no_reads")
+def test_refusals_are_one_line_before_any_tensor_is_read(files, tmp_path):
     hf, _ = files["deepseek_v3"]
     arrays, meta = convert(hf, "deepseek_v3", split_kv_b=True)
 

@@ -32,9 +32,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from gguf_files import one_line, write_gguf  # noqa: E402
+from gguf_files import family_files, no_reads, one_line, refused, write_gguf  # noqa: E402, F401 (no_reads: a fixture)
 from qkv.cli import main  # noqa: E402
-from qkv.models import gguf_model  # noqa: E402
 from qkv.models.gguf_model import read_gguf_model  # noqa: E402
 from qkv.models.gpt import generate  # noqa: E402
 from qkv.tasks.lm import LanguageModel  # noqa: E402
@@ -178,14 +177,7 @@ def convert(model, family: str, ssm_in: bool = False, vector_gate: bool = False)
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, tuple]:
     """family -> (transformers model, its GGUF file)."""
-    out = {}
-    for i, family in enumerate(CONFIGS):
-        model = hf_model(family, seed=i)
-        arrays, meta = convert(model, family)
-        path = write_gguf(tmp_path_factory.mktemp(family) / f"{family}.gguf", arrays,
-                          gguf.MODEL_ARCH_NAMES[ARCHES[family]], meta)
-        out[family] = model, path
-    return out
+    return family_files(tmp_path_factory, CONFIGS, hf_model, convert, ARCHES)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
@@ -273,20 +265,8 @@ def test_older_forms_and_draft_layers(files, tmp_path):
     assert_state_is_the_models(state, hf)
 
 
-def refused(path, *parts: str) -> None:
-    with pytest.raises(ValueError) as error:
-        read_gguf_model(path)
-    one_line(error, str(path), *parts)
-
-
-@pytest.fixture
-def no_reads(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a tensor was read before the file was checked")
-    monkeypatch.setattr(gguf_model, "read_gguf_tensors", refuse)
-
-
-def test_malformed_metadata_is_refused_in_one_line(files, tmp_path, no_reads):
+@pytest.mark.usefixtures("no_reads")
+def test_malformed_metadata_is_refused_in_one_line(files, tmp_path):
     """A missing or inconsistent ``ssm.*`` key, head count or draft count is one line
     naming the key and what would be valid, before any tensor is read."""
     hf, _ = files["qwen3_next"]

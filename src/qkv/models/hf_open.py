@@ -201,6 +201,27 @@ _DEFAULTS["gemma4_text"] = {
 _ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3", "gemma4_text")
 
 
+class _Reader:
+    """One config's values, with its family's defaults under those it leaves out, each
+    checked as it is read; an error names ``where`` and the field."""
+
+    def __init__(self, config: Mapping[str, Any], defaults: Mapping[str, Any],
+                 where: str) -> None:
+        self.config, self.defaults, self.where = config, defaults, where
+
+    def get(self, name: str) -> Any:
+        return self.config.get(name, self.defaults.get(name))
+
+    def size(self, name: str, lo: int = 1) -> int:
+        return check_int(f"{self.where}: {name}", self.get(name), lo, MAX_SIZE)
+
+    def flag(self, name: str) -> bool:
+        return check_bool(f"{self.where}: {name}", self.get(name))
+
+    def positive(self, name: str) -> float:
+        return check_float(f"{self.where}: {name}", self.get(name), 0.0, lo_open=True)
+
+
 def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``GPTConfig`` fields from a Hugging Face ``config.json`` object of a supported
     ``model_type``; ``where`` names the config in errors. Every value is checked before
@@ -218,19 +239,8 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
                                           where), where)
     if kind == "gemma4_text":
         return _gemma4_fields(config, where)
-    defaults = {**_COMMON_DEFAULTS, **_DEFAULTS[kind]}
-
-    def get(name: str) -> Any:
-        return config.get(name, defaults.get(name))
-
-    def size(name: str, lo: int = 1) -> int:
-        return check_int(f"{where}: {name}", get(name), lo, MAX_SIZE)
-
-    def flag(name: str) -> bool:
-        return check_bool(f"{where}: {name}", get(name))
-
-    def positive(name: str) -> float:
-        return check_float(f"{where}: {name}", get(name), 0.0, lo_open=True)
+    read = _Reader(config, {**_COMMON_DEFAULTS, **_DEFAULTS[kind]}, where)
+    get, size, flag, positive = read.get, read.size, read.flag, read.positive
 
     for name in ("attn_logit_softcapping", "final_logit_softcapping", "quantization_config"):
         if config.get(name) is not None:
@@ -301,8 +311,8 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         "rope": True, "rope_base": full[0], "rope_scaling": full[1],
         "rope_local_base": rope_local_base,
         "layout": _nope_layout(config, n_layers, get, where) if kind == "smollm3" else None,
-        **(_hybrid_layers(config, kind, n_layers, head_dim, rotary_fraction, get, where)
-           if hybrid else _mixed_layers(kind, n_layers, get, where) if kind in _MIXED else {}),
+        **(_hybrid_layers(config, kind, n_layers, head_dim, rotary_fraction, read, where)
+           if hybrid else _mixed_layers(kind, n_layers, read, where) if kind in _MIXED else {}),
     }
 
 
@@ -341,16 +351,8 @@ def _gemma4_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     and values of the last earlier layer of their type, with a twice wider MLP under
     ``use_double_wide_mlp``; with ``enable_moe_block`` experts run beside every dense
     MLP; per-layer inputs, a scalar per layer and soft-capped logits."""
-    defaults = {**_COMMON_DEFAULTS, **_DEFAULTS["gemma4_text"]}
-
-    def get(name: str) -> Any:
-        return config.get(name, defaults.get(name))
-
-    def size(name: str, lo: int = 1) -> int:
-        return check_int(f"{where}: {name}", get(name), lo, MAX_SIZE)
-
-    def flag(name: str) -> bool:
-        return check_bool(f"{where}: {name}", get(name))
+    read = _Reader(config, {**_COMMON_DEFAULTS, **_DEFAULTS["gemma4_text"]}, where)
+    get, size, flag = read.get, read.size, read.flag
 
     if config.get("quantization_config") is not None:
         raise ValueError(f"{where}: quantization_config={show(config['quantization_config'])} "
@@ -482,7 +484,7 @@ def _partial_rotary_factor(config: Mapping[str, Any], default: Any,
 
 
 def _hybrid_layers(config: Mapping[str, Any], kind: str, n_layers: int, head_dim: int,
-                   rotary_fraction: float, get: Any, where: str) -> dict[str, Any]:
+                   rotary_fraction: float, read: _Reader, where: str) -> dict[str, Any]:
     """The ``layout``, ``attention_options`` and ``moe`` fields of Qwen3-Next and Qwen3.5:
     ``layer_types`` (or every ``full_attention_interval``-th layer) a gated full-attention
     layer turning ``partial_rotary_factor`` of each head, the others Gated DeltaNet;
@@ -490,8 +492,7 @@ def _hybrid_layers(config: Mapping[str, Any], kind: str, n_layers: int, head_dim
     layer but those of ``mlp_only_layers``; Qwen3.5-MoE's (``qwen3_5_moe_text``) in every
     layer, renormalised. (Qwen3.5's multimodal RoPE, ``mrope_section``,
     turns a text token as plain RoPE does: its three position ids are equal.)"""
-    def size(name: str, lo: int = 1) -> int:
-        return check_int(f"{where}: {name}", get(name), lo, MAX_SIZE)
+    get, size = read.get, read.size
 
     declared = config.get("layer_types")
     if declared is None:
@@ -529,8 +530,7 @@ def _hybrid_layers(config: Mapping[str, Any], kind: str, n_layers: int, head_dim
         mlps = ["dense" if i in dense or (i + 1) % step else "moe" for i in range(n_layers)]
         moe = {"hidden_dim": size("moe_intermediate_size"), "num_experts": size("num_experts"),
                "top_k": size("num_experts_per_tok"), "score": "softmax",
-               "norm_topk_prob": fixed or check_bool(f"{where}: norm_topk_prob",
-                                                     get("norm_topk_prob")),
+               "norm_topk_prob": fixed or read.flag("norm_topk_prob"),
                "shared_hidden_dim": size("shared_expert_intermediate_size"),
                "shared_gate": True}
         if moe["top_k"] > moe["num_experts"]:
@@ -542,16 +542,12 @@ def _hybrid_layers(config: Mapping[str, Any], kind: str, n_layers: int, head_dim
                                   "gated_deltanet": linear}}
 
 
-def _mixed_layers(kind: str, n_layers: int, get: Any, where: str) -> dict[str, Any]:
+def _mixed_layers(kind: str, n_layers: int, read: _Reader, where: str) -> dict[str, Any]:
     """The ``layout``, ``attention_options`` and ``moe`` fields of a family whose layers
     are not plain attention and a dense MLP: gpt-oss (sinks, experts in every layer),
     DeepSeek-V3 (latent attention; experts after the first ``first_k_dense_replace``
     layers) and V3.2 (sparse latent attention; ``mlp_layer_types``)."""
-    def size(name: str, lo: int = 1) -> int:
-        return check_int(f"{where}: {name}", get(name), lo, MAX_SIZE)
-
-    def number(name: str) -> float:
-        return check_float(f"{where}: {name}", get(name), 0.0, lo_open=True)
+    get, size, number = read.get, read.size, read.positive
 
     if kind == "gpt_oss":
         moe = {"hidden_dim": size("intermediate_size"), "num_experts": size("num_local_experts"),
@@ -564,12 +560,11 @@ def _mixed_layers(kind: str, n_layers: int, get: Any, where: str) -> dict[str, A
               "q_lora_rank": None if get("q_lora_rank") is None else size("q_lora_rank"),
               "qk_nope_head_dim": size("qk_nope_head_dim"),
               "qk_rope_head_dim": size("qk_rope_head_dim"), "v_head_dim": size("v_head_dim"),
-              "rope_interleave": (check_bool(f"{where}: rope_interleave", get("rope_interleave"))
-                                  if kind == "deepseek_v3" else True)}
+              "rope_interleave": read.flag("rope_interleave") if kind == "deepseek_v3" else True}
     shared = size("n_shared_experts", 0)
     moe = {"hidden_dim": size("moe_intermediate_size"), "num_experts": size("n_routed_experts"),
            "top_k": size("num_experts_per_tok"), "score": "sigmoid",
-           "norm_topk_prob": check_bool(f"{where}: norm_topk_prob", get("norm_topk_prob")),
+           "norm_topk_prob": read.flag("norm_topk_prob"),
            "routed_scaling_factor": number("routed_scaling_factor"),
            "n_group": size("n_group"), "topk_group": size("topk_group"),
            "score_correction_bias": True,
