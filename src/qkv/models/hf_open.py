@@ -30,8 +30,10 @@ and the total size are checked before a tensor's data is read. No pickles.
 The other direction writes a model out for the Hugging Face tools:
 :func:`hf_config` is the ``config.json`` of a model of ``GPTConfig`` fields (both RoPE
 layouts, so that transformers 4 and 5 read it), :func:`from_qkv` renames a state dict
-back, and :func:`write_hf_folder` writes both as a folder. A field a family cannot
-express is refused: the config must read back (:func:`config_fields`) as the same fields.
+back, and :func:`write_hf_folder` writes both as a folder (Llama, Mistral, Qwen2/3,
+Gemma 3, and gpt-oss, DeepSeek-V3/V3.2, Qwen3.5, Qwen3-Next and Gemma 4 as their text
+models; not yet GPT-2, SmolLM3, OLMo 3, Qwen3.5-MoE). A field a family cannot express
+is refused: the config must read back (:func:`config_fields`) as the same fields.
 
 The families of 2025-26 (SmolLM3, OLMo 3, gpt-oss, DeepSeek-V3/V3.2, Qwen3.5,
 Qwen3-Next and Gemma 4) mix kinds of layers: their fields hold a ``layout``, and their
@@ -741,7 +743,11 @@ def hf_config(fields: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face folder holding a model of ``GPTConfig``
     ``fields`` (:func:`config_fields`' output, a run's ``config.json``: a field left out
     takes ``GPTConfig``'s default) as ``model_type`` (``"llama"``, ``"mistral"``,
-    ``"qwen2"``, ``"qwen3"`` or ``"gemma3_text"``).
+    ``"qwen2"``, ``"qwen3"``, ``"gemma3_text"``, or one of the families of mixed layers:
+    ``"gpt_oss"``, ``"deepseek_v3"``, ``"deepseek_v32"``, ``"qwen3_5_text"``,
+    ``"qwen3_next"``, ``"gemma4_text"``, whose layout, attention options and experts
+    become their config keys; a multimodal folder's model is written as its text model,
+    :data:`TEXT_MODEL_TYPES`).
 
     RoPE is written in both layouts: transformers 5's ``rope_parameters`` (for Gemma 3
     one per layer type) and the older ``rope_theta`` / ``rope_scaling`` /
