@@ -48,9 +48,16 @@ from typing import Any
 
 import torch
 
+from ..latent_attention import LatentAttention
 from ..models.gguf_model import write_gguf
 from ..models.gpt import GPTModel, generate, native_unsupported
-from ..models.hf_open import SUPPORTED_TYPES, from_qkv, hf_config, write_hf_folder
+from ..models.hf_open import (
+    SUPPORTED_TYPES,
+    TEXT_MODEL_TYPES,
+    from_qkv,
+    hf_config,
+    write_hf_folder,
+)
 from ..tasks.lm import LanguageModel
 from ..utils.figures import new_figure, save_figure
 from .lm import decode_bytes_per_token, read_bandwidth, top2_margin
@@ -106,7 +113,10 @@ class RunGenerateConfig:
 
 
 def _qkv_peer(model: GPTModel, name: str, native: bool) -> Peer:
-    """qkv's :func:`generate` as a :class:`Peer`."""
+    """qkv's :func:`generate` as a :class:`Peer`: with ``native``, its C kernels where
+    they run the model, else the model's forward (the detail says why)."""
+    reason = native_unsupported(model) if native else "native=False"
+    native = reason is None
 
     def run(prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:
         times: list[float] = []
@@ -119,9 +129,20 @@ def _qkv_peer(model: GPTModel, name: str, native: bool) -> Peer:
             model(torch.tensor([list(prompt)]), caches=model.new_caches(1, len(prompt)),
                   logits_to_keep=1)
 
-    reason = native_unsupported(model) if native else "native=False"
     detail = "qkv C kernels" if reason is None else f"model forward ({reason})"
     return Peer(name, run, prefill, detail=detail)
+
+
+def _decompressed_mla(model: GPTModel) -> GPTModel | None:
+    """A copy of ``model`` whose latent attention decompresses the cached latents into
+    every head's keys and values at each step (the form the absorbed one avoids), or None
+    if it has no latent attention."""
+    copy = GPTModel(model.cfg).eval()
+    copy.load_state_dict(model.state_dict())
+    latent = [m for m in copy.modules() if isinstance(m, LatentAttention)]
+    for module in latent:
+        module.backend = "decompress"
+    return copy if latent else None
 
 
 def _decode_rate(times: Sequence[float]) -> float:
@@ -137,6 +158,10 @@ def _peers(lm: LanguageModel, config: RunGenerateConfig, folder: Path,
     low.load_state_dict(model.state_dict())
     paths["qkv bfloat16"] = _qkv_peer(low.to(torch.bfloat16), "qkv bfloat16", True)
     paths["qkv float32, model forward"] = _qkv_peer(model, "qkv float32, model forward", False)
+    decompressed = _decompressed_mla(model)
+    if decompressed is not None:  # the context sweep's reference for the absorbed form
+        name = "qkv float32, model forward, MLA decompressed"
+        paths[name] = _qkv_peer(decompressed, name, False)
     skipped: dict[str, str] = {}
     if not config.peers:
         return paths, {"peers": "not asked for (--no-peers)"}
@@ -144,24 +169,41 @@ def _peers(lm: LanguageModel, config: RunGenerateConfig, folder: Path,
     if model_type not in SUPPORTED_TYPES or model_type == "gpt2":
         why = f"the run's model type {model_type!r} is not written out for the peers"
         return paths, {"transformers": why, "llama.cpp": why}
+    # a multimodal folder's run is its text model, written as that model's own type
+    model_type = TEXT_MODEL_TYPES.get(model_type, model_type)
     fields, state = model.cfg.to_dict(), model.state_dict()
     hf_folder = folder / "hf"
-    write_hf_folder(hf_folder, fields, model_type, state)
-    peer = transformers_peer(hf_folder, torch.float32, "transformers float32")
+    try:
+        write_hf_folder(hf_folder, fields, model_type, state)
+        peer = transformers_peer(hf_folder, torch.float32, "transformers float32")
+        if not isinstance(peer, str):  # a model transformers loads but cannot run
+            peer.generate([1, 2, 3], 2)
+            peer.prefill([1, 2, 3])
+    except Exception as error:  # noqa: BLE001 - the peer is skipped, qkv's paths still run
+        peer = f"{type(error).__name__}: {error}".splitlines()[0]
     if isinstance(peer, str):
         skipped["transformers"] = peer
     else:
         paths[peer.name] = peer
     context = model.cfg.context_length
-    config_json, hf_state = hf_config(fields, model_type), from_qkv(state, fields)
+    try:
+        config_json, hf_state = hf_config(fields, model_type), from_qkv(state, fields)
+    except ValueError as error:
+        skipped["llama.cpp"] = str(error)
+        return paths, skipped
     # A run imported from a GGUF file carries that file's tokenizer on (llama.cpp then
     # reads text as the model's own tokenizer does); otherwise ids only.
     source = Path(str(lm.settings.extra.get("source", "")))
     tokenizer = source if source.suffix == ".gguf" and source.is_file() else None
     for dtype in ("F32", "BF16"):
         path = folder / f"model-{dtype}.gguf"
-        write_gguf(path, config_json, hf_state, dtype, tokenizer=tokenizer)
-        peer = llama_cpp_peer(path, f"llama.cpp {dtype}", min(context, 4096), dtype)
+        try:
+            write_gguf(path, config_json, hf_state, dtype, tokenizer=tokenizer)
+        except ValueError as error:  # a family qkv does not write to GGUF
+            skipped["llama.cpp"] = str(error)
+            break
+        room = max(max(config.contexts) + config.sweep_tokens, 4096)  # the sweep's longest
+        peer = llama_cpp_peer(path, f"llama.cpp {dtype}", min(context, room), dtype)
         if isinstance(peer, str):
             skipped["llama.cpp"] = peer
             break
@@ -269,7 +311,7 @@ def _measure(lm: LanguageModel, config: RunGenerateConfig, paths: dict[str, Peer
     long_prompt = torch.randint(0, cfg.vocab_size, (n_prefill,), generator=g).tolist()
     prefill: dict[str, float] = {}
     for name, peer in paths.items():
-        if name.endswith("model forward"):
+        if "model forward" in name:
             continue  # the same forward as qkv float32's prefill
         peer.prefill(long_prompt[:16])
         samples = []
@@ -434,6 +476,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
             # JSON keys are strings: the report read back plots as the report made
             points = sorted((int(c), rate) for c, rate in sweep.items())
             style = ":" if "bfloat16" in name or "BF16" in name else \
+                "-." if "decompressed" in name else \
                 "--" if name.endswith("model forward") else "-"
             right.plot([c for c, _ in points], [r for _, r in points], style, marker="o",
                        color=color, label=name)

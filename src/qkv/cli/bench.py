@@ -93,6 +93,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     generate_flags.add_argument("--new-tokens", type=int, default=None, metavar="N",
                                 help="tokens per timed call (default: 128 with --ckpt, "
                                      "200 without)")
+    generate_flags.add_argument("--contexts", type=int, nargs="+", default=None, metavar="N",
+                                help="with --ckpt: prompt lengths of the context sweep "
+                                     "(default: 64 256 1024 2048)")
     train_flags = argparse.ArgumentParser(add_help=False)
     train_flags.add_argument("--presets", nargs="+", metavar="NAME", default=None,
                              help="GPT presets to train (default: tiny mini gpt2-small on "
@@ -229,6 +232,8 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
         kwargs = {**_overrides(args), "ckpt": args.ckpt, "peers": not args.no_peers}
         if args.new_tokens is not None:
             kwargs["new_tokens"] = args.new_tokens
+        if args.contexts is not None:
+            kwargs["contexts"] = tuple(args.contexts)
         return run_generate_run(RunGenerateConfig(**kwargs), args.out)
     if name == "generate":
         from ..bench.lm import GenerateConfig, run_generate

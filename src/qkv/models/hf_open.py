@@ -30,8 +30,10 @@ and the total size are checked before a tensor's data is read. No pickles.
 The other direction writes a model out for the Hugging Face tools:
 :func:`hf_config` is the ``config.json`` of a model of ``GPTConfig`` fields (both RoPE
 layouts, so that transformers 4 and 5 read it), :func:`from_qkv` renames a state dict
-back, and :func:`write_hf_folder` writes both as a folder. A field a family cannot
-express is refused: the config must read back (:func:`config_fields`) as the same fields.
+back, and :func:`write_hf_folder` writes both as a folder (Llama, Mistral, Qwen2/3,
+Gemma 3, and gpt-oss, DeepSeek-V3/V3.2, Qwen3.5, Qwen3-Next and Gemma 4 as their text
+models; not yet GPT-2, SmolLM3, OLMo 3, Qwen3.5-MoE). A field a family cannot express
+is refused: the config must read back (:func:`config_fields`) as the same fields.
 
 The families of 2025-26 (SmolLM3, OLMo 3, gpt-oss, DeepSeek-V3/V3.2, Qwen3.5,
 Qwen3-Next and Gemma 4) mix kinds of layers: their fields hold a ``layout``, and their
@@ -68,7 +70,7 @@ from ..utils.native import library_call
 from .hf_gpt2 import HF_CONFIG, HF_SAFETENSORS, gpt2_fields
 from .hub import WEIGHTS_INDEX
 
-__all__ = ["SUPPORTED_TYPES", "config_fields", "expected_tensors", "to_qkv",
+__all__ = ["SUPPORTED_TYPES", "TEXT_MODEL_TYPES", "config_fields", "expected_tensors", "to_qkv",
            "read_open_config", "read_open_weights", "hf_config", "field_difference",
            "from_qkv", "write_hf_folder"]
 
@@ -103,7 +105,13 @@ _LAYER_TYPES = {ours: theirs for theirs, ours in _LAYER_KINDS.items()}
 # The model_types hf_config writes -> transformers' class (config.json's "architectures").
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gemma3_text": "Gemma3ForCausalLM"}
+                  "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                  "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "deepseek_v32": "DeepseekV32ForCausalLM",
+                  "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+                  "gemma4_text": "Gemma4ForCausalLM"}
+# A multimodal folder's type -> its text model's, the type its model is written back as.
+TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "gemma4": "gemma4_text"}
 
 # What transformers assumes for a key config.json leaves out: each family's config class.
 _COMMON_DEFAULTS: dict[str, Any] = {
@@ -228,10 +236,9 @@ def config_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
                          f"{', '.join(SUPPORTED_TYPES)}")
     if kind == "gpt2":
         return gpt2_fields(config, where)
-    if kind == "qwen3_5":
-        return config_fields(_text_config(config, "qwen3_5_text", False, where), where)
-    if kind == "gemma4":
-        return config_fields(_text_config(config, "gemma4_text", True, where), where)
+    if kind in TEXT_MODEL_TYPES:  # Gemma 4's multimodal classes tie by default
+        return config_fields(_text_config(config, TEXT_MODEL_TYPES[kind], kind == "gemma4",
+                                          where), where)
     if kind == "gemma4_text":
         return _gemma4_fields(config, where)
     read = _Reader(config, {**_COMMON_DEFAULTS, **_DEFAULTS[kind]}, where)
@@ -387,6 +394,9 @@ def _gemma4_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         if k_eq_v and get("num_global_key_value_heads") is not None:
             full_heads["num_key_value_heads"] = size("num_global_key_value_heads")
         overrides = {str(i): full_heads for i, k in enumerate(kinds) if k == "full"}
+    elif isinstance(overrides, Mapping):  # transformers saves "05" for layer 5 of 10 or more
+        overrides = {str(int(k)) if isinstance(k, str) and k.isdecimal() else k: v
+                     for k, v in overrides.items()}
     if not isinstance(overrides, Mapping) or any(
             not isinstance(v, Mapping) or set(v) - {"head_dim", "num_key_value_heads"}
             for v in overrides.values()) or not set(overrides) <= {
@@ -733,7 +743,11 @@ def hf_config(fields: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face folder holding a model of ``GPTConfig``
     ``fields`` (:func:`config_fields`' output, a run's ``config.json``: a field left out
     takes ``GPTConfig``'s default) as ``model_type`` (``"llama"``, ``"mistral"``,
-    ``"qwen2"``, ``"qwen3"`` or ``"gemma3_text"``).
+    ``"qwen2"``, ``"qwen3"``, ``"gemma3_text"``, or one of the families of mixed layers:
+    ``"gpt_oss"``, ``"deepseek_v3"``, ``"deepseek_v32"``, ``"qwen3_5_text"``,
+    ``"qwen3_next"``, ``"gemma4_text"``, whose layout, attention options and experts
+    become their config keys; a multimodal folder's model is written as its text model,
+    :data:`TEXT_MODEL_TYPES`).
 
     RoPE is written in both layouts: transformers 5's ``rope_parameters`` (for Gemma 3
     one per layer type) and the older ``rope_theta`` / ``rope_scaling`` /
@@ -750,6 +764,11 @@ def hf_config(fields: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     if f["mlp"] not in acts:
         raise ValueError(f"fields: mlp={show(f['mlp'])} cannot be written as a {model_type} "
                          f"config.json; it holds {', '.join(map(repr, acts))} MLPs")
+    if model_type in _LAYOUT_WRITTEN:
+        config = _layout_config(f, model_type)
+        config["hidden_activation" if model_type == "gemma4_text" else "hidden_act"] = \
+            acts[f["mlp"]]
+        return _read_back(f, config, model_type)
     d, n_heads, n_layers, window = f["emb_dim"], f["n_heads"], f["n_layers"], f["window_size"]
     head_dim = f["head_dim"] or d // n_heads
     kinds = [_LAYER_TYPES["sliding" if window is not None and (
@@ -786,12 +805,133 @@ def hf_config(fields: Mapping[str, Any], model_type: str) -> dict[str, Any]:
                       rope_local_base_freq=local["rope_theta"],
                       rope_parameters={"full_attention": full, "sliding_attention": local},
                       attn_logit_softcapping=None, final_logit_softcapping=None)
-    difference = field_difference(f, config_fields(config, f"{model_type} config"),
+    return _read_back(f, config, model_type)
+
+
+def _read_back(fields: Mapping[str, Any], config: dict[str, Any],
+               model_type: str) -> dict[str, Any]:
+    """``config``, after a one-line ``ValueError`` if it does not read back as ``fields``."""
+    difference = field_difference(fields, config_fields(config, f"{model_type} config"),
                                   "transformers")
     if difference:
         raise ValueError(f"fields cannot be written as a {model_type} config.json: "
                          f"{difference}")
     return config
+
+
+# The families of mixed layers hf_config writes (their text model's causal-LM class).
+_LAYOUT_WRITTEN = ("gpt_oss", "deepseek_v3", "deepseek_v32", "qwen3_5_text", "qwen3_next",
+                   "gemma4_text")
+
+
+def _layout_config(f: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """:func:`hf_config` of the families whose fields hold a ``layout`` (``f``: every
+    field): the keys :func:`config_fields` reads back as each part of the layout, its
+    options and experts. What a family cannot express shows in the read-back check."""
+    from .gpt import GPTConfig
+
+    d, n_heads, n_layers, window = f["emb_dim"], f["n_heads"], f["n_layers"], f["window_size"]
+    layout = [GPTConfig.from_dict(f).layer_spec(i) for i in range(n_layers)]
+    head_dim = f["head_dim"] or d // n_heads
+    scaling = {k: v for k, v in (f["rope_scaling"] or {}).items() if v is not None}
+    full = {"rope_type": "default", **scaling, "rope_theta": f["rope_base"]}
+    sliding = [layer.window is not None for layer in layout]
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
+        "vocab_size": f["vocab_size"], "hidden_size": d,
+        "intermediate_size": f["hidden_dim"] or 4 * d, "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads, "num_key_value_heads": f["n_kv_groups"] or n_heads,
+        "head_dim": head_dim, "max_position_embeddings": f["context_length"],
+        "rms_norm_eps": f["norm_eps"], "tie_word_embeddings": f["tie_weights"],
+        "attention_bias": f["qkv_bias"], "rope_theta": f["rope_base"],
+        "rope_scaling": dict(full) if scaling else None, "rope_parameters": full,
+    }
+    moe = f["moe"] or {}
+    options = f["attention_options"] or {}
+    if model_type == "gpt_oss":
+        config.update(
+            sliding_window=window, intermediate_size=moe.get("hidden_dim"),
+            layer_types=[_LAYER_TYPES["sliding" if s else "full"] for s in sliding],
+            num_local_experts=moe.get("num_experts"), num_experts_per_tok=moe.get("top_k"),
+            swiglu_alpha=moe.get("swiglu_alpha"), swiglu_limit=moe.get("swiglu_limit"))
+    elif model_type in _DEEPSEEK:
+        kind = "latent" if model_type == "deepseek_v3" else "sparse_latent"
+        latent = options.get(kind, {})
+        mlps = [layer.mlp for layer in layout]
+        shared = moe.get("shared_hidden_dim")
+        config.update(
+            {k: latent.get(k) for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                                        "qk_rope_head_dim", "v_head_dim")},
+            moe_intermediate_size=moe.get("hidden_dim"), n_routed_experts=moe.get("num_experts"),
+            num_experts_per_tok=moe.get("top_k"), norm_topk_prob=moe.get("norm_topk_prob"),
+            routed_scaling_factor=moe.get("routed_scaling_factor"),
+            n_group=moe.get("n_group"), topk_group=moe.get("topk_group"),
+            n_shared_experts=shared // moe["hidden_dim"] if shared else 0,
+            first_k_dense_replace=next((i for i, m in enumerate(mlps) if m != "dense"),
+                                       n_layers))
+        if model_type == "deepseek_v3":
+            config["rope_interleave"] = latent.get("rope_interleave")
+        else:
+            config.update({k: latent.get(k) for k in ("index_n_heads", "index_head_dim",
+                                                      "index_topk")},
+                          mlp_layer_types=["sparse" if m == "moe" else "dense" for m in mlps])
+    elif model_type in _HYBRID:
+        linear = options.get("gated_deltanet", {})
+        rotary_dim = options.get("gated", {}).get("rotary_dim", head_dim)
+        full["partial_rotary_factor"] = rotary_dim / head_dim
+        config.update(
+            layer_types=["linear_attention" if layer.attention == "gated_deltanet"
+                         else "full_attention" for layer in layout],
+            partial_rotary_factor=rotary_dim / head_dim,
+            linear_num_key_heads=linear.get("num_k_heads"),
+            linear_key_head_dim=linear.get("head_k_dim"),
+            linear_num_value_heads=linear.get("num_v_heads"),
+            linear_value_head_dim=linear.get("head_v_dim"),
+            linear_conv_kernel_dim=linear.get("conv_kernel_size"))
+        config["rope_scaling"] = None
+        if model_type == "qwen3_next":
+            config.update(
+                num_experts=moe.get("num_experts", 0), decoder_sparse_step=1,
+                mlp_only_layers=[i for i, layer in enumerate(layout) if layer.mlp != "moe"],
+                **({"num_experts_per_tok": moe["top_k"], "norm_topk_prob": moe["norm_topk_prob"],
+                    "moe_intermediate_size": moe["hidden_dim"],
+                    "shared_expert_intermediate_size": moe.get("shared_hidden_dim")}
+                   if moe else {}))
+    else:  # gemma4_text: its RoPE per layer type only (rope_scaling would replace it)
+        del config["rope_theta"], config["rope_scaling"]
+        config.update(_gemma4_config(f, layout, head_dim, full, sliding))
+    return config
+
+
+def _gemma4_config(f: Mapping[str, Any], layout: list[Any], head_dim: int,
+                   full: dict[str, Any], sliding: list[bool]) -> dict[str, Any]:
+    """The ``gemma4_text`` keys of :func:`_layout_config`: each layer's head size and
+    key/value heads where they differ from the sliding layers' (``per_layer_config``),
+    the trailing layers that share an earlier layer's cache, experts, per-layer inputs."""
+    kv_heads = f["n_kv_groups"] or f["n_heads"]
+    first = next((i for i, layer in enumerate(layout) if layer.attention == "shared_kv"),
+                 len(layout))
+    moe, ple = f["moe"], f["per_layer_inputs"]
+    local = {"rope_type": "default", "rope_theta": f["rope_local_base"] or f["rope_base"]}
+    return {
+        "sliding_window": f["window_size"],
+        "layer_types": [_LAYER_TYPES["sliding" if s else "full"] for s in sliding],
+        "rope_parameters": {"full_attention": full, "sliding_attention": local},
+        "per_layer_config": {str(i): {"head_dim": layer.head_dim,
+                                      "num_key_value_heads": layer.kv_heads}
+                             for i, layer in enumerate(layout)
+                             if (layer.head_dim, layer.kv_heads) != (head_dim, kv_heads)},
+        "attention_k_eq_v": any(layer.options.get("values_from_keys") for layer in layout),
+        "num_kv_shared_layers": len(layout) - first,
+        "use_double_wide_mlp": any(layer.hidden_dim == 2 * f["hidden_dim"]
+                                   for layer in layout[first:]),
+        "enable_moe_block": moe is not None,
+        **({"moe_intermediate_size": moe["hidden_dim"], "num_experts": moe["num_experts"],
+            "top_k_experts": moe["top_k"]} if moe else {}),
+        "hidden_size_per_layer_input": ple["width"] if ple else 0,
+        "vocab_size_per_layer_input": ple["vocab_size"] if ple else f["vocab_size"],
+        "final_logit_softcapping": f["logit_softcap"],
+    }
 
 
 def field_difference(fields: Mapping[str, Any], back: Mapping[str, Any],
@@ -1421,7 +1561,7 @@ def write_hf_folder(
 
     config = hf_config(fields, model_type)
     tensors = {k: v.detach().cpu().contiguous()
-               for k, v in from_qkv(state_dict, fields).items()}
+               for k, v in from_qkv(state_dict, fields, model_type).items()}
     dtypes = {v.dtype for v in tensors.values()}
     if not dtypes <= set(_DTYPES.values()):
         raise ValueError(f"state dict: holds {', '.join(sorted(map(str, dtypes)))} tensors; "
