@@ -225,7 +225,9 @@ class Layer(ctypes.Structure):
                 ("sinks", _P), ("gated", _I),
                 ("shared", _I), ("rotary_dim", _N), ("act", _I), ("hidden", _N),
                 ("moe", ctypes.POINTER(Moe)), ("latent", ctypes.POINTER(Latent)),
-                ("deltanet", ctypes.POINTER(DeltaNet))]
+                ("deltanet", ctypes.POINTER(DeltaNet)),
+                ("values_from_keys", _I), ("v_norm", Norm), ("ple_gate", Mat),
+                ("ple_proj", Mat), ("ple_norm", Norm), ("layer_scalar", _P)]
 
 
 class Model(ctypes.Structure):
@@ -237,7 +239,10 @@ class Model(ctypes.Structure):
                 ("tok_emb", Mat), ("pos_emb", Mat), ("head", Mat), ("final_norm", Norm),
                 ("layers", ctypes.POINTER(Layer)),
                 *((name, _P) for name in ("x", "o", "h", "q", "g", "k", "v", "a", "f", "logits",
-                                          "scores"))]
+                                          "scores")),
+                ("logit_softcap", _F), ("ple_embed", Mat), ("ple_proj", Mat),
+                ("ple_norm", Norm), ("ple_width", _N), ("ple_vocab", _N),
+                ("ple_embed_scale", _F), ("ple", _P), ("ple_row", _P), ("ple_g", _P)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:

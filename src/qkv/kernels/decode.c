@@ -22,9 +22,11 @@
    SiLU/GELU MLPs, post-norms, sliding-window layers on ring caches, scaled embeddings),
    and the layer kinds of 2025-26, chosen per layer: attention sinks, gated outputs
    with partial RoPE, NoPE layers, KV sharing, multi-head latent attention (absorbed)
-   and DeepSeek's sparse attention, Gated DeltaNet, and mixtures of experts. Each of
-   these was designed to read fewer bytes per token, and the kernels read only those:
-   the latent cache once for all heads, the selected latents, the chosen experts' rows.
+   and DeepSeek's sparse attention, Gated DeltaNet, mixtures of experts, and Gemma 4's
+   values taken from the keys, value norms, per-layer inputs, layer scalars and
+   soft-capped logits. Each of these was designed to read fewer bytes per token, and
+   the kernels read only those: the latent cache once for all heads, the selected
+   latents, the chosen experts' rows, one row of the per-layer input table.
 
    The caller (Python, through ctypes) owns every buffer. dtype codes: 0 = float32,
    1 = bfloat16. Each weight matrix carries its own type (a qkv_mat), so one model may
@@ -1004,6 +1006,14 @@ typedef struct {
     const qkv_moe *moe; /* a mixture of experts in place of the dense MLP, or NULL */
     const qkv_latent *latent; /* latent attention in place of wq .. wv and the KV cache */
     const qkv_deltanet *deltanet; /* Gated DeltaNet in their place, or NULL */
+    int values_from_keys; /* wv none: the values are the keys' projection (Gemma 4) */
+    qkv_norm v_norm;      /* on each value head, before it is stored (Gemma 4) */
+    /* Gemma 4's per-layer input, added after the MLP (ple_gate.data NULL: none):
+       x += ple_norm(ple_proj(gelu_tanh(ple_gate x) * p)), p this layer's slice of
+       qkv_model's ple; then x *= *layer_scalar (NULL: none) */
+    qkv_mat ple_gate, ple_proj; /* (width, dim), (dim, width) */
+    qkv_norm ple_norm;
+    const float *layer_scalar;
 } qkv_layer;
 
 typedef struct {
@@ -1018,15 +1028,26 @@ typedef struct {
        hd with gated layers, else heads hd); g, a (heads * hd); k, v (kv_heads * hd);
        f (the widest dense MLP); logits (vocab); scores (heads * the longest cache) */
     float *x, *o, *h, *q, *g, *k, *v, *a, *f, *logits, *scores;
+    float logit_softcap; /* logits = c tanh(logits / c) (Gemma); 0: none */
+    /* Gemma 4's per-layer inputs (ple_width 0: none): for the token, every layer's
+       width-wide input, ple = (ple_norm(ple_proj(x) / sqrt(dim)) + ple_embed[token] *
+       ple_embed_scale) / sqrt(2), each slice normalised on its own, from x the scaled
+       embedding. Only the token's row of the big table is read. */
+    qkv_mat ple_embed, ple_proj; /* (ple_vocab, n_layers width), (n_layers width, dim) */
+    qkv_norm ple_norm;
+    long ple_width, ple_vocab;
+    float ple_embed_scale;
+    float *ple, *ple_row, *ple_g; /* n_layers width, n_layers width, width */
 } qkv_model;
 
 /* q, k, v = W_q x (+b), W_k x (+b), W_v x (+b) as one work-shared loop over the rows of
-   all three: one barrier where three separate products would need three. */
+   all three (qd, kvd and vd of them; 0 for a projection the layer lacks): one barrier
+   where three separate products would need three. */
 static void project_qkv_shared(const qkv_layer *L, const float *x, float *q, float *k,
-                               float *v, long qd, long kvd, long n) {
+                               float *v, long qd, long kvd, long vd, long n) {
     DEINTERLEAVE(x, n, L->wq.type == QKV_BF16 || L->wk.type == QKV_BF16 || L->wv.type == QKV_BF16)
 #pragma omp for schedule(static)
-    for (long r = 0; r < qd + 2 * kvd; r++) {
+    for (long r = 0; r < qd + kvd + vd; r++) {
         const qkv_mat *W = &L->wq;
         const float *b = L->bq;
         float *y = q;
@@ -1053,7 +1074,7 @@ static void attention_shared(const qkv_model *m, const qkv_layer *L, long pos, f
     const long d = m->dim, hd = L->head_dim, heads = L->heads, kv_heads = L->kv_heads;
     const long qd = heads * hd, kvd = kv_heads * hd;
     project_qkv_shared(L, m->h, m->q, m->k, m->v, L->gated ? 2 * qd : qd, L->shared ? 0 : kvd,
-                       d);
+                       L->shared || L->values_from_keys ? 0 : kvd, d);
     const long slot = L->ring ? pos % L->cache_len : pos;
     const long n = L->ring && pos + 1 > L->cache_len ? L->cache_len : pos + 1;
 #pragma omp single
@@ -1063,8 +1084,12 @@ static void attention_shared(const qkv_model *m, const qkv_layer *L, long pos, f
                 memcpy(m->g + h * hd, m->q + (2 * h + 1) * hd, (size_t)hd * sizeof(float));
                 memmove(m->q + h * hd, m->q + 2 * h * hd, (size_t)hd * sizeof(float));
             }
+        if (L->values_from_keys && !L->shared) /* the keys' projection, before k_norm and RoPE */
+            memcpy(m->v, m->k, (size_t)kvd * sizeof(float));
         if (L->q_norm.kind != NORM_NONE)
             for (long h = 0; h < heads; h++) norm(&L->q_norm, m->q + h * hd, m->q + h * hd, hd);
+        if (L->v_norm.kind != NORM_NONE && !L->shared)
+            for (long h = 0; h < kv_heads; h++) norm(&L->v_norm, m->v + h * hd, m->v + h * hd, hd);
         if (L->k_norm.kind != NORM_NONE && !L->shared)
             for (long h = 0; h < kv_heads; h++) norm(&L->k_norm, m->k + h * hd, m->k + h * hd, hd);
         if (L->rope_cos) {
@@ -1081,12 +1106,50 @@ static void attention_shared(const qkv_model *m, const qkv_layer *L, long pos, f
     linear_shared(&L->wo, m->a, L->bo, y, d, qd, mode);
 }
 
+/* Every layer's per-layer input for `token` into m->ple (m->ple holds ple_proj x, the
+   projection of the scaled embedding, on entry). Serial. */
+static void per_layer_inputs(const qkv_model *m, long token) {
+    const long w = m->ple_width, all = m->n_layers * w;
+    const float down = 1.0f / sqrtf((float)m->dim), half = (float)(1.0 / sqrt(2.0));
+    row_to_f32(&m->ple_embed, token, all, m->ple_row);
+    for (long l = 0; l < m->n_layers; l++) {
+        float *p = m->ple + l * w;
+        for (long i = 0; i < w; i++) p[i] *= down;
+        norm(&m->ple_norm, p, p, w);
+    }
+    for (long i = 0; i < all; i++)
+        m->ple[i] = (m->ple[i] + m->ple_row[i] * m->ple_embed_scale) * half;
+}
+
+/* Gemma 4's end of a block: x += ple_norm(ple_proj(gelu_tanh(ple_gate x) * p)), then
+   x *= the layer's scalar, each where the layer has it. Called by every thread. */
+static void block_end_shared(const qkv_model *m, const qkv_layer *L, const float *p) {
+    const long d = m->dim, w = m->ple_width;
+    if (L->ple_gate.data) {
+        linear_shared(&L->ple_gate, m->x, NULL, m->ple_g, w, d, STORE);
+#pragma omp single
+        for (long i = 0; i < w; i++) m->ple_g[i] = gelu_tanh(m->ple_g[i]) * p[i];
+        linear_shared(&L->ple_proj, m->ple_g, NULL, m->o, d, w, STORE);
+#pragma omp single
+        add_branch(&L->ple_norm, m->o, m->x, d);
+    }
+    if (L->layer_scalar) {
+#pragma omp single
+        for (long i = 0; i < d; i++) m->x[i] *= *L->layer_scalar;
+    }
+}
+
 void qkv_step(const qkv_model *m, long token, long pos, int threads) {
     const long d = m->dim;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp single
         qkv_embed(&m->tok_emb, token, &m->pos_emb, pos, m->embed_scale, m->x, d);
+        if (m->ple_width) {
+            linear_shared(&m->ple_proj, m->x, NULL, m->ple, m->n_layers * m->ple_width, d, STORE);
+#pragma omp single
+            per_layer_inputs(m, token);
+        }
         for (int l = 0; l < m->n_layers; l++) {
             const qkv_layer *L = &m->layers[l];
             /* each branch goes straight into x, or through o and its post-norm */
@@ -1120,9 +1183,15 @@ void qkv_step(const qkv_model *m, long token, long pos, int threads) {
 #pragma omp single
                 add_branch(&L->post_norm2, m->o, m->x, d);
             }
+            block_end_shared(m, L, m->ple_width ? m->ple + l * m->ple_width : NULL);
         }
 #pragma omp single
         norm(&m->final_norm, m->x, m->h, d);
         linear_shared(&m->head, m->h, NULL, m->logits, m->vocab, d, STORE);
+        if (m->logit_softcap > 0.0f) {
+            const float cap = m->logit_softcap;
+#pragma omp for schedule(static)
+            for (long i = 0; i < m->vocab; i++) m->logits[i] = tanhf(m->logits[i] / cap) * cap;
+        }
     }
 }

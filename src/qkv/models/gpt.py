@@ -1305,13 +1305,14 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         return f"float32 or bfloat16 parameters are needed, got {sorted(map(str, dtypes))}"
     if batch_size != 1:
         return f"one sequence at a time, got a batch of {batch_size}"
-    cfg = model.cfg
-    for name, value in (("per_layer_inputs", cfg.per_layer_inputs),
-                        ("layer_scalar", cfg.layer_scalar),
-                        ("logit_softcap", cfg.logit_softcap)):
-        if value:
-            return f"{name} (Gemma 4) is not computed by the kernels"
     norms = (LayerNorm, RMSNorm)
+    ple = model.per_layer_inputs
+    if ple is not None and (type(ple) is not PerLayerInputs or type(ple.norm) not in norms
+                            or not _native_linear(ple.proj)
+                            or not (type(ple.embed) is nn.Embedding or hasattr(ple.embed,
+                                                                                "blocks"))):
+        return "per-layer inputs must be qkv's PerLayerInputs, of an embedding, a linear " \
+               "layer and a norm"
     for block in model.trf_blocks:
         if type(block) is not TransformerBlock:
             return f"a block of type {type(block).__name__}"
@@ -1338,15 +1339,21 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
               or (hasattr(att, "W_key")
                   and att.W_key.out_features != att.num_kv_groups * att.head_dim)):
             return "a layer's projections must have the same heads as it says it has"
-        elif getattr(att, "W_value", True) is None or getattr(att, "v_norm", None) is not None:
-            return "values taken from the keys, or normalised (Gemma 4), are not in the kernels"
-        elif any(m is not None and type(m) not in norms for m in (att.q_norm, att.k_norm)):
-            return "QK-norms must be qkv's LayerNorm or RMSNorm"
+        elif any(m is not None and type(m) not in norms
+                 for m in (att.q_norm, att.k_norm, getattr(att, "v_norm", None))):
+            return "QK-norms and value norms must be qkv's LayerNorm or RMSNorm"
         if type(ff) is FeedForward and (len(ff.layers) != 3 or type(ff.layers[1]) is not GELU
                                         or not all(map(_native_linear, ff.layers[::2]))):
             return "the feed-forward must be Linear, GELU, Linear"
         if type(ff) is GatedFeedForward and type(ff.act) not in (nn.SiLU, GELU):
             return "the gated feed-forward's activation must be SiLU or GELU"
+        if type(ff) is MoE and (ff.router_norm is not None or ff.per_expert_scale is not None):
+            return "Gemma 4's router (router_norm, per_expert_scale) is not in the kernels"
+        if block.ple is not None and (type(block.ple) is not PerLayerInputGate
+                                      or type(block.ple.norm) not in norms
+                                      or not all(map(_native_linear, (block.ple.gate,
+                                                                      block.ple.proj)))):
+            return "a block's per-layer input must be qkv's PerLayerInputGate"
         if type(ff) is MoE and (type(ff.experts) is not Experts or type(ff.router) is not
                                 nn.Linear or (ff.shared_expert is not None
                                               and type(ff.shared_expert) is not GatedMLP)):

@@ -22,16 +22,20 @@ block's forward for one token (:class:`~qkv.models.gpt.TransformerBlock`):
     a = softmax(q K^T * scale) V, each query head on its key/value group's cache (GQA)
     x += post_norm1(W_o a (+b));  h = norm2(x)
     x += post_norm2(W_3 (act(W_1 h) [* W_2 h]))
+    x += ple_norm(ple_proj(gelu(ple_gate x) * p_layer));  x *= layer_scalar   (Gemma 4)
 
 with LayerNorm or RMSNorm (Gemma's ``1 + w`` folded into a float32 scale), GELU or SiLU,
 the optional pieces where the model has them, and ``x = tok_emb[token] * embed_scale
-(+ pos_emb[pos])`` before and ``logits = out_head(final_norm(x))`` after.
+(+ pos_emb[pos])`` before (with Gemma 4's per-layer inputs ``p``, from one row of
+their table) and ``logits = out_head(final_norm(x))`` after (soft-capped:
+``c tanh(logits / c)``).
 
 Each layer's kind is the module's (read by its attributes, one code path in ``decode.c``
 per kind): multi-head attention with its variants (``sinks``: one more logit per head;
 a query projection twice as wide: the per-head sigmoid gate, with ``rotary_dim`` for
 partial RoPE; ``rope`` False: no positions; a ``kv_source``: the source layer's cache,
-nothing stored), latent attention in the absorbed form (``kv_b_proj``; with an
+nothing stored; no ``W_value``: the values are the keys' projection; ``v_norm`` on each
+value head), latent attention in the absorbed form (``kv_b_proj``; with an
 ``indexer``, DeepSeek's sparse attention) over its :class:`~qkv.kv_cache.LatentCache`,
 or Gated DeltaNet (``in_proj_qkv``) over its ``DeltaNetCache`` (the state float32);
 the MLP dense or a mixture of experts (``router``: only the chosen experts' rows are
@@ -242,7 +246,9 @@ class NativeDecoder:
             vocab=cfg.vocab_size, embed_scale=embed_scale,
             tok_emb=self._weight(model.tok_emb), pos_emb=self._weight(model.pos_emb),
             head=self._weight(model.out_head), final_norm=self._norm(model.final_norm),
-            layers=self._layers, **{name: t.data_ptr() for name, t in buffers.items()})
+            layers=self._layers, logit_softcap=cfg.logit_softcap or 0.0,
+            **self._per_layer_inputs(model.per_layer_inputs),
+            **{name: t.data_ptr() for name, t in buffers.items()})
         self._grow_rope(caches[0].pos + 1)
 
     # -- addresses of parameters and buffers ----------------------------------------
@@ -286,10 +292,27 @@ class NativeDecoder:
         if hasattr(norm, "shift"):
             return Norm(kind=NORM_LAYER, eps=norm.eps, scale=self._hold(_vector(norm.scale)),
                         shift=self._hold(_vector(norm.shift)))
-        scale = _vector(norm.scale)
-        if norm.gemma:
-            scale = 1.0 + scale
+        if norm.scale is None:  # no scale (Gemma 4's value norm): a scale of ones
+            scale = torch.ones(norm.dim)
+        else:
+            scale = _vector(norm.scale)
+            if norm.gemma:
+                scale = 1.0 + scale
         return Norm(kind=NORM_RMS, eps=norm.eps, scale=self._hold(scale))
+
+    def _per_layer_inputs(self, ple: nn.Module | None) -> dict:
+        """The Model fields of Gemma 4's per-layer inputs (:class:`~qkv.models.gpt.
+        PerLayerInputs`, read by its attributes), with their work buffers; none without."""
+        if ple is None:
+            return {}
+        every = ple.n_layers * ple.width
+        # sqrt(width) rounded to the weights' dtype, as the module path rounds it
+        scale = float(torch.tensor(ple.width ** 0.5, dtype=self.dtype))
+        return dict(ple_embed=self._weight(ple.embed), ple_proj=self._weight(ple.proj),
+                    ple_norm=self._norm(ple.norm), ple_width=ple.width,
+                    ple_vocab=ple.embed.num_embeddings, ple_embed_scale=scale,
+                    ple=self._zeros(every).data_ptr(), ple_row=self._zeros(every).data_ptr(),
+                    ple_g=self._zeros(ple.width).data_ptr())
 
     def _moe(self, moe: nn.Module) -> Moe:
         """A mixture of experts (:class:`qkv.models.moe.MoE`, read by its attributes),
@@ -417,6 +440,7 @@ class NativeDecoder:
                 **self._mlp(block, mlp, moe), rotary_dim=att.qk_rope_head_dim,
                 latent=ctypes.pointer(latent))
         shared = block.spec.kv_source is not None  # no keys or values of its own
+        from_keys = not shared and getattr(att, "W_value", None) is None
         linears = dict(zip(("q", "k", "v", "o", "1", "2", "3"),
                            (att.W_query, getattr(att, "W_key", None),
                             getattr(att, "W_value", None), att.out_proj, *mlp), strict=True))
@@ -427,6 +451,7 @@ class NativeDecoder:
                for n, m in list(linears.items())[:4]},
             **self._mlp(block, mlp, moe),
             q_norm=self._norm(att.q_norm), k_norm=self._norm(getattr(att, "k_norm", None)),
+            values_from_keys=int(from_keys), v_norm=self._norm(getattr(att, "v_norm", None)),
             sinks=self._hold(_vector(sinks)),
             gated=int(_gated(att)), shared=int(shared),
             rotary_dim=getattr(att, "rotary_dim", att.head_dim), heads=att.num_heads,
@@ -436,9 +461,14 @@ class NativeDecoder:
             cache_len=cache.max_len, ring=int(cache.ring))
 
     def _mlp(self, block: nn.Module, mlp: tuple, moe: Moe | None) -> dict:
-        """The Layer fields of a block's norms and feed-forward (dense or experts)."""
-        ff = block.ff
+        """The Layer fields of a block's norms, feed-forward (dense or experts) and
+        Gemma 4's end of the block (per-layer input, layer scalar)."""
+        ff, ple = block.ff, block.ple
+        end = {} if ple is None else dict(ple_gate=self._weight(ple.gate),
+                                          ple_proj=self._weight(ple.proj),
+                                          ple_norm=self._norm(ple.norm))
         return dict(
+            **end, layer_scalar=self._hold(_vector(block.layer_scalar)),
             **{f"w{n}": self._weight(m) for n, m in zip("123", mlp, strict=True)},
             **{f"b{n}": None if m is None else self._hold(_vector(m.bias))
                for n, m in zip("123", mlp, strict=True)},
@@ -482,6 +512,9 @@ class NativeDecoder:
         if not 0 <= token < self.struct.vocab:
             raise ValueError(f"token id {token} is outside the vocabulary of "
                              f"{self.struct.vocab}")
+        if self.struct.ple_width and token >= self.struct.ple_vocab:
+            raise ValueError(f"token id {token} is past the per-layer input table's "
+                             f"{self.struct.ple_vocab} rows")
         self._grow_rope(pos + 1)
         self._follow()
         self.lib.qkv_step(ctypes.byref(self.struct), token, pos, self.threads)
