@@ -261,10 +261,15 @@ def gemma4_text() -> dict:
     layers sharing the caches of the last earlier one of their kind, with twice wider
     MLPs; per-layer inputs; a scalar per layer; logits soft-capped at 30 (the tiny
     model's reach about 35)."""
-    transformers = pytest.importorskip("transformers")
     from qkv.models.hf_open import config_fields
 
-    config = transformers.Gemma4TextConfig(
+    return config_fields(gemma4_config().to_dict(), "gemma4_text")
+
+
+@functools.cache
+def gemma4_config():
+    transformers = pytest.importorskip("transformers")
+    return transformers.Gemma4TextConfig(
         vocab_size=61, hidden_size=32, intermediate_size=24, num_hidden_layers=5,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
         num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=5,
@@ -273,7 +278,6 @@ def gemma4_text() -> dict:
         num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=61, enable_moe_block=False, final_logit_softcapping=30.0,
         max_position_embeddings=24, pad_token_id=0)
-    return config_fields(config.to_dict(), "gemma4_text")
 
 
 # families whose fields come from transformers' configs (imported only when they run)
@@ -338,6 +342,35 @@ def test_native_unsupported_names_the_layers_without_a_step():
     assert unsupported(model).startswith("MyAttention layers have no native step")
     idx = torch.tensor([[1, 2]])
     assert torch.equal(generate(model, idx, 3), generate(model, idx, 3, native=False))
+
+
+@needs_kernels
+def test_gemma4_native_tokens_are_transformers_greedy_ones():
+    # transformers' own Gemma 4, its norms and scalars moved off their initial values and
+    # its matrices scaled up 4 times (so that its greedy tokens vary), imported as
+    # `qkv lm import` does; 19 tokens, well past the 5-token window
+    import transformers
+
+    from qkv.models.hf_open import to_qkv
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        gemma4_config(), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in [*hf.named_parameters(), *hf.named_buffers()]:
+            if "norm" in name or name.endswith("layer_scalar"):
+                p.add_(0.1 * torch.randn_like(p))
+            elif p.dim() >= 2 and "embed" not in name:
+                p.mul_(4.0)
+    model = GPTModel(GPTConfig(**gemma4_text())).eval()
+    model.load_state_dict(to_qkv(dict(hf.state_dict()), gemma4_text(), "gemma4_text"))
+    assert unsupported(model) is None
+    idx = torch.randint(0, 61, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf.generate(idx, max_new_tokens=19, min_new_tokens=19, do_sample=False)
+    got = generate(model, idx, 19, native=True)
+    assert torch.equal(got, want)
+    assert len(set(got[0, 5:].tolist())) > 5  # not one token repeated
 
 
 def test_native_unsupported_refuses_gemma4s_experts_only():
