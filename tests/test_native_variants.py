@@ -487,6 +487,12 @@ def test_decode_bytes_count_active_experts_latents_and_states():
     hybrid = decode_bytes_per_token(tiny(torch.bfloat16, **FAMILIES["qwen35"]), 4, 10)
     state = 2 * (4 * 8 * 6 * 4 + 3 * 56 * 2)
     assert hybrid["kv_cache"] == pytest.approx(2 * state + 2 * 2 * 8 * 8.5 * 2)
+    # Gemma 4: one row (5 layers x 8) of the 61-row per-layer input table; the tied
+    # token table read in full, as the head
+    gemma4 = tiny(**fields("gemma4_text"))
+    every = sum(p.numel() for p in gemma4.parameters())
+    assert decode_bytes_per_token(gemma4, 4, 10)["weights"] == pytest.approx(
+        (every - 60 * 5 * 8) * 4)
 
 
 @needs_kernels

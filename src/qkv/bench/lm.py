@@ -154,7 +154,8 @@ def decode_bytes_per_token(model: GPTModel, prompt_len: int, new_tokens: int,
 
     ``weights``: every parameter the forward touches, once, in its dtype: the blocks,
     the final norm and the output head in full; one row of the token and (where the
-    model has one) of the position embedding (a lookup; a head tied to the token table
+    model has them) of the position embedding and of Gemma 4's per-layer input table
+    (a lookup; a head tied to the token table
     reads the table once, as the head); of a mixture of experts the router, the shared
     expert and ``top_k`` of the routed experts (:meth:`~qkv.models.moe.MoE.
     active_parameters`). ``kv_cache``: what each new token's attention reads of its
@@ -175,6 +176,8 @@ def decode_bytes_per_token(model: GPTModel, prompt_len: int, new_tokens: int,
     cfg = model.cfg
     # A tied head is the token table: the head reads all of it, the lookup one row of it.
     lookups = [] if model.pos_emb is None else [model.pos_emb.weight]  # (RoPE: no table)
+    if model.per_layer_inputs is not None:  # Gemma 4's table: the token's row only
+        lookups.append(model.per_layer_inputs.embed.weight)
     if model.tok_emb.weight is not model.out_head.weight:
         lookups.append(model.tok_emb.weight)
     # A mixture of experts reads top_k of its num_experts routed experts.
