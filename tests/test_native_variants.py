@@ -380,7 +380,7 @@ def test_native_unsupported_refuses_gemma4s_experts_only():
     assert unsupported(tiny(**gemma4)) == unavailable_reason()
     moe = dict(hidden_dim=16, num_experts=4, top_k=2, activation="geglu",
                norm_topk_prob=True, router_norm=1e-6, per_expert_scale=True)
-    for mlp, why in (("dense_and_moe", "DenseAndExperts feed-forwards have no native step"),
+    for mlp, why in (("dense_and_moe", "Gemma 4's experts beside its dense MLP"),
                      ("moe", "Gemma 4's router (router_norm, per_expert_scale) is not")):
         layout = [{**layer, "mlp": mlp} for layer in gemma4["layout"]]
         assert unsupported(tiny(**{**gemma4, "moe": moe, "layout": layout})).startswith(why)

@@ -316,7 +316,8 @@ def test_a_gemma4_folder_imports_its_text_model(imported, tmp_path):
 
 def test_gemma4_configs_qkv_cannot_build_are_one_line(imported, tmp_path, capsys):
     """What a Gemma 4 config can say that qkv does not compute is refused before a weight
-    is read, in one line naming the value; the C decoder declines Gemma 4 in one line."""
+    is read, in one line naming the value; the C decoder declines Gemma 4's experts in one
+    line."""
     from qkv.models.gpt import native_unsupported
 
     _, folder, run_dir = imported["gemma4_text"]

@@ -1320,6 +1320,8 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         if type(att) not in _NATIVE_ATTENTION:
             return (f"{type(att).__name__} layers have no native step (it runs "
                     f"{', '.join(c.__name__ for c in _NATIVE_ATTENTION)})")
+        if type(ff) is DenseAndExperts:
+            return "Gemma 4's experts beside its dense MLP (DenseAndExperts) have no native step"
         if type(ff) not in (FeedForward, GatedFeedForward, MoE):
             return (f"{type(ff).__name__} feed-forwards have no native step (it runs "
                     "FeedForward, GatedFeedForward and MoE)")
