@@ -436,11 +436,13 @@ def test_deltanet_state_stays_float32_in_a_bfloat16_model():
 
 
 @needs_kernels
-@pytest.mark.parametrize("family", ["deepseek_v2_mla", "deepseek_v32_dsa", "gpt_oss"])
+@pytest.mark.parametrize("family", ["deepseek_v2_mla", "deepseek_v32_dsa", "gpt_oss",
+                                    "gemma4_text"])
 def test_two_threads_give_one_threads_logits(family):
     # The work each thread does alone: latent attention's share of the positions (and
-    # the merge of the threads' softmaxes), the experts' rows (added without a barrier).
-    model = tiny(**FAMILIES[family])
+    # the merge of the threads' softmaxes), the experts' rows (added without a barrier),
+    # Gemma 4's per-layer input products (their rows shared out, then one thread's step).
+    model = tiny(**fields(family))
     ids = torch.randint(0, 61, (1, 14), generator=torch.Generator().manual_seed(3))
     one, two = (step_logits(model, ids, 2, True, threads) for threads in (1, 2))
     assert torch.allclose(one, two, atol=1e-5)
