@@ -165,9 +165,9 @@ GLU_SWIGLU, GLU_GEGLU, GLU_CLAMPED = 0, 1, 2
 
 class Moe(ctypes.Structure):
     """``qkv_moe`` of decode.c: a mixture of experts' routing options, router, experts'
-    3-D tensors (``gate_up (E, 2I, d)``, ``down (E, d, I)``), shared expert and its gate,
-    and its work buffers (``logits (E + 1)``, ``weights``, ``chosen`` int32 ``(top_k)``,
-    ``hidden (top_k I + S)``)."""
+    3-D tensors (``gate_up (E, 2I, d)``, ``down (E, I, d)``), shared expert and its gate,
+    Gemma 4's router scales, and its work buffers (``logits (E + 1)``, ``weights``,
+    ``chosen`` int32 ``(top_k)``, ``hidden (top_k I + S)``, ``route (d)``)."""
 
     _fields_ = [*((name, _I) for name in ("experts", "top_k", "score", "norm_topk",
                                           "n_group", "topk_group", "glu")),
@@ -178,7 +178,9 @@ class Moe(ctypes.Structure):
                 ("shared1", Mat), ("shared2", Mat), ("shared3", Mat),
                 ("shared_b1", _P), ("shared_b2", _P), ("shared_b3", _P),
                 ("shared_gate", Mat),
-                *((name, _P) for name in ("logits", "weights", "hidden", "chosen"))]
+                *((name, _P) for name in ("logits", "weights", "hidden", "chosen")),
+                ("router_scale", _P), ("expert_scale", _P), ("router_eps", _F),
+                ("route", _P)]
 
 
 class Latent(ctypes.Structure):
@@ -227,7 +229,8 @@ class Layer(ctypes.Structure):
                 ("moe", ctypes.POINTER(Moe)), ("latent", ctypes.POINTER(Latent)),
                 ("deltanet", ctypes.POINTER(DeltaNet)),
                 ("values_from_keys", _I), ("v_norm", Norm), ("ple_gate", Mat),
-                ("ple_proj", Mat), ("ple_norm", Norm), ("layer_scalar", _P)]
+                ("ple_proj", Mat), ("ple_norm", Norm), ("layer_scalar", _P),
+                *((name, Norm) for name in ("post_dense_norm", "moe_norm", "post_moe_norm"))]
 
 
 class Model(ctypes.Structure):
@@ -242,7 +245,8 @@ class Model(ctypes.Structure):
                                           "scores")),
                 ("logit_softcap", _F), ("ple_embed", Mat), ("ple_proj", Mat),
                 ("ple_norm", Norm), ("ple_width", _N), ("ple_vocab", _N),
-                ("ple_embed_scale", _F), ("ple", _P), ("ple_row", _P), ("ple_g", _P)]
+                ("ple_embed_scale", _F), ("ple", _P), ("ple_row", _P), ("ple_g", _P),
+                ("moe_x", _P), ("moe_y", _P)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:

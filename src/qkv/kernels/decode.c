@@ -23,8 +23,8 @@
    and the layer kinds of 2025-26, chosen per layer: attention sinks, gated outputs
    with partial RoPE, NoPE layers, KV sharing, multi-head latent attention (absorbed)
    and DeepSeek's sparse attention, Gated DeltaNet, mixtures of experts, and Gemma 4's
-   values taken from the keys, value norms, per-layer inputs, layer scalars and
-   soft-capped logits. Each of these was designed to read fewer bytes per token, and
+   values taken from the keys, value norms, per-layer inputs, layer scalars,
+   soft-capped logits and dense MLPs beside experts. Each of these was designed to read fewer bytes per token, and
    the kernels read only those: the latent cache once for all heads, the selected
    latents, the chosen experts' rows, one row of the per-layer input table.
 
@@ -508,6 +508,12 @@ typedef struct {
        chosen (top_k) int32 */
     float *logits, *weights, *hidden;
     int *chosen;
+    /* Gemma 4's router (NULL: none): it scores rms_norm(r) * router_scale / sqrt(d), r
+       what it routes (router_eps the norm's epsilon; into `route`, d float32), and each
+       chosen weight is then multiplied by expert_scale[expert] */
+    const float *router_scale, *expert_scale; /* (d,), (E,) float32 or NULL */
+    float router_eps;
+    float *route;
 } qkv_moe;
 
 static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -566,8 +572,10 @@ void qkv_route(const qkv_moe *e) {
         e->chosen[j] = best;
         total += e->weights[j] = scores[best];
     }
-    for (int j = 0; j < e->top_k; j++)
+    for (int j = 0; j < e->top_k; j++) {
         e->weights[j] = (e->norm_topk ? e->weights[j] / total : e->weights[j]) * e->scaling;
+        if (e->expert_scale) e->weights[j] *= e->expert_scale[e->chosen[j]];
+    }
 }
 
 /* One expert the token runs through: its three matrices, the first row of each it
@@ -601,9 +609,21 @@ static int active_experts(const qkv_moe *e, long d, active_expert *a) {
     return n;
 }
 
-/* y = (or +=, mode ADD) the experts' output for x (d). Called by every thread. */
-static void moe_shared(const qkv_moe *e, const float *x, float *y, long d, int mode) {
-    linear_shared(&e->router, x, e->router_bias, e->logits, e->experts, d, STORE);
+/* y = (or +=, mode ADD) the experts' output for x (d), routed by route_x (d; NULL: by
+   x itself). Called by every thread. */
+static void moe_shared(const qkv_moe *e, const float *x, float *y, long d, int mode,
+                       const float *route_x) {
+    const float *r = route_x ? route_x : x;
+    if (e->router_scale) {
+#pragma omp single
+        {
+            qkv_rms_norm(r, e->router_scale, e->route, d, e->router_eps);
+            const float down = 1.0f / sqrtf((float)d);
+            for (long i = 0; i < d; i++) e->route[i] *= down;
+        }
+        r = e->route;
+    }
+    linear_shared(&e->router, r, e->router_bias, e->logits, e->experts, d, STORE);
     if (e->shared_gate.data) linear_shared(&e->shared_gate, x, NULL, e->logits + e->experts, 1, d, STORE);
 #pragma omp single
     qkv_route(e);
@@ -654,7 +674,7 @@ static void moe_shared(const qkv_moe *e, const float *x, float *y, long d, int m
 
 void qkv_moe_forward(const qkv_moe *e, const float *x, float *y, long d, int mode, int threads) {
 #pragma omp parallel num_threads(threads)
-    moe_shared(e, x, y, d, mode);
+    moe_shared(e, x, y, d, mode, NULL);
 }
 
 /* ---------------------------------------------------------------------------------
@@ -1014,6 +1034,9 @@ typedef struct {
     qkv_mat ple_gate, ple_proj; /* (width, dim), (dim, width) */
     qkv_norm ple_norm;
     const float *layer_scalar;
+    /* Gemma 4's MLP with moe and w1 both set: the dense MLP and the experts side by side,
+       post_dense_norm(dense(h)) + post_moe_norm(moe(moe_norm(x))), routed by x */
+    qkv_norm post_dense_norm, moe_norm, post_moe_norm;
 } qkv_layer;
 
 typedef struct {
@@ -1038,6 +1061,7 @@ typedef struct {
     long ple_width, ple_vocab;
     float ple_embed_scale;
     float *ple, *ple_row, *ple_g; /* n_layers width, n_layers width, width */
+    float *moe_x, *moe_y;         /* dim each: Gemma 4's experts' input and output */
 } qkv_model;
 
 /* q, k, v = W_q x (+b), W_k x (+b), W_v x (+b) as one work-shared loop over the rows of
@@ -1173,8 +1197,23 @@ void qkv_step(const qkv_model *m, long token, long pos, int threads) {
             norm(&L->norm2, m->x, m->h, d);
             y = L->post_norm2.kind == NORM_NONE ? m->x : m->o;
             mode = L->post_norm2.kind == NORM_NONE ? ADD : STORE;
-            if (L->moe) {
-                moe_shared(L->moe, m->h, y, d, mode);
+            if (L->moe && L->w1.data) { /* Gemma 4: dense and experts, summed in o */
+                gated_shared(&L->w1, L->b1, &L->w2, L->b2, m->h, m->f, L->hidden, d, L->act);
+                linear_shared(&L->w3, m->f, L->b3, m->o, d, L->hidden, STORE);
+#pragma omp single
+                {
+                    norm(&L->post_dense_norm, m->o, m->o, d);
+                    norm(&L->moe_norm, m->x, m->moe_x, d);
+                }
+                moe_shared(L->moe, m->moe_x, m->moe_y, d, STORE, m->x);
+#pragma omp single
+                {
+                    norm(&L->post_moe_norm, m->moe_y, m->moe_y, d);
+                    for (long i = 0; i < d; i++) m->o[i] += m->moe_y[i];
+                }
+                mode = STORE;
+            } else if (L->moe) {
+                moe_shared(L->moe, m->h, y, d, mode, NULL);
             } else {
                 gated_shared(&L->w1, L->b1, &L->w2, L->b2, m->h, m->f, L->hidden, d, L->act);
                 linear_shared(&L->w3, m->f, L->b3, y, d, L->hidden, mode);

@@ -1320,11 +1320,6 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         if type(att) not in _NATIVE_ATTENTION:
             return (f"{type(att).__name__} layers have no native step (it runs "
                     f"{', '.join(c.__name__ for c in _NATIVE_ATTENTION)})")
-        if type(ff) is DenseAndExperts:
-            return "Gemma 4's experts beside its dense MLP (DenseAndExperts) have no native step"
-        if type(ff) not in (FeedForward, GatedFeedForward, MoE):
-            return (f"{type(ff).__name__} feed-forwards have no native step (it runs "
-                    "FeedForward, GatedFeedForward and MoE)")
         if isinstance(att, LatentAttention):
             if att.d_model != model.cfg.emb_dim:
                 return "latent attention over the residual stream is needed"
@@ -1344,22 +1339,32 @@ def native_unsupported(model: nn.Module, batch_size: int = 1) -> str | None:
         elif any(m is not None and type(m) not in norms
                  for m in (att.q_norm, att.k_norm, getattr(att, "v_norm", None))):
             return "QK-norms and value norms must be qkv's LayerNorm or RMSNorm"
-        if type(ff) is FeedForward and (len(ff.layers) != 3 or type(ff.layers[1]) is not GELU
-                                        or not all(map(_native_linear, ff.layers[::2]))):
-            return "the feed-forward must be Linear, GELU, Linear"
-        if type(ff) is GatedFeedForward and type(ff.act) not in (nn.SiLU, GELU):
-            return "the gated feed-forward's activation must be SiLU or GELU"
-        if type(ff) is MoE and (ff.router_norm is not None or ff.per_expert_scale is not None):
-            return "Gemma 4's router (router_norm, per_expert_scale) is not in the kernels"
+        parts = (ff,)
+        if type(ff) is DenseAndExperts:  # Gemma 4's: a dense MLP and experts side by side
+            parts = (ff.dense, ff.moe)
+            if any(type(m) not in norms for m in (ff.post_dense_norm, ff.moe_norm,
+                                                   ff.post_moe_norm)):
+                return "the norms must be qkv's LayerNorm or RMSNorm"
+        for part in parts:
+            if type(part) not in (FeedForward, GatedFeedForward, MoE):
+                return (f"{type(part).__name__} feed-forwards have no native step (it runs "
+                        "FeedForward, GatedFeedForward, MoE and DenseAndExperts of them)")
+            if type(part) is FeedForward and (
+                    len(part.layers) != 3 or type(part.layers[1]) is not GELU
+                    or not all(map(_native_linear, part.layers[::2]))):
+                return "the feed-forward must be Linear, GELU, Linear"
+            if type(part) is GatedFeedForward and type(part.act) not in (nn.SiLU, GELU):
+                return "the gated feed-forward's activation must be SiLU or GELU"
+            if type(part) is MoE and (
+                    type(part.experts) is not Experts or type(part.router) is not nn.Linear
+                    or (part.shared_expert is not None
+                        and type(part.shared_expert) is not GatedMLP)):
+                return "a mixture of experts must be built from qkv's Experts and GatedMLP"
         if block.ple is not None and (type(block.ple) is not PerLayerInputGate
                                       or type(block.ple.norm) not in norms
                                       or not all(map(_native_linear, (block.ple.gate,
                                                                       block.ple.proj)))):
             return "a block's per-layer input must be qkv's PerLayerInputGate"
-        if type(ff) is MoE and (type(ff.experts) is not Experts or type(ff.router) is not
-                                nn.Linear or (ff.shared_expert is not None
-                                              and type(ff.shared_expert) is not GatedMLP)):
-            return "a mixture of experts must be built from qkv's Experts and GatedMLP"
         if any(m is not None and type(m) not in norms for m in
                (block.norm1, block.norm2, block.post_norm1, block.post_norm2)):
             return "the norms must be qkv's LayerNorm or RMSNorm"

@@ -39,7 +39,7 @@ value head), latent attention in the absorbed form (``kv_b_proj``; with an
 ``indexer``, DeepSeek's sparse attention) over its :class:`~qkv.kv_cache.LatentCache`,
 or Gated DeltaNet (``in_proj_qkv``) over its ``DeltaNetCache`` (the state float32);
 the MLP dense or a mixture of experts (``router``: only the chosen experts' rows are
-read). It is the module
+read), or both side by side (Gemma 4's ``dense`` and ``moe``). It is the module
 path's maths in another summation order, so logits agree to rounding
 (``tests/test_native_decode.py`` checks both against the float64 model). Only the
 one-token steps run here: the prompt (as matrix products), and the re-fill of a full
@@ -108,6 +108,14 @@ def _dense_mlp(ff: nn.Module) -> tuple[nn.Linear, nn.Linear | None, nn.Linear]:
     """A dense MLP's three layers: gated ``act(fc1 h) * fc2 h``, then ``fc3``; GPT-2's
     ``act(layers[0] h)`` (no second), then ``layers[2]``."""
     return (ff.fc1, ff.fc2, ff.fc3) if hasattr(ff, "fc1") else (ff.layers[0], None, ff.layers[2])
+
+
+def _parts(ff: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """A block's feed-forward as (dense MLP, mixture of experts), either None: a MoE has
+    a ``router``; Gemma 4's has both side by side (``dense``, ``moe``)."""
+    if hasattr(ff, "router"):
+        return None, ff
+    return (ff.dense, ff.moe) if hasattr(ff, "moe") else (ff, None)
 
 
 def _batch(cache: object) -> int:
@@ -213,8 +221,9 @@ class NativeDecoder:
                 if _kind(block.att) != "deltanet" and not cache.ring]
         ends = full + ([cfg.context_length] if model.pos_emb is not None else [])
         self.limit = min(ends) if ends else None
-        hidden = max([_dense_mlp(block.ff)[0].out_features for block in model.trf_blocks
-                       if not hasattr(block.ff, "router")], default=1)
+        hidden = max([_dense_mlp(_parts(block.ff)[0])[0].out_features
+                      for block in model.trf_blocks if _parts(block.ff)[0] is not None],
+                     default=1)
         longest = max(cache.max_len for cache, block in zip(read, model.trf_blocks,
                                                             strict=True)
                       if _kind(block.att) == "mha") if mha else 1
@@ -232,6 +241,7 @@ class NativeDecoder:
             ("q", (2 if gated else 1) * widest("num_heads")), ("g", widest("num_heads")),
             ("k", widest("num_kv_groups")), ("v", widest("num_kv_groups")),
             ("a", widest("num_heads")), ("f", hidden), ("logits", cfg.vocab_size),
+            ("moe_x", cfg.emb_dim), ("moe_y", cfg.emb_dim),
             ("scores", max([att.num_heads for att in mha], default=1) * longest))}
         self.logits = buffers["logits"].view(1, 1, cfg.vocab_size)
         self._rope: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -340,6 +350,9 @@ class NativeDecoder:
             down_bias=self._hold(_vector(ex.down_proj_bias)),
             shared_gate=self._weight(None if moe.shared_expert_gate is None
                                      else moe.shared_expert_gate.weight),
+            router_scale=self._hold(_vector(moe.router_scale)),
+            expert_scale=self._hold(_vector(moe.per_expert_scale)),
+            router_eps=moe.router_norm or 0.0, route=self._zeros(moe.d_model).data_ptr(),
             logits=self._zeros(moe.num_experts + 1).data_ptr(),
             weights=self._zeros(moe.top_k).data_ptr(),
             hidden=self._zeros(moe.top_k * width + shared_width).data_ptr(),
@@ -427,9 +440,10 @@ class NativeDecoder:
             delta.window, delta.state = cache.conv.data_ptr(), cache.state.data_ptr()
 
     def _layer(self, block: nn.Module, cache: KVCache) -> Layer:
-        att, ff = block.att, block.ff
-        moe = self._moe(ff) if hasattr(ff, "router") else None
-        mlp = (None, None, None) if moe is not None else _dense_mlp(ff)
+        att = block.att
+        dense, experts = _parts(block.ff)
+        moe = None if experts is None else self._moe(experts)
+        mlp = (None, None, None) if dense is None else _dense_mlp(dense)
         if _kind(att) == "deltanet":
             delta = self._deltanet(att, cache)
             return Layer(**self._mlp(block, mlp, moe), deltanet=ctypes.pointer(delta))
@@ -463,10 +477,13 @@ class NativeDecoder:
     def _mlp(self, block: nn.Module, mlp: tuple, moe: Moe | None) -> dict:
         """The Layer fields of a block's norms, feed-forward (dense or experts) and
         Gemma 4's end of the block (per-layer input, layer scalar)."""
-        ff, ple = block.ff, block.ple
+        ff, ple = _parts(block.ff)[0], block.ple
         end = {} if ple is None else dict(ple_gate=self._weight(ple.gate),
                                           ple_proj=self._weight(ple.proj),
                                           ple_norm=self._norm(ple.norm))
+        if hasattr(block.ff, "moe"):  # Gemma 4's dense MLP and experts side by side
+            end.update({name: self._norm(getattr(block.ff, name))
+                        for name in ("post_dense_norm", "moe_norm", "post_moe_norm")})
         return dict(
             **end, layer_scalar=self._hold(_vector(block.layer_scalar)),
             **{f"w{n}": self._weight(m) for n, m in zip("123", mlp, strict=True)},
