@@ -1,0 +1,209 @@
+"""qkv.heads on latent (DeepSeek-V3) and sparse latent (DeepSeek-V3.2) attention, against
+transformers' own eager attention: the tensors its attention function receives and
+returns, recorded by wrapping that function, are the references."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import pytest
+import torch
+
+from qkv.heads import capture, intervene
+from qkv.heads.interventions import ablated_logits, patch
+from qkv.heads.scores import head_scores, induction_batch, scores_of_weights
+from qkv.models.gpt import GPTConfig, GPTModel, generate
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 61
+POINTS = ["q", "k", "v", "scores", "weights", "head_out"]
+DEEPSEEK = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+    kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+    moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=1, pad_token_id=0,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10_000.0,
+                     "original_max_position_embeddings": 16, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
+MODULES = {"deepseek_v3": "transformers.models.deepseek_v3.modeling_deepseek_v3",
+           "deepseek_v32": "transformers.models.deepseek_v32.modeling_deepseek_v32"}
+
+
+def hf_deepseek(family: str):
+    """A tiny transformers model of ``family`` (V3.2: each query's 5 best keys) and the
+    same weights imported into qkv."""
+    if family == "deepseek_v3":
+        config = transformers.DeepseekV3Config(**DEEPSEEK)
+    else:
+        config = transformers.DeepseekV32Config(**DEEPSEEK, index_n_heads=2, index_head_dim=16,
+                                                index_topk=5)
+    torch.manual_seed(3)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # sharper heads than transformers' initial scale gives
+        for name, p in hf.named_parameters():
+            if name.endswith(("q_b_proj.weight", "kv_b_proj.weight")):
+                p.mul_(3.0)
+    from qkv.models.hf_open import config_fields, to_qkv
+    fields = config_fields(config.to_dict(), "test")
+    model = GPTModel(GPTConfig(**fields))
+    model.load_state_dict(to_qkv(hf.state_dict(), fields, config.model_type))
+    return hf.eval(), model.eval()
+
+
+@contextlib.contextmanager
+def hf_attention_calls(family: str):
+    """Record each call of transformers' eager attention function: ``(query, key, value,
+    weights, output (b, T, h, d_v))``, in order (layer 0, layer 1, layer 0, ...)."""
+    module = importlib.import_module(MODULES[family])
+    original = module.eager_attention_forward
+    calls = []
+
+    def recorded(mod, query, key, value, *args, **kwargs):
+        out, weights = original(mod, query, key, value, *args, **kwargs)
+        calls.append((query, key, value, weights, out))
+        return out, weights
+
+    module.eager_attention_forward = recorded
+    try:
+        yield calls
+    finally:
+        module.eager_attention_forward = original
+
+
+def half_pairs(t: torch.Tensor, d_r: int = 8) -> torch.Tensor:
+    """``t (..., d_n + d_r)`` with its rotated part's interleaved pairs ``(2i, 2i + 1)``
+    (DeepSeek's weights, as qkv rotates them) laid out as ``(i, i + d_r / 2)``, as
+    transformers reorders them before rotating (dot products are the same)."""
+    nope, rope = t[..., :-d_r], t[..., -d_r:]
+    rope = rope.unflatten(-1, (d_r // 2, 2)).transpose(-1, -2).flatten(-2)
+    return torch.cat((nope, rope), dim=-1)
+
+
+@pytest.fixture(scope="module", params=list(MODULES))
+def pair(request):
+    return request.param, *hf_deepseek(request.param)
+
+
+def test_capture_keeps_the_logits_and_equals_transformers_attention(pair):
+    family, hf, model = pair
+    ids = induction_batch(VOCAB, length=6, batch=2, seed=1)
+    with torch.no_grad():
+        plain = model(ids)
+        with capture(model) as cache:
+            recorded = model(ids)
+        assert torch.equal(plain, recorded)  # bit for bit
+        with hf_attention_calls(family) as calls:
+            hf(ids)
+    assert len(calls) == 2
+    for layer, (query, key, value, weights, out) in enumerate(calls):
+        for name, want in (("q", query), ("k", key), ("v", value), ("weights", weights),
+                           ("head_out", out)):
+            got = cache[name, layer]
+            if name in ("q", "k"):
+                got = half_pairs(got)
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=0,
+                                       msg=f"{name} of layer {layer}")
+        # the scores are the weights' logits: -inf exactly where a weight is 0 (future
+        # keys; for V3.2 also the keys the indexer did not select)
+        scores = cache["scores", layer]
+        assert torch.equal(torch.isinf(scores), weights == 0)
+        torch.testing.assert_close(torch.softmax(scores.double(), -1).float(), weights,
+                                   atol=2e-6, rtol=0)
+    if family == "deepseek_v32":  # sparse: each query weighs at most index_topk keys
+        assert ((cache["weights", 1] > 0).sum(-1) <= 5).all()
+        assert ((cache["weights", 1] > 0).sum(-1) == 5).any()
+
+
+def test_generation_is_captured_step_by_step_as_transformers_attends(pair):
+    """Through the latent cache (the prompt decompressed, then one token at a time in the
+    absorbed form), each step's weights are transformers' cached generation's; for dense
+    MLA the joined steps are also the capture of the whole sequence in one call."""
+    family, hf, model = pair
+    prompt = induction_batch(VOCAB, length=3, batch=1, seed=2)
+    with torch.no_grad(), capture(model, POINTS) as steps:
+        seq = generate(model, prompt, 5, native=False)
+    want = hf.generate(prompt, max_new_tokens=5, do_sample=False, eos_token_id=None,
+                       pad_token_id=0, attention_mask=torch.ones_like(prompt),
+                       output_attentions=True, return_dict_in_generate=True)
+    assert seq.tolist() == want.sequences.tolist()
+    assert len(steps.steps("weights", 1)) == 5  # the prompt, then 4 one-token calls
+    for step, attentions in enumerate(want.attentions[:5]):
+        for layer in (0, 1):
+            torch.testing.assert_close(steps.steps("weights", layer)[step], attentions[layer],
+                                       atol=2e-6, rtol=0)
+    if family == "deepseek_v32":
+        return  # top-k ties at 0 break differently over one row than over a sequence
+    with torch.no_grad(), capture(model, POINTS) as whole:
+        model(seq[:, :-1])
+    for name in POINTS:
+        a, b = steps[name, 1], whole[name, 1]
+        if name == "scores":
+            assert torch.equal(torch.isinf(a), torch.isinf(b))
+            a, b = a[torch.isfinite(a)], b[torch.isfinite(b)]
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=0, msg=name)
+
+
+def test_ablating_a_latent_head_is_transformers_forward_without_it():
+    hf, model = hf_deepseek("deepseek_v3")[:2]
+    ids = induction_batch(VOCAB, length=6, batch=2, seed=3)
+    layer, head = 1, 2
+
+    def zero_head(module, args):  # o_proj's input is the heads' outputs side by side
+        x = args[0].clone()
+        x[..., head * 16:(head + 1) * 16] = 0.0
+        return (x,)
+
+    handle = hf.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(zero_head)
+    try:
+        with torch.no_grad():
+            want = hf(ids).logits
+    finally:
+        handle.remove()
+    got = ablated_logits(model, ids, [(layer, head)])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    with torch.no_grad():
+        assert not torch.allclose(got, model(ids), atol=1e-3)
+    # patching the clean run into itself changes nothing, at any position
+    for pos in (0, ids.shape[1] - 1):
+        same = patch(model, ids[:1], ids[:1], point="head_out", layer=1, position=pos,
+                     good=3, bad=4, head=1)
+        assert same.after == same.before
+
+
+def test_editing_q_changes_the_layer_and_k_v_scores_are_read_only():
+    _, model = hf_deepseek("deepseek_v3")
+    ids = induction_batch(VOCAB, length=4, batch=1, seed=4)
+    with torch.no_grad():
+        plain = model(ids)
+        with intervene(model, {("q", 1): lambda q: q}):
+            assert torch.equal(model(ids), plain)
+        # every query zero: each head weighs its keys uniformly
+        with intervene(model, {("q", 1): torch.zeros_like}), \
+                capture(model, ["weights"], [1]) as cache:
+            model(ids)
+    t = ids.shape[1]
+    uniform = torch.tril(torch.ones(t, t)) / torch.arange(1, t + 1)[:, None]
+    torch.testing.assert_close(cache["weights", 1][0], uniform.expand(4, t, t))
+    for name in ("k", "v", "scores", "weights"):
+        with pytest.raises(ValueError, match=rf"^intervene: '{name}' is computed beside the "
+                                             r"kernel and only read in layer 0 \(a 'latent'"), \
+                intervene(model, {(name, 0): lambda x: x}):
+            pass
+
+
+def test_the_catalogue_scores_latent_layers_from_their_weights():
+    family = "deepseek_v32"
+    hf, model = hf_deepseek(family)
+    ids = induction_batch(VOCAB, length=6, batch=2, seed=5)
+    table = head_scores(model, ids, repeat=6)
+    assert [(r["layer"], r["head"]) for r in table] == [(i, h) for i in (0, 1)
+                                                        for h in range(4)]
+    with torch.no_grad():
+        attentions = hf(ids, output_attentions=True).attentions
+    for row in table:
+        want = scores_of_weights(attentions[row["layer"]], repeat=6)
+        for name, values in want.items():
+            assert row[name] == pytest.approx(float(values[row["head"]]), abs=1e-5), name
