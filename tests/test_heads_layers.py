@@ -1,6 +1,8 @@
-"""qkv.heads on latent (DeepSeek-V3) and sparse latent (DeepSeek-V3.2) attention, against
-transformers' own eager attention: the tensors its attention function receives and
-returns, recorded by wrapping that function, are the references."""
+"""qkv.heads on the layers other than multi-head attention: latent (DeepSeek-V3) and sparse
+latent (DeepSeek-V3.2) attention against transformers' own eager attention (the tensors
+its attention function receives and returns, recorded by wrapping that function), Gated
+DeltaNet against transformers' Qwen3.5 layer, and the Bahdanau translator's additive
+attention against its own attention weights and a float64 hand computation."""
 
 from __future__ import annotations
 
@@ -207,3 +209,85 @@ def test_the_catalogue_scores_latent_layers_from_their_weights():
         want = scores_of_weights(attentions[row["layer"]], repeat=6)
         for name, values in want.items():
             assert row[name] == pytest.approx(float(values[row["head"]]), abs=1e-5), name
+
+
+def hf_qwen3_5():
+    """A tiny transformers Qwen3.5 (three Gated DeltaNet layers of two key heads, each
+    serving three value heads, then a full-attention one) and the same weights in qkv."""
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+        linear_value_head_dim=12, pad_token_id=0)
+    torch.manual_seed(4)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # norms off their initial values, so a misplaced one would show
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    from qkv.models.hf_open import config_fields, to_qkv
+    fields = config_fields(config.to_dict(), "test")
+    model = GPTModel(GPTConfig(**fields))
+    model.load_state_dict(to_qkv(hf.state_dict(), fields, config.model_type))
+    return hf.eval(), model.eval()
+
+
+def test_deltanet_layers_give_q_k_v_and_head_out_as_transformers_computes_them(tmp_path,
+                                                                            capsys):
+    hf, model = hf_qwen3_5()
+    module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    ids = induction_batch(VOCAB, length=6, batch=2, seed=6)
+    calls, outs = [], []
+    original = module.torch_chunk_gated_delta_rule
+
+    def recorded(query, key, value, **kwargs):  # (b, T, heads, d), q and k not normalised
+        calls.append((query, key, value))
+        return original(query, key, value, **kwargs)
+
+    hooks = [layer.linear_attn.out_proj.register_forward_pre_hook(
+        lambda m, args: outs.append(args[0])) for layer in hf.model.layers[:3]]
+    module.torch_chunk_gated_delta_rule = recorded
+    try:
+        with torch.no_grad():
+            hf(ids)
+    finally:
+        module.torch_chunk_gated_delta_rule = original
+        for hook in hooks:
+            hook.remove()
+    with torch.no_grad():
+        plain = model(ids)
+        with capture(model, ["q", "k", "v", "head_out"], layers=[0, 1, 2]) as cache:
+            assert torch.equal(model(ids), plain)  # bit for bit
+        with capture(model) as every:  # each layer gives the points it has
+            assert torch.equal(model(ids), plain)
+    assert ("weights", 3) in every and ("weights", 0) not in every
+
+    def l2(t):  # the rule's L2 norm, eps 1e-6 under the root (as FLA and transformers)
+        t = t.double()
+        return (t * ((t * t).sum(-1, keepdim=True) + 1e-6).rsqrt()).transpose(1, 2).float()
+
+    for layer, ((query, key, value), out) in enumerate(zip(calls, outs, strict=True)):
+        torch.testing.assert_close(cache["q", layer], l2(query), atol=2e-6, rtol=0)
+        torch.testing.assert_close(cache["k", layer], l2(key), atol=2e-6, rtol=0)
+        torch.testing.assert_close(cache["v", layer], value.transpose(1, 2), atol=2e-6, rtol=0)
+        torch.testing.assert_close(cache["head_out", layer], out.view(2, 13, 6, 12),
+                                   atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match=r"^capture: layer 0 is a 'gated_deltanet' layer, "
+                                         r"which has no 'scores'"), \
+            capture(model, ["scores"], layers=[0]):
+        pass
+    # ablating a DeltaNet head is transformers' forward with that head's output zeroed
+    def zero_head(m, args):
+        x = args[0].clone()
+        x[..., 12:24] = 0.0
+        return (x,)
+
+    hook = hf.model.layers[1].linear_attn.out_proj.register_forward_pre_hook(zero_head)
+    try:
+        with torch.no_grad():
+            want = hf(ids).logits
+    finally:
+        hook.remove()
+    torch.testing.assert_close(ablated_logits(model, ids, [(1, 1)]), want, atol=2e-5, rtol=0)
+    # the catalogue scores the full-attention layer only
+    assert {row["layer"] for row in head_scores(model, ids, repeat=6)} == {3}
