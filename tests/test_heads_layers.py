@@ -291,3 +291,55 @@ def test_deltanet_layers_give_q_k_v_and_head_out_as_transformers_computes_them(t
     torch.testing.assert_close(ablated_logits(model, ids, [(1, 1)]), want, atol=2e-5, rtol=0)
     # the catalogue scores the full-attention layer only
     assert {row["layer"] for row in head_scores(model, ids, repeat=6)} == {3}
+
+
+@pytest.mark.parametrize("backend", ["fused", "eager"])
+def test_bahdanau_attention_is_captured_as_one_head_of_each_decoder_step(backend):
+    from qkv.functional import lengths_to_mask
+    from qkv.heads import layer_names
+    from qkv.models.build import build_model
+    from qkv.models.seq2seq import Seq2SeqConfig
+    cfg = Seq2SeqConfig(model="bahdanau", src_vocab_size=20, tgt_vocab_size=20,
+                        embed_size=8, num_hiddens=16, num_layers=2, dropout=0.0,
+                        backend=backend)
+    torch.manual_seed(5)
+    model = build_model(cfg).eval()
+    assert layer_names(model) == ["decoder.attention"]
+    src, tgt = torch.randint(3, 20, (2, 6)), torch.randint(3, 20, (2, 4))
+    lens = torch.tensor([6, 3])
+    with torch.no_grad():
+        plain = model(src, lens, tgt)
+        with capture(model) as cache:
+            assert torch.equal(model(src, lens, tgt), plain)  # bit for bit
+    weights = cache["weights", 0]
+    assert weights.shape == (2, 1, 4, 6)
+    # the book's own record of the last forward's weights
+    torch.testing.assert_close(weights[:, 0], model.decoder.attention_weights, atol=1e-6,
+                               rtol=0)
+    assert torch.all(weights[1, :, :, 3:] == 0)
+    assert torch.all(torch.isinf(cache["scores", 0][1, :, :, 3:]))
+    # step 2 of sentence 0 by hand in float64: w_v . tanh(W_q q + W_k k_j), softmax
+    att = model.decoder.attention
+    q = cache["q", 0][0, 0, 2].double()
+    enc, _ = model.encoder(src, lens)
+    keys = enc.transpose(0, 1)[0].double()
+    scores = torch.tanh(q @ att.W_q.weight.double().T + keys @ att.W_k.weight.double().T) \
+        @ att.w_v.weight.double()[0]
+    torch.testing.assert_close(cache["scores", 0][0, 0, 2].double(), scores, atol=1e-6, rtol=0)
+    torch.testing.assert_close(weights[0, 0, 2].double(), torch.softmax(scores, -1),
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(cache["head_out", 0][0, 2, 0].double(),
+                               torch.softmax(scores, -1) @ keys, atol=1e-6, rtol=0)
+    # one step at a time (decode_step, as translation runs): the same rows
+    with torch.no_grad(), capture(model, ["q", "scores", "weights", "head_out"]) as steps:
+        state = model.encode(src, lens)
+        for t in range(tgt.shape[1]):
+            model.decode_step(tgt[:, t], state)
+    assert len(steps.steps("weights", 0)) == 4
+    for name in ("q", "weights", "head_out"):
+        torch.testing.assert_close(steps[name, 0], cache[name, 0], atol=1e-6, rtol=0)
+    keep = lengths_to_mask(lens, 6)[:, None].expand(2, 1, 4, 6)
+    torch.testing.assert_close(steps["scores", 0][keep], cache["scores", 0][keep])
+    with pytest.raises(ValueError, match=r"^intervene: 'head_out' is computed beside"), \
+            intervene(model, {("head_out", 0): lambda x: x}):
+        pass

@@ -277,8 +277,9 @@ def intervene(model: nn.Module, edits: Mapping[tuple[str, int], Edit]) -> Iterat
             editable = [n for n in ATTENTION_POINTS
                         if n in _points(att) and n not in att.tap_read_only]
             raise ValueError(f"intervene: {name!r} is computed beside the kernel and only "
-                             f"read in layer {layer} (a {_kind(block, att)!r} layer); edit "
-                             f"{', '.join(editable)}")
+                             f"read in layer {layer} (a {_kind(block, att)!r} layer); "
+                             + (f"edit {', '.join(editable)}" if editable else
+                                "none of its points can be edited"))
         by_layer.setdefault(layer, {})[name] = edit
     sites = tap_sites(model)
 
