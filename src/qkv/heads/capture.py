@@ -15,12 +15,16 @@ a time (``generate`` then runs the model's forward, not the C kernels), and the 
 are joined along the token axis.
 
 Layers: a :class:`~qkv.models.gpt.GPTModel`'s layer ``i`` is its block ``i``; any other
-model (the Transformer translator) has one layer per attention module, in the order of
-``named_modules`` (:func:`layer_names` lists them), and no block points. Latent,
-sparse latent and Gated DeltaNet layers have block points only (no per-head softmax
-over keys that qkv records: ``weights`` of latent layers and the delta rule's
-``token_weights`` are ``need_weights``' business); Bahdanau's additive attention has no
-heads.
+model (a translator) has one layer per attention module that can be tapped, in the order
+of ``named_modules`` (:func:`layer_names` lists them), and no block points. An attention
+module names the points it computes in ``tap_points`` and those it only reads in
+``tap_read_only`` (:func:`layers_table`): multi-head attention and its variants all six;
+latent and sparse latent attention all six, ``k`` and ``v`` decompressed from the latent
+for the record (read only, as ``scores`` and ``weights``); Gated DeltaNet ``q``, ``k``,
+``v`` and ``head_out`` (a recurrence: no softmax over keys, so no scores or weights, and
+the catalogue skips it); the Bahdanau translator's additive attention, as one head, all
+but ``v``, read only. ``names=None`` asks each layer for the points it has; a point asked
+by name of a layer without it is a one-line error.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from torch import Tensor, nn
 
 from ..options import CAPTURE_POINTS
 
-__all__ = ["ActivationCache", "capture", "intervene", "layer_names", "names_table", "tap_sites",
+__all__ = ["ActivationCache", "capture", "intervene", "layer_names", "layers_table",
+           "names_table", "tap_sites",
            "ATTENTION_POINTS", "BLOCK_POINTS"]
 
 ATTENTION_POINTS = tuple(n for n, (where, _, _) in CAPTURE_POINTS.items() if where == "attention")
@@ -290,6 +295,24 @@ def intervene(model: nn.Module, edits: Mapping[tuple[str, int], Edit]) -> Iterat
         for layer, layer_edits in by_layer.items():
             stack.enter_context(_tapping(sites, tuple(layer_edits), (layer,), apply))
         yield
+
+
+def layers_table() -> str:
+    """Which attention points each kind of layer gives, read from the classes'
+    ``tap_points`` and ``tap_read_only``: the Markdown table docs/heads.md shows."""
+    from ..latent_attention import LatentAttention, SparseLatentAttention
+    from ..linear_attention import GatedDeltaNet
+    from ..multihead import MultiHeadAttention
+    from ..scoring import AdditiveAttention
+
+    lines = ["| layer | attention points | only read |", "|---|---|---|"]
+    for cls in (MultiHeadAttention, LatentAttention, SparseLatentAttention, GatedDeltaNet,
+                AdditiveAttention):
+        points = [n for n in ATTENTION_POINTS if n in cls.tap_points]
+        read = [n for n in points if n in cls.tap_read_only]
+        lines.append(f"| `{cls.__name__}` | {', '.join(points)} | "
+                     f"{', '.join(read) or 'none'} |")
+    return "\n".join(lines)
 
 
 def names_table() -> str:
