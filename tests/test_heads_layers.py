@@ -189,6 +189,19 @@ def test_editing_q_changes_the_layer_and_k_v_scores_are_read_only():
     t = ids.shape[1]
     uniform = torch.tril(torch.ones(t, t)) / torch.arange(1, t + 1)[:, None]
     torch.testing.assert_close(cache["weights", 1][0], uniform.expand(4, t, t))
+    # the absorbed form over many queries records what the decompressed one does
+    with torch.no_grad(), capture(model, ["scores", "weights"]) as decompressed:
+        model(ids)
+    for block in model.trf_blocks:
+        block.att.backend = "absorbed"
+    try:
+        with torch.no_grad(), capture(model, ["scores", "weights"]) as absorbed:
+            torch.testing.assert_close(model(ids), plain, atol=1e-5, rtol=0)
+    finally:
+        for block in model.trf_blocks:
+            block.att.backend = "auto"
+    for name in ("scores", "weights"):
+        torch.testing.assert_close(absorbed[name, 1], decompressed[name, 1], atol=1e-5, rtol=0)
     for name in ("k", "v", "scores", "weights"):
         with pytest.raises(ValueError, match=rf"^intervene: '{name}' is computed beside the "
                                              r"kernel and only read in layer 0 \(a 'latent'"), \
@@ -291,6 +304,15 @@ def test_deltanet_layers_give_q_k_v_and_head_out_as_transformers_computes_them(t
     torch.testing.assert_close(ablated_logits(model, ids, [(1, 1)]), want, atol=2e-5, rtol=0)
     # the catalogue scores the full-attention layer only
     assert {row["layer"] for row in head_scores(model, ids, repeat=6)} == {3}
+    # a generation (the state carried one token at a time) is recorded step by step
+    names = ["q", "k", "v", "head_out"]
+    with torch.no_grad(), capture(model, names, layers=[0, 2]) as steps:
+        seq = generate(model, ids[:1, :5], 4, native=False)
+    with torch.no_grad(), capture(model, names, layers=[0, 2]) as whole:
+        model(seq[:, :-1])
+    assert len(steps.steps("q", 2)) == 4
+    for name in names:
+        torch.testing.assert_close(steps[name, 2], whole[name, 2], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["fused", "eager"])
@@ -343,3 +365,35 @@ def test_bahdanau_attention_is_captured_as_one_head_of_each_decoder_step(backend
     with pytest.raises(ValueError, match=r"^intervene: 'head_out' is computed beside"), \
             intervene(model, {("head_out", 0): lambda x: x}):
         pass
+
+
+def test_the_transformer_translator_is_captured_as_its_attention_maps_and_step_by_step():
+    from qkv.models.build import build_model
+    from qkv.models.seq2seq import Seq2SeqConfig
+    cfg = Seq2SeqConfig(model="transformer", src_vocab_size=20, tgt_vocab_size=20,
+                        embed_size=16, num_hiddens=16, num_heads=2, num_layers=2, dropout=0.0,
+                        ffn_num_hiddens=32)
+    torch.manual_seed(6)
+    model = build_model(cfg).eval()
+    src, tgt = torch.randint(3, 20, (2, 5)), torch.randint(3, 20, (2, 4))
+    lens = torch.tensor([5, 3])
+    with torch.no_grad():
+        plain = model(src, lens, tgt)
+        with capture(model, POINTS) as cache:
+            assert torch.equal(model(src, lens, tgt), plain)
+        maps = model.attention_maps(src, lens, tgt)  # the model's own weights
+    # layers: encoder 0, 1; then each decoder block's self- and cross-attention
+    order = [maps["encoder"][0], maps["encoder"][1], maps["decoder"][0], maps["cross"][0],
+             maps["decoder"][1], maps["cross"][1]]
+    for layer, want in enumerate(order):
+        torch.testing.assert_close(cache["weights", layer], want, atol=1e-6, rtol=0)
+    # translation's path: the encoder once, then one token at a time through the caches
+    with torch.no_grad(), capture(model, POINTS, layers=[2, 3, 4, 5]) as steps:
+        state = model.encode(src, lens)
+        for t in range(tgt.shape[1]):
+            model.decode_step(tgt[:, t], state)
+    for layer in (2, 3, 4, 5):
+        assert len(steps.steps("weights", layer)) == 4
+        for name in ("q", "weights", "head_out"):
+            torch.testing.assert_close(steps[name, layer], cache[name, layer], atol=1e-5,
+                                       rtol=0, msg=f"{name} of layer {layer}")
