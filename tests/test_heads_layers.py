@@ -34,13 +34,14 @@ MODULES = {"deepseek_v3": "transformers.models.deepseek_v3.modeling_deepseek_v3"
            "deepseek_v32": "transformers.models.deepseek_v32.modeling_deepseek_v32"}
 
 
-def hf_deepseek(family: str):
+def hf_deepseek(family: str, vocab: int = VOCAB):
     """A tiny transformers model of ``family`` (V3.2: each query's 5 best keys) and the
     same weights imported into qkv."""
     if family == "deepseek_v3":
-        config = transformers.DeepseekV3Config(**DEEPSEEK)
+        config = transformers.DeepseekV3Config(**{**DEEPSEEK, "vocab_size": vocab})
     else:
-        config = transformers.DeepseekV32Config(**DEEPSEEK, index_n_heads=2, index_head_dim=16,
+        config = transformers.DeepseekV32Config(**{**DEEPSEEK, "vocab_size": vocab},
+                                                index_n_heads=2, index_head_dim=16,
                                                 index_topk=5)
     torch.manual_seed(3)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -117,6 +118,30 @@ def test_capture_keeps_the_logits_and_equals_transformers_attention(pair):
     if family == "deepseek_v32":  # sparse: each query weighs at most index_topk keys
         assert ((cache["weights", 1] > 0).sum(-1) <= 5).all()
         assert ((cache["weights", 1] > 0).sum(-1) == 5).any()
+
+
+def test_the_pages_contribution_view_of_latent_layers_is_transformers_values_norms():
+    """``qkv view``'s contribution view (Kobayashi et al.: ``a_ij |v_j W_O,h|``) on latent
+    layers, from the weights and values transformers' eager attention used and its
+    ``o_proj``, in float64."""
+    from qkv.data.tokenizers import get_tokenizer
+    from qkv.tasks.lm import LanguageModel, LMSettings
+    from qkv.viz.data import decode_section, page_data
+
+    hf, model = hf_deepseek("deepseek_v3", vocab=257)
+    lm = LanguageModel(model, get_tokenizer("bytes"), LMSettings(preset="tiny"))
+    text = "abcabcab"
+    (section,) = page_data(lm, [text])["examples"][0]["sections"]
+    got = decode_section(section["views"]["contribution"]).double()  # (L, H, T, T)
+    with torch.no_grad(), hf_attention_calls("deepseek_v3") as calls:
+        hf(torch.tensor([lm.tokenizer.encode(text)]))
+    for layer, (_, _, value, weights, _) in enumerate(calls):
+        w_o = hf.model.layers[layer].self_attn.o_proj.weight.double()  # (d, H * d_v)
+        want = torch.empty_like(got[layer])
+        for head in range(4):
+            f = value[0, head].double() @ w_o[:, 16 * head: 16 * head + 16].T  # (T, d)
+            want[head] = weights[0, head].double() * f.norm(dim=-1)[None, :]
+        torch.testing.assert_close(got[layer], want, rtol=0.03, atol=1e-6)  # the page's rounding
 
 
 def test_generation_is_captured_step_by_step_as_transformers_attends(pair):
