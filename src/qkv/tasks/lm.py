@@ -95,6 +95,7 @@ from ..training import (
     load_weights,
     main_process_first,
     read_weights_header,
+    release_freed_memory,
     resolve_device,
     save_checkpoint,
 )
@@ -294,6 +295,8 @@ class LanguageModel:
                 f"{run_dir}: tokenizer has {tokenizer.n_vocab} ids but the model expects "
                 f"vocab_size={model_config.vocab_size}"
             )
+        del tokenizer_dict  # its tokenizer.json text, held once: by the tokenizer
+        release_freed_memory()  # what parsing the config and the tokenizer left freed
         model = _load_model(run_dir, model_config, qtypes)
         return cls(model.to(resolve_device(device)), tokenizer, settings)
 
@@ -522,10 +525,9 @@ def _empty_model(run_dir: str | Path, cfg: GPTConfig, qtypes: dict[str, str]
     if not qtypes:
         check_weights(run_dir, cfg.parameter_shapes(), cfg.num_saved_values(),
                       dtype=floats[0])
-        with torch.device("meta"):
-            return GPTModel(cfg).to(dtype), dtype
+        return cfg.meta_model().to(dtype), dtype
+    model = cfg.meta_model().to(dtype)
     with torch.device("meta"):
-        model = GPTModel(cfg).to(dtype)
         try:
             quantize_modules(model, qtypes, dtype)
             if cfg.tie_weights:
@@ -1011,8 +1013,8 @@ def _save_import(
             tensors.setdefault("out_head.weight", tensors["tok_emb.weight"])
         qtypes = {name.removesuffix(".weight"): t.qtype for name, t in tensors.items()
                   if isinstance(t, QuantizedWeight)}
+        model = cfg.meta_model()
         with torch.device("meta"):
-            model = GPTModel(cfg)
             quantize_modules(model, qtypes, dtype)
         tensors = {f"{name.removesuffix('.weight')}.blocks" if isinstance(t, QuantizedWeight)
                    else name: t.blocks if isinstance(t, QuantizedWeight) else t
