@@ -57,7 +57,7 @@ from ..data.tokenizers import (
     tokenizer_from_dict,
 )
 from ..models.gguf_model import gguf_config, gguf_state_dict
-from ..models.gguf_weights import quantization_mix, read_gguf_header
+from ..models.gguf_weights import quantization_mix, read_gguf_metadata
 from ..models.gpt import (
     GPTConfig,
     GPTModel,
@@ -912,11 +912,13 @@ _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 def _import_gguf(path: Path, origin: dict[str, str], run_dir: Path, dtype: torch.dtype,
                  overwrite: bool, log: Callable[[str], None] | None,
                  keep_quantized: bool = False) -> LanguageModel:
-    header = read_gguf_header(path)
+    header, metadata = read_gguf_metadata(path)
     config = gguf_config(header)  # what a Hugging Face folder's config.json would say
     fields = config_fields(config, str(path))
     cfg = GPTConfig(**fields)
-    tokenizer = _fit_tokenizer(tokenizer_from_gguf(path), cfg, path)
+    tokenizer = _fit_tokenizer(tokenizer_from_gguf(path, metadata=metadata), cfg, path)
+    del metadata
+    release_freed_memory()  # the token lists' strings, before the weights are read
     gpt2 = config.get("model_type") == "gpt2"
     # Blocks are kept where a matrix reaches its layer as stored (rows reordered at
     # most): plain attention and dense MLPs. Experts, latent attention's split
