@@ -307,19 +307,18 @@ import re, sys
 import torch, qkv.tasks.lm
 def peak():
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024
-with torch.device("meta"):  # the modules a meta-device build imports, in the interpreter
-    torch.nn.Embedding(2, 2)
 base = peak()
 qkv.tasks.lm.LanguageModel.load(sys.argv[1])
-print(base, peak())
+print("torch._dynamo" in sys.modules, "sympy" in sys.modules, base, peak())
 """
 
 
 def test_load_holds_the_weights_once(runs, tmp_path):
     """``LanguageModel.load`` of a 70 MB float32 run peaks at its weights above the
-    interpreter (torch with the modules a meta-device build imports): the buffer the
-    file is read into is the model's memory, not a state dict copied into a second,
-    randomly initialised model."""
+    interpreter (torch and qkv imported): the buffer the file is read into is the
+    model's memory, not a state dict copied into a second, randomly initialised model;
+    and the model built on the meta device imports neither torch._dynamo nor sympy
+    (which a meta tensor's ``normal_`` would, ~70 MB)."""
     config = load_config(runs["float"])
     fields = {**config["model"], "emb_dim": 512, "n_heads": 8, "n_layers": 8,
               "hidden_dim": 1024}
@@ -334,10 +333,32 @@ def test_load_holds_the_weights_once(runs, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "run")], env=env,
                          capture_output=True, text=True, timeout=120, check=True)
-    base, peak = map(int, out.stdout.split()[-2:])
+    dynamo, sympy, base, peak = out.stdout.split()[-4:]
+    assert (dynamo, sympy) == ("False", "False"), out.stdout
+    base, peak = int(base), int(peak)
     # (16 MiB: the run's config and tokenizer, whatever the model's size; the load of
     # a state dict copied into a built model peaked at 3x the weights)
     assert peak - base < 1.1 * weights + 16 * 2**20, (peak - base, weights)
+
+
+def test_import_reads_the_tokenizer_without_a_gguf_reader(runs, tmp_path, monkeypatch):
+    """The import reads the file's tokenizer lists with qkv's own header walk: a
+    ``gguf.GGUFReader`` holds a NumPy view of every token and merge (150 MB for a 50k
+    vocabulary); the imported tokenizer is the reader's."""
+    import gguf
+
+    from qkv.data.gguf_tokenizer import tokenizer_from_gguf
+    expected = tokenizer_from_gguf(runs["file"])
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the import opened a gguf.GGUFReader")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refused)
+    assert main(["lm", "import", str(runs["file"]), "--run-dir", str(tmp_path / "run"),
+                 "--keep-quantized"]) == 0
+    tokenizer = LanguageModel.load(tmp_path / "run").tokenizer
+    assert tokenizer.to_dict() == expected.to_dict()
+    assert tokenizer.encode("".join(LETTERS[3:9])) == expected.encode("".join(LETTERS[3:9]))
 
 
 def test_quality_against_a_float64_computation(runs, tmp_path, capsys):
