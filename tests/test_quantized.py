@@ -414,3 +414,21 @@ def test_quality_against_a_float64_computation(runs, tmp_path, capsys):
     assert main(["bench", "quality", "--ckpt", str(runs["quantized"]), "--ref",
                  str(runs["float"]), "--text", str(text), "--out", str(tmp_path / "out")]) != 0
     assert "has 100 tokens; at least 4,096 are read" in capsys.readouterr().err
+
+
+def test_quality_with_llama_cpp_needs_the_runs_source_files(runs, tmp_path, capsys):
+    """``--llama-cpp`` reads the GGUF files the runs were imported from: a run whose file
+    is gone is refused in one line naming it, before any logits are computed."""
+    gone = tiny_llama(tmp_path / "gone.gguf", PLAN)
+    assert main(["lm", "import", str(gone), "--run-dir", str(tmp_path / "run"),
+                 "--keep-quantized"]) == 0
+    gone.unlink()
+    text = tmp_path / "text.txt"
+    text.write_text("".join(LETTERS[i % V] for i in range(0, 700, 7)))
+    capsys.readouterr()
+    assert main(["bench", "quality", "--ckpt", str(tmp_path / "run"), "--ref",
+                 str(runs["float"]), "--text", str(text), "--tokens", "64", "--window", "32",
+                 "--llama-cpp", "--out", str(tmp_path / "out")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--ckpt (llama from gone.gguf) was imported from {gone}" in err[0]
+    assert not (tmp_path / "out" / "quality.json").exists()
