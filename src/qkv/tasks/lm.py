@@ -47,6 +47,7 @@ from ..checks import (
 from ..data.chat import ChatTemplateError
 from ..data.gguf_tokenizer import tokenizer_from_gguf
 from ..data.lm import GPTDataset, create_dataloader, generated_corpus
+from ..data.textfile import file_sha256
 from ..data.tokenfile import TokenFile, prepare_token_file
 from ..data.tokenizers import (
     HF_TOKENIZER_NAME,
@@ -949,6 +950,8 @@ def _import_gguf(path: Path, origin: dict[str, str], run_dir: Path, dtype: torch
         return {name: t if isinstance(t, QuantizedWeight) else t.to(dtype)
                 for name, t in ours.items()}
 
+    # Which file exactly (bench generate runs llama.cpp on it, if it is still the same).
+    origin = {**origin, "source_sha256": file_sha256(path, "GGUF file")}
     # The model card's line: what the file holds, as a user compares quantizations.
     card = [f"tensors in the file: {quantization_mix(header)}", *notes]
     # What the weights take: kept tensors their blocks, the others expanded.
