@@ -432,3 +432,29 @@ def test_quality_with_llama_cpp_needs_the_runs_source_files(runs, tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--ckpt (llama from gone.gguf) was imported from {gone}" in err[0]
     assert not (tmp_path / "out" / "quality.json").exists()
+
+
+def test_bench_generate_times_a_quantized_run_on_its_blocks(runs, tmp_path):
+    """``bench generate --ckpt`` on a quantized run times its blocks and their float32
+    expansion (the same greedy tokens where the margins allow), with the ceiling from
+    the bytes a step reads of the file: each tensor's bytes as the gguf package reads
+    them (one row of the untied embedding; the tensor not kept, and the norms, as
+    float32)."""
+    from qkv.bench.generate_run import RunGenerateConfig, run_generate_run
+    config = RunGenerateConfig(ckpt=str(runs["quantized"]), new_tokens=4, repeats=1,
+                               prefill_tokens=16, contexts=(8,), sweep_tokens=2,
+                               bandwidth_mib=4)
+    report = run_generate_run(config, tmp_path / "out", log=lambda line: None)
+    assert {"qkv blocks", "qkv float32"} <= set(report["results"])
+    assert report["results"]["qkv blocks"]["dtype"] == "blocks"
+    assert "llama.cpp" in report["skipped"] or any(n.startswith("llama.cpp ")
+                                                   for n in report["results"])
+    expected = 0
+    for t in gguf.GGUFReader(runs["file"]).tensors:
+        kept = t.tensor_type.name not in ("F32", "Q2_K")
+        size = int(t.n_bytes) if kept else int(t.n_elements) * 4
+        expected += size // V if t.name == "token_embd.weight" else size
+    assert report["bytes_per_token"]["blocks"]["weights"] == expected
+    assert report["kept_types"] == sorted(set(PLAN.values()) - {"Q2_K"})
+    names = {t["name"] for t in report["targets"]}
+    assert "qkv blocks >= 3x qkv float32" in names  # a Q4_K file's target
