@@ -9,6 +9,7 @@ a damaged block in one line.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -458,3 +459,21 @@ def test_bench_generate_times_a_quantized_run_on_its_blocks(runs, tmp_path):
     assert report["kept_types"] == sorted(set(PLAN.values()) - {"Q2_K"})
     names = {t["name"] for t in report["targets"]}
     assert "qkv blocks >= 3x qkv float32" in names  # a Q4_K file's target
+
+
+def test_bench_generate_skips_llama_cpp_on_a_changed_source_file(tmp_path):
+    """The import records its file's SHA-256; llama.cpp is timed on that file only while
+    it still holds those bytes (else the note says why it was left out)."""
+    from qkv.bench.generate_run import RunGenerateConfig, _quantized_peers
+    source = tiny_llama(tmp_path / "model.gguf", PLAN)
+    assert main(["lm", "import", str(source), "--run-dir", str(tmp_path / "run"),
+                 "--keep-quantized"]) == 0
+    lm = LanguageModel.load(tmp_path / "run")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    assert lm.settings.extra["source_sha256"] == digest
+    with open(source, "ab") as f:
+        f.write(b"\0")
+    paths, skipped = _quantized_peers(lm, RunGenerateConfig(ckpt=str(tmp_path / "run")))
+    assert set(paths) == {"qkv blocks", "qkv float32"}
+    assert skipped == {"llama.cpp": f"{source} has changed since the run was imported (its "
+                                    "SHA-256 differs)"}
