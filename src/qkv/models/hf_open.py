@@ -1074,10 +1074,9 @@ class _Stored:
 
 def _layout_meta_model(fields: Mapping[str, Any]) -> Any:
     """``GPTModel(fields)`` on the ``meta`` device: every tensor's name and shape."""
-    from .gpt import GPTConfig, GPTModel
+    from .gpt import GPTConfig
 
-    with torch.device("meta"):
-        return GPTModel(GPTConfig.from_dict(fields))
+    return GPTConfig.from_dict(fields).meta_model()
 
 
 def _fused_deltanet(att: Any, hf: str, ours: str) -> dict[str, _Stored | None]:
