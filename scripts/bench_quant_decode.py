@@ -46,8 +46,6 @@ def status() -> dict[str, int]:
 
 
 def make(run: str, source: str, folder: str) -> None:
-    import llama_cpp
-    import torch
 
     from qkv.models.gguf_model import write_gguf
     from qkv.models.hf_open import from_qkv, hf_config
@@ -60,18 +58,30 @@ def make(run: str, source: str, folder: str) -> None:
     f32 = out / "model-F32.gguf"
     write_gguf(f32, hf_config(fields, model_type), from_qkv(lm.model.float().state_dict(),
                                                             fields), "F32", tokenizer=source)
-    for name, ftype in QUANTIZE.items():
+    quantize_files(f32, out, QUANTIZE)
+
+
+def quantize_files(f32: Path, out: Path, types: dict[str, str]) -> None:
+    """llama.cpp's quantizer (``llama_model_quantize``, torch's thread count) writes the
+    F32 GGUF file ``f32`` as ``out/model-NAME.gguf`` for each ``NAME: llama_cpp ftype``
+    of ``types``, skipping the files already there."""
+    import llama_cpp
+    import torch
+
+    for name, ftype in types.items():
+        target = out / f"model-{name}.gguf"
+        if target.exists():
+            continue
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, ftype)
         params.nthread = torch.get_num_threads()
-        target = out / f"model-{name}.gguf"
         start = time.perf_counter()
         rc = llama_cpp.llama_model_quantize(str(f32).encode(), str(target).encode(),
                                             ctypes.byref(params))
         if rc != 0:
             raise SystemExit(f"{target}: llama_model_quantize returned {rc}")
         print(f"{target}: {target.stat().st_size / 1e6:.1f} MB "
-              f"({time.perf_counter() - start:.1f} s)")
+              f"({time.perf_counter() - start:.1f} s)", flush=True)
 
 
 def memory(path_kind: str, target: str) -> None:

@@ -23,18 +23,14 @@ see a Gaussian spread, as they see trained weights.
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import time
 from pathlib import Path
 
 import torch
+from bench_quant_decode import QUANTIZE, quantize_files  # this folder's
 
 from qkv.models.gguf_model import write_gguf
-
-QUANTIZE = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
-            "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
-            "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K"}
 
 
 def llama_3b_config(vocab_size: int) -> dict:
@@ -73,7 +69,6 @@ def random_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def main(folder: str, tokenizer: str) -> None:
     import gguf
-    import llama_cpp
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     vocab = len(gguf.GGUFReader(tokenizer).fields["tokenizer.ggml.tokens"].data)
@@ -87,21 +82,7 @@ def main(folder: str, tokenizer: str) -> None:
         print(f"{f32}: {params / 1e9:.3f}B parameters, {f32.stat().st_size / 1e9:.2f} GB "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
         del state
-    for name, ftype in QUANTIZE.items():
-        target = out / f"model-{name}.gguf"
-        if target.exists():
-            continue
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = getattr(llama_cpp, ftype)
-        params.nthread = torch.get_num_threads()
-        start = time.perf_counter()
-        rc = llama_cpp.llama_model_quantize(str(f32).encode(), str(target).encode(),
-                                            ctypes.byref(params))
-        if rc != 0:
-            raise SystemExit(f"{target}: llama_model_quantize returned {rc}")
-        print(f"{target}: {target.stat().st_size / 1e9:.2f} GB "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)
-
+    quantize_files(f32, out, {**QUANTIZE, "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1"})
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
