@@ -46,7 +46,6 @@ def status() -> dict[str, int]:
 
 
 def make(run: str, source: str, folder: str) -> None:
-
     from qkv.models.gguf_model import write_gguf
     from qkv.models.hf_open import from_qkv, hf_config
     from qkv.tasks.lm import LanguageModel
