@@ -306,6 +306,8 @@ def test_the_names_table_is_rendered_in_docs():
         assert f"| `{name}` | {where} | `{shape}` | {meaning} |" in docs
     for name, definition in SCORES.items():
         assert f"| `{name}` | {definition} |" in docs
+    from qkv.heads.capture import layers_table
+    assert layers_table() in docs
 
 
 def test_json_rows_are_zero_based(tmp_path):

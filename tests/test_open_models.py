@@ -549,6 +549,17 @@ def test_new_families_run_every_command(imported, family, tmp_path, capsys):
             "qwen3_next": "effective token-to-token weights",
             "gemma4_text": "shared keys and values"}[family]
     assert note is None or note in html
+    # qkv heads: the catalogue of every layer with softmax weights; DeltaNet layers skipped
+    capsys.readouterr()
+    assert main(["heads", "--ckpt", str(run), "--length", "5", "--batch", "2",
+                 "--json", str(tmp_path / "heads.json")]) == 0
+    skipped = capsys.readouterr().out
+    scored = {row["layer"] for row in json.loads((tmp_path / "heads.json").read_text())}
+    deltanet = {i for i, block in enumerate(LanguageModel.load(run).model.trf_blocks)
+                if block.spec.attention == "gated_deltanet"}
+    assert scored and not scored & deltanet
+    assert (f"layers {', '.join(map(str, sorted(deltanet)))} skipped" in skipped) == \
+        bool(deltanet)
     text = tmp_path / "text.txt"
     text.write_text(" ".join(CORPUS) * 5, encoding="utf-8")
     tuned = tmp_path / "tuned"

@@ -9,6 +9,7 @@ a damaged block in one line.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -389,19 +390,18 @@ import re, sys
 import torch, qkv.tasks.lm
 def peak():
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024
-with torch.device("meta"):  # the modules a meta-device build imports, in the interpreter
-    torch.nn.Embedding(2, 2)
 base = peak()
 qkv.tasks.lm.LanguageModel.load(sys.argv[1])
-print(base, peak())
+print("torch._dynamo" in sys.modules, "sympy" in sys.modules, base, peak())
 """
 
 
 def test_load_holds_the_weights_once(runs, tmp_path):
     """``LanguageModel.load`` of a 70 MB float32 run peaks at its weights above the
-    interpreter (torch with the modules a meta-device build imports): the buffer the
-    file is read into is the model's memory, not a state dict copied into a second,
-    randomly initialised model."""
+    interpreter (torch and qkv imported): the buffer the file is read into is the
+    model's memory, not a state dict copied into a second, randomly initialised model;
+    and the model built on the meta device imports neither torch._dynamo nor sympy
+    (which a meta tensor's ``normal_`` would, ~70 MB)."""
     config = load_config(runs["float"])
     fields = {**config["model"], "emb_dim": 512, "n_heads": 8, "n_layers": 8,
               "hidden_dim": 1024}
@@ -416,10 +416,32 @@ def test_load_holds_the_weights_once(runs, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "run")], env=env,
                          capture_output=True, text=True, timeout=120, check=True)
-    base, peak = map(int, out.stdout.split()[-2:])
+    dynamo, sympy, base, peak = out.stdout.split()[-4:]
+    assert (dynamo, sympy) == ("False", "False"), out.stdout
+    base, peak = int(base), int(peak)
     # (16 MiB: the run's config and tokenizer, whatever the model's size; the load of
     # a state dict copied into a built model peaked at 3x the weights)
     assert peak - base < 1.1 * weights + 16 * 2**20, (peak - base, weights)
+
+
+def test_import_reads_the_tokenizer_without_a_gguf_reader(runs, tmp_path, monkeypatch):
+    """The import reads the file's tokenizer lists with qkv's own header walk: a
+    ``gguf.GGUFReader`` holds a NumPy view of every token and merge (150 MB for a 50k
+    vocabulary); the imported tokenizer is the reader's."""
+    import gguf
+
+    from qkv.data.gguf_tokenizer import tokenizer_from_gguf
+    expected = tokenizer_from_gguf(runs["file"])
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the import opened a gguf.GGUFReader")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refused)
+    assert main(["lm", "import", str(runs["file"]), "--run-dir", str(tmp_path / "run"),
+                 "--keep-quantized"]) == 0
+    tokenizer = LanguageModel.load(tmp_path / "run").tokenizer
+    assert tokenizer.to_dict() == expected.to_dict()
+    assert tokenizer.encode("".join(LETTERS[3:9])) == expected.encode("".join(LETTERS[3:9]))
 
 
 def test_quality_against_a_float64_computation(runs, tmp_path, capsys):
@@ -479,3 +501,65 @@ def test_quality_against_a_float64_computation(runs, tmp_path, capsys):
     assert main(["bench", "quality", "--ckpt", str(runs["quantized"]), "--ref",
                  str(runs["float"]), "--text", str(text), "--out", str(tmp_path / "out")]) != 0
     assert "has 100 tokens; at least 4,096 are read" in capsys.readouterr().err
+
+
+def test_quality_with_llama_cpp_needs_the_runs_source_files(runs, tmp_path, capsys):
+    """``--llama-cpp`` reads the GGUF files the runs were imported from: a run whose file
+    is gone is refused in one line naming it, before any logits are computed."""
+    gone = tiny_llama(tmp_path / "gone.gguf", PLAN)
+    assert main(["lm", "import", str(gone), "--run-dir", str(tmp_path / "run"),
+                 "--keep-quantized"]) == 0
+    gone.unlink()
+    text = tmp_path / "text.txt"
+    text.write_text("".join(LETTERS[i % V] for i in range(0, 700, 7)))
+    capsys.readouterr()
+    assert main(["bench", "quality", "--ckpt", str(tmp_path / "run"), "--ref",
+                 str(runs["float"]), "--text", str(text), "--tokens", "64", "--window", "32",
+                 "--llama-cpp", "--out", str(tmp_path / "out")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--ckpt (llama from gone.gguf) was imported from {gone}" in err[0]
+    assert not (tmp_path / "out" / "quality.json").exists()
+
+
+def test_bench_generate_times_a_quantized_run_on_its_blocks(runs, tmp_path):
+    """``bench generate --ckpt`` on a quantized run times its blocks and their float32
+    expansion (the same greedy tokens where the margins allow), with the ceiling from
+    the bytes a step reads of the file: each tensor's bytes as the gguf package reads
+    them (one row of the untied embedding; the tensor not kept, and the norms, as
+    float32)."""
+    from qkv.bench.generate_run import RunGenerateConfig, run_generate_run
+    config = RunGenerateConfig(ckpt=str(runs["quantized"]), new_tokens=4, repeats=1,
+                               prefill_tokens=16, contexts=(8,), sweep_tokens=2,
+                               bandwidth_mib=4)
+    report = run_generate_run(config, tmp_path / "out", log=lambda line: None)
+    assert {"qkv blocks", "qkv float32"} <= set(report["results"])
+    assert report["results"]["qkv blocks"]["dtype"] == "blocks"
+    assert "llama.cpp" in report["skipped"] or any(n.startswith("llama.cpp ")
+                                                   for n in report["results"])
+    expected = 0
+    for t in gguf.GGUFReader(runs["file"]).tensors:
+        kept = t.tensor_type.name not in ("F32", "Q2_K")
+        size = int(t.n_bytes) if kept else int(t.n_elements) * 4
+        expected += size // V if t.name == "token_embd.weight" else size
+    assert report["bytes_per_token"]["blocks"]["weights"] == expected
+    assert report["kept_types"] == sorted(set(PLAN.values()) - {"Q2_K"})
+    names = {t["name"] for t in report["targets"]}
+    assert "qkv blocks >= 3x qkv float32" in names  # a Q4_K file's target
+
+
+def test_bench_generate_skips_llama_cpp_on_a_changed_source_file(tmp_path):
+    """The import records its file's SHA-256; llama.cpp is timed on that file only while
+    it still holds those bytes (else the note says why it was left out)."""
+    from qkv.bench.generate_run import RunGenerateConfig, _quantized_peers
+    source = tiny_llama(tmp_path / "model.gguf", PLAN)
+    assert main(["lm", "import", str(source), "--run-dir", str(tmp_path / "run"),
+                 "--keep-quantized"]) == 0
+    lm = LanguageModel.load(tmp_path / "run")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    assert lm.settings.extra["source_sha256"] == digest
+    with open(source, "ab") as f:
+        f.write(b"\0")
+    paths, skipped = _quantized_peers(lm, RunGenerateConfig(ckpt=str(tmp_path / "run")))
+    assert set(paths) == {"qkv blocks", "qkv float32"}
+    assert skipped == {"llama.cpp": f"{source} has changed since the run was imported (its "
+                                    "SHA-256 differs)"}

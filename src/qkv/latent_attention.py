@@ -82,8 +82,9 @@ import torch
 from torch import Tensor, nn
 
 from .checks import check_bool, check_dropout, check_float, check_positive_int
-from .functional import attention, causal_mask
+from .functional import attention, attention_logits, causal_mask
 from .kv_cache import LatentCache
+from .options import ATTENTION_POINTS
 from .positional import (
     RopeTable,
     apply_rope,
@@ -136,7 +137,20 @@ class LatentAttention(nn.Module):
         ``x (batch, T, d_model) -> (batch, T, d_model)``; with ``need_weights=True`` also
         the weights ``(batch, num_heads, T, T_k)``, ``T_k`` the keys attended to (the
         cached tokens and the new ones).
+
+    Taps (qkv.heads; ``tap`` as :class:`qkv.MultiHeadAttention`'s): ``q`` is each
+    head's whole query ``[q_n,i ; q_r,i]`` after RoPE ``(batch, h, T, d_n + d_r)``;
+    ``k`` and ``v`` are the new tokens' per-head keys ``[k_n,i ; k_r]`` and values
+    ``v_i`` decompressed from their latent ``(batch, h, T, d_n + d_r or d_v)``, whichever
+    backend runs (the absorbed form never builds them; they are computed for the tap),
+    and only read: the cache keeps the latent, so edit ``q`` or ``head_out``. ``scores``
+    and ``weights`` ``(batch, h, T, T_k)`` are those of the form that ran, over every key
+    (``-inf`` and 0 where a sparse layer's indexer did not select a key); ``head_out``
+    is ``o_i (batch, T, h, d_v)`` before ``o_proj``.
     """
+
+    tap_points = ATTENTION_POINTS
+    tap_read_only = frozenset({"k", "v", "scores", "weights"})
 
     def __init__(
         self,
@@ -209,6 +223,7 @@ class LatentAttention(nn.Module):
         # DeepSeek sparse attention's indexer (SparseLatentAttention); None: dense MLA.
         self.indexer: LightningIndexer | None = None
         self.selected: Tensor | None = None
+        self.tap: Any = None  # qkv.heads' tap, as qkv.MultiHeadAttention's
         self._rope_table = RopeTable(context_length)
 
     # -- the steps ------------------------------------------------------------------
@@ -244,26 +259,29 @@ class LatentAttention(nn.Module):
         """Attention by the definition: every head's keys and values rebuilt from the
         latent. ``q_n (b, h, T, d_n)``, ``q_r (b, h, T, d_r)``, ``kv (b, T_k, r + d_r)``
         -> ``(o (b, h, T, d_v), weights (b, h, T, T_k) or None)``."""
+        k, v = self._heads_kv(kv)
+        q = torch.cat((q_n, q_r), dim=-1)
+        return attention(q, k, v, mask=keep, causal=True, scale=self.scale,
+                         dropout_p=self._dropout_p(), need_weights=need_weights)
+
+    def _heads_kv(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """Every head's keys and values rebuilt from the latent: ``kv (b, T_k, r + d_r)``
+        -> ``(k (b, h, T_k, d_n + d_r), v (b, h, T_k, d_v))``, ``k = [k_n,i ; k_r]``."""
         b, t_k, _ = kv.shape
         h, d_n, d_r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
         c, k_r = kv.split([self.kv_lora_rank, d_r], dim=-1)
         k_n, v = (self.kv_b_proj(c).view(b, t_k, h, d_n + self.v_head_dim).transpose(1, 2)
                   .split([d_n, self.v_head_dim], dim=-1))  # (b, h, T_k, d_n), (b, h, T_k, d_v)
         k = torch.cat((k_n, k_r[:, None].expand(b, h, t_k, d_r)), dim=-1)  # k_r: every head's
-        q = torch.cat((q_n, q_r), dim=-1)
-        return attention(q, k, v, mask=keep, causal=True, scale=self.scale,
-                         dropout_p=self._dropout_p(), need_weights=need_weights)
+        return k, v
 
     def _absorbed(self, q_n: Tensor, q_r: Tensor, kv: Tensor, keep: Tensor | None,
                   need_weights: bool) -> tuple[Tensor, Tensor | None]:
         """The same attention in latent space: ``W_UK`` folded into the queries, ``W_UV``
         applied after the weighted sum; no per-head key or value is built. Shapes as
         :meth:`_decompressed`'s."""
-        h, d_n, r = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
-        w = self.kv_b_proj.weight.view(h, d_n + self.v_head_dim, r)
-        w_uk, w_uv = w[:, :d_n], w[:, d_n:]  # (h, d_n, r), (h, d_v, r)
-        q_c = q_n @ w_uk  # (b, h, T, r): each head's query in latent coordinates
-        q = torch.cat((q_c, q_r), dim=-1)  # (b, h, T, r + d_r)
+        r = self.kv_lora_rank
+        q, w_uv = self._latent_queries(q_n, q_r)  # (b, h, T, r + d_r)
         # One key head [c ; k_r] and one value head c for all h query heads: multi-query
         # attention on the cache itself.
         key, value = kv[:, None], kv[:, None, :, :r]
@@ -283,6 +301,15 @@ class LatentAttention(nn.Module):
                                      dropout_p=self._dropout_p(),
                                      need_weights=need_weights)  # o_c (b, h, T, r)
         return o_c @ w_uv.transpose(1, 2), weights  # (b, h, T, d_v)
+
+    def _latent_queries(self, q_n: Tensor, q_r: Tensor) -> tuple[Tensor, Tensor]:
+        """The absorbed form's queries ``[q_n,i W_UK,i ; q_r,i] (b, h, T, r + d_r)`` and
+        the value up-projections ``W_UV (h, d_v, r)`` it applies after the sum."""
+        h, d_n, r = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(h, d_n + self.v_head_dim, r)
+        w_uk, w_uv = w[:, :d_n], w[:, d_n:]  # (h, d_n, r), (h, d_v, r)
+        q_c = q_n @ w_uk  # (b, h, T, r): each head's query in latent coordinates
+        return torch.cat((q_c, q_r), dim=-1), w_uv
 
     def _dropout_p(self) -> float:
         return self.dropout.p if self.training else 0.0
@@ -307,6 +334,8 @@ class LatentAttention(nn.Module):
 
         c_q, q_n, q_r = self._queries(x, cos, sin)
         kv = self._latent(x, cos, sin)  # (b, T, r + d_r)
+        if self.tap is not None:
+            q_n, q_r = self._tap_inputs(q_n, q_r, kv)
         index_keys = None if self.indexer is None else self.indexer.keys(x, cos, sin)
         if cache is not None:
             kv, index_keys = cache.append(kv, index_keys)  # every token stored, in order
@@ -322,8 +351,55 @@ class LatentAttention(nn.Module):
             backend = "absorbed" if t == 1 else "decompress"
         attend = self._absorbed if backend == "absorbed" else self._decompressed
         o, weights = attend(q_n, q_r, kv, keep, need_weights)  # o (b, h, T, d_v)
-        out = self.o_proj(o.transpose(1, 2).reshape(b, t, self.num_heads * self.v_head_dim))
+        heads = o.transpose(1, 2)  # (b, T, h, d_v)
+        if self.tap is not None:
+            weights = self._tap_scores(attend, backend, q_n, q_r, kv, keep, weights,
+                                       need_weights)
+            if "head_out" in self.tap.names:
+                heads = self.tap("head_out", heads)
+        out = self.o_proj(heads.reshape(b, t, self.num_heads * self.v_head_dim))
         return (out, weights) if need_weights else out
+
+    # -- taps (qkv.heads) ---------------------------------------------------------
+
+    def _tap_inputs(self, q_n: Tensor, q_r: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """``self.tap``'s ``q`` (``[q_n ; q_r]``, replaced by what it returns), and ``k``
+        and ``v``: the new tokens' keys and values decompressed from their latent ``kv``,
+        only read (the cache keeps the latent, not them)."""
+        names = self.tap.names
+        if "q" in names:
+            q = torch.cat((q_n, q_r), dim=-1)
+            edited = self.tap("q", q)
+            if edited is not q:  # unedited, the kernel reads the very tensors it always does
+                q_n, q_r = edited.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        if "k" in names or "v" in names:
+            k, v = self._heads_kv(kv)
+            if "k" in names:
+                self.tap("k", k)
+            if "v" in names:
+                self.tap("v", v)
+        return q_n, q_r
+
+    def _tap_scores(self, attend: Any, backend: str, q_n: Tensor, q_r: Tensor, kv: Tensor,
+                    keep: Tensor | None, weights: Tensor | None, need_weights: bool
+                    ) -> Tensor | None:
+        """``self.tap``'s ``weights`` (the form that ran, called again with
+        ``need_weights`` when the call did not ask for them) and ``scores`` (``(b, h, T,
+        T_k)``, ``-inf`` where a key is hidden: after the query, or not selected by a
+        sparse layer's indexer), computed beside the kernel; returns the call's weights."""
+        names = self.tap.names
+        if "weights" in names:
+            tapped = weights if weights is not None else attend(q_n, q_r, kv, keep, True)[1]
+            self.tap("weights", tapped)
+        if "scores" in names:
+            if backend == "absorbed":
+                q, _ = self._latent_queries(q_n, q_r)
+                k = kv[:, None]  # the one shared key head [c ; k_r]
+            else:
+                q, k = torch.cat((q_n, q_r), dim=-1), self._heads_kv(kv)[0]
+            self.tap("scores", attention_logits(q, k, mask=keep, causal=True,
+                                                scale=self.scale))
+        return weights
 
     def _check_call(self, x: Tensor, cache: LatentCache | None) -> None:
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:

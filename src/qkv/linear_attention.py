@@ -417,6 +417,16 @@ class GatedDeltaNet(nn.Module):
                     "corrections): rows do not sum to 1 and may be negative")
     weights_section = "Gated DeltaNet: the delta rule's effective weights"
 
+    # qkv.heads' taps (``tap`` as :class:`qkv.MultiHeadAttention`'s): ``q`` and ``k`` ``(b,
+    # num_k_heads, T, head_k_dim)`` after the convolution and the L2 norm (before the
+    # rule's head_k_dim ** -0.5 on q), ``v (b, num_v_heads, T, head_v_dim)`` after the
+    # convolution, ``head_out (b, T, num_v_heads, head_v_dim)`` after the gated norm,
+    # before out_proj; each may be replaced. No scores or weights: the delta rule is a
+    # recurrence, not a softmax over keys (need_weights' weights need the whole sequence
+    # in one call, so a generation could not record them step by step).
+    tap_points = frozenset({"q", "k", "v", "head_out"})
+    tap_read_only: frozenset[str] = frozenset()
+
     def __init__(
         self,
         d_in: int,
@@ -468,6 +478,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_v_heads).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps)
         self.out_proj = nn.Linear(self.value_dim, d_out, bias=False)
+        self.tap: Any = None  # see tap_points above
 
     def _short_conv(self, mixed: Tensor, window: Tensor | None,
                     pad: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -570,6 +581,9 @@ class GatedDeltaNet(nn.Module):
             pad = key_padding_mask.to(x.device)
         q, k, v, z, g, beta, window = self._heads(
             x, cache.conv if cache is not None else None, pad)
+        if self.tap is not None:
+            q, k, v = (self.tap(name, t) if name in self.tap.names else t
+                       for name, t in (("q", q), ("k", k), ("v", v)))
         backend = "recurrent" if tokens == 1 else self.backend
         out, state = gated_delta_rule(
             q, k, v, g, beta, initial_state=cache.state if cache is not None else None,
@@ -577,12 +591,19 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             cache.conv, cache.state, cache.pos = window, state, cache.pos + tokens
         out = self.norm(out.transpose(1, 2), z)  # (b, T, heads, d_v)
+        if self.tap is not None and "head_out" in self.tap.names:
+            out = self.tap("head_out", out)
         out = self.out_proj(out.reshape(batch, tokens, self.value_dim))
         if pad is not None:
             out = out.masked_fill(pad[..., None], 0)
         if need_weights:
             return out, gated_delta_weights(q, k, g, beta, chunk_size=self.chunk_size)
         return out
+
+    @property
+    def num_heads(self) -> int:
+        """The heads of ``head_out``: the value heads."""
+        return self.num_v_heads
 
     def token_weights(self, x: Tensor) -> Tensor:
         """The token-to-token weights ``(batch, num_v_heads, T, T)`` of each value head over

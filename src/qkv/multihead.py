@@ -23,6 +23,7 @@ from .functional import (
     lengths_to_mask,
 )
 from .kv_cache import KVCache
+from .options import ATTENTION_POINTS
 from .positional import RopeTable, apply_rope, check_rope_scaling
 
 __all__ = ["MultiHeadAttention"]
@@ -98,8 +99,8 @@ class MultiHeadAttention(nn.Module):
     points: ``q``, ``k``, ``v``, ``scores``, ``weights``, ``head_out``); qkv.heads sets it
     to record them or to replace ``q``, ``k``, ``v`` and ``head_out`` with what it
     returns. ``scores`` and ``weights`` are computed beside the kernel, only when
-    wanted, and only read: the output still comes from this layer's backend, so a
-    recorded call gives the logits an unrecorded one gives.
+    wanted, and only read (``tap_read_only``): the output still comes from this layer's
+    backend, so a recorded call gives the logits an unrecorded one gives.
 
     Padding: pass either ``valid_lens`` (d2l's form: ``(batch,)`` or
     ``(batch, T_q)``, keys at index ``>= valid_len`` are ignored) or
@@ -107,6 +108,10 @@ class MultiHeadAttention(nn.Module):
     in :class:`torch.nn.MultiheadAttention`). A query left with no key to attend
     to outputs zeros (before ``out_proj``'s bias), never NaN.
     """
+
+    # The taps it has (see "Taps" above); qkv.heads reads these.
+    tap_points = ATTENTION_POINTS
+    tap_read_only = frozenset({"scores", "weights"})
 
     def __init__(
         self,

@@ -149,6 +149,11 @@ CAPTURE_POINTS: dict[str, tuple[str, str, str]] = {
     "resid_post": ("block", "(batch, T, emb_dim)", "the residual stream leaving the block"),
 }
 
+# The points an attention module computes: a module that can be tapped names those it
+# has in ``tap_points`` and, of them, those it only reads in ``tap_read_only``.
+ATTENTION_POINTS = frozenset(n for n, (where, _, _) in CAPTURE_POINTS.items()
+                             if where == "attention")
+
 
 # ----------------------------------------------------------------------------
 # Settings of a training run

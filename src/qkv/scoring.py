@@ -9,6 +9,8 @@ gets zero weights (d2l's own ``masked_softmax`` makes that row uniform).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -85,7 +87,18 @@ class AdditiveAttention(nn.Module):
     ``projected_keys=attn.project_keys(keys)`` and ``mask=`` (the keep mask
     ``lengths_to_mask(valid_lens, n_k)``), both computed once per source
     sentence, to skip rebuilding them at every step.
+
+    Taps (qkv.heads; ``tap`` as :class:`qkv.MultiHeadAttention`'s), as one head: ``q``
+    the queries ``(batch, 1, n_q, query_size)`` (a decoder's state), ``k`` the keys
+    ``(batch, 1, n_k, key_size)`` (the encoder's states, recorded at every call),
+    ``scores`` ``w_v^T tanh(W_q q + W_k k)`` ``(batch, 1, n_q, n_k)``, ``-inf`` where
+    ``valid_lens`` hides a key, ``weights`` their masked softmax, ``head_out`` the
+    context ``(batch, n_q, 1, d_v)``. All only read: a model may run this attention in
+    a fused kernel and record it with :meth:`tap_beside`.
     """
+
+    tap_points = frozenset({"q", "k", "scores", "weights", "head_out"})
+    tap_read_only = tap_points
 
     def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0):
         super().__init__()
@@ -98,6 +111,7 @@ class AdditiveAttention(nn.Module):
         self.w_v = nn.Linear(num_hiddens, 1, bias=False)
         self.dropout = nn.Dropout(dropout)
         self.attention_weights: Tensor | None = None
+        self.tap: Any = None  # see "Taps" above
 
     def project_keys(self, keys: Tensor) -> Tensor:
         """``keys (batch, n_k, key_size) -> (batch, n_k, num_hiddens)``."""
@@ -121,4 +135,34 @@ class AdditiveAttention(nn.Module):
         features = torch.tanh(q.unsqueeze(2) + k.unsqueeze(1))
         scores = self.w_v(features).squeeze(-1)
         self.attention_weights = softmax_with_mask(scores, keep)
-        return self.dropout(self.attention_weights) @ values
+        out = self.dropout(self.attention_weights) @ values
+        if self.tap is not None:
+            self._tap(queries, keys, scores, keep, self.attention_weights, out)
+        return out
+
+    @torch.no_grad()
+    def tap_beside(self, queries: Tensor, keys: Tensor, values: Tensor, keep: Tensor | None,
+                   projected_keys: Tensor | None = None) -> None:
+        """Pass ``self.tap`` what :meth:`forward` on these arguments (``keep``: its keep
+        mask ``(batch, 1 or n_q, n_k)``) computes, in evaluation, without running the
+        caller's own kernel again."""
+        k = self.project_keys(keys) if projected_keys is None else projected_keys
+        scores = self.w_v(torch.tanh(self.W_q(queries).unsqueeze(2) + k.unsqueeze(1)))
+        scores = scores.squeeze(-1)
+        weights = softmax_with_mask(scores, keep)
+        self._tap(queries, keys, scores, keep, weights, weights @ values)
+
+    def _tap(self, queries: Tensor, keys: Tensor, scores: Tensor, keep: Tensor | None,
+             weights: Tensor, out: Tensor) -> None:
+        names = self.tap.names
+        if "q" in names:
+            self.tap("q", queries.unsqueeze(1))
+        if "k" in names:
+            self.tap("k", keys.unsqueeze(1))
+        if "scores" in names:
+            hidden = scores if keep is None else scores.masked_fill(~keep, float("-inf"))
+            self.tap("scores", hidden.unsqueeze(1))
+        if "weights" in names:
+            self.tap("weights", weights.unsqueeze(1))
+        if "head_out" in names:
+            self.tap("head_out", out.unsqueeze(2))

@@ -28,6 +28,18 @@ Context: one more pass decodes ``sweep_tokens`` after prompts of each length in
 ``contexts``, for every path: tokens/s against the tokens already in the cache, the
 plot's right panel.
 
+A quantized run (``qkv lm import FILE.gguf --keep-quantized``) is timed on its blocks:
+
+- ``qkv blocks``: the run as loaded, its matrices in their GGML blocks (qkv's C block
+  kernels where they run);
+- ``qkv float32``: the same blocks expanded to float32 once (the float import's path);
+- ``llama.cpp FILE``: llama.cpp on the very GGUF file the run was imported from (the
+  run records its path and SHA-256; a file gone or changed is skipped with a note),
+  with a float32 KV cache as qkv's.
+
+Its ceiling is the bandwidth over the bytes a step reads of the blocks (each matrix's
+blocks once, one row of an untied embedding, the float vectors, the cache).
+
 Tokens: greedy decoding is deterministic, so qkv's float32 paths and transformers'
 must give the same ids; the report says where llama.cpp and the bfloat16 paths first
 differ, with the float32 model's top-2 logit margin there (a near-tie goes either way
@@ -36,6 +48,7 @@ under another summation order).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import shutil
 import statistics
@@ -48,6 +61,7 @@ from typing import Any
 
 import torch
 
+from ..data.textfile import file_sha256
 from ..latent_attention import LatentAttention
 from ..models.gguf_model import write_gguf
 from ..models.gpt import GPTModel, generate, native_unsupported
@@ -58,6 +72,7 @@ from ..models.hf_open import (
     hf_config,
     write_hf_folder,
 )
+from ..models.quantized import dequantize_modules, quantized_modules
 from ..tasks.lm import LanguageModel
 from ..utils.figures import new_figure, save_figure
 from .lm import decode_bytes_per_token, read_bandwidth, top2_margin
@@ -70,6 +85,7 @@ PROMPT = "Once upon a time, in a small village by the sea,"
 CEILING_TARGET = 0.80  # qkv float32 decoding, of the bandwidth ceiling
 LOW_SPEEDUP_TARGET = 1.6  # qkv bfloat16 over float32
 TRANSFORMERS_TARGET = 5.0  # qkv float32 over transformers float32
+QUANTIZED_SPEEDUP_TARGET = 3.0  # a Q4_K run's blocks over their float32 expansion
 
 
 @dataclass
@@ -153,6 +169,8 @@ def _peers(lm: LanguageModel, config: RunGenerateConfig, folder: Path,
            log: Callable[[str], None]) -> tuple[dict[str, Peer], dict[str, str]]:
     """The run's model on every path that can run here, and a note for each that cannot."""
     model = lm.model
+    if quantized_modules(model):
+        return _quantized_peers(lm, config)
     paths = {"qkv float32": _qkv_peer(model, "qkv float32", True)}
     low = GPTModel(model.cfg).eval()
     low.load_state_dict(model.state_dict())
@@ -212,6 +230,31 @@ def _peers(lm: LanguageModel, config: RunGenerateConfig, folder: Path,
     return paths, skipped
 
 
+def _quantized_peers(lm: LanguageModel, config: RunGenerateConfig
+                     ) -> tuple[dict[str, Peer], dict[str, str]]:
+    """A quantized run's paths: its blocks, their float32 expansion, and llama.cpp on the
+    GGUF file it was imported from (skipped with a note if gone or changed)."""
+    model = lm.model
+    expanded = copy.deepcopy(model)
+    dequantize_modules(expanded, torch.float32)
+    paths = {"qkv blocks": _qkv_peer(model, "qkv blocks", True),
+             "qkv float32": _qkv_peer(expanded.eval(), "qkv float32", True)}
+    if not config.peers:
+        return paths, {"peers": "not asked for (--no-peers)"}
+    extra = lm.settings.extra
+    source = Path(str(extra.get("source", "")))
+    if source.suffix != ".gguf" or not source.is_file():
+        return paths, {"llama.cpp": f"the run's source file {source} is not here"}
+    if extra.get("source_sha256") not in (None, file_sha256(source, "GGUF file")):
+        return paths, {"llama.cpp": f"{source} has changed since the run was imported "
+                                    "(its SHA-256 differs)"}
+    name = f"llama.cpp {source.name}"
+    peer = llama_cpp_peer(source, name, min(model.cfg.context_length, 4096), "F32")
+    if isinstance(peer, str):
+        return paths, {"llama.cpp": peer}
+    return {**paths, name: peer}, {}
+
+
 def _matmul_rate(rows: int, inner: int, cols: int, dtype: torch.dtype,
                  repeats: int = 5) -> float:
     """FLOP/s of ``(rows, inner) @ (inner, cols)`` in ``dtype``, the median of ``repeats``."""
@@ -235,7 +278,7 @@ def run_generate_run(config: RunGenerateConfig, out_dir: str | Path,
     lm = LanguageModel.load(config.ckpt)
     lm.model = lm.model.float()  # a run stored in bfloat16 too: each path picks its dtype
     prompt = lm.encode_prompt(PROMPT)[0].tolist()
-    n_params = sum(p.numel() for p in lm.model.parameters())
+    n_params = lm.model.cfg.num_parameters()  # (a quantized layer's too)
     log(f"generate: {lm.title} ({n_params:,} parameters), {len(prompt)}-token prompt, "
         f"{config.new_tokens} new tokens, batch 1, {torch.get_num_threads()} threads")
     # A folder of this run's own: two runs into one --out must not delete each other's.
@@ -254,6 +297,9 @@ def run_generate_run(config: RunGenerateConfig, out_dir: str | Path,
     report.update({"suite": "generate-run", "config": dataclasses.asdict(config),
                    "machine": machine, "model": lm.title, "parameters": n_params,
                    "skipped": skipped})
+    if quantized_modules(lm.model):
+        report["kept_types"] = sorted(set(quantized_modules(lm.model).values()))
+        report["targets"] = _targets(report)
     log("")
     log(table(report))
     log("")
@@ -300,10 +346,16 @@ def _measure(lm: LanguageModel, config: RunGenerateConfig, paths: dict[str, Peer
             f"{n} {rates[n][-1]:.1f}" for n in names) + " tokens/s")
     del buffer
     bw = statistics.median(bandwidth)
-    f32 = decode_bytes_per_token(model, len(prompt), config.new_tokens)
+    quantized = bool(quantized_modules(model))
+    # (a quantized run's float32 bytes: its float model's, counted on the meta device)
+    f32 = decode_bytes_per_token(cfg.meta_model() if quantized else model, len(prompt),
+                                 config.new_tokens)
     # the bfloat16 path holds every parameter and its cache in 2 bytes instead of 4
     per_token = {"float32": f32, "bfloat16": {
         k: v / 2 if k in ("weights", "kv_cache", "total") else v for k, v in f32.items()}}
+    if quantized:  # the blocks' paths: qkv's and llama.cpp's on the same file
+        per_token = {"blocks": decode_bytes_per_token(model, len(prompt), config.new_tokens),
+                     "float32": f32}
     ceiling = {dtype: bw / b["total"] for dtype, b in per_token.items()}
 
     # prefill: one forward over a long prompt, each path, median of the rounds
@@ -344,6 +396,8 @@ def _measure(lm: LanguageModel, config: RunGenerateConfig, paths: dict[str, Peer
     results = {}
     for name in names:
         dtype = "bfloat16" if "bfloat16" in name or "BF16" in name else "float32"
+        if quantized and name != "qkv float32":
+            dtype = "blocks"
         median = statistics.median(rates[name])
         results[name] = {
             "decoder": paths[name].detail, "dtype": dtype,
@@ -353,7 +407,8 @@ def _measure(lm: LanguageModel, config: RunGenerateConfig, paths: dict[str, Peer
             "percent_of_ceiling": 100 * median / ceiling[dtype],
             "prefill_tokens_per_sec": prefill.get(name),
             "prefill_percent_of_matmul": (100 * prefill[name] * flops_per_token
-                                          / matmul[dtype] if name in prefill else None),
+                                          / matmul[dtype if dtype != "blocks" else "float32"]
+                                          if name in prefill else None),
             "sweep_tokens_per_sec": sweep[name],
         }
     reference = tokens["qkv float32"]
@@ -416,6 +471,8 @@ def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     out.append({"name": f"qkv float32 decoding >= {CEILING_TARGET:.0%} of the bandwidth "
                         "ceiling", "value": pct / 100, "threshold": CEILING_TARGET,
                 "met": pct / 100 >= CEILING_TARGET, "value_text": f"{pct:.0f} %"})
+    if "qkv blocks" in res:
+        return out + _block_targets(report)
     low = tps("qkv bfloat16") / tps("qkv float32")
     out.append({"name": f"qkv bfloat16 >= {LOW_SPEEDUP_TARGET}x qkv float32",
                 "value": low, "threshold": LOW_SPEEDUP_TARGET,
@@ -437,6 +494,27 @@ def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     out.append({"name": "greedy tokens identical: qkv float32 kernels, qkv model forward, "
                         "transformers float32", "value": float(met), "threshold": 1.0,
                 "met": met, "value_text": "identical" if met else "differ"})
+    return out
+
+
+def _block_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """A quantized run's targets: its blocks decoded at least at llama.cpp's rate on the
+    same file, and (Q4_K files) at 3x its own float32 expansion."""
+    res = report["results"]
+
+    def tps(name: str) -> float:
+        return res[name]["tokens_per_sec"]["median"]
+
+    out = []
+    for theirs in (n for n in res if n.startswith("llama.cpp")):
+        ratio = tps("qkv blocks") / tps(theirs)
+        out.append({"name": f"qkv blocks at least level with {theirs}", "value": ratio,
+                    "threshold": 1.0, "met": ratio >= 1.0, "value_text": f"{ratio:.2f}x"})
+    ratio = tps("qkv blocks") / tps("qkv float32")
+    threshold = QUANTIZED_SPEEDUP_TARGET if "Q4_K" in report.get("kept_types", ()) else 1.0
+    out.append({"name": f"qkv blocks >= {threshold:g}x qkv float32", "value": ratio,
+                "threshold": threshold, "met": ratio >= threshold,
+                "value_text": f"{ratio:.2f}x"})
     return out
 
 

@@ -48,6 +48,7 @@ from torch import Tensor
 
 from ..models.gpt import PRESETS, GPTConfig, GPTModel, generate, native_unsupported
 from ..models.moe import MoE
+from ..models.quantized import quantized_modules
 from ..utils.figures import new_figure, save_figure
 from .timing import (
     hbars,
@@ -152,11 +153,12 @@ def decode_bytes_per_token(model: GPTModel, prompt_len: int, new_tokens: int,
                            batch: int = 1) -> dict[str, float]:
     """Bytes one cached decoding step reads from memory, per token generated.
 
-    ``weights``: every parameter the forward touches, once, in its dtype: the blocks,
+    ``weights``: every parameter the forward touches, once, in its dtype (a quantized
+    layer's GGML blocks as stored, :mod:`qkv.models.quantized`): the blocks,
     the final norm and the output head in full; one row of the token and (where the
     model has them) of the position embedding and of Gemma 4's per-layer input table
-    (a lookup; a head tied to the token table
-    reads the table once, as the head); of a mixture of experts the router, the shared
+    (a lookup; a head tied to the token table reads the table once, as the head); of a
+    mixture of experts the router, the shared
     expert and ``top_k`` of the routed experts (:meth:`~qkv.models.moe.MoE.
     active_parameters`). ``kv_cache``: what each new token's attention reads of its
     layer's cache, at its average over the ``new_tokens`` steps after a
@@ -174,11 +176,18 @@ def decode_bytes_per_token(model: GPTModel, prompt_len: int, new_tokens: int,
     position).
     """
     cfg = model.cfg
+    # Quantized layers: their blocks (their .weight would expand them).
+    quantized = {name: model.get_submodule(name).blocks for name in quantized_modules(model)}
+    if "tok_emb" in quantized or "out_head" in quantized:
+        tied = quantized.get("tok_emb") is quantized.get("out_head")
+    else:
+        tied = model.tok_emb.weight is model.out_head.weight
     # A tied head is the token table: the head reads all of it, the lookup one row of it.
     lookups = [] if model.pos_emb is None else [model.pos_emb.weight]  # (RoPE: no table)
-    if model.per_layer_inputs is not None:  # Gemma 4's table: the token's row only
+    ple = "per_layer_inputs.embed"  # Gemma 4's per-layer input table: a lookup too
+    if model.per_layer_inputs is not None and ple not in quantized:
         lookups.append(model.per_layer_inputs.embed.weight)
-    if model.tok_emb.weight is not model.out_head.weight:
+    if not tied and "tok_emb" not in quantized:
         lookups.append(model.tok_emb.weight)
     # A mixture of experts reads top_k of its num_experts routed experts.
     share = {id(p): m.top_k / m.num_experts for m in model.modules() if isinstance(m, MoE)
@@ -187,7 +196,15 @@ def decode_bytes_per_token(model: GPTModel, prompt_len: int, new_tokens: int,
     for p in model.parameters():  # each tensor once, tied or not
         values = p[0].numel() if any(p is t for t in lookups) else p.numel()  # a row
         weights += values * p.element_size() * share.get(id(p), 1.0)
-    size = model.out_head.weight.element_size()
+    seen: set[int] = set()
+    for name, blocks in quantized.items():  # each tensor once, tied or not
+        if blocks.data_ptr() not in seen:
+            seen.add(blocks.data_ptr())
+            lookup = (name == "tok_emb" and not tied) or name == ple
+            weights += blocks[0].nbytes if lookup else blocks.nbytes
+    head = model.out_head
+    size = torch.empty((), dtype=head.dtype if "out_head" in quantized else
+                       head.weight.dtype).element_size()  # the cache's, the model's dtype
 
     def mean_positions(limit: int | None = None) -> float:
         limit = min(cfg.context_length, limit or cfg.context_length)

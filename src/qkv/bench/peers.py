@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Peer", "llama_cpp_peer", "transformers_peer"]
+__all__ = ["Peer", "llama_cpp_logits", "llama_cpp_peer", "transformers_peer"]
 
 TokenTimes = list[float]
 
@@ -136,3 +136,34 @@ def llama_cpp_peer(gguf: str | Path, name: str, context: int, dtype: str) -> Pee
 
     return Peer(name, generate, prefill, detail=f"llama-cpp-python {llama_cpp.__version__}",
                 close=llm.close)
+
+
+def llama_cpp_logits(gguf: str | Path, window: int
+                     ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[], None]] | str:
+    """llama.cpp's logits at every position of a chunk of ids, as a model's forward
+    gives them, ``(1, T) -> (1, T, vocab)`` float32 with ``T <= window``, and a function
+    that frees the model; or why it cannot run here.
+
+    Each call starts from an empty cache (``reset``) and evaluates the chunk in one
+    batch with every position's logits kept (``logits_all``), as ``llama-perplexity``
+    does for each of its chunks. The KV cache is float32, as qkv's, so that a difference
+    from qkv's logits is the weights' arithmetic, not the cache's rounding."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return ("llama-cpp-python is not installed (pip install llama-cpp-python builds "
+                "llama.cpp from source)")
+    import llama_cpp
+    threads = torch.get_num_threads()
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=window, n_batch=window,
+                          n_ubatch=window, n_threads=threads, n_threads_batch=threads,
+                          logits_all=True, verbose=False, type_k=llama_cpp.GGML_TYPE_F32,
+                          type_v=llama_cpp.GGML_TYPE_F32)
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] > window:
+            raise ValueError(f"llama.cpp's logits take ids (1, T <= {window}), got "
+                             f"{tuple(ids.shape)}")
+        llm.reset()
+        llm.eval(ids[0].tolist())
+        return torch.from_numpy(llm.scores[:ids.shape[1]].copy())[None]
+
+    return forward, llm.close

@@ -15,6 +15,13 @@ and ``q`` the run's (softmax of the logits, in float64):
 
 The two runs must share a tokenizer's vocabulary (a quantized run and the float32
 import of the same file do).
+
+With ``llama_cpp`` (``--llama-cpp``), the same numbers are computed a second time from
+llama.cpp's own logits (llama-cpp-python, :func:`qkv.bench.peers.llama_cpp_logits`) on
+the GGUF files the two runs were imported from (each run records its source), on the
+same token ids in the same chunks: llama.cpp's KL of the file beside qkv's, in one
+table. They are the same arithmetic on the same blocks, so they must agree within the
+noise of two summation orders.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ class QualityConfig:
             KL tables are quoted; fewer only for tests).
         window: tokens per chunk (default: 512, llama-perplexity's ``-c``, or the models'
             context if shorter); the second half of each chunk is scored.
+        llama_cpp: also compute the numbers from llama.cpp's logits on the GGUF files
+            the two runs were imported from.
     """
 
     ckpt: str
@@ -57,6 +66,7 @@ class QualityConfig:
     text: str
     tokens: int = 4096
     window: int | None = None
+    llama_cpp: bool = False
 
     def validate(self) -> None:
         for name in ("tokens", "window"):
@@ -132,10 +142,16 @@ def run_quality(config: QualityConfig, out_dir: str | Path,
     ids_t = torch.tensor(ids[:config.tokens])
     log(f"quality: {lm.title} against {ref.title}, {config.tokens:,} tokens of "
         f"{config.text} in chunks of {window}, second halves scored")
+    files = _source_files(lm, ref) if config.llama_cpp else None  # before any work
     result = next_token_quality(lm.model, ref.model, ids_t, window)
     report = {"suite": "quality", "config": dataclasses.asdict(config), "window": window,
               "machine": machine_info(torch.device("cpu")), "model": lm.title,
               "reference": ref.title, **result}
+    if files is not None:
+        del lm, ref  # llama.cpp's two models in their place
+        log(f"llama.cpp: {files[0]} against {files[1]}, the same ids and chunks")
+        report["llama_cpp"] = {"files": [str(f) for f in files],
+                               **_llama_cpp_quality(files, ids_t, window)}
     log(table(report))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -144,10 +160,44 @@ def run_quality(config: QualityConfig, out_dir: str | Path,
     return report
 
 
+def _source_files(lm: LanguageModel, ref: LanguageModel) -> tuple[Path, Path]:
+    """The GGUF files the two runs were imported from (their ``settings.extra.source``),
+    each checked to exist; one line naming the run otherwise."""
+    files = []
+    for flag, run in (("--ckpt", lm), ("--ref", ref)):
+        source = run.settings.extra.get("source")
+        path = Path(str(source)) if source else None
+        if path is None or path.suffix != ".gguf" or not path.is_file():
+            raise ValueError(f"--llama-cpp: {flag} ({run.title}) was imported from "
+                             f"{source or 'no file'}, not an existing .gguf file; llama.cpp "
+                             "reads the file a run was imported from")
+        files.append(path)
+    return files[0], files[1]
+
+
+def _llama_cpp_quality(files: tuple[Path, Path], ids: Tensor, window: int
+                       ) -> dict[str, Any]:
+    """:func:`next_token_quality` on llama.cpp's logits of the two files."""
+    from .peers import llama_cpp_logits
+    opened = [llama_cpp_logits(f, window) for f in files]
+    try:
+        for path, got in zip(files, opened, strict=True):
+            if isinstance(got, str):
+                raise ValueError(f"--llama-cpp: {path}: {got}")
+        return next_token_quality(opened[0][0], opened[1][0], ids, window)
+    finally:
+        for got in opened:
+            if not isinstance(got, str):
+                got[1]()
+
+
 def table(report: dict[str, Any]) -> str:
+    rows = [("qkv", report)]
+    if "llama_cpp" in report:
+        rows.append(("llama.cpp", report["llama_cpp"]))
     return markdown_table(
-        ["positions", "mean KL", "99 % KL", "max KL", "perplexity", "reference perplexity",
-         "same top-1"],
-        [[f"{report['positions']:,}", f"{report['kl_mean']:.6f}", f"{report['kl_p99']:.6f}",
-          f"{report['kl_max']:.6f}", f"{report['ppl']:.4f}", f"{report['ref_ppl']:.4f}",
-          f"{100 * report['top1_agreement']:.2f} %"]])
+        ["logits of", "positions", "mean KL", "99 % KL", "max KL", "perplexity",
+         "reference perplexity", "same top-1"],
+        [[name, f"{r['positions']:,}", f"{r['kl_mean']:.6f}", f"{r['kl_p99']:.6f}",
+          f"{r['kl_max']:.6f}", f"{r['ppl']:.4f}", f"{r['ref_ppl']:.4f}",
+          f"{100 * r['top1_agreement']:.2f} %"] for name, r in rows])

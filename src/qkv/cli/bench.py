@@ -149,6 +149,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     quality_flags.add_argument("--window", type=int, default=None,
                                help="tokens per chunk, the second half scored (default: "
                                     "512 or the context)")
+    quality_flags.add_argument("--llama-cpp", action="store_true",
+                               help="also compute them from llama.cpp's logits on the GGUF "
+                                    "files the runs were imported from (llama-cpp-python)")
 
     suites = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
     helps = {
@@ -306,7 +309,8 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
         # CPU, each run in its stored dtype, logits compared in float64.
         return run_quality(QualityConfig(ckpt=args.ckpt, ref=args.ref, text=args.text,
-                                         tokens=args.tokens, window=args.window), args.out)
+                                         tokens=args.tokens, window=args.window,
+                                         llama_cpp=args.llama_cpp), args.out)
     if name == "variants":
         from ..bench.variants import VariantsConfig, run_variants
 

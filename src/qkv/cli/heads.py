@@ -153,6 +153,7 @@ def _catalogue(lm, protocol, args: argparse.Namespace) -> int:
         format_table,
         head_scores,
         plot_score_maps,
+        scored_layers,
         sink_metric,
         write_table,
     )
@@ -164,6 +165,11 @@ def _catalogue(lm, protocol, args: argparse.Namespace) -> int:
         raise ValueError(f"--length {protocol.length}: 2 x length + 1 tokens must fit the "
                          f"model's context_length {context}")
     print(protocol.describe(vocab))
+    scored = scored_layers(lm.model)
+    skipped = [i for i in range(len(lm.model.trf_blocks)) if i not in scored]
+    if skipped:
+        print(f"layers {', '.join(map(str, skipped))} skipped: no per-head softmax weights "
+              f"to score (Gated DeltaNet: a recurrence, not attention over keys)")
     start = time.perf_counter()
     table = head_scores(lm.model, protocol.ids(vocab), repeat=protocol.length)
     seconds = time.perf_counter() - start

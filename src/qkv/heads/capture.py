@@ -15,12 +15,16 @@ a time (``generate`` then runs the model's forward, not the C kernels), and the 
 are joined along the token axis.
 
 Layers: a :class:`~qkv.models.gpt.GPTModel`'s layer ``i`` is its block ``i``; any other
-model (the Transformer translator) has one layer per attention module, in the order of
-``named_modules`` (:func:`layer_names` lists them), and no block points. Latent,
-sparse latent and Gated DeltaNet layers have block points only (no per-head softmax
-over keys that qkv records: ``weights`` of latent layers and the delta rule's
-``token_weights`` are ``need_weights``' business); Bahdanau's additive attention has no
-heads.
+model (a translator) has one layer per attention module that can be tapped, in the order
+of ``named_modules`` (:func:`layer_names` lists them), and no block points. An attention
+module names the points it computes in ``tap_points`` and those it only reads in
+``tap_read_only`` (:func:`layers_table`): multi-head attention and its variants all six;
+latent and sparse latent attention all six, ``k`` and ``v`` decompressed from the latent
+for the record (read only, as ``scores`` and ``weights``); Gated DeltaNet ``q``, ``k``,
+``v`` and ``head_out`` (a recurrence: no softmax over keys, so no scores or weights, and
+the catalogue skips it); the Bahdanau translator's additive attention, as one head, all
+but ``v``, read only. ``names=None`` asks each layer for the points it has; a point asked
+by name of a layer without it is a one-line error.
 """
 
 from __future__ import annotations
@@ -32,16 +36,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..multihead import MultiHeadAttention
 from ..options import CAPTURE_POINTS
 
-__all__ = ["ActivationCache", "capture", "intervene", "layer_names", "names_table", "tap_sites",
+__all__ = ["ActivationCache", "capture", "intervene", "layer_names", "layers_table",
+           "names_table", "tap_sites",
            "ATTENTION_POINTS", "BLOCK_POINTS"]
 
 ATTENTION_POINTS = tuple(n for n, (where, _, _) in CAPTURE_POINTS.items() if where == "attention")
 BLOCK_POINTS = tuple(n for n, (where, _, _) in CAPTURE_POINTS.items() if where == "block")
-# Points an intervention may not replace: computed beside the kernel, never used by it.
-READ_ONLY = frozenset({"scores", "weights"})
 # The token axis of each point, along which the calls of a generation are joined.
 _TOKEN_AXIS = {"q": 2, "k": 2, "v": 2, "scores": 2, "weights": 2, "head_out": 1,
                **dict.fromkeys(BLOCK_POINTS, 1)}
@@ -79,17 +81,22 @@ class _Taps:
         return tensor
 
 
+def _points(module: nn.Module | None) -> frozenset[str]:
+    """The attention points ``module`` computes (its ``tap_points``); none for None."""
+    return frozenset(getattr(module, "tap_points", ()))
+
+
 def tap_sites(model: nn.Module) -> list[tuple[str, nn.Module | None, nn.Module | None]]:
     """One ``(name, block, attention)`` per layer of ``model``: a GPTModel's blocks (the
-    attention None where it records nothing per head), else every
-    :class:`qkv.MultiHeadAttention` in it (block None)."""
+    attention None where it records nothing per head), else every attention module in it
+    that can be tapped (one with ``tap_points``: :class:`qkv.MultiHeadAttention`,
+    :class:`qkv.AdditiveAttention`, ...; block None)."""
     blocks = getattr(model, "trf_blocks", None)
     if blocks is not None:
-        return [(f"trf_blocks.{i}", block,
-                 block.att if isinstance(block.att, MultiHeadAttention) else None)
+        return [(f"trf_blocks.{i}", block, block.att if _points(block.att) else None)
                 for i, block in enumerate(blocks)]
     return [(name, None, module) for name, module in model.named_modules()
-            if isinstance(module, MultiHeadAttention)]
+            if _points(module)]
 
 
 def layer_names(model: nn.Module) -> list[str]:
@@ -106,13 +113,15 @@ def _kind(block: nn.Module | None, att: nn.Module | None) -> str:
 def _check_request(model: nn.Module, names: Iterable[str] | None, layers: Iterable[int] | None,
                    what: str) -> tuple[list[tuple[str, nn.Module | None, nn.Module | None]],
                                        tuple[str, ...], tuple[int, ...]]:
-    """The sites, names and layers of a capture or intervention, checked (one line)."""
+    """The sites, names and layers of a capture or intervention, checked (one line).
+    ``names`` None: every point, each layer giving those it has."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{what} needs a torch.nn.Module, got {type(model).__name__}")
     sites = tap_sites(model)
     if not sites:
         raise ValueError(f"{what}: {type(model).__name__} has no layer qkv can tap (a "
                          "GPTModel, or a model built of qkv.MultiHeadAttention)")
+    strict = names is not None
     names = tuple(CAPTURE_POINTS) if names is None else tuple(names)
     for name in names:
         if name not in CAPTURE_POINTS:
@@ -124,14 +133,17 @@ def _check_request(model: nn.Module, names: Iterable[str] | None, layers: Iterab
                 not 0 <= layer < len(sites):
             raise ValueError(f"{what}: layer {layer!r} does not exist; the model has layers "
                              f"0..{len(sites) - 1}")
-    asked_attention = [n for n in names if n in ATTENTION_POINTS]
+    if not strict:
+        return sites, names, layers
     asked_block = [n for n in names if n in BLOCK_POINTS]
     for layer in layers:
         _, block, att = sites[layer]
-        if asked_attention and att is None:
+        missing = [n for n in names if n in ATTENTION_POINTS and n not in _points(att)]
+        if missing:
+            has = sorted(_points(att), key=ATTENTION_POINTS.index)
             raise ValueError(f"{what}: layer {layer} is a {_kind(block, att)!r} layer, which "
-                             f"has no {asked_attention[0]!r}; pass layers= without it, or "
-                             f"block points only ({', '.join(BLOCK_POINTS)})")
+                             f"has no {missing[0]!r}; pass layers= without it, or points "
+                             f"it has ({', '.join(has + list(BLOCK_POINTS))})")
         if asked_block and block is None:
             raise ValueError(f"{what}: {asked_block[0]!r} is a decoder block's point; this "
                              f"model's layers are attention modules: ask for "
@@ -148,7 +160,7 @@ def _tapping(sites: list, names: tuple[str, ...], layers: tuple[int, ...],
     try:
         for layer in layers:
             _, block, att = sites[layer]
-            for module, points in ((att, ATTENTION_POINTS), (block, BLOCK_POINTS)):
+            for module, points in ((att, _points(att)), (block, BLOCK_POINTS)):
                 wanted = frozenset(n for n in names if n in points)
                 if module is None or not wanted:
                     continue
@@ -262,12 +274,17 @@ def intervene(model: nn.Module, edits: Mapping[tuple[str, int], Edit]) -> Iterat
         if not (isinstance(key, tuple) and len(key) == 2) or not callable(edit):
             raise ValueError(f"intervene: each edit is (name, layer) -> function, got "
                              f"{key!r} -> {type(edit).__name__}")
-        if key[0] in READ_ONLY:
-            raise ValueError(f"intervene: {key[0]!r} is computed beside the kernel and only "
-                             f"read; edit q, k (which make them) or head_out")
     by_layer: dict[int, dict[str, Edit]] = {}
     for (name, layer), edit in edits.items():
-        _check_request(model, [name], [layer], "intervene")
+        sites, _, _ = _check_request(model, [name], [layer], "intervene")
+        _, block, att = sites[layer]
+        if name in getattr(att, "tap_read_only", ()):
+            editable = [n for n in ATTENTION_POINTS
+                        if n in _points(att) and n not in att.tap_read_only]
+            raise ValueError(f"intervene: {name!r} is computed beside the kernel and only "
+                             f"read in layer {layer} (a {_kind(block, att)!r} layer); "
+                             + (f"edit {', '.join(editable)}" if editable else
+                                "none of its points can be edited"))
         by_layer.setdefault(layer, {})[name] = edit
     sites = tap_sites(model)
 
@@ -278,6 +295,24 @@ def intervene(model: nn.Module, edits: Mapping[tuple[str, int], Edit]) -> Iterat
         for layer, layer_edits in by_layer.items():
             stack.enter_context(_tapping(sites, tuple(layer_edits), (layer,), apply))
         yield
+
+
+def layers_table() -> str:
+    """Which attention points each kind of layer gives, read from the classes'
+    ``tap_points`` and ``tap_read_only``: the Markdown table docs/heads.md shows."""
+    from ..latent_attention import LatentAttention, SparseLatentAttention
+    from ..linear_attention import GatedDeltaNet
+    from ..multihead import MultiHeadAttention
+    from ..scoring import AdditiveAttention
+
+    lines = ["| layer | attention points | only read |", "|---|---|---|"]
+    for cls in (MultiHeadAttention, LatentAttention, SparseLatentAttention, GatedDeltaNet,
+                AdditiveAttention):
+        points = [n for n in ATTENTION_POINTS if n in cls.tap_points]
+        read = [n for n in points if n in cls.tap_read_only]
+        lines.append(f"| `{cls.__name__}` | {', '.join(points)} | "
+                     f"{', '.join(read) or 'none'} |")
+    return "\n".join(lines)
 
 
 def names_table() -> str:

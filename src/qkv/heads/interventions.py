@@ -69,9 +69,9 @@ def _check_heads(model: nn.Module, heads: Sequence[tuple[int, int]]) -> None:
             raise ValueError(f"head {layer}.{head}: layer {layer} does not exist; the model "
                              f"has layers 0..{len(sites) - 1}")
         att = sites[layer][2]
-        if att is None:
+        if "head_out" not in getattr(att, "tap_points", ()):
             raise ValueError(f"head {layer}.{head}: layer {layer} has no per-head outputs "
-                             "qkv can ablate (a latent or Gated DeltaNet layer)")
+                             "qkv can ablate")
         if not 0 <= head < att.num_heads:
             raise ValueError(f"head {layer}.{head}: layer {layer} has heads "
                              f"0..{att.num_heads - 1}")
@@ -185,11 +185,12 @@ def patch_sweep(model: nn.Module, clean: Tensor, corrupted: Tensor, *, point: st
                 out[layer, pos] = patch(model, clean, corrupted, point=point, layer=layer,
                                         position=pos, good=good, bad=bad).after
         return out
-    heads = max(att.num_heads for _, _, att in sites if att is not None)
+    headed = [layer for layer, (_, _, att) in enumerate(sites)
+              if "head_out" in getattr(att, "tap_points", ())]
+    heads = max(sites[layer][2].num_heads for layer in headed)
     out = torch.full((len(sites), heads, t), float("nan"), dtype=torch.float64)
-    for layer, (_, _, att) in enumerate(sites):
-        if att is None:
-            continue
+    for layer in headed:
+        att = sites[layer][2]
         for h in range(att.num_heads):
             for pos in range(t):
                 out[layer, h, pos] = patch(model, clean, corrupted, point=point, layer=layer,

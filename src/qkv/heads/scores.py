@@ -26,7 +26,7 @@ from ..utils.fileio import write_atomic
 from .capture import capture, tap_sites
 
 __all__ = ["SCORES", "SINK_EPSILON", "LOCAL_WINDOW", "induction_batch", "scores_of_weights",
-           "head_scores", "InductionProtocol", "sink_metric",
+           "head_scores", "scored_layers", "InductionProtocol", "sink_metric",
            "format_table", "write_table", "score_grid", "plot_score_maps", "scores_table"]
 
 SINK_EPSILON = 0.3  # Gu et al.'s threshold on a head's mean weight on the first token
@@ -141,6 +141,13 @@ def scores_of_weights(weights: Tensor, repeat: int | None = None) -> dict[str, T
     return {name: out[name] for name in SCORES if name in out}
 
 
+def scored_layers(model: nn.Module) -> list[int]:
+    """The layers :func:`head_scores` scores: those whose attention records per-head
+    softmax ``weights`` (not a Gated DeltaNet layer's, which has no softmax)."""
+    return [i for i, (_, _, att) in enumerate(tap_sites(model))
+            if "weights" in getattr(att, "tap_points", ())]
+
+
 @torch.no_grad()
 def head_scores(model: nn.Module, ids: Tensor, repeat: int | None = None,
                 layers: Sequence[int] | None = None) -> list[dict[str, Any]]:
@@ -153,9 +160,8 @@ def head_scores(model: nn.Module, ids: Tensor, repeat: int | None = None,
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.is_floating_point():
         raise ValueError(f"ids must be integer token ids (batch, T), got "
                          f"{getattr(ids, 'shape', type(ids).__name__)}")
-    sites = tap_sites(model)
     if layers is None:
-        layers = [i for i, (_, _, att) in enumerate(sites) if att is not None]
+        layers = scored_layers(model)
     layers = list(layers)
     if not layers:
         raise ValueError("the model has no layer with per-head softmax weights to score")

@@ -199,9 +199,22 @@ class Seq2SeqAttentionDecoder(nn.Module):
                 for t in range(embs.shape[0]):
                     self.trace(_step_norms(state.step + t, embs[t], contexts[t], before[t],
                                            states[t]))
+        if self.attention.tap is not None and run == self._fused:
+            # each step's query is the top layer's state before it
+            before = torch.cat([state.hidden.unsqueeze(0), states[:-1]])
+            self._tap_attention(before[:, -1].transpose(0, 1), state)
         state.hidden = last
         state.step += embs.shape[0]
         return self.dense(top.transpose(0, 1)), state  # (batch, T, vocab)
+
+    def _tap_attention(self, queries: Tensor, state: BahdanauState) -> None:
+        """The fused kernel's attention, recomputed for ``self.attention.tap`` (qkv.heads)
+        beside it: ``queries (batch, T, H)``, the top layer's states the steps started
+        from."""
+        keep = lengths_to_mask(state.src_valid_len.to(queries.device),
+                               state.enc_outputs.shape[1])
+        self.attention.tap_beside(queries, state.enc_outputs, state.enc_outputs, keep,
+                                  projected_keys=state.projected_keys)
 
     def step(self, tokens: Tensor, state: BahdanauState) -> tuple[Tensor, Tensor]:
         """One step from ``tokens (batch,)``: ``-> (GRU output (batch, H), weights (batch,
@@ -212,6 +225,8 @@ class Seq2SeqAttentionDecoder(nn.Module):
             top, last, weights, _, _ = self._eager(emb.unsqueeze(0), state)
             out, weights = top[0], weights[0]
         else:
+            if self.attention.tap is not None:
+                self._tap_attention(state.hidden[-1].unsqueeze(1), state)
             out, last, weights = self._fused_step(emb, state)
         self.attention_weights = weights.unsqueeze(1)  # (batch, 1, src_len)
         if self.trace is not None:

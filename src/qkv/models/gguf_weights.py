@@ -65,6 +65,7 @@ __all__ = [
     "gguf_version",
     "gguf_weight_types",
     "open_gguf_reader",
+    "read_gguf_metadata",
     "permute_rope",
     "quantization_mix",
     "read_gguf_blocks",
@@ -223,8 +224,10 @@ class _Header:
 
 
 def _walk(buf: Any, path: Path, ggml_types: Any,
-          block_sizes: Mapping[Any, tuple[int, int]]) -> GGUFHeader:
-    """Parse and check the whole header in ``buf`` (the file's bytes, mapped)."""
+          block_sizes: Mapping[Any, tuple[int, int]],
+          metadata: dict[str, Any] | None = None) -> GGUFHeader:
+    """Parse and check the whole header in ``buf`` (the file's bytes, mapped); with
+    ``metadata``, every entry (the tokenizer's too) is also put in it, full key -> value."""
     h = _Header(buf, path)
     if h.size < 4 or bytes(buf[:4]) != _MAGIC:
         head = bytes(buf[:4])
@@ -248,7 +251,9 @@ def _walk(buf: Any, path: Path, ggml_types: Any,
         vtype = h.unpack("<I", f"metadata {key}'s type")
         # The tokenizer's long lists are skipped here (data.gguf_tokenizer reads them).
         keep = not key.startswith("tokenizer.")
-        value = h.value(vtype, key, keep)
+        value = h.value(vtype, key, keep or metadata is not None)
+        if metadata is not None:
+            metadata[key] = value
         if keep:
             raw[key] = value
         else:
@@ -317,7 +322,7 @@ def _walk(buf: Any, path: Path, ggml_types: Any,
         tensors=tensors, file_size=h.size)
 
 
-def _read(path: Path, f: Any) -> GGUFHeader:
+def _read(path: Path, f: Any, metadata: dict[str, Any] | None = None) -> GGUFHeader:
     gguf = import_gguf()
     size = os.fstat(f.fileno()).st_size
     if size == 0:  # mmap refuses an empty file
@@ -325,7 +330,8 @@ def _read(path: Path, f: Any) -> GGUFHeader:
     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         view = memoryview(buf)
         try:
-            return _walk(view, path, gguf.GGMLQuantizationType, gguf.GGML_QUANT_SIZES)
+            return _walk(view, path, gguf.GGMLQuantizationType, gguf.GGML_QUANT_SIZES,
+                         metadata)
         finally:
             view.release()
 
@@ -353,6 +359,21 @@ def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
     path = Path(path)
     with open_regular(path, "GGUF file") as f:
         return _read(path, f)
+
+
+def read_gguf_metadata(path: str | os.PathLike[str]) -> tuple[GGUFHeader, dict[str, Any]]:
+    """The checked header and every metadata entry, full key -> value (``{"tokenizer.
+    ggml.tokens": [...], "general.architecture": "llama", ...}``): strings, numbers,
+    bools and lists of them, read by the same bounded walk as :func:`read_gguf_header`.
+
+    For the tokenizer (``tokenizer_from_gguf(path, metadata=...)``): its lists take
+    what their Python strings and numbers take (~10 MB for a 50k vocabulary), where a
+    ``gguf.GGUFReader`` holds NumPy views of every element (~150 MB). Raises as
+    :func:`read_gguf_header` does."""
+    path = Path(path)
+    metadata: dict[str, Any] = {}
+    with open_regular(path, "GGUF file") as f:
+        return _read(path, f, metadata), metadata
 
 
 def open_gguf_reader(path: str | os.PathLike[str]) -> tuple[GGUFHeader, Any]:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from ..attention_variants import GatedAttention, KVHandoff, SharedKVAttention, SinkAttention
 from ..checks import (
@@ -59,6 +60,7 @@ from .native_decode import NativeDecoder
 
 __all__ = [
     "GPTEmbedding",
+    "SkipInit",
     "embed_tokens",
     "PRESETS",
     "FeedForward",
@@ -203,6 +205,27 @@ def _score_flops_per_token(att: nn.Module, width: int, tokens: int,
     linear = sum(m.weight.numel() for m in att.modules() if isinstance(m, nn.Linear))
     return (counter.get_total_flops() - 2 * T * linear) / T
 
+
+
+class SkipInit(TorchFunctionMode):
+    """Inside this mode ``torch.nn.init``'s initialisers (``normal_``, ``uniform_``,
+    ``kaiming_uniform_``, ...) return their tensor untouched: for building a model on
+    the ``meta`` device, where there are no values to set. Why it matters: PyTorch
+    computes ``normal_`` of a meta tensor in Python through ``torch._dynamo``, whose
+    first use imports it with sympy, ~70 MB of resident memory for the rest of the
+    process (a loaded model's process, which then holds them beside the weights)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func in _INITIALISERS:
+            return args[0] if args else next(iter(kwargs.values()))
+        return func(*args, **(kwargs or {}))
+
+
+# Every in-place initialiser torch.nn.init defines (their names end in "_").
+_INITIALISERS = frozenset(getattr(nn.init, name) for name in dir(nn.init)
+                          if name.endswith("_") and not name.startswith("_")
+                          and callable(getattr(nn.init, name)))
 
 @dataclass
 class GPTConfig:
@@ -513,8 +536,9 @@ class GPTConfig:
 
     def meta_model(self) -> GPTModel:
         """``GPTModel(self)`` on the ``meta`` device: every module and parameter shape,
-        no storage (milliseconds, whatever the model's size)."""
-        with torch.device("meta"):
+        no storage (milliseconds, whatever the model's size). Nothing is initialised
+        (:class:`SkipInit`): a meta tensor has no values."""
+        with torch.device("meta"), SkipInit():
             return GPTModel(self)
 
     def num_parameters(self) -> int:

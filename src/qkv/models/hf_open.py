@@ -776,14 +776,8 @@ def hf_config(fields: Mapping[str, Any], model_type: str) -> dict[str, Any]:
         for i in range(n_layers)]
     full = {"rope_type": "default", **(f["rope_scaling"] or {}), "rope_theta": f["rope_base"]}
     config: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
-        "vocab_size": f["vocab_size"], "hidden_size": d,
-        "intermediate_size": f["hidden_dim"] or 4 * d, "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads, "num_key_value_heads": f["n_kv_groups"] or n_heads,
-        "head_dim": head_dim, "max_position_embeddings": f["context_length"],
-        "rms_norm_eps": f["norm_eps"], "tie_word_embeddings": f["tie_weights"],
+        **_sizes_config(f, model_type),
         "hidden_activation" if gemma else "hidden_act": acts[f["mlp"]],
-        "rope_theta": f["rope_base"],
         "rope_scaling": None if f["rope_scaling"] is None else dict(f["rope_scaling"]),
         "rope_parameters": full,
     }
@@ -806,6 +800,21 @@ def hf_config(fields: Mapping[str, Any], model_type: str) -> dict[str, Any]:
                       rope_parameters={"full_attention": full, "sliding_attention": local},
                       attn_logit_softcapping=None, final_logit_softcapping=None)
     return _read_back(f, config, model_type)
+
+
+def _sizes_config(f: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The config.json keys every family writes alike (``f``: every field): its class,
+    sizes, norm epsilon, tying and RoPE base."""
+    d, n_heads = f["emb_dim"], f["n_heads"]
+    return {
+        "architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
+        "vocab_size": f["vocab_size"], "hidden_size": d,
+        "intermediate_size": f["hidden_dim"] or 4 * d, "num_hidden_layers": f["n_layers"],
+        "num_attention_heads": n_heads, "num_key_value_heads": f["n_kv_groups"] or n_heads,
+        "head_dim": f["head_dim"] or d // n_heads,
+        "max_position_embeddings": f["context_length"], "rms_norm_eps": f["norm_eps"],
+        "tie_word_embeddings": f["tie_weights"], "rope_theta": f["rope_base"],
+    }
 
 
 def _read_back(fields: Mapping[str, Any], config: dict[str, Any],
@@ -837,13 +846,7 @@ def _layout_config(f: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     full = {"rope_type": "default", **scaling, "rope_theta": f["rope_base"]}
     sliding = [layer.window is not None for layer in layout]
     config: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
-        "vocab_size": f["vocab_size"], "hidden_size": d,
-        "intermediate_size": f["hidden_dim"] or 4 * d, "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads, "num_key_value_heads": f["n_kv_groups"] or n_heads,
-        "head_dim": head_dim, "max_position_embeddings": f["context_length"],
-        "rms_norm_eps": f["norm_eps"], "tie_word_embeddings": f["tie_weights"],
-        "attention_bias": f["qkv_bias"], "rope_theta": f["rope_base"],
+        **_sizes_config(f, model_type), "attention_bias": f["qkv_bias"],
         "rope_scaling": dict(full) if scaling else None, "rope_parameters": full,
     }
     moe = f["moe"] or {}
@@ -1074,10 +1077,9 @@ class _Stored:
 
 def _layout_meta_model(fields: Mapping[str, Any]) -> Any:
     """``GPTModel(fields)`` on the ``meta`` device: every tensor's name and shape."""
-    from .gpt import GPTConfig, GPTModel
+    from .gpt import GPTConfig
 
-    with torch.device("meta"):
-        return GPTModel(GPTConfig.from_dict(fields))
+    return GPTConfig.from_dict(fields).meta_model()
 
 
 def _fused_deltanet(att: Any, hf: str, ours: str) -> dict[str, _Stored | None]:

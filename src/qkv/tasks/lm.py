@@ -47,6 +47,7 @@ from ..checks import (
 from ..data.chat import ChatTemplateError
 from ..data.gguf_tokenizer import tokenizer_from_gguf
 from ..data.lm import GPTDataset, create_dataloader, generated_corpus
+from ..data.textfile import file_sha256
 from ..data.tokenfile import TokenFile, prepare_token_file
 from ..data.tokenizers import (
     HF_TOKENIZER_NAME,
@@ -57,7 +58,7 @@ from ..data.tokenizers import (
     tokenizer_from_dict,
 )
 from ..models.gguf_model import gguf_config, gguf_state_dict
-from ..models.gguf_weights import quantization_mix, read_gguf_header
+from ..models.gguf_weights import quantization_mix, read_gguf_metadata
 from ..models.gpt import (
     GPTConfig,
     GPTModel,
@@ -95,6 +96,7 @@ from ..training import (
     load_weights,
     main_process_first,
     read_weights_header,
+    release_freed_memory,
     resolve_device,
     save_checkpoint,
 )
@@ -280,7 +282,11 @@ class LanguageModel:
         qtypes = _run_qtypes(run_dir, settings)
         _empty_model(run_dir, model_config, qtypes)
         n = model_config.num_parameters()
-        check_memory(LOAD_BYTES_PER_PARAMETER * n, f"loading {_model_name(settings, n)}",
+        # The weights are held once, in the buffer the file is read into (quantized
+        # layers' blocks as stored): the file's tensor bytes, and a tenth for the rest.
+        stored = sum(end - begin for begin, end in read_weights_header(run_dir).offsets.values())
+        check_memory(stored + stored // 10 if stored else LOAD_BYTES_PER_PARAMETER * n,
+                     f"loading {_model_name(settings, n)}",
                      hint="load it on a machine with more memory")
         try:
             tokenizer = tokenizer_from_dict(tokenizer_dict, bpe_dir=bpe_dir or settings.bpe_dir)
@@ -294,6 +300,8 @@ class LanguageModel:
                 f"{run_dir}: tokenizer has {tokenizer.n_vocab} ids but the model expects "
                 f"vocab_size={model_config.vocab_size}"
             )
+        del tokenizer_dict  # its tokenizer.json text, held once: by the tokenizer
+        release_freed_memory()  # what parsing the config and the tokenizer left freed
         model = _load_model(run_dir, model_config, qtypes)
         return cls(model.to(resolve_device(device)), tokenizer, settings)
 
@@ -522,10 +530,9 @@ def _empty_model(run_dir: str | Path, cfg: GPTConfig, qtypes: dict[str, str]
     if not qtypes:
         check_weights(run_dir, cfg.parameter_shapes(), cfg.num_saved_values(),
                       dtype=floats[0])
-        with torch.device("meta"):
-            return GPTModel(cfg).to(dtype), dtype
+        return cfg.meta_model().to(dtype), dtype
+    model = cfg.meta_model().to(dtype)
     with torch.device("meta"):
-        model = GPTModel(cfg).to(dtype)
         try:
             quantize_modules(model, qtypes, dtype)
             if cfg.tie_weights:
@@ -910,11 +917,13 @@ _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 def _import_gguf(path: Path, origin: dict[str, str], run_dir: Path, dtype: torch.dtype,
                  overwrite: bool, log: Callable[[str], None] | None,
                  keep_quantized: bool = False) -> LanguageModel:
-    header = read_gguf_header(path)
+    header, metadata = read_gguf_metadata(path)
     config = gguf_config(header)  # what a Hugging Face folder's config.json would say
     fields = config_fields(config, str(path))
     cfg = GPTConfig(**fields)
-    tokenizer = _fit_tokenizer(tokenizer_from_gguf(path), cfg, path)
+    tokenizer = _fit_tokenizer(tokenizer_from_gguf(path, metadata=metadata), cfg, path)
+    del metadata
+    release_freed_memory()  # the token lists' strings, before the weights are read
     gpt2 = config.get("model_type") == "gpt2"
     # Blocks are kept where a matrix reaches its layer as stored (rows reordered at
     # most): plain attention and dense MLPs. Experts, latent attention's split
@@ -941,6 +950,8 @@ def _import_gguf(path: Path, origin: dict[str, str], run_dir: Path, dtype: torch
         return {name: t if isinstance(t, QuantizedWeight) else t.to(dtype)
                 for name, t in ours.items()}
 
+    # Which file exactly (bench generate runs llama.cpp on it, if it is still the same).
+    origin = {**origin, "source_sha256": file_sha256(path, "GGUF file")}
     # The model card's line: what the file holds, as a user compares quantizations.
     card = [f"tensors in the file: {quantization_mix(header)}", *notes]
     # What the weights take: kept tensors their blocks, the others expanded.
@@ -1011,8 +1022,8 @@ def _save_import(
             tensors.setdefault("out_head.weight", tensors["tok_emb.weight"])
         qtypes = {name.removesuffix(".weight"): t.qtype for name, t in tensors.items()
                   if isinstance(t, QuantizedWeight)}
+        model = cfg.meta_model()
         with torch.device("meta"):
-            model = GPTModel(cfg)
             quantize_modules(model, qtypes, dtype)
         tensors = {f"{name.removesuffix('.weight')}.blocks" if isinstance(t, QuantizedWeight)
                    else name: t.blocks if isinstance(t, QuantizedWeight) else t

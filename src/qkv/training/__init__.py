@@ -39,6 +39,7 @@ from .limits import (
     available_memory,
     check_memory,
     format_bytes,
+    release_freed_memory,
 )
 from .lock import RunDirBusyError, holds_run_dir_lock, run_dir_lock
 from .losses import MaskedSoftmaxCELoss, masked_cross_entropy
@@ -83,6 +84,7 @@ __all__ = [
     "available_memory",
     "check_memory",
     "format_bytes",
+    "release_freed_memory",
     "cleanup_distributed",
     "get_rank_and_world_size",
     "init_distributed",

@@ -48,6 +48,7 @@ from ..attention_variants import SinkAttention
 from ..data.translate import BOS, EOS
 from ..heads.capture import capture
 from ..heads.scores import SCORES, InductionProtocol, head_scores
+from ..latent_attention import LatentAttention, SparseLatentAttention
 from ..models.decoding import eval_mode
 from ..models.gpt import check_max_new_tokens
 from ..models.gpt import generate as generate_ids
@@ -224,7 +225,7 @@ def _lm_example(lm: LanguageModel, text: str, generate: int,
     # The values of the layers whose heads' outputs are their weighted values (before
     # out_proj), for the contribution view.
     plain = [i for i, block in enumerate(lm.model.trf_blocks)
-             if type(block.att) in (MultiHeadAttention, SinkAttention)]
+             if type(block.att) in VALUE_HEADS]
     with capture(lm.model, ["v"], plain) as cache:
         _, weights = lm.model(idx, need_weights=True)  # per layer (1, heads, T, T)
     ids = idx[0].tolist()
@@ -249,10 +250,11 @@ def _lm_example(lm: LanguageModel, text: str, generate: int,
             layer_ids=None if len(groups) == 1 else layers)
         views = {}
         if kind is None and all(i in plain for i in layers):
+            atts = [lm.model.trf_blocks[i].att for i in layers]
             views["contribution"] = torch.stack([
                 contributions(weights[i][0], cache["v", i][0],
-                              lm.model.trf_blocks[i].att.out_proj.weight)
-                for i in layers])
+                              getattr(att, VALUE_HEADS[type(att)]).weight)
+                for i, att in zip(layers, atts, strict=True)])
         if kind is None and len(groups) == 1:
             views["rollout"] = rollout(stacked)[:, None]
         section["views"] = {
@@ -263,6 +265,13 @@ def _lm_example(lm: LanguageModel, text: str, generate: int,
         sections.append(section)
     output = lm.tokenizer.decode(ids[prompt:]) if generate else None
     return {"text": text, "output": output, "sections": sections}
+
+
+# The layers whose heads' outputs are their weighted values, with the name of the
+# projection that follows (the contribution view's W_O): a latent layer's values are its
+# decompressed ones, whichever form ran; a gated layer's gate would mix query and key.
+VALUE_HEADS = {MultiHeadAttention: "out_proj", SinkAttention: "out_proj",
+               LatentAttention: "o_proj", SparseLatentAttention: "o_proj"}
 
 
 def contributions(weights: Tensor, values: Tensor, out_proj: Tensor) -> Tensor:
