@@ -391,6 +391,29 @@ def test_gemma4_native_tokens_are_transformers_greedy_ones(moe):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_a_quantized_per_layer_input_table_is_read_in_its_blocks(qtype):
+    # The table as a GGUF file keeps it (5 layers x 32 values a row): the step expands
+    # the token's row only, so the logits are the float64 model's on the expanded table.
+    pytest.importorskip("gguf")
+    from test_quant_decode import Blocks
+
+    model = tiny(**{**fields("gemma4_text"), "per_layer_inputs": {"width": 32,
+                                                                   "vocab_size": 61}})
+    model.per_layer_inputs.embed = Blocks(model.per_layer_inputs.embed, qtype, seed=5)
+    assert unsupported(model) is None
+    ref = GPTModel(model.cfg).eval()
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith(".blocks")}
+    state["per_layer_inputs.embed.weight"] = model.per_layer_inputs.embed.expanded()
+    ref.load_state_dict(state)
+    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ref.double()(ids)[0, 4:]
+    got = step_logits(model, ids, 4, native=True)
+    assert (got - want).abs().max() < 1e-5 * max(1.0, want.abs().max().item() / 10)
+
+
+@needs_kernels
 def test_a_token_past_the_per_layer_input_table_is_refused():
     model = tiny(**{**fields("gemma4_text"), "per_layer_inputs": {"width": 8,
                                                                    "vocab_size": 40}})
