@@ -1276,7 +1276,11 @@ def read_gguf_model(
 # model_type -> the general.architecture write_gguf gives it (llama.cpp runs Mistral as
 # llama).
 _WRITTEN = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-            "gemma3_text": "gemma3"}
+            "gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}
+# YaRN's keys of rope_scaling -> the rope.scaling.* key write_gguf gives them (gpt-oss's
+# and DeepSeek's files; their factor and original context are written apart).
+_YARN_WRITTEN = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow",
+                 "attention_factor": "yarn_attn_factor"}
 # write_gguf's types of the 2-D weights -> general.file_type (llama.cpp's LlamaFileType).
 _FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16"}
 
@@ -1301,10 +1305,23 @@ def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[A
         "attention.layer_norm_rms_epsilon": (config["rms_norm_eps"], f32),
         "rope.freq_base": (config["rope_theta"], f32),
     }
-    scaling = config["rope_scaling"] or {}
+    scaling = config.get("rope_scaling") or {}
     if scaling.get("rope_type") == "linear":  # llama3's is a tensor (_rope_freqs)
         meta["rope.scaling.type"] = ("linear", string)
         meta["rope.scaling.factor"] = (scaling["factor"], f32)
+    if scaling.get("rope_type") == "yarn" and arch in ("gpt-oss", "deepseek2"):
+        meta["rope.scaling.type"] = ("yarn", string)
+        meta["rope.scaling.factor"] = (scaling["factor"], f32)
+        meta["rope.scaling.original_context_length"] = (
+            scaling["original_max_position_embeddings"], u32)
+        for key, written in _YARN_WRITTEN.items():
+            if scaling.get(key) is not None:
+                meta[f"rope.scaling.{written}"] = (scaling[key], f32)
+    if arch == "gpt-oss":  # intermediate_size is each expert's
+        meta.update({"attention.sliding_window": (config["sliding_window"], u32),
+                     "expert_count": (config["num_local_experts"], u32),
+                     "expert_used_count": (config["num_experts_per_tok"], u32),
+                     "expert_feed_forward_length": (config["intermediate_size"], u32)})
     if arch == "gemma3":
         if config["sliding_window"] is not None:
             meta["attention.sliding_window"] = (config["sliding_window"], u32)
@@ -1327,12 +1344,40 @@ def _to_gguf(name: str, tensor: Tensor, config: dict[str, Any]) -> Tensor:
     inverse), float32."""
     model_type, kind = config["model_type"], name.split(".")[-2]
     tensor = tensor.detach().cpu().float()
+    if kind.endswith("_exps") and name.split(".")[-1] in ("weight", "bias"):
+        return _experts_to_gguf(kind, tensor, model_type).contiguous()
     if model_type in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
         return permute_rope(tensor, config["num_attention_heads" if kind == "attn_q"
                                            else "num_key_value_heads"])
     if _shifted(model_type, name):
         return tensor + 1
     return tensor
+
+
+def _experts_to_gguf(kind: str, tensor: Tensor, model_type: str) -> Tensor:
+    """One of llama.cpp's 3-D expert tensors (or gpt-oss's 2-D expert biases) from
+    transformers' fused one: ``ffn_gate_exps`` and ``ffn_up_exps`` ``(E, I, d)`` are
+    gpt-oss's alternate columns of ``gate_up_proj`` ``(E, d, 2I)`` (biases ``(E, 2I)``),
+    transposed, or the other families' first and second halves of its rows ``(E, 2I, d)``;
+    ``ffn_down_exps`` ``(E, d, I)`` is gpt-oss's ``down_proj`` ``(E, I, d)`` transposed,
+    the others' as it is."""
+    gpt_oss = model_type == "gpt_oss"
+    if kind == "ffn_down_exps":
+        return tensor.transpose(1, 2) if gpt_oss and tensor.dim() == 3 else tensor
+    half = 0 if kind == "ffn_gate_exps" else 1
+    if not gpt_oss:
+        return tensor.chunk(2, dim=1)[half]
+    if tensor.dim() == 3:
+        tensor = tensor.transpose(1, 2)  # (E, 2I, d)
+    return tensor[:, half::2]
+
+
+def _stored_f32(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether llama.cpp's converter stores this tensor in float32 whatever the file's
+    type: vectors, biases, norms, the routers and the DeltaNet convolution (which
+    llama.cpp's kernels take in float32)."""
+    return (len(shape) < 2 or not name.endswith(".weight") or name.endswith("_norm.weight")
+            or ".ffn_gate_inp" in name or ".ssm_conv1d." in name)
 
 
 def write_gguf(
@@ -1416,7 +1461,6 @@ def write_gguf(
     if os.path.lexists(path):
         raise FileExistsError(f"{path}: exists; name a new file (nothing is overwritten)")
 
-    weight = gguf.GGMLQuantizationType[dtype]
     tensors = {_ROPE_FREQS: rope_freqs} if rope_freqs is not None else {}
     tensors.update((name, hf) for name, (hf, _) in plan.items())
     tmp = temp_path(path)
@@ -1428,10 +1472,12 @@ def write_gguf(
             writer.add_key_value(f"{arch}.{key}", value, vtype)
         for key, (value, vtype, sub_type) in tokens.items():
             writer.add_key_value(key, value, vtype, sub_type)
+        types = {}  # name -> GGML type
         for name, source in tensors.items():
-            shape = source.shape if isinstance(source, Tensor) else plan[name][1]
-            kind = weight if len(shape) == 2 else gguf.GGMLQuantizationType.F32
-            nbytes = math.prod(shape) * (4 if kind == gguf.GGMLQuantizationType.F32 else 2)
+            shape = tuple(source.shape) if isinstance(source, Tensor) else plan[name][1]
+            types[name] = "F32" if _stored_f32(name, shape) else dtype
+            kind = gguf.GGMLQuantizationType[types[name]]
+            nbytes = math.prod(shape) * (4 if types[name] == "F32" else 2)
             writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, kind)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -1439,7 +1485,7 @@ def write_gguf(
         for name, source in tensors.items():  # one tensor converted at a time
             tensor = source if isinstance(source, Tensor) else _to_gguf(
                 name, state_dict[source], full)
-            writer.write_tensor_data(_ggml_bytes(tensor, dtype if tensor.dim() == 2 else "F32"))
+            writer.write_tensor_data(_ggml_bytes(tensor, types[name]))
         writer.close()
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())

@@ -1,0 +1,121 @@
+"""``write_gguf`` on the families of mixed layers: gpt-oss (``gpt-oss``), against
+transformers and llama.cpp's converter.
+
+Each family's tiny model is the one its GGUF reader's tests build with transformers'
+classes (``test_gguf_families``, ``test_gguf_hybrids``: the shapes llama.cpp runs, e.g.
+gpt-oss's YaRN with its correction range rounded out, as llama.cpp computes it). Written
+by ``write_gguf``:
+
+- every tensor of the file is the array the small converter of those tests (their
+  ``convert``, llama.cpp's ``convert_hf_to_gguf.py`` conventions) writes, bit for bit
+  in float32, under the same names;
+- ``read_gguf_model`` of the file gives back transformers' state dict, bit-equal, and its
+  ``GPTConfig`` fields;
+- ``qkv lm import`` of the file runs like the transformers model (logits within 1e-4).
+
+llama.cpp itself runs these files in ``test_gguf_write_llama_cpp`` (when installed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+import test_gguf_families  # noqa: E402
+from gguf_files import one_line  # noqa: E402
+from gguf_files import write_gguf as reference_gguf  # noqa: E402
+from qkv.cli import main  # noqa: E402
+from qkv.models.gguf_model import read_gguf_model, write_gguf  # noqa: E402
+from qkv.models.gguf_weights import read_gguf_header, read_gguf_tensors  # noqa: E402
+from qkv.models.hf_open import config_fields  # noqa: E402
+from qkv.tasks.lm import LanguageModel  # noqa: E402
+from test_open_models import VOCAB  # noqa: E402
+
+# family -> (the module whose hf_model and convert are that family's spec, convert's
+# keyword arguments: gpt-oss's experts unquantized, as write_gguf writes them)
+SPECS = {"gpt_oss": (test_gguf_families, {"mxfp4": False})}
+FAMILIES = list(SPECS)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> dict[str, tuple]:
+    """family -> (transformers model, write_gguf's F32 file of it, with the tokenizer of
+    a small GGUF file: VOCAB tokens, for qkv lm import)."""
+    tokens = reference_gguf(tmp_path_factory.mktemp("tok") / "tok.gguf",
+                            {"token_embd.weight": np.zeros((VOCAB, 2), np.float32)}, "llama",
+                            {"tokenizer.ggml.model": "gpt2", "add_eos_token_id": 2,
+                             "tokenizer.ggml.tokens": [f"t{i}" for i in range(VOCAB)]})
+    out = {}
+    for family, (spec, _) in SPECS.items():
+        model = spec.hf_model(family)
+        path = tmp_path_factory.mktemp(family) / f"{family}.gguf"
+        out[family] = model, write_gguf(path, model.config.to_dict(), model.state_dict(),
+                                        tokenizer=tokens)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensors_are_what_llama_cpp_converter_writes(written, family):
+    model, path = written[family]
+    spec, options = SPECS[family]
+    arrays, _ = spec.convert(model, family, **options)
+    header = read_gguf_header(path)
+    assert set(header.tensors) == set(arrays)
+    ours = read_gguf_tensors(path, list(arrays), header=header)
+    for name, array in arrays.items():
+        assert header.tensors[name].type_name == "F32", name
+        assert torch.equal(ours[name], torch.from_numpy(array)), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reads_back_as_the_model(written, family):
+    model, path = written[family]
+    config, state = read_gguf_model(path)
+    assert config_fields(config, "back") == config_fields(model.config.to_dict(), "model")
+    want = model.state_dict()
+    assert set(state) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(state[name], tensor), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lm_import_runs_like_transformers(written, family, tmp_path):
+    model, path = written[family]
+    run = tmp_path / "run"
+    assert main(["lm", "import", str(path), "--run-dir", str(run)]) == 0
+    ours = LanguageModel.load(run).model
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), model(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_half_precision_matrices_and_float32_vectors_routers(written, tmp_path):
+    """BF16: the 2-D and 3-D weights (the experts too) rounded to bfloat16; vectors,
+    biases (gpt-oss's 2-D expert biases too) and the router float32, as llama.cpp's
+    converter keeps them."""
+    model, _ = written["gpt_oss"]
+    path = write_gguf(tmp_path / "b.gguf", model.config.to_dict(), model.state_dict(), "BF16")
+    types = {n: t.type_name for n, t in read_gguf_header(path).tensors.items()}
+    assert types["blk.0.ffn_gate_exps.weight"] == types["blk.0.attn_q.weight"] == "BF16"
+    assert types["blk.0.ffn_gate_exps.bias"] == types["blk.0.ffn_gate_inp.weight"] == "F32"
+    assert types["blk.0.attn_sinks.weight"] == types["blk.0.attn_norm.weight"] == "F32"
+    _, state = read_gguf_model(path)
+    for name, tensor in model.state_dict().items():
+        rounded = (tensor.bfloat16().float() if tensor.dim() >= 2 and "bias" not in name
+                   and "router" not in name else tensor)
+        assert torch.equal(state[name], rounded), name
+
+
+def test_refuses_what_llama_cpp_would_run_otherwise(written, tmp_path):
+    """gpt-oss's YaRN without truncation: llama.cpp always rounds the correction range."""
+    model, _ = written["gpt_oss"]
+    config = model.config.to_dict()
+    config["rope_parameters"] = {**config["rope_parameters"], "truncate": False}
+    with pytest.raises(ValueError) as error:
+        write_gguf(tmp_path / "m.gguf", config, model.state_dict())
+    one_line(error, "cannot be written to a GGUF gpt-oss file", "llama.cpp would run")
+    assert list(tmp_path.iterdir()) == []
