@@ -1,22 +1,26 @@
-"""``write_gguf`` on the families of mixed layers: gpt-oss (``gpt-oss``), against
-transformers and llama.cpp's converter.
+"""``write_gguf`` on the families of mixed layers: gpt-oss (``gpt-oss``) and Qwen3.5
+(``qwen35``), against transformers and llama.cpp's converter.
 
 Each family's tiny model is the one its GGUF reader's tests build with transformers'
 classes (``test_gguf_families``, ``test_gguf_hybrids``: the shapes llama.cpp runs, e.g.
-gpt-oss's YaRN with its correction range rounded out, as llama.cpp computes it). Written
-by ``write_gguf``:
+gpt-oss's YaRN with its correction range rounded out, as llama.cpp computes it; Qwen3.5's
+value heads as wide as its key heads, as llama.cpp's loader takes them). Written by
+``write_gguf``:
 
 - every tensor of the file is the array the small converter of those tests (their
   ``convert``, llama.cpp's ``convert_hf_to_gguf.py`` conventions) writes, bit for bit
   in float32, under the same names;
-- ``read_gguf_model`` of the file gives back transformers' state dict, bit-equal, and its
-  ``GPTConfig`` fields;
+- ``read_gguf_model`` of the file gives back transformers' state dict, bit-equal where
+  stored as it is, within float32 rounding where transformed (Qwen3.5's norms stored as
+  ``1 + w``, ``A_log`` as ``-exp(A_log)``), and its ``GPTConfig`` fields;
 - ``qkv lm import`` of the file runs like the transformers model (logits within 1e-4).
 
 llama.cpp itself runs these files in ``test_gguf_write_llama_cpp`` (when installed).
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -26,6 +30,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 import test_gguf_families  # noqa: E402
+import test_gguf_hybrids  # noqa: E402
 from gguf_files import one_line  # noqa: E402
 from gguf_files import write_gguf as reference_gguf  # noqa: E402
 from qkv.cli import main  # noqa: E402
@@ -34,10 +39,16 @@ from qkv.models.gguf_weights import read_gguf_header, read_gguf_tensors  # noqa:
 from qkv.models.hf_open import config_fields  # noqa: E402
 from qkv.tasks.lm import LanguageModel  # noqa: E402
 from test_open_models import VOCAB  # noqa: E402
+from test_open_models import hf_model as open_model  # noqa: E402
 
 # family -> (the module whose hf_model and convert are that family's spec, convert's
 # keyword arguments: gpt-oss's experts unquantized, as write_gguf writes them)
-SPECS = {"gpt_oss": (test_gguf_families, {"mxfp4": False})}
+SPECS = {"gpt_oss": (test_gguf_families, {"mxfp4": False}),
+         "qwen3_5_text": (test_gguf_hybrids, {})}
+# Stored transformed: w + 1 and -exp(A_log) round in float32 (one unit in the last place
+# of values of a few units).
+TRANSFORMED = re.compile(r"(layernorm|q_norm|k_norm|model\.norm)\.weight$|A_log$")
+ROUNDING = 5e-7
 FAMILIES = list(SPECS)
 
 
@@ -77,9 +88,14 @@ def test_reads_back_as_the_model(written, family):
     config, state = read_gguf_model(path)
     assert config_fields(config, "back") == config_fields(model.config.to_dict(), "model")
     want = model.state_dict()
+    if model.config.tie_word_embeddings:
+        del want["lm_head.weight"]
     assert set(state) == set(want)
     for name, tensor in want.items():
-        assert torch.equal(state[name], tensor), name
+        if TRANSFORMED.search(name) and family != "gpt_oss":
+            torch.testing.assert_close(state[name], tensor, atol=ROUNDING, rtol=0)
+        else:
+            assert torch.equal(state[name], tensor), name
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -118,4 +134,14 @@ def test_refuses_what_llama_cpp_would_run_otherwise(written, tmp_path):
     with pytest.raises(ValueError) as error:
         write_gguf(tmp_path / "m.gguf", config, model.state_dict())
     one_line(error, "cannot be written to a GGUF gpt-oss file", "llama.cpp would run")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_value_heads_llama_cpp_cannot_load(tmp_path):
+    """Qwen3.5 with value heads wider than its key heads (12 and 8): llama.cpp fails to
+    load such a file, so it is not written."""
+    model = open_model("qwen3_5_text")
+    with pytest.raises(ValueError) as error:
+        write_gguf(tmp_path / "m.gguf", model.config.to_dict(), model.state_dict())
+    one_line(error, "linear_value_head_dim 12", "qwen35", "linear_key_head_dim (8)")
     assert list(tmp_path.iterdir()) == []

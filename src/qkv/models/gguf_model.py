@@ -1276,7 +1276,7 @@ def read_gguf_model(
 # model_type -> the general.architecture write_gguf gives it (llama.cpp runs Mistral as
 # llama).
 _WRITTEN = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-            "gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}
+            "gemma3_text": "gemma3", "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35"}
 # YaRN's keys of rope_scaling -> the rope.scaling.* key write_gguf gives them (gpt-oss's
 # and DeepSeek's files; their factor and original context are written apart).
 _YARN_WRITTEN = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow",
@@ -1317,6 +1317,8 @@ def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[A
         for key, written in _YARN_WRITTEN.items():
             if scaling.get(key) is not None:
                 meta[f"rope.scaling.{written}"] = (scaling[key], f32)
+    if config["model_type"] in _HYBRIDS:
+        meta.update(_hybrid_metadata(config, gguf))
     if arch == "gpt-oss":  # intermediate_size is each expert's
         meta.update({"attention.sliding_window": (config["sliding_window"], u32),
                      "expert_count": (config["num_local_experts"], u32),
@@ -1326,6 +1328,27 @@ def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[A
         if config["sliding_window"] is not None:
             meta["attention.sliding_window"] = (config["sliding_window"], u32)
         meta["rope.freq_base_swa"] = (config["rope_local_base_freq"], f32)
+    return meta
+
+
+def _hybrid_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[Any, Any]]:
+    """The Gated DeltaNet hybrids' own metadata (:func:`_hybrid_config` reads it): the
+    rotated part of each head, the schedule, the linear attention's ``ssm.*`` sizes;
+    Qwen3.5's multimodal RoPE sections (text tokens turn alike whatever their split)."""
+    u32 = gguf.GGUFValueType.UINT32
+    rotary = int(config["head_dim"] * config["partial_rotary_factor"])
+    v_heads = config["linear_num_value_heads"]
+    meta = {"rope.dimension_count": (rotary, u32),
+            "full_attention_interval": (config["full_attention_interval"], u32),
+            "ssm.conv_kernel": (config["linear_conv_kernel_dim"], u32),
+            "ssm.state_size": (config["linear_key_head_dim"], u32),
+            "ssm.group_count": (config["linear_num_key_heads"], u32),
+            "ssm.time_step_rank": (v_heads, u32),
+            "ssm.inner_size": (v_heads * config["linear_value_head_dim"], u32)}
+    if config["model_type"] == "qwen3_5_text":
+        pairs = rotary // 2
+        meta["rope.dimension_sections"] = (
+            [pairs - 2 * (pairs // 3), pairs // 3, pairs // 3, 0], gguf.GGUFValueType.ARRAY)
     return meta
 
 
@@ -1346,12 +1369,43 @@ def _to_gguf(name: str, tensor: Tensor, config: dict[str, Any]) -> Tensor:
     tensor = tensor.detach().cpu().float()
     if kind.endswith("_exps") and name.split(".")[-1] in ("weight", "bias"):
         return _experts_to_gguf(kind, tensor, model_type).contiguous()
+    if model_type in _HYBRIDS and name.startswith("blk.") and name.split(".")[2].startswith(
+            ("ssm_", "attn_qkv", "attn_gate")):
+        return _linear_to_gguf(name, tensor, config).contiguous()
     if model_type in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
         return permute_rope(tensor, config["num_attention_heads" if kind == "attn_q"
                                            else "num_key_value_heads"])
     if _shifted(model_type, name):
         return tensor + 1
     return tensor
+
+
+def _linear_to_gguf(name: str, tensor: Tensor, config: dict[str, Any]) -> Tensor:
+    """One of a Gated DeltaNet layer's llama.cpp tensors from the Hugging Face tensor
+    that makes it (:func:`_linear_to_hf`'s inverse): the convolution squeezed to ``(C,
+    K)``, ``A_log`` as ``ssm_a = -exp(A_log)``, Qwen3.5's value heads from the folder's
+    grouped order to llama.cpp's tiled one (:func:`_grouped` with the two counts
+    swapped)."""
+    kind = name.split(".")[2]
+    k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    hk, hv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    if kind == "ssm_a":
+        tensor = -tensor.exp()
+    elif kind == "ssm_conv1d":
+        tensor = tensor.squeeze(1)
+    group = v_heads // k_heads
+    if config["model_type"] == "qwen3_next" or group == 1:
+        return tensor
+    keys = 2 * k_heads * hk
+    if kind in ("attn_qkv", "ssm_conv1d"):  # the values' rows, after the queries and keys
+        return torch.cat((tensor[:keys], _grouped(tensor[keys:], 0, group, k_heads, hv)))
+    if kind == "attn_gate":
+        return _grouped(tensor, 0, group, k_heads, hv)
+    if kind in ("ssm_beta", "ssm_alpha", "ssm_dt", "ssm_a"):
+        return _grouped(tensor, 0, group, k_heads, 1)
+    if kind == "ssm_out":
+        return _grouped(tensor, 1, group, k_heads, hv)
+    return tensor  # ssm_norm: one weight every head shares
 
 
 def _experts_to_gguf(kind: str, tensor: Tensor, model_type: str) -> Tensor:
@@ -1393,9 +1447,14 @@ def write_gguf(
     The metadata holds exactly what :func:`gguf_config` reads (typed as llama.cpp's
     converter types it); the tensors go under llama.cpp's names (:func:`_plan`) in its
     conventions: ``llama`` files' q/k rows permuted for llama.cpp's RoPE, Gemma's norms
-    as ``1 + w``, Llama 3's RoPE scaling as a ``rope_freqs.weight`` tensor. Norms and
-    other 1-D tensors are F32, as llama.cpp's converter writes them; 2-D weights
-    ``dtype``.
+    as ``1 + w``, Llama 3's RoPE scaling as a ``rope_freqs.weight`` tensor; gpt-oss's
+    sinks as ``attn_sinks``, its alternating gate/up expert columns split into
+    ``ffn_gate_exps``/``ffn_up_exps`` ``(E, I, d)`` and its down experts transposed;
+    Qwen3.5's norms (but the gated one) as ``1 + w``, ``A_log`` as ``ssm_a =
+    -exp(A_log)``, the convolution squeezed, the value heads in llama.cpp's tiled order.
+    Vectors, biases, norms, routers (``ffn_gate_inp*``) and the DeltaNet convolution are
+    F32, as llama.cpp's converter writes them; the other 2-D and the 3-D weights (the
+    experts, unquantized) ``dtype``.
 
     Before anything is written the model must read back as itself: the header the file
     will have, read by :func:`gguf_config`, must give ``config``'s ``GPTConfig`` fields
@@ -1403,13 +1462,15 @@ def write_gguf(
     window on a Llama or Qwen model, Gemma 3 layers other than five sliding to one full,
     RoPE scaling other than linear and Llama 3's, ...) is a one-line ``ValueError``; so
     are biases on a Qwen3 or Gemma 3 model's projections, which llama.cpp's
-    ``attn_output`` lacks there.
+    ``attn_output`` lacks there, and DeltaNet value heads of another size than the key
+    heads (llama.cpp's loader fails on such a file).
 
     Args:
         path: the ``.gguf`` file to write; it must not exist. It is written under a
             temporary name beside it, then renamed: it appears whole or not at all.
         config: the model's ``config.json`` (``model_type`` ``"llama"``, ``"mistral"``,
-            ``"qwen2"``, ``"qwen3"`` or ``"gemma3_text"``).
+            ``"qwen2"``, ``"qwen3"``, ``"gemma3_text"``, ``"gpt_oss"`` or
+            ``"qwen3_5_text"``: :data:`_WRITTEN`).
         state_dict: Hugging Face name -> tensor, as :func:`read_gguf_model` or
             ``*ForCausalLM.state_dict()`` give it (a tied ``lm_head.weight`` may be
             there; it is not written).
@@ -1434,6 +1495,18 @@ def write_gguf(
     fields = config_fields(config, "config")
     to_qkv(state_dict, fields)  # checks every name and shape, in one line each
     full = hf_config(fields, model_type)  # every size spelled out
+    if model_type in _HYBRIDS:
+        # llama.cpp's one schedule: a full layer every full_attention_interval (the
+        # read-back check below refuses any other)
+        kinds = full["layer_types"]
+        full["full_attention_interval"] = (kinds.index("full_attention") + 1
+                                           if "full_attention" in kinds
+                                           else _FULL_ATTENTION_EVERY)
+        if full["linear_value_head_dim"] != full["linear_key_head_dim"]:
+            raise ValueError(
+                f"config: linear_value_head_dim {full['linear_value_head_dim']} cannot be "
+                f"written to a GGUF {_WRITTEN[model_type]} file: llama.cpp takes the value "
+                f"heads to be linear_key_head_dim ({full['linear_key_head_dim']}) wide")
     arch, plan, rope_freqs = _WRITTEN[model_type], _plan(full), _rope_freqs(full)
     if arch in ("qwen3", "gemma3") and fields["out_bias"]:
         raise ValueError(f"config: attention_bias=True cannot be written to a GGUF {arch} "
