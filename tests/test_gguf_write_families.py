@@ -1,5 +1,6 @@
-"""``write_gguf`` on the families of mixed layers: gpt-oss (``gpt-oss``) and Qwen3.5
-(``qwen35``), against transformers and llama.cpp's converter.
+"""``write_gguf`` on the families of mixed layers: gpt-oss (``gpt-oss``), Qwen3.5
+(``qwen35``) and DeepSeek-V3 (``deepseek2``, the MLA form: ``attn_k_b``/``attn_v_b``),
+against transformers and llama.cpp's converter.
 
 Each family's tiny model is the one its GGUF reader's tests build with transformers'
 classes (``test_gguf_families``, ``test_gguf_hybrids``: the shapes llama.cpp runs, e.g.
@@ -44,7 +45,8 @@ from test_open_models import hf_model as open_model  # noqa: E402
 # family -> (the module whose hf_model and convert are that family's spec, convert's
 # keyword arguments: gpt-oss's experts unquantized, as write_gguf writes them)
 SPECS = {"gpt_oss": (test_gguf_families, {"mxfp4": False}),
-         "qwen3_5_text": (test_gguf_hybrids, {})}
+         "qwen3_5_text": (test_gguf_hybrids, {}),
+         "deepseek_v3": (test_gguf_families, {})}
 # Stored transformed: w + 1 and -exp(A_log) round in float32 (one unit in the last place
 # of values of a few units).
 TRANSFORMED = re.compile(r"(layernorm|q_norm|k_norm|model\.norm)\.weight$|A_log$")

@@ -1276,7 +1276,8 @@ def read_gguf_model(
 # model_type -> the general.architecture write_gguf gives it (llama.cpp runs Mistral as
 # llama).
 _WRITTEN = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-            "gemma3_text": "gemma3", "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35"}
+            "gemma3_text": "gemma3", "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35",
+            "deepseek_v3": "deepseek2"}
 # YaRN's keys of rope_scaling -> the rope.scaling.* key write_gguf gives them (gpt-oss's
 # and DeepSeek's files; their factor and original context are written apart).
 _YARN_WRITTEN = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow",
@@ -1319,6 +1320,8 @@ def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[A
                 meta[f"rope.scaling.{written}"] = (scaling[key], f32)
     if config["model_type"] in _HYBRIDS:
         meta.update(_hybrid_metadata(config, gguf))
+    if arch == "deepseek2":
+        meta.update(_deepseek2_metadata(config, gguf))
     if arch == "gpt-oss":  # intermediate_size is each expert's
         meta.update({"attention.sliding_window": (config["sliding_window"], u32),
                      "expert_count": (config["num_local_experts"], u32),
@@ -1328,6 +1331,38 @@ def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[A
         if config["sliding_window"] is not None:
             meta["attention.sliding_window"] = (config["sliding_window"], u32)
         meta["rope.freq_base_swa"] = (config["rope_local_base_freq"], f32)
+    return meta
+
+
+def _deepseek2_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[Any, Any]]:
+    """DeepSeek-V3's own metadata (:func:`_deepseek2_config` reads it), as llama.cpp's
+    converter writes it since its MLA: attention over the latent (one key/value head of
+    ``kv_lora_rank + qk_rope_head_dim``) with the heads' sizes as ``*_mla``, sigmoid
+    routing, YaRN's ``mscale_all_dim`` as ``0.1 *`` it."""
+    u32, f32, flag = (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32,
+                      gguf.GGUFValueType.BOOL)
+    rank, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    meta = {
+        "attention.head_count_kv": (1, u32),
+        "attention.key_length": (rank + rope, u32), "attention.value_length": (rank, u32),
+        "attention.key_length_mla": (config["qk_nope_head_dim"] + rope, u32),
+        "attention.value_length_mla": (config["v_head_dim"], u32),
+        "attention.kv_lora_rank": (rank, u32), "rope.dimension_count": (rope, u32),
+        "expert_gating_func": (_SIGMOID, u32),
+        "expert_count": (config["n_routed_experts"], u32),
+        "expert_used_count": (config["num_experts_per_tok"], u32),
+        "expert_feed_forward_length": (config["moe_intermediate_size"], u32),
+        "expert_shared_count": (config["n_shared_experts"], u32),
+        "leading_dense_block_count": (config["first_k_dense_replace"], u32),
+        "expert_weights_scale": (config["routed_scaling_factor"], f32),
+        "expert_weights_norm": (bool(config["norm_topk_prob"]), flag),
+        "expert_group_count": (config["n_group"], u32),
+        "expert_group_used_count": (config["topk_group"], u32)}
+    if config["q_lora_rank"] is not None:
+        meta["attention.q_lora_rank"] = (config["q_lora_rank"], u32)
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "yarn":
+        meta[f"rope.scaling.{_YARN_LOG_MUL}"] = (0.1 * scaling.get("mscale_all_dim", 0.0), f32)
     return meta
 
 
@@ -1372,6 +1407,11 @@ def _to_gguf(name: str, tensor: Tensor, config: dict[str, Any]) -> Tensor:
     if model_type in _HYBRIDS and name.startswith("blk.") and name.split(".")[2].startswith(
             ("ssm_", "attn_qkv", "attn_gate")):
         return _linear_to_gguf(name, tensor, config).contiguous()
+    if kind in ("attn_k_b", "attn_v_b"):  # kv_b_proj (heads * (nope + v), rank)
+        nope = config["qk_nope_head_dim"]
+        per_head = tensor.reshape(config["num_attention_heads"], -1, tensor.shape[-1])
+        return (per_head[:, :nope].transpose(1, 2) if kind == "attn_k_b"
+                else per_head[:, nope:]).contiguous()
     if model_type in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
         return permute_rope(tensor, config["num_attention_heads" if kind == "attn_q"
                                            else "num_key_value_heads"])
@@ -1451,7 +1491,10 @@ def write_gguf(
     sinks as ``attn_sinks``, its alternating gate/up expert columns split into
     ``ffn_gate_exps``/``ffn_up_exps`` ``(E, I, d)`` and its down experts transposed;
     Qwen3.5's norms (but the gated one) as ``1 + w``, ``A_log`` as ``ssm_a =
-    -exp(A_log)``, the convolution squeezed, the value heads in llama.cpp's tiled order.
+    -exp(A_log)``, the convolution squeezed, the value heads in llama.cpp's tiled order;
+    DeepSeek-V3's ``kv_b_proj`` split into ``attn_k_b`` (transposed) and ``attn_v_b``,
+    its experts' halves as ``ffn_gate_exps``/``ffn_up_exps``, the score correction as
+    ``exp_probs_b``.
     Vectors, biases, norms, routers (``ffn_gate_inp*``) and the DeltaNet convolution are
     F32, as llama.cpp's converter writes them; the other 2-D and the 3-D weights (the
     experts, unquantized) ``dtype``.
@@ -1470,7 +1513,7 @@ def write_gguf(
             temporary name beside it, then renamed: it appears whole or not at all.
         config: the model's ``config.json`` (``model_type`` ``"llama"``, ``"mistral"``,
             ``"qwen2"``, ``"qwen3"``, ``"gemma3_text"``, ``"gpt_oss"`` or
-            ``"qwen3_5_text"``: :data:`_WRITTEN`).
+            ``"qwen3_5_text"`` or ``"deepseek_v3"``: :data:`_WRITTEN`).
         state_dict: Hugging Face name -> tensor, as :func:`read_gguf_model` or
             ``*ForCausalLM.state_dict()`` give it (a tied ``lm_head.weight`` may be
             there; it is not written).
