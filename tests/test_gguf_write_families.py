@@ -1,6 +1,7 @@
 """``write_gguf`` on the families of mixed layers: gpt-oss (``gpt-oss``), Qwen3.5
-(``qwen35``) and DeepSeek-V3 (``deepseek2``, the MLA form: ``attn_k_b``/``attn_v_b``),
-against transformers and llama.cpp's converter.
+(``qwen35``), DeepSeek-V3 (``deepseek2``, the MLA form: ``attn_k_b``/``attn_v_b``) and
+Qwen3-Next (``qwen3next``: ``attn_qkv``/``attn_gate``), against transformers and
+llama.cpp's converter.
 
 Each family's tiny model is the one its GGUF reader's tests build with transformers'
 classes (``test_gguf_families``, ``test_gguf_hybrids``: the shapes llama.cpp runs, e.g.
@@ -12,7 +13,7 @@ value heads as wide as its key heads, as llama.cpp's loader takes them). Written
   ``convert``, llama.cpp's ``convert_hf_to_gguf.py`` conventions) writes, bit for bit
   in float32, under the same names;
 - ``read_gguf_model`` of the file gives back transformers' state dict, bit-equal where
-  stored as it is, within float32 rounding where transformed (Qwen3.5's norms stored as
+  stored as it is, within float32 rounding where transformed (the hybrids' norms as
   ``1 + w``, ``A_log`` as ``-exp(A_log)``), and its ``GPTConfig`` fields;
 - ``qkv lm import`` of the file runs like the transformers model (logits within 1e-4).
 
@@ -46,9 +47,10 @@ from test_open_models import hf_model as open_model  # noqa: E402
 # keyword arguments: gpt-oss's experts unquantized, as write_gguf writes them)
 SPECS = {"gpt_oss": (test_gguf_families, {"mxfp4": False}),
          "qwen3_5_text": (test_gguf_hybrids, {}),
-         "deepseek_v3": (test_gguf_families, {})}
-# Stored transformed: w + 1 and -exp(A_log) round in float32 (one unit in the last place
-# of values of a few units).
+         "deepseek_v3": (test_gguf_families, {}),
+         "qwen3_next": (test_gguf_hybrids, {})}
+# Stored transformed (the hybrids'): w + 1 and -exp(A_log) round in float32 (one unit
+# in the last place of values of a few units).
 TRANSFORMED = re.compile(r"(layernorm|q_norm|k_norm|model\.norm)\.weight$|A_log$")
 ROUNDING = 5e-7
 FAMILIES = list(SPECS)

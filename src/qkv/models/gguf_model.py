@@ -1277,7 +1277,7 @@ def read_gguf_model(
 # llama).
 _WRITTEN = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
             "gemma3_text": "gemma3", "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35",
-            "deepseek_v3": "deepseek2"}
+            "deepseek_v3": "deepseek2", "qwen3_next": "qwen3next"}
 # YaRN's keys of rope_scaling -> the rope.scaling.* key write_gguf gives them (gpt-oss's
 # and DeepSeek's files; their factor and original context are written apart).
 _YARN_WRITTEN = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow",
@@ -1380,6 +1380,13 @@ def _hybrid_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[Any, 
             "ssm.group_count": (config["linear_num_key_heads"], u32),
             "ssm.time_step_rank": (v_heads, u32),
             "ssm.inner_size": (v_heads * config["linear_value_head_dim"], u32)}
+    if config["model_type"] == "qwen3_next":  # experts in every layer
+        meta.update({
+            "expert_count": (config["num_experts"], u32),
+            "expert_used_count": (config["num_experts_per_tok"], u32),
+            "expert_feed_forward_length": (config["moe_intermediate_size"], u32),
+            "expert_shared_feed_forward_length": (config["shared_expert_intermediate_size"],
+                                                  u32)})
     if config["model_type"] == "qwen3_5_text":
         pairs = rotary // 2
         meta["rope.dimension_sections"] = (
@@ -1422,13 +1429,20 @@ def _to_gguf(name: str, tensor: Tensor, config: dict[str, Any]) -> Tensor:
 
 def _linear_to_gguf(name: str, tensor: Tensor, config: dict[str, Any]) -> Tensor:
     """One of a Gated DeltaNet layer's llama.cpp tensors from the Hugging Face tensor
-    that makes it (:func:`_linear_to_hf`'s inverse): the convolution squeezed to ``(C,
-    K)``, ``A_log`` as ``ssm_a = -exp(A_log)``, Qwen3.5's value heads from the folder's
+    that makes it (:func:`_linear_to_hf`'s inverse): Qwen3-Next's fused
+    ``in_proj_qkvz`` split into ``attn_qkv`` and ``attn_gate``, the convolution squeezed
+    to ``(C, K)``, ``A_log`` as ``ssm_a = -exp(A_log)``, Qwen3.5's value heads from the folder's
     grouped order to llama.cpp's tiled one (:func:`_grouped` with the two counts
     swapped)."""
     kind = name.split(".")[2]
     k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
     hk, hv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    if kind in ("attn_qkv", "attn_gate") and config["model_type"] == "qwen3_next":
+        qkvz, _ = fused_row_order(k_heads, v_heads, hk, hv)
+        unfused = torch.empty_like(tensor)
+        unfused[qkvz] = tensor  # all q, all k, all v, then all z
+        conv = 2 * k_heads * hk + v_heads * hv
+        return unfused[:conv] if kind == "attn_qkv" else unfused[conv:]
     if kind == "ssm_a":
         tensor = -tensor.exp()
     elif kind == "ssm_conv1d":
@@ -1494,7 +1508,8 @@ def write_gguf(
     -exp(A_log)``, the convolution squeezed, the value heads in llama.cpp's tiled order;
     DeepSeek-V3's ``kv_b_proj`` split into ``attn_k_b`` (transposed) and ``attn_v_b``,
     its experts' halves as ``ffn_gate_exps``/``ffn_up_exps``, the score correction as
-    ``exp_probs_b``.
+    ``exp_probs_b``; Qwen3-Next's fused ``in_proj_qkvz`` split into ``attn_qkv`` and
+    ``attn_gate``, its ``in_proj_ba`` as ``ssm_ba``.
     Vectors, biases, norms, routers (``ffn_gate_inp*``) and the DeltaNet convolution are
     F32, as llama.cpp's converter writes them; the other 2-D and the 3-D weights (the
     experts, unquantized) ``dtype``.
@@ -1513,7 +1528,8 @@ def write_gguf(
             temporary name beside it, then renamed: it appears whole or not at all.
         config: the model's ``config.json`` (``model_type`` ``"llama"``, ``"mistral"``,
             ``"qwen2"``, ``"qwen3"``, ``"gemma3_text"``, ``"gpt_oss"`` or
-            ``"qwen3_5_text"`` or ``"deepseek_v3"``: :data:`_WRITTEN`).
+            ``"qwen3_5_text"``, ``"deepseek_v3"`` or ``"qwen3_next"``:
+            :data:`_WRITTEN`).
         state_dict: Hugging Face name -> tensor, as :func:`read_gguf_model` or
             ``*ForCausalLM.state_dict()`` give it (a tied ``lm_head.weight`` may be
             there; it is not written).
@@ -1536,7 +1552,7 @@ def write_gguf(
         raise ValueError(f"config: model_type {show(model_type)} cannot be written to GGUF; "
                          f"qkv writes {', '.join(_WRITTEN)}")
     fields = config_fields(config, "config")
-    to_qkv(state_dict, fields)  # checks every name and shape, in one line each
+    to_qkv(state_dict, fields, model_type)  # checks every name and shape, in one line each
     full = hf_config(fields, model_type)  # every size spelled out
     if model_type in _HYBRIDS:
         # llama.cpp's one schedule: a full layer every full_attention_interval (the
