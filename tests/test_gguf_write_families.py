@@ -1,12 +1,13 @@
 """``write_gguf`` on the families of mixed layers: gpt-oss (``gpt-oss``), Qwen3.5
-(``qwen35``), DeepSeek-V3 (``deepseek2``, the MLA form: ``attn_k_b``/``attn_v_b``) and
-Qwen3-Next (``qwen3next``: ``attn_qkv``/``attn_gate``), against transformers and
-llama.cpp's converter.
+(``qwen35``), DeepSeek-V3 (``deepseek2``, the MLA form: ``attn_k_b``/``attn_v_b``),
+Qwen3-Next (``qwen3next``: ``attn_qkv``/``attn_gate``) and Gemma 4 (``gemma4``), against
+transformers and llama.cpp's converter.
 
 Each family's tiny model is the one its GGUF reader's tests build with transformers'
 classes (``test_gguf_families``, ``test_gguf_hybrids``: the shapes llama.cpp runs, e.g.
 gpt-oss's YaRN with its correction range rounded out, as llama.cpp computes it; Qwen3.5's
-value heads as wide as its key heads, as llama.cpp's loader takes them). Written by
+value heads as wide as its key heads, as llama.cpp's loader takes them; Gemma 4's layers
+before the shared ones ending sliding, full, as llama.cpp shares caches). Written by
 ``write_gguf``:
 
 - every tensor of the file is the array the small converter of those tests (their
@@ -40,15 +41,41 @@ from qkv.models.gguf_model import read_gguf_model, write_gguf  # noqa: E402
 from qkv.models.gguf_weights import read_gguf_header, read_gguf_tensors  # noqa: E402
 from qkv.models.hf_open import config_fields  # noqa: E402
 from qkv.tasks.lm import LanguageModel  # noqa: E402
-from test_open_models import VOCAB  # noqa: E402
+from test_open_models import GEMMA4, VOCAB  # noqa: E402
 from test_open_models import hf_model as open_model  # noqa: E402
 
-# family -> (the module whose hf_model and convert are that family's spec, convert's
-# keyword arguments: gpt-oss's experts unquantized, as write_gguf writes them)
-SPECS = {"gpt_oss": (test_gguf_families, {"mxfp4": False}),
-         "qwen3_5_text": (test_gguf_hybrids, {}),
-         "deepseek_v3": (test_gguf_families, {}),
-         "qwen3_next": (test_gguf_hybrids, {})}
+
+def gemma4_as_llama_cpp_shares(family: str = "gemma4_text", seed: int = 0):
+    """test_open_models' Gemma 4 (matrices but the embedding scaled up 4 times, norms
+    moved), its layers sliding, sliding, full, then the two shared ones sliding, full:
+    llama.cpp gives a shared sliding layer the cache of the second-last layer before the
+    shared ones, a full one the last's, which transformers' rule (the last earlier layer
+    of its kind) then gives too."""
+    kinds = ["sliding_attention", "sliding_attention", "full_attention",
+             "sliding_attention", "full_attention"]
+    config = transformers.Gemma4TextConfig(**{**GEMMA4, "layer_types": kinds})
+    config.eos_token_id = 2
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            elif p.dim() >= 2 and "embed" not in name:
+                p.mul_(4.0)
+    return model.eval()
+
+
+# family -> (its tiny transformers model, the converter that is the spec of its GGUF
+# form, that converter's keyword arguments: gpt-oss's experts unquantized, as write_gguf
+# writes them)
+SPECS = {"gpt_oss": (test_gguf_families.hf_model, test_gguf_families.convert,
+                     {"mxfp4": False}),
+         "qwen3_5_text": (test_gguf_hybrids.hf_model, test_gguf_hybrids.convert, {}),
+         "deepseek_v3": (test_gguf_families.hf_model, test_gguf_families.convert, {}),
+         "qwen3_next": (test_gguf_hybrids.hf_model, test_gguf_hybrids.convert, {}),
+         "gemma4_text": (gemma4_as_llama_cpp_shares, test_gguf_families.convert, {})}
+HYBRIDS = ("qwen3_5_text", "qwen3_next")
 # Stored transformed (the hybrids'): w + 1 and -exp(A_log) round in float32 (one unit
 # in the last place of values of a few units).
 TRANSFORMED = re.compile(r"(layernorm|q_norm|k_norm|model\.norm)\.weight$|A_log$")
@@ -65,8 +92,8 @@ def written(tmp_path_factory) -> dict[str, tuple]:
                             {"tokenizer.ggml.model": "gpt2", "add_eos_token_id": 2,
                              "tokenizer.ggml.tokens": [f"t{i}" for i in range(VOCAB)]})
     out = {}
-    for family, (spec, _) in SPECS.items():
-        model = spec.hf_model(family)
+    for family, (make, _, _) in SPECS.items():
+        model = make(family)
         path = tmp_path_factory.mktemp(family) / f"{family}.gguf"
         out[family] = model, write_gguf(path, model.config.to_dict(), model.state_dict(),
                                         tokenizer=tokens)
@@ -76,8 +103,8 @@ def written(tmp_path_factory) -> dict[str, tuple]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tensors_are_what_llama_cpp_converter_writes(written, family):
     model, path = written[family]
-    spec, options = SPECS[family]
-    arrays, _ = spec.convert(model, family, **options)
+    _, convert, options = SPECS[family]
+    arrays, _ = convert(model, family, **options)
     header = read_gguf_header(path)
     assert set(header.tensors) == set(arrays)
     ours = read_gguf_tensors(path, list(arrays), header=header)
@@ -96,7 +123,7 @@ def test_reads_back_as_the_model(written, family):
         del want["lm_head.weight"]
     assert set(state) == set(want)
     for name, tensor in want.items():
-        if TRANSFORMED.search(name) and family != "gpt_oss":
+        if TRANSFORMED.search(name) and family in HYBRIDS:
             torch.testing.assert_close(state[name], tensor, atol=ROUNDING, rtol=0)
         else:
             assert torch.equal(state[name], tensor), name
@@ -148,4 +175,15 @@ def test_refuses_value_heads_llama_cpp_cannot_load(tmp_path):
     with pytest.raises(ValueError) as error:
         write_gguf(tmp_path / "m.gguf", model.config.to_dict(), model.state_dict())
     one_line(error, "linear_value_head_dim 12", "qwen35", "linear_key_head_dim (8)")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_sharing_llama_cpp_computes_otherwise(tmp_path):
+    """test_open_models' Gemma 4 (sliding, full, sliding, then shared sliding, full):
+    llama.cpp would give shared layer 3 the cache of layer 1 (full), not layer 2's."""
+    model = open_model("gemma4_text")
+    with pytest.raises(ValueError) as error:
+        write_gguf(tmp_path / "m.gguf", model.config.to_dict(), model.state_dict())
+    one_line(error, "layer 3 (sliding_attention) shares the cache of layer 2",
+             "gives it layer 1's")
     assert list(tmp_path.iterdir()) == []

@@ -477,6 +477,11 @@ def _proportional(header: GGUFHeader, head_dim: int) -> float:
         raise ValueError(f"{where} has shape {list(shape)}; full layers' heads of "
                          f"{head_dim} imply [{head_dim // 2}]")
     divisors = read_gguf_tensors(header.path, [_ROPE_FREQS], header=header)[_ROPE_FREQS]
+    return _proportional_from_divisors(divisors, head_dim, where)
+
+
+def _proportional_from_divisors(divisors: Tensor, head_dim: int, where: str) -> float:
+    """:func:`_proportional` of the ``head_dim / 2`` divisors a ``rope_freqs`` holds."""
     turning = int((divisors == 1).sum())
     if not (bool((divisors[:turning] == 1).all()) and bool((divisors[turning:] > _UNTURNED)
                                                            .all())) or turning == 0:
@@ -1277,7 +1282,10 @@ def read_gguf_model(
 # llama).
 _WRITTEN = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
             "gemma3_text": "gemma3", "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35",
-            "deepseek_v3": "deepseek2", "qwen3_next": "qwen3next"}
+            "deepseek_v3": "deepseek2", "qwen3_next": "qwen3next", "gemma4_text": "gemma4"}
+# Gemma 4's proportional RoPE: rope_freqs' divisor for the pairs that do not turn (as
+# llama.cpp's converter writes it).
+_NOT_TURNING = 1e30
 # YaRN's keys of rope_scaling -> the rope.scaling.* key write_gguf gives them (gpt-oss's
 # and DeepSeek's files; their factor and original context are written apart).
 _YARN_WRITTEN = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow",
@@ -1304,8 +1312,9 @@ def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[A
         "attention.key_length": (head_dim, u32), "attention.value_length": (head_dim, u32),
         "rope.dimension_count": (head_dim, u32),
         "attention.layer_norm_rms_epsilon": (config["rms_norm_eps"], f32),
-        "rope.freq_base": (config["rope_theta"], f32),
     }
+    if "rope_theta" in config:  # Gemma 4's is per layer type
+        meta["rope.freq_base"] = (config["rope_theta"], f32)
     scaling = config.get("rope_scaling") or {}
     if scaling.get("rope_type") == "linear":  # llama3's is a tensor (_rope_freqs)
         meta["rope.scaling.type"] = ("linear", string)
@@ -1322,6 +1331,8 @@ def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[A
         meta.update(_hybrid_metadata(config, gguf))
     if arch == "deepseek2":
         meta.update(_deepseek2_metadata(config, gguf))
+    if arch == "gemma4":
+        meta.update(_gemma4_metadata(config, gguf))
     if arch == "gpt-oss":  # intermediate_size is each expert's
         meta.update({"attention.sliding_window": (config["sliding_window"], u32),
                      "expert_count": (config["num_local_experts"], u32),
@@ -1331,6 +1342,47 @@ def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[A
         if config["sliding_window"] is not None:
             meta["attention.sliding_window"] = (config["sliding_window"], u32)
         meta["rope.freq_base_swa"] = (config["rope_local_base_freq"], f32)
+    return meta
+
+
+def _gemma4_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[Any, Any]]:
+    """Gemma 4's own metadata (:func:`_gemma4_config` reads it): the sliding layers'
+    flags, the full and sliding heads' sizes, per-layer key/value heads and MLP widths
+    (the shared layers' doubled), the RoPE bases, experts, per-layer inputs, the logits'
+    soft cap."""
+    u32, f32, array = (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32,
+                       gguf.GGUFValueType.ARRAY)
+    layers, swa = config["num_hidden_layers"], config["head_dim"]
+    full = config["global_head_dim"]
+    sliding = [kind == "sliding_attention" for kind in config["layer_types"]]
+    first_shared = layers - config["num_kv_shared_layers"]
+    double = 2 if config["use_double_wide_mlp"] else 1
+    rope = config["rope_parameters"]
+    meta = {
+        "attention.sliding_window_pattern": (sliding, array),
+        "attention.head_count_kv": ([config["per_layer_config"].get(str(i), {}).get(
+            "num_key_value_heads", config["num_key_value_heads"]) for i in range(layers)],
+            array),
+        "feed_forward_length": ([config["intermediate_size"] * (double if i >= first_shared
+                                                                else 1)
+                                 for i in range(layers)], array),
+        "attention.key_length": (full, u32), "attention.value_length": (full, u32),
+        "attention.key_length_swa": (swa, u32), "attention.value_length_swa": (swa, u32),
+        "rope.dimension_count": (full, u32), "rope.dimension_count_swa": (swa, u32),
+        "rope.freq_base": (rope["full_attention"]["rope_theta"], f32),
+        "rope.freq_base_swa": (rope["sliding_attention"]["rope_theta"], f32),
+        "attention.shared_kv_layers": (config["num_kv_shared_layers"], u32)}
+    if any(sliding):
+        meta["attention.sliding_window"] = (config["sliding_window"], u32)
+    if config["hidden_size_per_layer_input"]:
+        meta["embedding_length_per_layer_input"] = (config["hidden_size_per_layer_input"],
+                                                    u32)
+    if config["final_logit_softcapping"] is not None:
+        meta["final_logit_softcapping"] = (config["final_logit_softcapping"], f32)
+    if config["enable_moe_block"]:
+        meta.update({"expert_count": (config["num_experts"], u32),
+                     "expert_used_count": (config["top_k_experts"], u32),
+                     "expert_feed_forward_length": (config["moe_intermediate_size"], u32)})
     return meta
 
 
@@ -1366,6 +1418,24 @@ def _deepseek2_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[An
     return meta
 
 
+def _check_gemma4_sharing(config: dict[str, Any]) -> None:
+    """Gemma 4's shared layers must read the caches llama.cpp gives them: it takes a
+    shared sliding layer's keys and values from the second-last layer before the shared
+    ones, a full layer's from the last (its fixed rule); transformers and qkv from the
+    last earlier layer of the same kind. The two agree when the layers before the
+    shared ones end sliding, full."""
+    kinds, layers = config["layer_types"], config["num_hidden_layers"]
+    first = layers - config["num_kv_shared_layers"]
+    for i in range(first, layers):
+        theirs = first - (2 if kinds[i] == "sliding_attention" else 1)
+        ours = max((j for j in range(first) if kinds[j] == kinds[i]), default=None)
+        if theirs != ours:
+            raise ValueError(
+                f"config: layer {i} ({kinds[i]}) shares the cache of layer {ours}; a GGUF "
+                f"gemma4 file gives it layer {theirs}'s (llama.cpp: the layers before the "
+                f"num_kv_shared_layers={layers - first} shared ones must end sliding, full)")
+
+
 def _hybrid_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[Any, Any]]:
     """The Gated DeltaNet hybrids' own metadata (:func:`_hybrid_config` reads it): the
     rotated part of each head, the schedule, the linear attention's ``ssm.*`` sizes;
@@ -1396,9 +1466,16 @@ def _hybrid_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[Any, 
 
 def _rope_freqs(config: dict[str, Any]) -> Tensor | None:
     """The ``rope_freqs.weight`` llama.cpp reads llama3 RoPE scaling from (``llama`` files):
-    per frequency, the divisor the scaling applies, float32; None without that scaling."""
+    per frequency, the divisor the scaling applies, float32; Gemma 4's proportional RoPE
+    (``gemma4`` files): 1 for each pair of the full layers' heads that turns, 1e30 for the
+    rest; None without either."""
     if not _kept_out(config):
         return None
+    if config["model_type"] == "gemma4_text":
+        pairs = config["global_head_dim"] // 2
+        factor = config["rope_parameters"]["full_attention"]["partial_rotary_factor"]
+        turning = int(config["global_head_dim"] * factor / 2)
+        return torch.tensor([1.0] * turning + [_NOT_TURNING] * (pairs - turning))
     head_dim, base, scaling = config["head_dim"], config["rope_theta"], config["rope_scaling"]
     return (rope_frequencies(head_dim, base) / rope_frequencies(head_dim, base, scaling)
             ).float()
@@ -1472,6 +1549,8 @@ def _experts_to_gguf(kind: str, tensor: Tensor, model_type: str) -> Tensor:
     gpt_oss = model_type == "gpt_oss"
     if kind == "ffn_down_exps":
         return tensor.transpose(1, 2) if gpt_oss and tensor.dim() == 3 else tensor
+    if kind == "ffn_gate_up_exps":  # gate rows, then up rows, as the others hold them
+        return tensor
     half = 0 if kind == "ffn_gate_exps" else 1
     if not gpt_oss:
         return tensor.chunk(2, dim=1)[half]
@@ -1509,7 +1588,10 @@ def write_gguf(
     DeepSeek-V3's ``kv_b_proj`` split into ``attn_k_b`` (transposed) and ``attn_v_b``,
     its experts' halves as ``ffn_gate_exps``/``ffn_up_exps``, the score correction as
     ``exp_probs_b``; Qwen3-Next's fused ``in_proj_qkvz`` split into ``attn_qkv`` and
-    ``attn_gate``, its ``in_proj_ba`` as ``ssm_ba``.
+    ``attn_gate``, its ``in_proj_ba`` as ``ssm_ba``; Gemma 4's norms as they are, its
+    proportional RoPE as a ``rope_freqs.weight`` tensor, its experts fused
+    (``ffn_gate_up_exps``), the router's scales as ``ffn_gate_inp.scale`` and
+    ``ffn_down_exps.scale``.
     Vectors, biases, norms, routers (``ffn_gate_inp*``) and the DeltaNet convolution are
     F32, as llama.cpp's converter writes them; the other 2-D and the 3-D weights (the
     experts, unquantized) ``dtype``.
@@ -1521,15 +1603,16 @@ def write_gguf(
     RoPE scaling other than linear and Llama 3's, ...) is a one-line ``ValueError``; so
     are biases on a Qwen3 or Gemma 3 model's projections, which llama.cpp's
     ``attn_output`` lacks there, and DeltaNet value heads of another size than the key
-    heads (llama.cpp's loader fails on such a file).
+    heads (llama.cpp's loader fails on such a file), and Gemma 4's shared layers whose
+    caches llama.cpp would take from other layers (:func:`_check_gemma4_sharing`).
 
     Args:
         path: the ``.gguf`` file to write; it must not exist. It is written under a
             temporary name beside it, then renamed: it appears whole or not at all.
         config: the model's ``config.json`` (``model_type`` ``"llama"``, ``"mistral"``,
             ``"qwen2"``, ``"qwen3"``, ``"gemma3_text"``, ``"gpt_oss"`` or
-            ``"qwen3_5_text"``, ``"deepseek_v3"`` or ``"qwen3_next"``:
-            :data:`_WRITTEN`).
+            ``"qwen3_5_text"``, ``"deepseek_v3"``, ``"qwen3_next"`` or
+            ``"gemma4_text"``: :data:`_WRITTEN`).
         state_dict: Hugging Face name -> tensor, as :func:`read_gguf_model` or
             ``*ForCausalLM.state_dict()`` give it (a tied ``lm_head.weight`` may be
             there; it is not written).
@@ -1566,7 +1649,16 @@ def write_gguf(
                 f"config: linear_value_head_dim {full['linear_value_head_dim']} cannot be "
                 f"written to a GGUF {_WRITTEN[model_type]} file: llama.cpp takes the value "
                 f"heads to be linear_key_head_dim ({full['linear_key_head_dim']}) wide")
-    arch, plan, rope_freqs = _WRITTEN[model_type], _plan(full), _rope_freqs(full)
+    stored: tuple[str, ...] = ()
+    if model_type == "gemma4_text":
+        # the full layers' head size; experts fused, as llama.cpp's converter writes them
+        layers, heads = full["num_hidden_layers"], full["per_layer_config"]
+        full["global_head_dim"] = next(
+            (heads.get(str(i), {}).get("head_dim", full["head_dim"]) for i in range(layers)
+             if full["layer_types"][i] == "full_attention"), full["head_dim"])
+        stored = tuple(f"blk.{i}.ffn_gate_up_exps.weight" for i in range(layers))
+        _check_gemma4_sharing(full)
+    arch, plan, rope_freqs = _WRITTEN[model_type], _plan(full, stored), _rope_freqs(full)
     if arch in ("qwen3", "gemma3") and fields["out_bias"]:
         raise ValueError(f"config: attention_bias=True cannot be written to a GGUF {arch} "
                          f"file: llama.cpp's {arch} loads no attn_output.bias")
@@ -1582,7 +1674,11 @@ def write_gguf(
         tensors={name: GGUFTensorInfo(name, "F32", shape, 0, 0)
                  for name, (_, shape) in plan.items()})
     back = gguf_config(header)
-    if rope_freqs is not None:  # the tensor is not in the header above: read it here
+    if rope_freqs is not None and arch == "gemma4":  # not in the header above: read here
+        back["rope_parameters"]["full_attention"].update(
+            rope_type="proportional", partial_rotary_factor=_proportional_from_divisors(
+                rope_freqs, full["global_head_dim"], f"{path}: rope"))
+    elif rope_freqs is not None:
         back["rope_scaling"] = _llama3_from_divisors(rope_freqs, full["head_dim"],
                                                      back["rope_theta"], f"{path}: rope")
     difference = field_difference(fields, config_fields(back, str(path)), "llama.cpp")
