@@ -137,7 +137,7 @@ from .gguf_weights import (
     read_gguf_tensors,
     unpermute_rope,
 )
-from .hf_open import config_fields, field_difference, hf_config, to_qkv
+from .hf_open import config_fields, field_difference, from_qkv, hf_config, to_qkv
 from .quantized import QuantizedWeight
 
 __all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "llama3_scaling",
@@ -1635,7 +1635,17 @@ def write_gguf(
         raise ValueError(f"config: model_type {show(model_type)} cannot be written to GGUF; "
                          f"qkv writes {', '.join(_WRITTEN)}")
     fields = config_fields(config, "config")
-    to_qkv(state_dict, fields, model_type)  # checks every name and shape, in one line each
+    # Checks every name and shape (one line each), then gives the tensors as transformers'
+    # module holds them, whichever form they came in: the module's (Qwen3-Next's
+    # projections fused) or from_qkv's (per-expert tensors, projections split).
+    try:
+        ours = to_qkv(state_dict, fields, model_type)
+    except ValueError as error:
+        try:
+            ours = to_qkv(state_dict, fields)
+        except ValueError:
+            raise error from None
+    state_dict = from_qkv(ours, fields, model_type, fused_experts=True)
     full = hf_config(fields, model_type)  # every size spelled out
     if model_type in _HYBRIDS:
         # llama.cpp's one schedule: a full layer every full_attention_interval (the
