@@ -507,8 +507,10 @@ def test_gemma4_files_qkv_cannot_read_are_one_line(files, tmp_path):
 
 def test_write_gguf_refuses_these_families(files, tmp_path):
     """Writing these families back to GGUF is not implemented: refused, one line,
-    nothing written."""
+    nothing written (test_gguf_write_families tests those written)."""
     for family, (hf, _) in files.items():
+        if family in ("gpt_oss", "deepseek_v3", "gemma4_text"):  # written: test_gguf_write_families
+            continue
         target = tmp_path / f"{family}.gguf"
         with pytest.raises(ValueError) as error:
             gguf_model.write_gguf(target, hf.config.to_dict(), hf.state_dict())

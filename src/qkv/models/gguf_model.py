@@ -137,7 +137,7 @@ from .gguf_weights import (
     read_gguf_tensors,
     unpermute_rope,
 )
-from .hf_open import config_fields, field_difference, hf_config, to_qkv
+from .hf_open import config_fields, field_difference, from_qkv, hf_config, to_qkv
 from .quantized import QuantizedWeight
 
 __all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "llama3_scaling",
@@ -477,6 +477,11 @@ def _proportional(header: GGUFHeader, head_dim: int) -> float:
         raise ValueError(f"{where} has shape {list(shape)}; full layers' heads of "
                          f"{head_dim} imply [{head_dim // 2}]")
     divisors = read_gguf_tensors(header.path, [_ROPE_FREQS], header=header)[_ROPE_FREQS]
+    return _proportional_from_divisors(divisors, head_dim, where)
+
+
+def _proportional_from_divisors(divisors: Tensor, head_dim: int, where: str) -> float:
+    """:func:`_proportional` of the ``head_dim / 2`` divisors a ``rope_freqs`` holds."""
     turning = int((divisors == 1).sum())
     if not (bool((divisors[:turning] == 1).all()) and bool((divisors[turning:] > _UNTURNED)
                                                            .all())) or turning == 0:
@@ -1276,7 +1281,15 @@ def read_gguf_model(
 # model_type -> the general.architecture write_gguf gives it (llama.cpp runs Mistral as
 # llama).
 _WRITTEN = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-            "gemma3_text": "gemma3"}
+            "gemma3_text": "gemma3", "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35",
+            "deepseek_v3": "deepseek2", "qwen3_next": "qwen3next", "gemma4_text": "gemma4"}
+# Gemma 4's proportional RoPE: rope_freqs' divisor for the pairs that do not turn (as
+# llama.cpp's converter writes it).
+_NOT_TURNING = 1e30
+# YaRN's keys of rope_scaling -> the rope.scaling.* key write_gguf gives them (gpt-oss's
+# and DeepSeek's files; their factor and original context are written apart).
+_YARN_WRITTEN = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow",
+                 "attention_factor": "yarn_attn_factor"}
 # write_gguf's types of the 2-D weights -> general.file_type (llama.cpp's LlamaFileType).
 _FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16"}
 
@@ -1299,12 +1312,32 @@ def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[A
         "attention.key_length": (head_dim, u32), "attention.value_length": (head_dim, u32),
         "rope.dimension_count": (head_dim, u32),
         "attention.layer_norm_rms_epsilon": (config["rms_norm_eps"], f32),
-        "rope.freq_base": (config["rope_theta"], f32),
     }
-    scaling = config["rope_scaling"] or {}
+    if "rope_theta" in config:  # Gemma 4's is per layer type
+        meta["rope.freq_base"] = (config["rope_theta"], f32)
+    scaling = config.get("rope_scaling") or {}
     if scaling.get("rope_type") == "linear":  # llama3's is a tensor (_rope_freqs)
         meta["rope.scaling.type"] = ("linear", string)
         meta["rope.scaling.factor"] = (scaling["factor"], f32)
+    if scaling.get("rope_type") == "yarn" and arch in ("gpt-oss", "deepseek2"):
+        meta["rope.scaling.type"] = ("yarn", string)
+        meta["rope.scaling.factor"] = (scaling["factor"], f32)
+        meta["rope.scaling.original_context_length"] = (
+            scaling["original_max_position_embeddings"], u32)
+        for key, written in _YARN_WRITTEN.items():
+            if scaling.get(key) is not None:
+                meta[f"rope.scaling.{written}"] = (scaling[key], f32)
+    if config["model_type"] in _HYBRIDS:
+        meta.update(_hybrid_metadata(config, gguf))
+    if arch == "deepseek2":
+        meta.update(_deepseek2_metadata(config, gguf))
+    if arch == "gemma4":
+        meta.update(_gemma4_metadata(config, gguf))
+    if arch == "gpt-oss":  # intermediate_size is each expert's
+        meta.update({"attention.sliding_window": (config["sliding_window"], u32),
+                     "expert_count": (config["num_local_experts"], u32),
+                     "expert_used_count": (config["num_experts_per_tok"], u32),
+                     "expert_feed_forward_length": (config["intermediate_size"], u32)})
     if arch == "gemma3":
         if config["sliding_window"] is not None:
             meta["attention.sliding_window"] = (config["sliding_window"], u32)
@@ -1312,11 +1345,137 @@ def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[A
     return meta
 
 
+def _gemma4_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[Any, Any]]:
+    """Gemma 4's own metadata (:func:`_gemma4_config` reads it): the sliding layers'
+    flags, the full and sliding heads' sizes, per-layer key/value heads and MLP widths
+    (the shared layers' doubled), the RoPE bases, experts, per-layer inputs, the logits'
+    soft cap."""
+    u32, f32, array = (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32,
+                       gguf.GGUFValueType.ARRAY)
+    layers, swa = config["num_hidden_layers"], config["head_dim"]
+    full = config["global_head_dim"]
+    sliding = [kind == "sliding_attention" for kind in config["layer_types"]]
+    first_shared = layers - config["num_kv_shared_layers"]
+    double = 2 if config["use_double_wide_mlp"] else 1
+    rope = config["rope_parameters"]
+    meta = {
+        "attention.sliding_window_pattern": (sliding, array),
+        "attention.head_count_kv": ([config["per_layer_config"].get(str(i), {}).get(
+            "num_key_value_heads", config["num_key_value_heads"]) for i in range(layers)],
+            array),
+        "feed_forward_length": ([config["intermediate_size"] * (double if i >= first_shared
+                                                                else 1)
+                                 for i in range(layers)], array),
+        "attention.key_length": (full, u32), "attention.value_length": (full, u32),
+        "attention.key_length_swa": (swa, u32), "attention.value_length_swa": (swa, u32),
+        "rope.dimension_count": (full, u32), "rope.dimension_count_swa": (swa, u32),
+        "rope.freq_base": (rope["full_attention"]["rope_theta"], f32),
+        "rope.freq_base_swa": (rope["sliding_attention"]["rope_theta"], f32),
+        "attention.shared_kv_layers": (config["num_kv_shared_layers"], u32)}
+    if any(sliding):
+        meta["attention.sliding_window"] = (config["sliding_window"], u32)
+    if config["hidden_size_per_layer_input"]:
+        meta["embedding_length_per_layer_input"] = (config["hidden_size_per_layer_input"],
+                                                    u32)
+    if config["final_logit_softcapping"] is not None:
+        meta["final_logit_softcapping"] = (config["final_logit_softcapping"], f32)
+    if config["enable_moe_block"]:
+        meta.update({"expert_count": (config["num_experts"], u32),
+                     "expert_used_count": (config["top_k_experts"], u32),
+                     "expert_feed_forward_length": (config["moe_intermediate_size"], u32)})
+    return meta
+
+
+def _deepseek2_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[Any, Any]]:
+    """DeepSeek-V3's own metadata (:func:`_deepseek2_config` reads it), as llama.cpp's
+    converter writes it since its MLA: attention over the latent (one key/value head of
+    ``kv_lora_rank + qk_rope_head_dim``) with the heads' sizes as ``*_mla``, sigmoid
+    routing, YaRN's ``mscale_all_dim`` as ``0.1 *`` it."""
+    u32, f32, flag = (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32,
+                      gguf.GGUFValueType.BOOL)
+    rank, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    meta = {
+        "attention.head_count_kv": (1, u32),
+        "attention.key_length": (rank + rope, u32), "attention.value_length": (rank, u32),
+        "attention.key_length_mla": (config["qk_nope_head_dim"] + rope, u32),
+        "attention.value_length_mla": (config["v_head_dim"], u32),
+        "attention.kv_lora_rank": (rank, u32), "rope.dimension_count": (rope, u32),
+        "expert_gating_func": (_SIGMOID, u32),
+        "expert_count": (config["n_routed_experts"], u32),
+        "expert_used_count": (config["num_experts_per_tok"], u32),
+        "expert_feed_forward_length": (config["moe_intermediate_size"], u32),
+        "expert_shared_count": (config["n_shared_experts"], u32),
+        "leading_dense_block_count": (config["first_k_dense_replace"], u32),
+        "expert_weights_scale": (config["routed_scaling_factor"], f32),
+        "expert_weights_norm": (bool(config["norm_topk_prob"]), flag),
+        "expert_group_count": (config["n_group"], u32),
+        "expert_group_used_count": (config["topk_group"], u32)}
+    if config["q_lora_rank"] is not None:
+        meta["attention.q_lora_rank"] = (config["q_lora_rank"], u32)
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "yarn":
+        meta[f"rope.scaling.{_YARN_LOG_MUL}"] = (0.1 * scaling.get("mscale_all_dim", 0.0), f32)
+    return meta
+
+
+def _check_gemma4_sharing(config: dict[str, Any]) -> None:
+    """Gemma 4's shared layers must read the caches llama.cpp gives them: it takes a
+    shared sliding layer's keys and values from the second-last layer before the shared
+    ones, a full layer's from the last (its fixed rule); transformers and qkv from the
+    last earlier layer of the same kind. The two agree when the layers before the
+    shared ones end sliding, full."""
+    kinds, layers = config["layer_types"], config["num_hidden_layers"]
+    first = layers - config["num_kv_shared_layers"]
+    for i in range(first, layers):
+        theirs = first - (2 if kinds[i] == "sliding_attention" else 1)
+        ours = max((j for j in range(first) if kinds[j] == kinds[i]), default=None)
+        if theirs != ours:
+            raise ValueError(
+                f"config: layer {i} ({kinds[i]}) shares the cache of layer {ours}; a GGUF "
+                f"gemma4 file gives it layer {theirs}'s (llama.cpp: the layers before the "
+                f"num_kv_shared_layers={layers - first} shared ones must end sliding, full)")
+
+
+def _hybrid_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[Any, Any]]:
+    """The Gated DeltaNet hybrids' own metadata (:func:`_hybrid_config` reads it): the
+    rotated part of each head, the schedule, the linear attention's ``ssm.*`` sizes;
+    Qwen3.5's multimodal RoPE sections (text tokens turn alike whatever their split)."""
+    u32 = gguf.GGUFValueType.UINT32
+    rotary = int(config["head_dim"] * config["partial_rotary_factor"])
+    v_heads = config["linear_num_value_heads"]
+    meta = {"rope.dimension_count": (rotary, u32),
+            "full_attention_interval": (config["full_attention_interval"], u32),
+            "ssm.conv_kernel": (config["linear_conv_kernel_dim"], u32),
+            "ssm.state_size": (config["linear_key_head_dim"], u32),
+            "ssm.group_count": (config["linear_num_key_heads"], u32),
+            "ssm.time_step_rank": (v_heads, u32),
+            "ssm.inner_size": (v_heads * config["linear_value_head_dim"], u32)}
+    if config["model_type"] == "qwen3_next":  # experts in every layer
+        meta.update({
+            "expert_count": (config["num_experts"], u32),
+            "expert_used_count": (config["num_experts_per_tok"], u32),
+            "expert_feed_forward_length": (config["moe_intermediate_size"], u32),
+            "expert_shared_feed_forward_length": (config["shared_expert_intermediate_size"],
+                                                  u32)})
+    if config["model_type"] == "qwen3_5_text":
+        pairs = rotary // 2
+        meta["rope.dimension_sections"] = (
+            [pairs - 2 * (pairs // 3), pairs // 3, pairs // 3, 0], gguf.GGUFValueType.ARRAY)
+    return meta
+
+
 def _rope_freqs(config: dict[str, Any]) -> Tensor | None:
     """The ``rope_freqs.weight`` llama.cpp reads llama3 RoPE scaling from (``llama`` files):
-    per frequency, the divisor the scaling applies, float32; None without that scaling."""
+    per frequency, the divisor the scaling applies, float32; Gemma 4's proportional RoPE
+    (``gemma4`` files): 1 for each pair of the full layers' heads that turns, 1e30 for the
+    rest; None without either."""
     if not _kept_out(config):
         return None
+    if config["model_type"] == "gemma4_text":
+        pairs = config["global_head_dim"] // 2
+        factor = config["rope_parameters"]["full_attention"]["partial_rotary_factor"]
+        turning = int(config["global_head_dim"] * factor / 2)
+        return torch.tensor([1.0] * turning + [_NOT_TURNING] * (pairs - turning))
     head_dim, base, scaling = config["head_dim"], config["rope_theta"], config["rope_scaling"]
     return (rope_frequencies(head_dim, base) / rope_frequencies(head_dim, base, scaling)
             ).float()
@@ -1327,12 +1486,85 @@ def _to_gguf(name: str, tensor: Tensor, config: dict[str, Any]) -> Tensor:
     inverse), float32."""
     model_type, kind = config["model_type"], name.split(".")[-2]
     tensor = tensor.detach().cpu().float()
+    if kind.endswith("_exps") and name.split(".")[-1] in ("weight", "bias"):
+        return _experts_to_gguf(kind, tensor, model_type).contiguous()
+    if model_type in _HYBRIDS and name.startswith("blk.") and name.split(".")[2].startswith(
+            ("ssm_", "attn_qkv", "attn_gate")):
+        return _linear_to_gguf(name, tensor, config).contiguous()
+    if kind in ("attn_k_b", "attn_v_b"):  # kv_b_proj (heads * (nope + v), rank)
+        nope = config["qk_nope_head_dim"]
+        per_head = tensor.reshape(config["num_attention_heads"], -1, tensor.shape[-1])
+        return (per_head[:, :nope].transpose(1, 2) if kind == "attn_k_b"
+                else per_head[:, nope:]).contiguous()
     if model_type in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
         return permute_rope(tensor, config["num_attention_heads" if kind == "attn_q"
                                            else "num_key_value_heads"])
     if _shifted(model_type, name):
         return tensor + 1
     return tensor
+
+
+def _linear_to_gguf(name: str, tensor: Tensor, config: dict[str, Any]) -> Tensor:
+    """One of a Gated DeltaNet layer's llama.cpp tensors from the Hugging Face tensor
+    that makes it (:func:`_linear_to_hf`'s inverse): Qwen3-Next's fused
+    ``in_proj_qkvz`` split into ``attn_qkv`` and ``attn_gate``, the convolution squeezed
+    to ``(C, K)``, ``A_log`` as ``ssm_a = -exp(A_log)``, Qwen3.5's value heads from the folder's
+    grouped order to llama.cpp's tiled one (:func:`_grouped` with the two counts
+    swapped)."""
+    kind = name.split(".")[2]
+    k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    hk, hv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    if kind in ("attn_qkv", "attn_gate") and config["model_type"] == "qwen3_next":
+        qkvz, _ = fused_row_order(k_heads, v_heads, hk, hv)
+        unfused = torch.empty_like(tensor)
+        unfused[qkvz] = tensor  # all q, all k, all v, then all z
+        conv = 2 * k_heads * hk + v_heads * hv
+        return unfused[:conv] if kind == "attn_qkv" else unfused[conv:]
+    if kind == "ssm_a":
+        tensor = -tensor.exp()
+    elif kind == "ssm_conv1d":
+        tensor = tensor.squeeze(1)
+    group = v_heads // k_heads
+    if config["model_type"] == "qwen3_next" or group == 1:
+        return tensor
+    keys = 2 * k_heads * hk
+    if kind in ("attn_qkv", "ssm_conv1d"):  # the values' rows, after the queries and keys
+        return torch.cat((tensor[:keys], _grouped(tensor[keys:], 0, group, k_heads, hv)))
+    if kind == "attn_gate":
+        return _grouped(tensor, 0, group, k_heads, hv)
+    if kind in ("ssm_beta", "ssm_alpha", "ssm_dt", "ssm_a"):
+        return _grouped(tensor, 0, group, k_heads, 1)
+    if kind == "ssm_out":
+        return _grouped(tensor, 1, group, k_heads, hv)
+    return tensor  # ssm_norm: one weight every head shares
+
+
+def _experts_to_gguf(kind: str, tensor: Tensor, model_type: str) -> Tensor:
+    """One of llama.cpp's 3-D expert tensors (or gpt-oss's 2-D expert biases) from
+    transformers' fused one: ``ffn_gate_exps`` and ``ffn_up_exps`` ``(E, I, d)`` are
+    gpt-oss's alternate columns of ``gate_up_proj`` ``(E, d, 2I)`` (biases ``(E, 2I)``),
+    transposed, or the other families' first and second halves of its rows ``(E, 2I, d)``;
+    ``ffn_down_exps`` ``(E, d, I)`` is gpt-oss's ``down_proj`` ``(E, I, d)`` transposed,
+    the others' as it is."""
+    gpt_oss = model_type == "gpt_oss"
+    if kind == "ffn_down_exps":
+        return tensor.transpose(1, 2) if gpt_oss and tensor.dim() == 3 else tensor
+    if kind == "ffn_gate_up_exps":  # gate rows, then up rows, as the others hold them
+        return tensor
+    half = 0 if kind == "ffn_gate_exps" else 1
+    if not gpt_oss:
+        return tensor.chunk(2, dim=1)[half]
+    if tensor.dim() == 3:
+        tensor = tensor.transpose(1, 2)  # (E, 2I, d)
+    return tensor[:, half::2]
+
+
+def _stored_f32(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether llama.cpp's converter stores this tensor in float32 whatever the file's
+    type: vectors, biases, norms, the routers and the DeltaNet convolution (which
+    llama.cpp's kernels take in float32)."""
+    return (len(shape) < 2 or not name.endswith(".weight") or name.endswith("_norm.weight")
+            or ".ffn_gate_inp" in name or ".ssm_conv1d." in name)
 
 
 def write_gguf(
@@ -1348,9 +1580,21 @@ def write_gguf(
     The metadata holds exactly what :func:`gguf_config` reads (typed as llama.cpp's
     converter types it); the tensors go under llama.cpp's names (:func:`_plan`) in its
     conventions: ``llama`` files' q/k rows permuted for llama.cpp's RoPE, Gemma's norms
-    as ``1 + w``, Llama 3's RoPE scaling as a ``rope_freqs.weight`` tensor. Norms and
-    other 1-D tensors are F32, as llama.cpp's converter writes them; 2-D weights
-    ``dtype``.
+    as ``1 + w``, Llama 3's RoPE scaling as a ``rope_freqs.weight`` tensor; gpt-oss's
+    sinks as ``attn_sinks``, its alternating gate/up expert columns split into
+    ``ffn_gate_exps``/``ffn_up_exps`` ``(E, I, d)`` and its down experts transposed;
+    Qwen3.5's norms (but the gated one) as ``1 + w``, ``A_log`` as ``ssm_a =
+    -exp(A_log)``, the convolution squeezed, the value heads in llama.cpp's tiled order;
+    DeepSeek-V3's ``kv_b_proj`` split into ``attn_k_b`` (transposed) and ``attn_v_b``,
+    its experts' halves as ``ffn_gate_exps``/``ffn_up_exps``, the score correction as
+    ``exp_probs_b``; Qwen3-Next's fused ``in_proj_qkvz`` split into ``attn_qkv`` and
+    ``attn_gate``, its ``in_proj_ba`` as ``ssm_ba``; Gemma 4's norms as they are, its
+    proportional RoPE as a ``rope_freqs.weight`` tensor, its experts fused
+    (``ffn_gate_up_exps``), the router's scales as ``ffn_gate_inp.scale`` and
+    ``ffn_down_exps.scale``.
+    Vectors, biases, norms, routers (``ffn_gate_inp*``) and the DeltaNet convolution are
+    F32, as llama.cpp's converter writes them; the other 2-D and the 3-D weights (the
+    experts, unquantized) ``dtype``.
 
     Before anything is written the model must read back as itself: the header the file
     will have, read by :func:`gguf_config`, must give ``config``'s ``GPTConfig`` fields
@@ -1358,13 +1602,17 @@ def write_gguf(
     window on a Llama or Qwen model, Gemma 3 layers other than five sliding to one full,
     RoPE scaling other than linear and Llama 3's, ...) is a one-line ``ValueError``; so
     are biases on a Qwen3 or Gemma 3 model's projections, which llama.cpp's
-    ``attn_output`` lacks there.
+    ``attn_output`` lacks there, and DeltaNet value heads of another size than the key
+    heads (llama.cpp's loader fails on such a file), and Gemma 4's shared layers whose
+    caches llama.cpp would take from other layers (:func:`_check_gemma4_sharing`).
 
     Args:
         path: the ``.gguf`` file to write; it must not exist. It is written under a
             temporary name beside it, then renamed: it appears whole or not at all.
         config: the model's ``config.json`` (``model_type`` ``"llama"``, ``"mistral"``,
-            ``"qwen2"``, ``"qwen3"`` or ``"gemma3_text"``).
+            ``"qwen2"``, ``"qwen3"``, ``"gemma3_text"``, ``"gpt_oss"`` or
+            ``"qwen3_5_text"``, ``"deepseek_v3"``, ``"qwen3_next"`` or
+            ``"gemma4_text"``: :data:`_WRITTEN`).
         state_dict: Hugging Face name -> tensor, as :func:`read_gguf_model` or
             ``*ForCausalLM.state_dict()`` give it (a tied ``lm_head.weight`` may be
             there; it is not written).
@@ -1387,9 +1635,40 @@ def write_gguf(
         raise ValueError(f"config: model_type {show(model_type)} cannot be written to GGUF; "
                          f"qkv writes {', '.join(_WRITTEN)}")
     fields = config_fields(config, "config")
-    to_qkv(state_dict, fields)  # checks every name and shape, in one line each
+    # Checks every name and shape (one line each), then gives the tensors as transformers'
+    # module holds them, whichever form they came in: the module's (Qwen3-Next's
+    # projections fused) or from_qkv's (per-expert tensors, projections split).
+    try:
+        ours = to_qkv(state_dict, fields, model_type)
+    except ValueError as error:
+        try:
+            ours = to_qkv(state_dict, fields)
+        except ValueError:
+            raise error from None
+    state_dict = from_qkv(ours, fields, model_type, fused_experts=True)
     full = hf_config(fields, model_type)  # every size spelled out
-    arch, plan, rope_freqs = _WRITTEN[model_type], _plan(full), _rope_freqs(full)
+    if model_type in _HYBRIDS:
+        # llama.cpp's one schedule: a full layer every full_attention_interval (the
+        # read-back check below refuses any other)
+        kinds = full["layer_types"]
+        full["full_attention_interval"] = (kinds.index("full_attention") + 1
+                                           if "full_attention" in kinds
+                                           else _FULL_ATTENTION_EVERY)
+        if full["linear_value_head_dim"] != full["linear_key_head_dim"]:
+            raise ValueError(
+                f"config: linear_value_head_dim {full['linear_value_head_dim']} cannot be "
+                f"written to a GGUF {_WRITTEN[model_type]} file: llama.cpp takes the value "
+                f"heads to be linear_key_head_dim ({full['linear_key_head_dim']}) wide")
+    stored: tuple[str, ...] = ()
+    if model_type == "gemma4_text":
+        # the full layers' head size; experts fused, as llama.cpp's converter writes them
+        layers, heads = full["num_hidden_layers"], full["per_layer_config"]
+        full["global_head_dim"] = next(
+            (heads.get(str(i), {}).get("head_dim", full["head_dim"]) for i in range(layers)
+             if full["layer_types"][i] == "full_attention"), full["head_dim"])
+        stored = tuple(f"blk.{i}.ffn_gate_up_exps.weight" for i in range(layers))
+        _check_gemma4_sharing(full)
+    arch, plan, rope_freqs = _WRITTEN[model_type], _plan(full, stored), _rope_freqs(full)
     if arch in ("qwen3", "gemma3") and fields["out_bias"]:
         raise ValueError(f"config: attention_bias=True cannot be written to a GGUF {arch} "
                          f"file: llama.cpp's {arch} loads no attn_output.bias")
@@ -1405,7 +1684,11 @@ def write_gguf(
         tensors={name: GGUFTensorInfo(name, "F32", shape, 0, 0)
                  for name, (_, shape) in plan.items()})
     back = gguf_config(header)
-    if rope_freqs is not None:  # the tensor is not in the header above: read it here
+    if rope_freqs is not None and arch == "gemma4":  # not in the header above: read here
+        back["rope_parameters"]["full_attention"].update(
+            rope_type="proportional", partial_rotary_factor=_proportional_from_divisors(
+                rope_freqs, full["global_head_dim"], f"{path}: rope"))
+    elif rope_freqs is not None:
         back["rope_scaling"] = _llama3_from_divisors(rope_freqs, full["head_dim"],
                                                      back["rope_theta"], f"{path}: rope")
     difference = field_difference(fields, config_fields(back, str(path)), "llama.cpp")
@@ -1416,7 +1699,6 @@ def write_gguf(
     if os.path.lexists(path):
         raise FileExistsError(f"{path}: exists; name a new file (nothing is overwritten)")
 
-    weight = gguf.GGMLQuantizationType[dtype]
     tensors = {_ROPE_FREQS: rope_freqs} if rope_freqs is not None else {}
     tensors.update((name, hf) for name, (hf, _) in plan.items())
     tmp = temp_path(path)
@@ -1428,10 +1710,12 @@ def write_gguf(
             writer.add_key_value(f"{arch}.{key}", value, vtype)
         for key, (value, vtype, sub_type) in tokens.items():
             writer.add_key_value(key, value, vtype, sub_type)
+        types = {}  # name -> GGML type
         for name, source in tensors.items():
-            shape = source.shape if isinstance(source, Tensor) else plan[name][1]
-            kind = weight if len(shape) == 2 else gguf.GGMLQuantizationType.F32
-            nbytes = math.prod(shape) * (4 if kind == gguf.GGMLQuantizationType.F32 else 2)
+            shape = tuple(source.shape) if isinstance(source, Tensor) else plan[name][1]
+            types[name] = "F32" if _stored_f32(name, shape) else dtype
+            kind = gguf.GGMLQuantizationType[types[name]]
+            nbytes = math.prod(shape) * (4 if types[name] == "F32" else 2)
             writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, kind)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -1439,7 +1723,7 @@ def write_gguf(
         for name, source in tensors.items():  # one tensor converted at a time
             tensor = source if isinstance(source, Tensor) else _to_gguf(
                 name, state_dict[source], full)
-            writer.write_tensor_data(_ggml_bytes(tensor, dtype if tensor.dim() == 2 else "F32"))
+            writer.write_tensor_data(_ggml_bytes(tensor, types[name]))
         writer.close()
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())

@@ -1363,11 +1363,13 @@ def to_qkv(raw: Mapping[str, Tensor], fields: Mapping[str, Any],
 
 
 def from_qkv(state: Mapping[str, Tensor], fields: Mapping[str, Any],
-             model_type: str | None = None) -> dict[str, Tensor]:
+             model_type: str | None = None, fused_experts: bool = False) -> dict[str, Tensor]:
     """``GPTModel``'s names -> Hugging Face's (a folder of ``model_type``), the inverse of
     :func:`to_qkv`; the tensors themselves are unchanged (Qwen3-Next's projections fused
     back). A tied model's ``out_head.weight`` (the embedding again) is left out, as
-    transformers saves it; one that differs from the embedding is refused."""
+    transformers saves it; one that differs from the embedding is refused.
+    ``fused_experts``: the experts as transformers' modules hold them, one 3-D tensor
+    each (see :func:`_layout_tensors`), not one per expert as folders store them."""
     fields = _complete(fields)
     _check_names("state dict", {k: tuple(v.shape) for k, v in state.items()}, fields,
                  ours=True)
@@ -1377,7 +1379,7 @@ def from_qkv(state: Mapping[str, Tensor], fields: Mapping[str, Any],
         raise ValueError("state dict: out_head.weight differs from tok_emb.weight, but "
                          "tie_weights=True says they are one matrix")
     if _has_layout(fields):
-        return _unpack(list(_layout_tensors(fields, model_type)), state)
+        return _unpack(list(_layout_tensors(fields, model_type, fused_experts)), state)
     return {theirs: state[ours] for theirs, ours, _ in _names(fields)}
 
 
