@@ -7,10 +7,10 @@ smoke run), one per family, each with room for 8,192 + 256 tokens (the context s
 longest prompt and the tokens decoded after it), a vocabulary of 32,000 ids and a
 word-level tokenizer over them (the benchmark's prompt is a few of its words):
 
-- ``deepseek_v2_lite``: DeepSeek-V2-Lite's shape (latent attention with no query
-  compression, a 512-wide latent and a 64-wide RoPE key; two dense layers, then experts:
-  2 shared and 6 of 24 routed), written with ``DeepseekV3Config`` (the class qkv imports;
-  V2's softmax router is V3's sigmoid one here);
+- ``deepseek_v2_lite``: DeepSeek-V2-Lite's shape (27 layers of latent attention with no
+  query compression, a 512-wide latent and a 64-wide RoPE key; two dense layers, then
+  experts: 2 shared and 6 of 12 routed, 192 wide), written with ``DeepseekV3Config`` (the
+  class qkv imports; V2's softmax router is V3's sigmoid one here);
 - ``deepseek_v32``: DeepSeek-V3.2's (query compression, sparse attention: an indexer of
   8 heads picks each query's 2,048 best cached positions; experts grouped V3's way);
 - ``gpt_oss``: gpt-oss's (a learned sink per head, sliding (128) and full layers
@@ -98,10 +98,11 @@ def _configs(tiny: bool) -> dict[str, Callable[[], Any]]:
     return {
         "deepseek_v2_lite": lambda: transformers.DeepseekV3Config(
             **common, **latent, hidden_size=hidden, intermediate_size=pick(5632, 96),
-            num_hidden_layers=pick(12, 3), num_attention_heads=pick(16, 4),
+            # 27 layers, V2-Lite's: llama.cpp tells a model without q_lora_rank by them
+            num_hidden_layers=pick(27, 3), num_attention_heads=pick(16, 4),
             num_key_value_heads=pick(16, 4), q_lora_rank=None,
-            n_routed_experts=pick(24, 8), num_experts_per_tok=pick(6, 2),
-            n_shared_experts=2, moe_intermediate_size=pick(384, 16), n_group=1,
+            n_routed_experts=pick(12, 8), num_experts_per_tok=pick(6, 2),
+            n_shared_experts=2, moe_intermediate_size=pick(192, 16), n_group=1,
             topk_group=1, first_k_dense_replace=pick(2, 1), norm_topk_prob=False,
             routed_scaling_factor=1.0, tie_word_embeddings=False),
         "deepseek_v32": lambda: transformers.DeepseekV32Config(

@@ -194,6 +194,20 @@ def test_refuses_value_heads_llama_cpp_cannot_load(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_refuses_queries_without_q_lora_at_a_layer_count_llama_cpp_misreads(tmp_path):
+    """DeepSeek without query compression (q_lora_rank None): llama.cpp's loader takes
+    such a model for DeepSeek-V2-Lite by its 26 or 27 layers only, and asks any other
+    file for attention.q_lora_rank (it fails to load them)."""
+    config = test_gguf_families.CONFIGS["deepseek_v3"]()
+    config.q_lora_rank = None
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError) as error:
+        write_gguf(tmp_path / "m.gguf", model.config.to_dict(), model.state_dict())
+    one_line(error, f"q_lora_rank=None with num_hidden_layers {config.num_hidden_layers}",
+             "deepseek2", "26 or 27")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_refuses_sharing_llama_cpp_computes_otherwise(tmp_path):
     """test_open_models' Gemma 4 (sliding, full, sliding, then shared sliding, full):
     llama.cpp would give shared layer 3 the cache of layer 1 (full), not layer 2's."""

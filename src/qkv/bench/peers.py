@@ -105,9 +105,12 @@ def llama_cpp_peer(gguf: str | Path, name: str, context: int, dtype: str) -> Pee
     threads = torch.get_num_threads()
     cache = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} \
         if dtype == "F32" else {}
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_batch=min(context, 512),
-                          n_threads=threads, n_threads_batch=threads, logits_all=False,
-                          verbose=False, **cache)
+    try:
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_batch=min(context, 512),
+                              n_threads=threads, n_threads_batch=threads, logits_all=False,
+                              verbose=False, **cache)
+    except ValueError as error:  # its loader refused the file (llama-cpp-python's message)
+        return f"llama.cpp cannot load {gguf}: {error}"
 
     vocab = llm.n_vocab()
 

@@ -1418,6 +1418,11 @@ def _deepseek2_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[An
     return meta
 
 
+# The layer counts at which llama.cpp's deepseek2 loader takes a model for DeepSeek-V2-Lite
+# (one query projection, no q_lora_rank): checked with llama-cpp-python 0.3.36.
+_DEEPSEEK_LITE_LAYERS = (26, 27)
+
+
 def _check_gemma4_sharing(config: dict[str, Any]) -> None:
     """Gemma 4's shared layers must read the caches llama.cpp gives them: it takes a
     shared sliding layer's keys and values from the second-last layer before the shared
@@ -1603,8 +1608,10 @@ def write_gguf(
     RoPE scaling other than linear and Llama 3's, ...) is a one-line ``ValueError``; so
     are biases on a Qwen3 or Gemma 3 model's projections, which llama.cpp's
     ``attn_output`` lacks there, and DeltaNet value heads of another size than the key
-    heads (llama.cpp's loader fails on such a file), and Gemma 4's shared layers whose
-    caches llama.cpp would take from other layers (:func:`_check_gemma4_sharing`).
+    heads (llama.cpp's loader fails on such a file), a DeepSeek model without
+    ``q_lora_rank`` at another layer count than DeepSeek-V2-Lite's, and Gemma 4's shared
+    layers whose caches llama.cpp would take from other layers
+    (:func:`_check_gemma4_sharing`).
 
     Args:
         path: the ``.gguf`` file to write; it must not exist. It is written under a
@@ -1659,6 +1666,15 @@ def write_gguf(
                 f"config: linear_value_head_dim {full['linear_value_head_dim']} cannot be "
                 f"written to a GGUF {_WRITTEN[model_type]} file: llama.cpp takes the value "
                 f"heads to be linear_key_head_dim ({full['linear_key_head_dim']}) wide")
+    if model_type in ("deepseek_v3", "deepseek_v32") and full["q_lora_rank"] is None and \
+            full["num_hidden_layers"] not in _DEEPSEEK_LITE_LAYERS:
+        # llama.cpp tells DeepSeek-V2-Lite (queries without the low-rank bottleneck) by
+        # its layer count, and looks for q_lora_rank in any other file
+        raise ValueError(
+            f"config: q_lora_rank=None with num_hidden_layers "
+            f"{full['num_hidden_layers']} cannot be written to a GGUF deepseek2 file: "
+            f"llama.cpp reads queries without q_lora_rank only at "
+            f"{' or '.join(map(str, _DEEPSEEK_LITE_LAYERS))} layers (DeepSeek-V2-Lite's)")
     stored: tuple[str, ...] = ()
     if model_type == "gemma4_text":
         # the full layers' head size; experts fused, as llama.cpp's converter writes them
