@@ -180,7 +180,8 @@ def test_refuses_what_llama_cpp_would_run_otherwise(written, tmp_path):
     config["rope_parameters"] = {**config["rope_parameters"], "truncate": False}
     with pytest.raises(ValueError) as error:
         write_gguf(tmp_path / "m.gguf", config, model.state_dict())
-    one_line(error, "cannot be written to a GGUF gpt-oss file", "llama.cpp would run")
+    one_line(error, "cannot be written to a GGUF gpt-oss file",
+             "rope_scaling['truncate'] is False; llama.cpp would run True")
     assert list(tmp_path.iterdir()) == []
 
 

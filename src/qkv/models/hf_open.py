@@ -951,6 +951,10 @@ def field_difference(fields: Mapping[str, Any], back: Mapping[str, Any],
         if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
             i = next(i for i in range(len(ours)) if ours[i] != theirs[i])  # layer_types
             return f"{key}[{i}] is {ours[i]!r}; {runner} would run {theirs[i]!r}"
+        if isinstance(ours, Mapping) and isinstance(theirs, Mapping):  # rope_scaling
+            inner = next(k for k in (*ours, *theirs) if ours.get(k) != theirs.get(k))
+            return (f"{key}[{inner!r}] is {show(ours.get(inner))}; {runner} would run "
+                    f"{show(theirs.get(inner))}")
         return f"{key} is {show(fields[key])}; {runner} would run {show(back[key])}"
     return None
 
