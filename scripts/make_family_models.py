@@ -121,7 +121,11 @@ def _configs(tiny: bool) -> dict[str, Callable[[], Any]]:
             num_local_experts=pick(16, 4), num_experts_per_tok=pick(4, 2),
             sliding_window=pick(128, 8), tie_word_embeddings=False,
             layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
-                         for i in range(pick(12, 2))]),
+                         for i in range(pick(12, 2))],
+            # YaRN's correction range rounded to whole dimensions, as llama.cpp always
+            # computes it (a GGUF file cannot say otherwise): llama.cpp runs this model
+            rope_parameters={**transformers.GptOssConfig().rope_parameters,
+                             "truncate": True}),
         "qwen3_5": lambda: transformers.Qwen3_5TextConfig(
             **common, **hybrid, intermediate_size=pick(3584, 96),
             num_hidden_layers=layers_hybrid, layer_types=hybrid_types,
