@@ -757,6 +757,34 @@ static void store_row(const float *x, void *buf, int dt, long slot, long n) {
 
 /* y = (or +=) the layer's attention output for x (d) at pos, Wo/bo the output
    projection. cos, sin: the position's rows of the dr-wide RoPE table. */
+/* The positions of the `count` largest of score (n), ties to the earliest, in position
+   order, into sel. The count-th largest is found bit by bit on the scores' order-keeping
+   integer keys (32 counting passes, not count passes of a maximum search: 8,192 cached
+   positions and 2,048 chosen cost 0.26 M comparisons, not 17 M). */
+static inline uint32_t order_key(float x) {
+    uint32_t u;
+    if (x == 0.0f) x = 0.0f; /* -0 ties with +0, as the scores compare */
+    memcpy(&u, &x, sizeof u);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+static void select_top(const float *score, long n, long count, int *sel) {
+    uint32_t t = 0; /* the largest key that at least `count` scores reach */
+    for (int bit = 31; bit >= 0; bit--) {
+        const uint32_t candidate = t | (1u << bit);
+        long reach = 0;
+        for (long u = 0; u < n; u++) reach += order_key(score[u]) >= candidate;
+        if (reach >= count) t = candidate;
+    }
+    long above = 0;
+    for (long u = 0; u < n; u++) above += order_key(score[u]) > t;
+    long ties = count - above, m = 0;
+    for (long u = 0; u < n && m < count; u++) {
+        const uint32_t key = order_key(score[u]);
+        if (key > t || (key == t && ties-- > 0)) sel[m++] = (int)u;
+    }
+}
+
 static void latent_shared(const qkv_latent *A, const qkv_mat *Wo, const float *bo,
                           const float *x, float *y, long d, long pos, const float *cos,
                           const float *sin, int dt, int mode) {
@@ -813,16 +841,12 @@ static void latent_shared(const qkv_latent *A, const qkv_mat *Wo, const float *b
             }
             A->iscore[u] = s;
         }
-        count = A->index_topk < n ? A->index_topk : n;
+        if (A->index_topk < n) { /* else every position is read, in order */
+            count = A->index_topk;
 #pragma omp single
-        for (long t = 0; t < count; t++) { /* the best remaining position, count times */
-            long best = -1;
-            for (long u = 0; u < n; u++)
-                if (A->iscore[u] > -INFINITY && (best < 0 || A->iscore[u] > A->iscore[best])) best = u;
-            A->sel[t] = (int)best;
-            A->iscore[best] = -INFINITY;
+            select_top(A->iscore, n, count, A->sel);
+            sel = A->sel;
         }
-        sel = A->sel;
     }
     /* attention: each thread its share of the positions, every head's running softmax */
     {
