@@ -64,7 +64,8 @@ def test_written_folder_gives_transformers_logits(family, tmp_path):
     # DeepSeek-V3 keeps its dense layers first (first_k_dense_replace)
     ("deepseek_v3", lambda f: f["layout"].reverse(), "layout[2] is"),
     # Qwen3-Next's router is a softmax
-    ("qwen3_next", lambda f: f["moe"].update(score="sigmoid"), "moe is"),
+    ("qwen3_next", lambda f: f["moe"].update(score="sigmoid"),
+     "moe['score'] is 'sigmoid'; transformers would run 'softmax'"),
 ])
 def test_hf_config_refuses_what_a_family_cannot_express(family, change, match):
     fields = config_fields(open_models.FAMILIES[family]().to_dict(), family)
