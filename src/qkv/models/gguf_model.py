@@ -1133,15 +1133,23 @@ def _linear_to_hf(parts: dict[str, Tensor], config: dict[str, Any]) -> Tensor:
     group = v_heads // k_heads
     if config["model_type"] == "qwen3_next" or group == 1:
         return tensor
-    keys = 2 * k_heads * hk
+    return _regroup_values(kind, tensor, 2 * k_heads * hk, hv, k_heads, group)
+
+
+def _regroup_values(kind: str, tensor: Tensor, keys: int, hv: int, outer: int,
+                    inner: int) -> Tensor:
+    """A DeltaNet tensor's value-head rows (or ``ssm_out``'s columns) reordered by
+    :func:`_grouped` with ``(outer, inner)``: ``(key heads, group)`` reads llama.cpp's
+    tiled order back, ``(group, key heads)`` writes it; ``keys`` rows of queries and
+    keys lead ``attn_qkv`` and ``ssm_conv1d``."""
     if kind in ("attn_qkv", "ssm_conv1d"):  # the values' rows, after the queries and keys
-        return torch.cat((tensor[:keys], _grouped(tensor[keys:], 0, k_heads, group, hv)))
+        return torch.cat((tensor[:keys], _grouped(tensor[keys:], 0, outer, inner, hv)))
     if kind == "attn_gate":
-        return _grouped(tensor, 0, k_heads, group, hv)
+        return _grouped(tensor, 0, outer, inner, hv)
     if kind in ("ssm_beta", "ssm_alpha", "ssm_dt", "ssm_a"):
-        return _grouped(tensor, 0, k_heads, group, 1)
+        return _grouped(tensor, 0, outer, inner, 1)
     if kind == "ssm_out":
-        return _grouped(tensor, 1, k_heads, group, hv)
+        return _grouped(tensor, 1, outer, inner, hv)
     return tensor  # ssm_norm: one weight every head shares
 
 
@@ -1532,16 +1540,7 @@ def _linear_to_gguf(name: str, tensor: Tensor, config: dict[str, Any]) -> Tensor
     group = v_heads // k_heads
     if config["model_type"] == "qwen3_next" or group == 1:
         return tensor
-    keys = 2 * k_heads * hk
-    if kind in ("attn_qkv", "ssm_conv1d"):  # the values' rows, after the queries and keys
-        return torch.cat((tensor[:keys], _grouped(tensor[keys:], 0, group, k_heads, hv)))
-    if kind == "attn_gate":
-        return _grouped(tensor, 0, group, k_heads, hv)
-    if kind in ("ssm_beta", "ssm_alpha", "ssm_dt", "ssm_a"):
-        return _grouped(tensor, 0, group, k_heads, 1)
-    if kind == "ssm_out":
-        return _grouped(tensor, 1, group, k_heads, hv)
-    return tensor  # ssm_norm: one weight every head shares
+    return _regroup_values(kind, tensor, 2 * k_heads * hk, hv, group, k_heads)
 
 
 def _experts_to_gguf(kind: str, tensor: Tensor, model_type: str) -> Tensor:
