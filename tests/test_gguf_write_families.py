@@ -41,7 +41,7 @@ from qkv.models.gguf_model import read_gguf_model, write_gguf  # noqa: E402
 from qkv.models.gguf_weights import read_gguf_header, read_gguf_tensors  # noqa: E402
 from qkv.models.hf_open import config_fields, from_qkv, to_qkv  # noqa: E402
 from qkv.tasks.lm import LanguageModel  # noqa: E402
-from test_open_models import GEMMA4, VOCAB  # noqa: E402
+from test_open_models import GEMMA4, VOCAB, perturbed_model  # noqa: E402
 from test_open_models import hf_model as open_model  # noqa: E402
 
 
@@ -53,17 +53,8 @@ def gemma4_as_llama_cpp_shares(family: str = "gemma4_text", seed: int = 0):
     of its kind) then gives too."""
     kinds = ["sliding_attention", "sliding_attention", "full_attention",
              "sliding_attention", "full_attention"]
-    config = transformers.Gemma4TextConfig(**{**GEMMA4, "layer_types": kinds})
-    config.eos_token_id = 2
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-            elif p.dim() >= 2 and "embed" not in name:
-                p.mul_(4.0)
-    return model.eval()
+    return perturbed_model(transformers.Gemma4TextConfig(**{**GEMMA4, "layer_types": kinds}),
+                           seed)
 
 
 # family -> (its tiny transformers model, the converter that is the spec of its GGUF

@@ -144,7 +144,13 @@ def hf_model(family: str, seed: int = 0):
     norm applied as ``w`` instead of ``1 + w`` could not pass); the hybrids' matrices
     (all but the embedding) scaled up 4 times, so that their greedy tokens vary (at
     transformers' initial scale, the tied Qwen3.5 repeats one token), and Gemma 4's."""
-    config = FAMILIES[family]()
+    return perturbed_model(FAMILIES[family](), seed, scaled=family in SCALED)
+
+
+def perturbed_model(config, seed: int = 0, scaled: bool = True):
+    """A transformers model of ``config`` (eos id 2) with its norms and biases moved off
+    their initial values and, with ``scaled``, its matrices but the embedding scaled up 4
+    times."""
     config.eos_token_id = 2  # <|im_end|>
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -153,7 +159,7 @@ def hf_model(family: str, seed: int = 0):
             # (DeepSeek's e_score_correction_bias is a buffer, zero as initialised)
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
-            elif family in SCALED and p.dim() >= 2 and "embed" not in name:
+            elif scaled and p.dim() >= 2 and "embed" not in name:
                 p.mul_(4.0)
     return model.eval()
 
