@@ -367,6 +367,40 @@ def test_the_avx2_build_passes_the_same_tests(tmp_path):
     assert len(built) == 1  # the AVX2 build, on its own key
 
 
+def test_prefetch_is_chosen_per_vendor_and_by_its_setting(monkeypatch):
+    from qkv import kernels
+    with open("/proc/cpuinfo") as f:
+        intel = any(line.split(":")[0].strip() == "vendor_id" and "GenuineIntel" in line
+                    for line in f)
+    for setting, on in (("auto", intel), ("1", True), ("0", False)):
+        monkeypatch.setenv("QKV_NATIVE_PREFETCH", setting)
+        assert ("-DQKV_PREFETCH=1" in kernels.flags()) == on, setting
+    monkeypatch.setenv("QKV_NATIVE_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="QKV_NATIVE_PREFETCH must be auto, 0 or 1, got 'yes'"):
+        kernels.flags()
+
+
+@needs_kernels
+def test_the_other_prefetch_build_gives_the_same_products(tmp_path, monkeypatch):
+    # Prefetching asks for lines early and changes no arithmetic: the build this CPU
+    # does not choose gives the same bits, in both weight dtypes and every row tail.
+    from qkv import kernels
+    other = "0" if "-DQKV_PREFETCH=1" in kernels.flags() else "1"
+    monkeypatch.setenv("QKV_NATIVE_PREFETCH", other)
+    monkeypatch.setenv("QKV_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_state", {})
+    lib = kernels.decode_kernels()
+    assert lib is not None and list(tmp_path.glob("decode-*.so"))
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, n in ((37, 3000), (9, 1029)):
+            w, x = torch.randn(rows, n, generator=g).to(dtype), torch.randn(n, generator=g)
+            y, y_other = torch.empty(rows), torch.empty(rows)
+            LIB.qkv_linear(mat(w), ptr(x), None, ptr(y), rows, n, 0, 2)
+            lib.qkv_linear(mat(w), ptr(x), None, ptr(y_other), rows, n, 0, 2)
+            assert torch.equal(y, y_other), (dtype, rows, n)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "qwen3"])
 def test_logits_to_keep_gives_the_last_positions_logits(family):
     model = tiny(**FAMILIES[family])

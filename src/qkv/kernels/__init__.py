@@ -18,7 +18,9 @@ Where PyTorch reports AVX-512, the library is built with ``-mavx512f`` too (its 
 products then read 64 bytes per instruction; :func:`flags`); ``QKV_NATIVE_AVX512=0``
 builds the AVX2 one instead. Where the CPU also has AVX-512 VNNI (``avx512_vnni`` in
 ``/proc/cpuinfo``), the block products use its byte dot product (``QKV_NATIVE_VNNI=0``
-leaves it out). The library is built once per source version and flags
+leaves it out). On Intel CPUs the weight rows' loops prefetch in software
+(``QKV_NATIVE_PREFETCH=0`` or ``1`` decides instead). The library is built once per
+source version and flags
 into ``$QKV_KERNEL_DIR`` (default ``~/.cache/qkv/kernels``), in about a second, and
 reused by later processes. Its
 OpenMP runtime is ``libgomp.so.1``, the name PyTorch's own is loaded under, so the
@@ -40,8 +42,9 @@ from pathlib import Path
 import torch
 
 __all__ = ["ACT_GELU", "ACT_SILU", "AVX512_FLAGS", "DeltaNet", "FLAGS", "GLU_CLAMPED", "GLU_GEGLU",
-           "GLU_SWIGLU", "Latent", "Layer", "Mat", "Model", "Moe", "NORM_LAYER", "SCORE_SIGMOID",
-           "SCORE_SOFTMAX", "NORM_NONE", "NORM_RMS", "Norm", "QUANT_TYPES", "VNNI_FLAGS",
+           "GLU_SWIGLU", "Latent", "Layer", "Mat", "Model", "Moe", "NORM_LAYER", "PREFETCH_FLAGS",
+           "SCORE_SIGMOID", "SCORE_SOFTMAX", "NORM_NONE", "NORM_RMS", "Norm", "QUANT_TYPES",
+           "VNNI_FLAGS",
            "decode_kernels", "flags", "quant_type_code", "unavailable_reason"]
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
@@ -51,6 +54,9 @@ AVX512_FLAGS = ("-mavx512f",)
 # Added beside them where the CPU has VNNI: the block products' byte dot products take
 # one instruction (vpdpbusd) instead of AVX2's two.
 VNNI_FLAGS = ("-mavx512bw", "-mavx512vl", "-mavx512vnni")
+# Added on Intel CPUs: the weight rows' loops ask for the lines 2 KiB ahead (decode.c
+# says what this gained on a Xeon and cost on an AMD EPYC, where it is left out).
+PREFETCH_FLAGS = ("-DQKV_PREFETCH=1",)
 
 # GGML's block types the kernels compute on in place: name -> (type code in qkv_mat,
 # values per block, bytes per block). Codes 0 and 1 are float32 and bfloat16; the build
@@ -73,24 +79,46 @@ def quant_type_code(qtype: str, columns: int) -> int:
     return code
 
 
-def _cpu_has(flag: str) -> bool:
+def _cpuinfo(field: str) -> list[str]:
+    """The words of the first ``field`` line of ``/proc/cpuinfo`` ([] where unreadable)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() == field:
+                    return value.split()
     except OSError:
-        return False
+        pass
+    return []
+
+
+def _cpu_has(flag: str) -> bool:
+    return flag in _cpuinfo("flags")
+
+
+def _prefetch() -> bool:
+    """Software prefetch in the weight rows' loops: ``QKV_NATIVE_PREFETCH=1`` or ``0``
+    forces it on or off; by default on Intel CPUs only (where it was measured faster)."""
+    setting = os.environ.get("QKV_NATIVE_PREFETCH", "auto")
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"QKV_NATIVE_PREFETCH must be auto, 0 or 1, got {setting!r}")
+    if setting != "auto":
+        return setting == "1"
+    return _cpuinfo("vendor_id") == ["GenuineIntel"]
 
 
 def flags() -> tuple[str, ...]:
     """The compiler flags for this CPU: :data:`FLAGS`, :data:`AVX512_FLAGS` where PyTorch
-    reports AVX-512 and ``QKV_NATIVE_AVX512`` is not ``0``, and :data:`VNNI_FLAGS` beside
-    them where the CPU has AVX-512 VNNI and ``QKV_NATIVE_VNNI`` is not ``0``."""
+    reports AVX-512 and ``QKV_NATIVE_AVX512`` is not ``0``, :data:`VNNI_FLAGS` beside
+    them where the CPU has AVX-512 VNNI and ``QKV_NATIVE_VNNI`` is not ``0``, and
+    :data:`PREFETCH_FLAGS` where :func:`_prefetch` says so."""
+    base = FLAGS + (PREFETCH_FLAGS if _prefetch() else ())
     wide = torch.backends.cpu.get_cpu_capability() == "AVX512" and \
         os.environ.get("QKV_NATIVE_AVX512", "1") != "0"
     if not wide:
-        return FLAGS
+        return base
     vnni = os.environ.get("QKV_NATIVE_VNNI", "1") != "0" and _cpu_has("avx512_vnni")
-    return FLAGS + AVX512_FLAGS + (VNNI_FLAGS if vnni else ())
+    return base + AVX512_FLAGS + (VNNI_FLAGS if vnni else ())
 
 
 def _defines() -> tuple[str, ...]:

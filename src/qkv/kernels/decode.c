@@ -97,12 +97,21 @@ static inline float activate(float x, int act) { return act == ACT_SILU ? silu(x
    of AVX2's; the rest of the row finishes in AVX2. Both sum the same products in
    another order, so they agree to rounding.
 
-   Each loop asks for the cache lines AHEAD bytes further on (the rest of this row, then
-   the next, which follows it in memory). The hardware prefetcher alone kept fewer
-   lines in flight: on a 2-core Xeon with AVX-512 this took SmolLM2-135M's steps from
-   90 to 93 % of the read bandwidth in float32 and from 85 to 91 % in bfloat16. */
+   Built with QKV_PREFETCH=1 (qkv.kernels.flags(): on Intel CPUs), each loop asks for
+   the cache lines AHEAD bytes further on (the rest of this row, then the next, which
+   follows it in memory). There the hardware prefetcher alone kept fewer lines in
+   flight: on a 2-core Xeon with AVX-512 this took SmolLM2-135M's steps from 90 to 93 %
+   of the read bandwidth in float32 and from 85 to 91 % in bfloat16. On a 2-core AMD
+   EPYC (AVX-512) the same requests made the steps slower, not faster: a 370 M Llama
+   decoded 1.14x faster in float32 and 1.17x in bfloat16 without them (medians of
+   interleaved rounds), so elsewhere the loops leave prefetching to the hardware. */
 
 #define AHEAD 2048 /* bytes */
+#if QKV_PREFETCH
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#else
+#define PREFETCH(p) ((void)0)
+#endif
 /*
    Rows are taken one at a time, so each thread reads its share of the matrix as one
    sequential stream. Four accumulators keep four multiply-adds in flight.
@@ -118,7 +127,7 @@ static float dot_row_f32(const float *w, long n, const float *x) {
     __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
     for (; k + 64 <= n; k += 64) {
         for (int line = 0; line < 4; line++)
-            _mm_prefetch((const char *)(w + k + AHEAD / 4 + 16 * line), _MM_HINT_T0);
+            PREFETCH(w + k + AHEAD / 4 + 16 * line);
         b0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), b0);
         b1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), b1);
         b2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x + k + 32), b2);
@@ -132,8 +141,8 @@ static float dot_row_f32(const float *w, long n, const float *x) {
 #else
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (; k + 32 <= n; k += 32) {
-        _mm_prefetch((const char *)(w + k + AHEAD / 4), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + k + AHEAD / 4 + 16), _MM_HINT_T0);
+        PREFETCH(w + k + AHEAD / 4);
+        PREFETCH(w + k + AHEAD / 4 + 16);
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
         a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
         a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
@@ -163,8 +172,8 @@ static float dot_row_bf16(const uint16_t *w, long n, const float *x, const float
     const __m512i odd = _mm512_set1_epi32((int)0xffff0000u);
     __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
     for (; k + 64 <= n; k += 64) {
-        _mm_prefetch((const char *)(w + k + AHEAD / 2), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + k + AHEAD / 2 + 32), _MM_HINT_T0);
+        PREFETCH(w + k + AHEAD / 2);
+        PREFETCH(w + k + AHEAD / 2 + 32);
         __m512i v0 = _mm512_loadu_si512((const void *)(w + k));
         __m512i v1 = _mm512_loadu_si512((const void *)(w + k + 32));
         b0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), _mm512_loadu_ps(xe + k / 2), b0);
@@ -176,7 +185,7 @@ static float dot_row_bf16(const uint16_t *w, long n, const float *x, const float
 #endif
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (; k + 32 <= n; k += 32) {
-        _mm_prefetch((const char *)(w + k + AHEAD / 2), _MM_HINT_T0);
+        PREFETCH(w + k + AHEAD / 2);
         __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + k));
         __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + k + 16));
         a0 = _mm256_fmadd_ps(bf16_even(v0), _mm256_loadu_ps(xe + k / 2), a0);
