@@ -238,6 +238,17 @@ def test_refuses_queries_without_q_lora_at_a_layer_count_llama_cpp_misreads(tmp_
     assert list(tmp_path.iterdir()) == []
 
 
+def test_refuses_index_heads_llama_cpp_cannot_rotate(tmp_path):
+    """DeepSeek-V3.2 with index heads 16 wide (test_open_models' model): llama.cpp rotates
+    each index head by a Hadamard matrix, which it makes only 64, 128, ... wide (ggml's
+    mul_mat fails an assertion on such a file), so it is not written."""
+    model = open_model("deepseek_v32")
+    with pytest.raises(ValueError) as error:
+        write_gguf(tmp_path / "m.gguf", model.config.to_dict(), model.state_dict())
+    one_line(error, "index_head_dim 16", "deepseek32", "powers of two from 64")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_refuses_sharing_llama_cpp_computes_otherwise(tmp_path):
     """test_open_models' Gemma 4 (sliding, full, sliding, then shared sliding, full):
     llama.cpp would give shared layer 3 the cache of layer 1 (full), not layer 2's."""

@@ -1467,6 +1467,10 @@ def _deepseek2_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[An
 # The layer counts at which llama.cpp's deepseek2 loader takes a model for DeepSeek-V2-Lite
 # (one query projection, no q_lora_rank): checked with llama-cpp-python 0.3.36.
 _DEEPSEEK_LITE_LAYERS = (26, 27)
+# The narrowest Hadamard matrix llama.cpp makes (its sizes: powers of two from this one).
+# Its deepseek32 graph rotates each index head by one matrix of the head's width, so it
+# runs index_head_dim 64, 128, 256, ... only (others fail an assertion in ggml's mul_mat).
+_HADAMARD_MIN = 64
 
 
 def _check_gemma4_sharing(config: dict[str, Any]) -> None:
@@ -1648,7 +1652,9 @@ def write_gguf(
     ``attn_output`` lacks there, and DeltaNet value heads of another size than the key
     heads (llama.cpp's loader fails on such a file), a DeepSeek-V3 model without
     ``q_lora_rank`` at another layer count than DeepSeek-V2-Lite's, a DeepSeek-V3.2 one
-    without it at all, and Gemma 4's shared
+    without it at all or with an ``index_head_dim`` other than 64, 128, 256, ... (the
+    widths of the Hadamard matrices llama.cpp rotates the index heads by), and Gemma 4's
+    shared
     layers whose caches llama.cpp would take from other layers
     (:func:`_check_gemma4_sharing`).
 
@@ -1710,6 +1716,13 @@ def write_gguf(
                 f"config: linear_value_head_dim {full['linear_value_head_dim']} cannot be "
                 f"written to a GGUF {_WRITTEN[model_type]} file: llama.cpp takes the value "
                 f"heads to be linear_key_head_dim ({full['linear_key_head_dim']}) wide")
+    index_dim = full.get("index_head_dim") if model_type == "deepseek_v32" else None
+    if index_dim is not None and (index_dim < _HADAMARD_MIN or index_dim & (index_dim - 1)):
+        raise ValueError(
+            f"config: index_head_dim {index_dim} cannot be written to a GGUF deepseek32 file: "
+            f"llama.cpp rotates each index head by a Hadamard matrix of its width, which it "
+            f"makes for powers of two from {_HADAMARD_MIN} only ({_HADAMARD_MIN}, "
+            f"{2 * _HADAMARD_MIN}, ...)")
     if model_type == "deepseek_v3" and full["q_lora_rank"] is None and \
             full["num_hidden_layers"] not in _DEEPSEEK_LITE_LAYERS:
         # llama.cpp tells DeepSeek-V2-Lite (queries without the low-rank bottleneck) by
