@@ -477,6 +477,34 @@ def test_older_and_fused_forms(files, tmp_path):
                 assert torch.equal(state[name], tensor), name
 
 
+def test_deepseek32_draft_block_is_left_unread(files, tmp_path):
+    """llama.cpp's converter appends DeepSeek-V3.2's multi-token-prediction block after
+    the model's own (``nextn_predict_layers``; a full layer plus its ``nextn.*``
+    tensors): the file reads as the model without it."""
+    hf, path = files["deepseek_v32"]
+    want = read_gguf_model(path)
+    arrays, meta = convert(hf, "deepseek_v32")
+    layers, d = hf.config.num_hidden_layers, hf.config.hidden_size
+    last = f"blk.{layers - 1}."
+    draft = {f"blk.{layers}." + k.removeprefix(last): v
+             for k, v in arrays.items() if k.startswith(last)}
+    for kind, shape in ((gguf.MODEL_TENSOR.NEXTN_EH_PROJ, (d, 2 * d)),
+                        (gguf.MODEL_TENSOR.NEXTN_ENORM, (d,)),
+                        (gguf.MODEL_TENSOR.NEXTN_HNORM, (d,)),
+                        (gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM, (d,))):
+        name = gguf.TENSOR_NAMES[kind].format(bid=layers) + ".weight"
+        draft[name] = np.ones(shape, np.float32)
+    mtp = write_gguf(tmp_path / "mtp.gguf", {**arrays, **draft}, "deepseek32",
+                     {**meta, "add_block_count": layers + 1, "add_nextn_predict_layers": 1})
+    config, state = read_gguf_model(mtp)
+    assert config == want[0] and state.keys() == want[1].keys()
+    assert all(torch.equal(state[k], want[1][k]) for k in state)
+    refused(write_gguf(tmp_path / "all.gguf", {**arrays, **draft}, "deepseek32",
+                       {**meta, "add_block_count": layers + 1,
+                        "add_nextn_predict_layers": layers + 1}),
+            f"nextn_predict_layers is {layers + 1}", "leaves no layer")
+
+
 @pytest.mark.usefixtures("no_reads")
 def test_refusals_are_one_line_before_any_tensor_is_read(files, tmp_path):
     hf, _ = files["deepseek_v3"]

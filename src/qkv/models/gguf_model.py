@@ -72,7 +72,9 @@ The configuration says what llama.cpp would run, which is not always what the or
   ``key_length`` and ``top_k`` (``index_n_heads``, ``index_head_dim``, ``index_topk``)
   and each layer's ``indexer.attn_q_b``, ``attn_k``, ``k_norm`` (weight and bias) and
   ``proj``, stored as transformers holds them: llama.cpp's index heads are [rope | nope]
-  with rotate-half RoPE, as qkv's :class:`~qkv.latent_attention.LightningIndexer`.
+  with rotate-half RoPE, as qkv's :class:`~qkv.latent_attention.LightningIndexer`. The
+  ``nextn_predict_layers`` blocks the converter appends (multi-token prediction) are
+  left unread.
 - ``qwen3next`` and ``qwen35`` files: layer ``i`` is full attention iff ``(i + 1) %
   full_attention_interval == 0`` (llama.cpp's default 4), the others Gated DeltaNet of
   the ``ssm.*`` sizes; ``rope.dimension_count`` turns part of each head (the partial
@@ -563,7 +565,16 @@ def _deepseek2_config(meta: Mapping[str, Any], shared: dict[str, Any], integer: 
         # the indexer reads its queries from the query latent: llama.cpp's deepseek32
         # loader needs q_lora_rank too
         integer("attention.q_lora_rank")
-        shared = {**shared, "index_n_heads": integer("attention.indexer.head_count"),
+        # llama.cpp's converter appends DeepSeek-V3.2's multi-token-prediction block
+        # (a draft head the logits do not go through): not counted, left unread
+        blocks = shared["num_hidden_layers"]
+        drafts = integer("nextn_predict_layers", 0, lo=0)
+        if drafts >= blocks:
+            raise ValueError(f"{where}nextn_predict_layers is {drafts}, but block_count "
+                             f"{blocks} leaves no layer for the model itself (at most "
+                             "block_count - 1)")
+        shared = {**shared, "num_hidden_layers": blocks - drafts,
+                  "index_n_heads": integer("attention.indexer.head_count"),
                   "index_head_dim": integer("attention.indexer.key_length"),
                   "index_topk": integer("attention.indexer.top_k")}
     return {
@@ -1109,12 +1120,14 @@ def _check_tensors(header: GGUFHeader, plan: dict[str, tuple[str, tuple[int, ...
 
 
 def _draft_block(header: GGUFHeader, name: str) -> bool:
-    """Whether ``name`` is a tensor of the multi-token-prediction blocks a Qwen3.5 file
-    holds after the model's own (``nextn_predict_layers`` of them, left unread)."""
+    """Whether ``name`` is a tensor of the multi-token-prediction blocks a Qwen3.5 or
+    DeepSeek-V3.2 file holds after the model's own (``nextn_predict_layers`` of them,
+    left unread)."""
     drafts = header.config.get("nextn_predict_layers", 0)
     blocks = header.config.get("block_count", 0)
     parts = name.split(".")
-    return (header.architecture in ("qwen3next", "qwen35", "qwen35moe") and isinstance(drafts, int)
+    return (header.architecture in ("qwen3next", "qwen35", "qwen35moe", "deepseek32")
+            and isinstance(drafts, int)
             and isinstance(blocks, int) and len(parts) > 2 and parts[0] == "blk"
             and parts[1].isdecimal() and blocks - drafts <= int(parts[1]) < blocks)
 
