@@ -53,13 +53,15 @@ def one_line(error: pytest.ExceptionInfo, *parts: str) -> None:
 def family_files(tmp_path_factory, families, hf_model, convert, arches) -> dict[str, tuple]:
     """family -> (its tiny transformers model, that model written as a GGUF file the way
     llama.cpp's converter writes it: ``convert(model, family)`` gives the arrays and
-    metadata, ``arches[family]`` the architecture)."""
+    metadata, ``arches[family]`` the architecture: a ``gguf.MODEL_ARCH``, or its name
+    where the gguf package names none, e.g. ``"deepseek32"``)."""
     out = {}
     for i, family in enumerate(families):
         model = hf_model(family, seed=i)
         arrays, meta = convert(model, family)
+        arch = arches[family]
         path = write_gguf(tmp_path_factory.mktemp(family) / f"{family}.gguf", arrays,
-                          gguf.MODEL_ARCH_NAMES[arches[family]], meta)
+                          arch if isinstance(arch, str) else gguf.MODEL_ARCH_NAMES[arch], meta)
         out[family] = model, path
     return out
 

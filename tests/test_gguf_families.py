@@ -1,4 +1,5 @@
-"""The GGUF forms of SmolLM3, OLMo 3, gpt-oss, DeepSeek-V3 and Gemma 4, against transformers.
+"""The GGUF forms of SmolLM3, OLMo 3, gpt-oss, DeepSeek-V3 and V3.2 and Gemma 4, against
+transformers.
 
 Each family's tiny model (the configurations of ``tests/test_open_models.py``) is built
 with transformers' own classes and written as llama.cpp's converter
@@ -9,7 +10,10 @@ tensor names and metadata writers; ``smollm3`` q/k rows permuted for llama.cpp's
 3-D ``ffn_gate_exps``/``ffn_up_exps`` stored MXFP4 (as published files are), the down
 experts transposed; ``deepseek2`` with the latent up-projection split into ``attn_k_b``
 (transposed) and ``attn_v_b``, the per-expert tensors stacked, the score correction as
-``exp_probs_b``, YaRN's ``mscale_all_dim`` as ``0.1 *`` it; ``gemma4`` with its norms
+``exp_probs_b``, YaRN's ``mscale_all_dim`` as ``0.1 *`` it; ``deepseek32`` (DeepSeek-V3.2,
+an architecture the gguf package does not name) as ``deepseek2`` plus the lightning
+indexer's sizes (``attention.indexer.*``) and tensors (``indexer.attn_q_b``, ``attn_k``,
+``k_norm``, ``proj``) as they are; ``gemma4`` with its norms
 as they are, per-layer key/value heads and MLP widths, the full layers' proportional
 RoPE as a ``rope_freqs`` tensor (1 per turning pair, 1e30 for the rest), the router's
 scales as ``ffn_gate_inp.scale`` and ``ffn_down_exps.scale``, the layer scalar as
@@ -41,12 +45,22 @@ from qkv.models.gguf_weights import read_gguf_header  # noqa: E402
 from qkv.models.gpt import GPTConfig, generate  # noqa: E402
 from qkv.models.hf_open import config_fields  # noqa: E402
 from qkv.tasks.lm import LanguageModel  # noqa: E402
-from test_open_models import COMMON, FAMILIES, VOCAB  # noqa: E402
+from test_open_models import COMMON, DEEPSEEK, FAMILIES, VOCAB  # noqa: E402
 from test_open_models import hf_model as open_model  # noqa: E402
 
 ARCHES = {"smollm3": gguf.MODEL_ARCH.SMOLLM3, "olmo3": gguf.MODEL_ARCH.OLMO2,
           "gpt_oss": gguf.MODEL_ARCH.GPT_OSS, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
-          "gemma4_text": gguf.MODEL_ARCH.GEMMA4}
+          "gemma4_text": gguf.MODEL_ARCH.GEMMA4,
+          # gguf 0.19 names no deepseek32: DEEPSEEK2's names, the indexer's below
+          "deepseek_v32": gguf.MODEL_ARCH.DEEPSEEK2}
+# The files' general.architecture.
+ARCH_NAMES = {**{f: gguf.MODEL_ARCH_NAMES[a] for f, a in ARCHES.items()},
+              "deepseek_v32": "deepseek32"}
+# DeepSeek-V3.2's indexer: transformers' name -> llama.cpp's (gguf's TENSOR_NAMES).
+INDEXER = {"wq_b": gguf.MODEL_TENSOR.INDEXER_ATTN_Q_B, "wk": gguf.MODEL_TENSOR.INDEXER_ATTN_K,
+           "k_norm": gguf.MODEL_TENSOR.INDEXER_K_NORM,
+           "weights_proj": gguf.MODEL_TENSOR.INDEXER_PROJ}
+DEEPSEEKS = ("deepseek_v3", "deepseek_v32")
 MXFP4 = gguf.GGMLQuantizationType.MXFP4
 
 
@@ -67,6 +81,13 @@ CONFIGS = {
     "olmo3": FAMILIES["olmo3"],
     "gpt_oss": gpt_oss_as_llama_cpp_runs_it,
     "deepseek_v3": FAMILIES["deepseek_v3"],
+    # each query's 8 best keys of up to 40: the selection matters. Index heads 64 wide:
+    # llama.cpp rotates them by a Hadamard matrix, which it makes 64, 128, ... wide only.
+    # 16 of them: a key scores exactly 0 only when all 16 ReLUs are 0, so no ties at the
+    # selection's edge, which ggml's top-k and PyTorch's break differently (test_open_models'
+    # 2 heads tie: TOP_K_TIES)
+    "deepseek_v32": lambda: transformers.DeepseekV32Config(
+        **DEEPSEEK, index_n_heads=16, index_head_dim=64, index_topk=8),
     "gemma4_text": FAMILIES["gemma4_text"],
 }
 
@@ -146,6 +167,9 @@ def convert(model, family: str, mxfp4: bool = True, split_kv_b: bool = True):
             put(f"{blk}.ffn_down_exps.weight", t)
         elif hf_name.endswith("e_score_correction_bias"):
             put(f"{blk}.exp_probs_b.bias", t)
+        elif ".indexer." in hf_name:  # self_attn.indexer.{wq_b,...}.{weight,bias}
+            module, kind = hf_name.split(".")[-2:]
+            put(f"{gguf.TENSOR_NAMES[INDEXER[module]].format(bid=i[1])}.{kind}", t)
         elif hf_name.endswith("kv_b_proj.weight") and split_kv_b:
             kv_b = t.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
             k_b, v_b = kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
@@ -163,7 +187,7 @@ def convert(model, family: str, mxfp4: bool = True, split_kv_b: bool = True):
             "add_embedding_length": c.hidden_size,
             "add_feed_forward_length": c.intermediate_size,
             "add_head_count": c.num_attention_heads,
-            "add_head_count_kv": (1 if family == "deepseek_v3" else  # Gemma 4's: per layer
+            "add_head_count_kv": (1 if family in DEEPSEEKS else  # Gemma 4's: per layer
                                   [layer.num_key_value_heads for layer in c.per_layer_config]
                                   if family == "gemma4_text" else c.num_key_value_heads),
             "add_rope_freq_base": rope["rope_theta"],
@@ -192,7 +216,7 @@ def convert(model, family: str, mxfp4: bool = True, split_kv_b: bool = True):
                     add_expert_used_count=c.num_experts_per_tok,
                     add_sliding_window=c.sliding_window,
                     add_expert_feed_forward_length=c.intermediate_size)
-    if family == "deepseek_v3":
+    if family in DEEPSEEKS:
         rank, rope_dim = c.kv_lora_rank, c.qk_rope_head_dim
         meta.update(add_expert_used_count=c.num_experts_per_tok,
                     add_expert_group_count=c.n_group,
@@ -218,6 +242,9 @@ def convert(model, family: str, mxfp4: bool = True, split_kv_b: bool = True):
             meta.update(add_head_count_kv=c.num_attention_heads,
                         add_key_length=c.qk_nope_head_dim + rope_dim,
                         add_value_length=c.v_head_dim)
+    if family == "deepseek_v32":
+        meta.update(add_indexer_head_count=c.index_n_heads,
+                    add_indexer_key_length=c.index_head_dim, add_indexer_top_k=c.index_topk)
     if family == "gemma4_text":
         layer = c.per_layer_config  # each layer's resolved config
         full = layer[c.layer_types.index("full_attention")].head_dim
@@ -261,7 +288,7 @@ def quantize_experts(model, arrays: dict) -> None:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, tuple]:
     """family -> (transformers model, its GGUF file)."""
-    return family_files(tmp_path_factory, CONFIGS, hf_model, convert, ARCHES)
+    return family_files(tmp_path_factory, CONFIGS, hf_model, convert, ARCH_NAMES)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
@@ -304,6 +331,9 @@ def test_layers_as_llama_cpp_runs_them(files, tmp_path):
     assert [s.window for s in layers["gpt_oss"]] == [6, None, 6]
     assert [(s.attention, s.mlp) for s in layers["deepseek_v3"]] == [
         ("latent", "dense"), ("latent", "moe"), ("latent", "moe")]
+    assert [(s.attention, s.mlp) for s in layers["deepseek_v32"]] == [
+        ("sparse_latent", "dense"), ("sparse_latent", "moe"), ("sparse_latent", "moe")]
+    assert layers["deepseek_v32"][1].options["index_topk"] == 8
     # Gemma 4: 16-wide sliding heads, 32-wide full ones of one key/value head (its
     # values its keys), the last two layers sharing, their MLPs twice as wide
     gemma = layers["gemma4_text"]
@@ -333,6 +363,11 @@ FIELDS = {
                     "moe_intermediate_size", "first_k_dense_replace", "routed_scaling_factor",
                     "norm_topk_prob", "n_group", "topk_group", "num_experts_per_tok",
                     "rope_interleave"),
+    "deepseek_v32": ("head_dim", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                     "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
+                     "moe_intermediate_size", "first_k_dense_replace", "mlp_layer_types",
+                     "routed_scaling_factor", "norm_topk_prob", "n_group", "topk_group",
+                     "num_experts_per_tok", "index_n_heads", "index_head_dim", "index_topk"),
 }
 COMMON_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -442,6 +477,34 @@ def test_older_and_fused_forms(files, tmp_path):
                 assert torch.equal(state[name], tensor), name
 
 
+def test_deepseek32_draft_block_is_left_unread(files, tmp_path):
+    """llama.cpp's converter appends DeepSeek-V3.2's multi-token-prediction block after
+    the model's own (``nextn_predict_layers``; a full layer plus its ``nextn.*``
+    tensors): the file reads as the model without it."""
+    hf, path = files["deepseek_v32"]
+    want = read_gguf_model(path)
+    arrays, meta = convert(hf, "deepseek_v32")
+    layers, d = hf.config.num_hidden_layers, hf.config.hidden_size
+    last = f"blk.{layers - 1}."
+    draft = {f"blk.{layers}." + k.removeprefix(last): v
+             for k, v in arrays.items() if k.startswith(last)}
+    for kind, shape in ((gguf.MODEL_TENSOR.NEXTN_EH_PROJ, (d, 2 * d)),
+                        (gguf.MODEL_TENSOR.NEXTN_ENORM, (d,)),
+                        (gguf.MODEL_TENSOR.NEXTN_HNORM, (d,)),
+                        (gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM, (d,))):
+        name = gguf.TENSOR_NAMES[kind].format(bid=layers) + ".weight"
+        draft[name] = np.ones(shape, np.float32)
+    mtp = write_gguf(tmp_path / "mtp.gguf", {**arrays, **draft}, "deepseek32",
+                     {**meta, "add_block_count": layers + 1, "add_nextn_predict_layers": 1})
+    config, state = read_gguf_model(mtp)
+    assert config == want[0] and state.keys() == want[1].keys()
+    assert all(torch.equal(state[k], want[1][k]) for k in state)
+    refused(write_gguf(tmp_path / "all.gguf", {**arrays, **draft}, "deepseek32",
+                       {**meta, "add_block_count": layers + 1,
+                        "add_nextn_predict_layers": layers + 1}),
+            f"nextn_predict_layers is {layers + 1}", "leaves no layer")
+
+
 @pytest.mark.usefixtures("no_reads")
 def test_refusals_are_one_line_before_any_tensor_is_read(files, tmp_path):
     hf, _ = files["deepseek_v3"]
@@ -457,7 +520,7 @@ def test_refusals_are_one_line_before_any_tensor_is_read(files, tmp_path):
     refused(deepseek("soft", add_expert_gating_func=gguf.ExpertGatingFuncType.SOFTMAX),
             "expert_gating_func is 1 (softmax)")
     refused(deepseek("dsa", **{"deepseek2.attention.indexer.top_k": 8}),
-            "attention.indexer.top_k", "deepseek_v32", "no GGUF architecture")
+            "attention.indexer.top_k", "sparse attention", "a deepseek32 file")
     refused(deepseek("mul", add_rope_scaling_yarn_log_mul=None),
             "rope.scaling.yarn_log_multiplier is missing")
     refused(deepseek("attn", add_rope_scaling_yarn_attn_factor=1.5),
@@ -465,6 +528,17 @@ def test_refusals_are_one_line_before_any_tensor_is_read(files, tmp_path):
     refused(deepseek("kvl", add_key_length=20), "attention.key_length is 20", "implies 24")
     refused(deepseek("scale", add_logit_scale=2.0), "deepseek2.logit_scale is 2.0",
             "does not compute it")
+    # deepseek32: the indexer's sizes and the query latent are needed (llama.cpp's loader
+    # needs them too), and the MLA form, the only one llama.cpp's graph runs
+    hf, _ = files["deepseek_v32"]
+    arrays, meta = convert(hf, "deepseek_v32")
+    for key in ("add_indexer_top_k", "add_q_lora_rank", "add_key_length_mla"):
+        kept = {k: v for k, v in meta.items() if k != key}
+        what = {"add_indexer_top_k": "attention.indexer.top_k",
+                "add_q_lora_rank": "attention.q_lora_rank",
+                "add_key_length_mla": "attention.key_length_mla"}[key]
+        refused(write_gguf(tmp_path / f"{key}.gguf", arrays, "deepseek32", kept),
+                f"deepseek32.{what} is missing", "a deepseek32 model needs it")
     hf, path = files["olmo3"]
     arrays, meta = convert(hf, "olmo3")
     refused(write_gguf(tmp_path / "pattern.gguf", arrays, "olmo2",
@@ -509,7 +583,7 @@ def test_write_gguf_refuses_these_families(files, tmp_path):
     """Writing these families back to GGUF is not implemented: refused, one line,
     nothing written (test_gguf_write_families tests those written)."""
     for family, (hf, _) in files.items():
-        if family in ("gpt_oss", "deepseek_v3", "gemma4_text"):  # written: test_gguf_write_families
+        if family in ("gpt_oss", *DEEPSEEKS, "gemma4_text"):  # test_gguf_write_families
             continue
         target = tmp_path / f"{family}.gguf"
         with pytest.raises(ValueError) as error:

@@ -1,6 +1,7 @@
 """``write_gguf`` on the families of mixed layers: gpt-oss (``gpt-oss``), Qwen3.5
 (``qwen35``), DeepSeek-V3 (``deepseek2``, the MLA form: ``attn_k_b``/``attn_v_b``),
-Qwen3-Next (``qwen3next``: ``attn_qkv``/``attn_gate``) and Gemma 4 (``gemma4``), against
+DeepSeek-V3.2 (``deepseek32``: the same plus the lightning indexer), Qwen3-Next
+(``qwen3next``: ``attn_qkv``/``attn_gate``) and Gemma 4 (``gemma4``), against
 transformers and llama.cpp's converter.
 
 Each family's tiny model is the one its GGUF reader's tests build with transformers'
@@ -10,6 +11,7 @@ value heads as wide as its key heads, as llama.cpp's loader takes them; Gemma 4'
 before the shared ones ending sliding, full, as llama.cpp shares caches). Written by
 ``write_gguf``:
 
+- its architecture is llama.cpp's, and its metadata says what the converter's does;
 - every tensor of the file is the array the small converter of those tests (their
   ``convert``, llama.cpp's ``convert_hf_to_gguf.py`` conventions) writes, bit for bit
   in float32, under the same names;
@@ -64,9 +66,14 @@ SPECS = {"gpt_oss": (test_gguf_families.hf_model, test_gguf_families.convert,
                      {"mxfp4": False}),
          "qwen3_5_text": (test_gguf_hybrids.hf_model, test_gguf_hybrids.convert, {}),
          "deepseek_v3": (test_gguf_families.hf_model, test_gguf_families.convert, {}),
+         "deepseek_v32": (test_gguf_families.hf_model, test_gguf_families.convert, {}),
          "qwen3_next": (test_gguf_hybrids.hf_model, test_gguf_hybrids.convert, {}),
          "gemma4_text": (gemma4_as_llama_cpp_shares, test_gguf_families.convert, {})}
 HYBRIDS = ("qwen3_5_text", "qwen3_next")
+# family -> llama.cpp's architecture for it (convert_hf_to_gguf.py's model_arch)
+ARCHITECTURES = {"gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35", "deepseek_v3": "deepseek2",
+                 "deepseek_v32": "deepseek32", "qwen3_next": "qwen3next",
+                 "gemma4_text": "gemma4"}
 # Stored transformed (the hybrids'): w + 1 and -exp(A_log) round in float32 (one unit
 # in the last place of values of a few units).
 TRANSFORMED = re.compile(r"(layernorm|q_norm|k_norm|model\.norm)\.weight$|A_log$")
@@ -106,6 +113,21 @@ def test_tensors_are_what_llama_cpp_converter_writes(written, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_metadata_is_what_llama_cpp_converter_writes(written, family, tmp_path):
+    """The architecture is llama.cpp's, and every ``{arch}.*`` key the small converter
+    writes (through the gguf package's own ``add_*`` writers) has its value (floats as
+    float32); write_gguf may say more (``vocab_size``, ...)."""
+    model, path = written[family]
+    _, convert, options = SPECS[family]
+    arrays, meta = convert(model, family, **options)
+    arch = ARCHITECTURES[family]
+    theirs = read_gguf_header(reference_gguf(tmp_path / "ref.gguf", arrays, arch, meta))
+    ours = read_gguf_header(path)
+    assert ours.architecture == arch
+    assert {k: ours.config.get(k) for k in theirs.config} == theirs.config
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_reads_back_as_the_model(written, family):
     model, path = written[family]
     config, state = read_gguf_model(path)
@@ -130,7 +152,7 @@ def test_a_runs_tensors_write_the_same_file(written, family, tmp_path):
     config = model.config.to_dict()
     fields = config_fields(config, family)
     state = from_qkv(to_qkv(model.state_dict(), fields, family), fields)
-    if family in ("deepseek_v3", "qwen3_next"):  # per-expert tensors, not the module's
+    if family in ("deepseek_v3", "deepseek_v32", "qwen3_next"):  # per expert, not fused
         assert set(state) != set(model.state_dict())
     ours = write_gguf(tmp_path / "m.gguf", config, state, tokenizer=written["tokens"])
     assert ours.read_bytes() == path.read_bytes()
@@ -149,8 +171,8 @@ def test_lm_import_runs_like_transformers(written, family, tmp_path):
 
 def test_half_precision_matrices_and_float32_vectors_routers(written, tmp_path):
     """BF16: the 2-D and 3-D weights (the experts too) rounded to bfloat16; vectors,
-    biases (gpt-oss's 2-D expert biases too) and the router float32, as llama.cpp's
-    converter keeps them."""
+    biases (gpt-oss's 2-D expert biases too), the router and DeepSeek-V3.2's indexer
+    head weights float32, as llama.cpp's converter keeps them."""
     model, _ = written["gpt_oss"]
     path = write_gguf(tmp_path / "b.gguf", model.config.to_dict(), model.state_dict(), "BF16")
     types = {n: t.type_name for n, t in read_gguf_header(path).tensors.items()}
@@ -162,6 +184,15 @@ def test_half_precision_matrices_and_float32_vectors_routers(written, tmp_path):
         rounded = (tensor.bfloat16().float() if tensor.dim() >= 2 and "bias" not in name
                    and "router" not in name else tensor)
         assert torch.equal(state[name], rounded), name
+    # DeepSeek-V3.2's indexer: its head weights (indexer.proj) float32 too, as llama.cpp's
+    # converter keeps them; its projections bfloat16
+    model, _ = written["deepseek_v32"]
+    path = write_gguf(tmp_path / "v32.gguf", model.config.to_dict(), model.state_dict(), "BF16")
+    types = {n: t.type_name for n, t in read_gguf_header(path).tensors.items()}
+    assert [types[f"blk.1.indexer.{n}"] for n in ("proj.weight", "k_norm.weight",
+                                                   "k_norm.bias")] == ["F32"] * 3
+    assert types["blk.1.indexer.attn_q_b.weight"] == types["blk.1.indexer.attn_k.weight"] \
+        == "BF16"
 
 
 def test_refuses_what_llama_cpp_would_run_otherwise(written, tmp_path):
@@ -189,7 +220,8 @@ def test_refuses_value_heads_llama_cpp_cannot_load(tmp_path):
 def test_refuses_queries_without_q_lora_at_a_layer_count_llama_cpp_misreads(tmp_path):
     """DeepSeek without query compression (q_lora_rank None): llama.cpp's loader takes
     such a model for DeepSeek-V2-Lite by its 26 or 27 layers only, and asks any other
-    file for attention.q_lora_rank (it fails to load them)."""
+    file for attention.q_lora_rank (it fails to load them); its deepseek32 loader asks
+    every file."""
     config = test_gguf_families.CONFIGS["deepseek_v3"]()
     config.q_lora_rank = None
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -197,6 +229,23 @@ def test_refuses_queries_without_q_lora_at_a_layer_count_llama_cpp_misreads(tmp_
         write_gguf(tmp_path / "m.gguf", model.config.to_dict(), model.state_dict())
     one_line(error, f"q_lora_rank=None with num_hidden_layers {config.num_hidden_layers}",
              "deepseek2", "26 or 27")
+    # DeepSeek-V3.2: llama.cpp's deepseek32 loader asks every file for q_lora_rank
+    model = test_gguf_families.hf_model("deepseek_v32")
+    config = {**model.config.to_dict(), "q_lora_rank": None}
+    with pytest.raises(ValueError) as error:
+        write_gguf(tmp_path / "m.gguf", config, model.state_dict())
+    one_line(error, "q_lora_rank=None", "deepseek32", "attention.q_lora_rank")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_index_heads_llama_cpp_cannot_rotate(tmp_path):
+    """DeepSeek-V3.2 with index heads 16 wide (test_open_models' model): llama.cpp rotates
+    each index head by a Hadamard matrix, which it makes only 64, 128, ... wide (ggml's
+    mul_mat fails an assertion on such a file), so it is not written."""
+    model = open_model("deepseek_v32")
+    with pytest.raises(ValueError) as error:
+        write_gguf(tmp_path / "m.gguf", model.config.to_dict(), model.state_dict())
+    one_line(error, "index_head_dim 16", "deepseek32", "powers of two from 64")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -15,25 +15,25 @@ serves both:
 
 Supported architectures (``general.architecture`` -> Hugging Face ``model_type``):
 
-=============  ====================  ===================================================
-``llama``      ``llama``             Llama, SmolLM2 and Mistral files (``mistral`` when
-                                     ``general.name`` says Mistral)
-``qwen2``      ``qwen2``
-``qwen3``      ``qwen3``
-``gemma3``     ``gemma3_text``
-``gpt2``       ``gpt2``
-``smollm3``    ``smollm3``           NoPE every 4th layer
-``olmo2``      ``olmo3``             OLMo 2 and OLMo 3 files both say ``olmo2``
-``gpt-oss``    ``gpt_oss``           experts MXFP4 in published files, dequantized here
-``deepseek2``  ``deepseek_v3``       DeepSeek-V3/R1 (and Kimi K2) files
-``qwen3next``  ``qwen3_next``        Gated DeltaNet and gated attention, experts
-``qwen35``     ``qwen3_5_text``      the same with a dense MLP (Qwen3.5's text model)
-``qwen35moe``  ``qwen3_5_moe_text``  Qwen3.5-MoE's text model
-``gemma4``     ``gemma4_text``       Gemma 4's text model
-=============  ====================  ============================================
-DeepSeek-V3.2 (``deepseek_v32``) has no GGUF form: gguf 0.19 names no architecture for
-its sparse attention and llama.cpp's converter writes none; a ``deepseek2`` file with
-an indexer's metadata is refused.
+==============  ====================  ===================================================
+``llama``       ``llama``             Llama, SmolLM2 and Mistral files (``mistral`` when
+                                      ``general.name`` says Mistral)
+``qwen2``       ``qwen2``
+``qwen3``       ``qwen3``
+``gemma3``      ``gemma3_text``
+``gpt2``        ``gpt2``
+``smollm3``     ``smollm3``           NoPE every 4th layer
+``olmo2``       ``olmo3``             OLMo 2 and OLMo 3 files both say ``olmo2``
+``gpt-oss``     ``gpt_oss``           experts MXFP4 in published files, dequantized here
+``deepseek2``   ``deepseek_v3``       DeepSeek-V3/R1 (and Kimi K2) files
+``deepseek32``  ``deepseek_v32``      DeepSeek-V3.2: ``deepseek2`` and a lightning indexer
+``qwen3next``   ``qwen3_next``        Gated DeltaNet and gated attention, experts
+``qwen35``      ``qwen3_5_text``      the same with a dense MLP (Qwen3.5's text model)
+``qwen35moe``   ``qwen3_5_moe_text``  Qwen3.5-MoE's text model
+``gemma4``      ``gemma4_text``       Gemma 4's text model
+==============  ====================  ============================================
+A ``deepseek2`` file with an indexer's metadata is refused: DeepSeek-V3.2's sparse
+attention is llama.cpp's ``deepseek32`` architecture.
 
 The configuration says what llama.cpp would run, which is not always what the original
 ``config.json`` said; llama.cpp's converter drops what its runtime does not use:
@@ -67,6 +67,14 @@ The configuration says what llama.cpp would run, which is not always what the or
   key_length_mla``, converters since 2025) hold the key and value up-projections
   ``attn_k_b`` ``(heads, kv_lora_rank, qk_nope_head_dim)`` and ``attn_v_b``; older files
   one ``attn_kv_b``; both read back as ``kv_b_proj``.
+- ``deepseek32`` files: a ``deepseek2`` file (MLA form, ``attention.q_lora_rank``
+  required: the indexer reads the query latent) plus ``attention.indexer.head_count``,
+  ``key_length`` and ``top_k`` (``index_n_heads``, ``index_head_dim``, ``index_topk``)
+  and each layer's ``indexer.attn_q_b``, ``attn_k``, ``k_norm`` (weight and bias) and
+  ``proj``, stored as transformers holds them: llama.cpp's index heads are [rope | nope]
+  with rotate-half RoPE, as qkv's :class:`~qkv.latent_attention.LightningIndexer`. The
+  ``nextn_predict_layers`` blocks the converter appends (multi-token prediction) are
+  left unread.
 - ``qwen3next`` and ``qwen35`` files: layer ``i`` is full attention iff ``(i + 1) %
   full_attention_interval == 0`` (llama.cpp's default 4), the others Gated DeltaNet of
   the ``ssm.*`` sizes; ``rope.dimension_count`` turns part of each head (the partial
@@ -146,11 +154,14 @@ __all__ = ["GGUF_ARCHITECTURES", "gguf_config", "gguf_state_dict", "llama3_scali
 # general.architecture -> Hugging Face's model_type
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
                 "gpt2": "gpt2", "smollm3": "smollm3", "olmo2": "olmo3", "gpt-oss": "gpt_oss",
-                "deepseek2": "deepseek_v3", "qwen3next": "qwen3_next", "qwen35": "qwen3_5_text",
+                "deepseek2": "deepseek_v3", "deepseek32": "deepseek_v32",
+                "qwen3next": "qwen3_next", "qwen35": "qwen3_5_text",
                 "qwen35moe": "qwen3_5_moe_text", "gemma4": "gemma4_text"}
 GGUF_ARCHITECTURES = tuple(_MODEL_TYPES)
 # The hybrids of Gated DeltaNet and gated full attention (their model_types).
 _HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# DeepSeek's architectures of latent attention: V3's, and V3.2's with the indexer.
+_DEEPSEEK_ARCHES = ("deepseek2", "deepseek32")
 _FULL_ATTENTION_EVERY = 4  # llama.cpp's full_attention_interval when a file gives none
 # The model_types whose attn_q/attn_k rows llama.cpp's converter reorders for its RoPE
 # (LlamaModel and its subclasses); the others are stored as Hugging Face holds them.
@@ -207,7 +218,7 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
     Returns:
         ``model_type`` (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``,
         ``"gemma3_text"``, ``"gpt2"``, ``"smollm3"``, ``"olmo3"``, ``"gpt_oss"``,
-        ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_5_text"`` or
+        ``"deepseek_v3"``, ``"deepseek_v32"``, ``"qwen3_next"``, ``"qwen3_5_text"`` or
         ``"qwen3_5_moe_text"``) and the fields of that family's ``config.json`` that its
         reader (:func:`~qkv.models.hf_open.config_fields`) reads: for GPT-2
         ``vocab_size``, ``n_positions``, ``n_embd``, ``n_layer``, ``n_head``, ``n_inner``
@@ -286,13 +297,13 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
                 "layer_norm_epsilon": number("attention.layer_norm_epsilon"),
                 "activation_function": "gelu_new"}
     rope = {"rope_theta": number("rope.freq_base", _ROPE_BASE),
-            "rope_scaling": _rope_scaling(meta, where, arch == "deepseek2")}
+            "rope_scaling": _rope_scaling(meta, where, arch in _DEEPSEEK_ARCHES)}
     shared = {"model_type": _MODEL_TYPES[arch], **common, "hidden_size": hidden,
               "num_hidden_layers": layers, "num_attention_heads": heads,
               "max_position_embeddings": integer("context_length"),
               "rms_norm_eps": number("attention.layer_norm_rms_epsilon"), **rope,
               "hidden_act": "silu"}
-    if arch == "deepseek2":
+    if arch in _DEEPSEEK_ARCHES:
         return _deepseek2_config(meta, shared, integer, number, where)
     if shared["model_type"] in _HYBRIDS:
         return _hybrid_config(meta, shared, integer, where)
@@ -507,14 +518,20 @@ def _sliding_layers(meta: Mapping[str, Any], layers: int, where: str) -> list[bo
 
 def _deepseek2_config(meta: Mapping[str, Any], shared: dict[str, Any], integer: Any,
                       number: Any, where: str) -> dict[str, Any]:
-    """DeepSeek-V3's ``config.json`` from a ``deepseek2`` file's metadata: latent
-    attention's sizes, the experts and their routing (``shared`` holds the sizes every
-    family has, RoPE read)."""
+    """DeepSeek-V3's ``config.json`` from a ``deepseek2`` file's metadata, or
+    DeepSeek-V3.2's from a ``deepseek32`` file's: latent attention's sizes, the experts
+    and their routing, V3.2's indexer (``shared`` holds the sizes every family has, RoPE
+    read)."""
+    sparse = shared["model_type"] == "deepseek_v32"
     indexer = sorted(k for k in meta if k.startswith("attention.indexer."))
-    if indexer:
+    if indexer and not sparse:
         raise ValueError(f"{where}{indexer[0]} says the model has DeepSeek's sparse "
-                         "attention; qkv reads it from Hugging Face folders only "
-                         "(deepseek_v32: gguf 0.19 names no GGUF architecture for it)")
+                         "attention (DeepSeek-V3.2): such a model is a deepseek32 file, "
+                         "not deepseek2")
+    if sparse and "attention.key_length_mla" not in meta:
+        # llama.cpp's deepseek32 graph runs the MLA form only (attn_k_b and attn_v_b)
+        raise ValueError(f"{where}attention.key_length_mla is missing; a deepseek32 "
+                         "model needs it (llama.cpp runs its latent attention as MLA)")
     gating = integer("expert_gating_func", 0, lo=0)
     if gating != _SIGMOID:
         raise ValueError(f"{where}expert_gating_func is {gating} "
@@ -544,6 +561,22 @@ def _deepseek2_config(meta: Mapping[str, Any], shared: dict[str, Any], integer: 
             raise ValueError(f"{where}{key} is {show(meta[key])}; qkv reads DeepSeek's "
                              "YaRN without one (1)")
     experts = integer("expert_count")
+    if sparse:
+        # the indexer reads its queries from the query latent: llama.cpp's deepseek32
+        # loader needs q_lora_rank too
+        integer("attention.q_lora_rank")
+        # llama.cpp's converter appends DeepSeek-V3.2's multi-token-prediction block
+        # (a draft head the logits do not go through): not counted, left unread
+        blocks = shared["num_hidden_layers"]
+        drafts = integer("nextn_predict_layers", 0, lo=0)
+        if drafts >= blocks:
+            raise ValueError(f"{where}nextn_predict_layers is {drafts}, but block_count "
+                             f"{blocks} leaves no layer for the model itself (at most "
+                             "block_count - 1)")
+        shared = {**shared, "num_hidden_layers": blocks - drafts,
+                  "index_n_heads": integer("attention.indexer.head_count"),
+                  "index_head_dim": integer("attention.indexer.key_length"),
+                  "index_topk": integer("attention.indexer.top_k")}
     return {
         **shared, "intermediate_size": integer("feed_forward_length"),
         "num_key_value_heads": heads, "head_dim": rope_dim, "attention_bias": False,
@@ -804,7 +837,7 @@ def _block(config: dict[str, Any], i: int,
     """Layer ``i``'s tensors, as :func:`_plan` gives them, names after ``blk.{i}.`` and
     ``model.layers.{i}.``."""
     model_type, d = config["model_type"], config["hidden_size"]
-    if model_type == "deepseek_v3":
+    if model_type in ("deepseek_v3", "deepseek_v32"):
         return _deepseek_block(config, i, stored)
     if model_type in _HYBRIDS:
         return _hybrid_block(config, i, stored)
@@ -907,8 +940,9 @@ def _gemma4_block(config: dict[str, Any], i: int,
 
 def _deepseek_block(config: dict[str, Any], i: int,
                     stored: Container[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """A DeepSeek-V3 layer's tensors: latent attention, then a dense MLP (the first
-    ``first_k_dense_replace`` layers) or routed and shared experts."""
+    """A DeepSeek-V3 or V3.2 layer's tensors: latent attention (V3.2's with its lightning
+    indexer), then a dense MLP (the first ``first_k_dense_replace`` layers) or routed and
+    shared experts."""
     d, heads = config["hidden_size"], config["num_attention_heads"]
     rank, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
     nope, v, q_rank = config["qk_nope_head_dim"], config["v_head_dim"], config["q_lora_rank"]
@@ -930,6 +964,15 @@ def _deepseek_block(config: dict[str, Any], i: int,
         block["attn_k_b.weight"] = (kv_b, (heads, rank, nope))
         block["attn_v_b.weight"] = (kv_b, (heads, v, rank))
     block["attn_output.weight"] = ("self_attn.o_proj.weight", (d, heads * v))
+    if config["model_type"] == "deepseek_v32":  # stored as transformers holds them
+        ix, ix_heads, ix_dim = ("self_attn.indexer.", config["index_n_heads"],
+                                config["index_head_dim"])
+        block.update({"indexer.attn_q_b.weight": (ix + "wq_b.weight",
+                                                  (ix_heads * ix_dim, q_rank)),
+                      "indexer.attn_k.weight": (ix + "wk.weight", (ix_dim, d)),
+                      "indexer.k_norm.weight": (ix + "k_norm.weight", (ix_dim,)),
+                      "indexer.k_norm.bias": (ix + "k_norm.bias", (ix_dim,)),
+                      "indexer.proj.weight": (ix + "weights_proj.weight", (ix_heads, d))})
     block["ffn_norm.weight"] = ("post_attention_layernorm.weight", (d,))
     if i < config["first_k_dense_replace"]:
         f = config["intermediate_size"]
@@ -1077,12 +1120,14 @@ def _check_tensors(header: GGUFHeader, plan: dict[str, tuple[str, tuple[int, ...
 
 
 def _draft_block(header: GGUFHeader, name: str) -> bool:
-    """Whether ``name`` is a tensor of the multi-token-prediction blocks a Qwen3.5 file
-    holds after the model's own (``nextn_predict_layers`` of them, left unread)."""
+    """Whether ``name`` is a tensor of the multi-token-prediction blocks a Qwen3.5 or
+    DeepSeek-V3.2 file holds after the model's own (``nextn_predict_layers`` of them,
+    left unread)."""
     drafts = header.config.get("nextn_predict_layers", 0)
     blocks = header.config.get("block_count", 0)
     parts = name.split(".")
-    return (header.architecture in ("qwen3next", "qwen35", "qwen35moe") and isinstance(drafts, int)
+    return (header.architecture in ("qwen3next", "qwen35", "qwen35moe", "deepseek32")
+            and isinstance(drafts, int)
             and isinstance(blocks, int) and len(parts) > 2 and parts[0] == "blk"
             and parts[1].isdecimal() and blocks - drafts <= int(parts[1]) < blocks)
 
@@ -1290,7 +1335,8 @@ def read_gguf_model(
 # llama).
 _WRITTEN = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
             "gemma3_text": "gemma3", "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35",
-            "deepseek_v3": "deepseek2", "qwen3_next": "qwen3next", "gemma4_text": "gemma4"}
+            "deepseek_v3": "deepseek2", "deepseek_v32": "deepseek32", "qwen3_next": "qwen3next",
+            "gemma4_text": "gemma4"}
 # Gemma 4's proportional RoPE: rope_freqs' divisor for the pairs that do not turn (as
 # llama.cpp's converter writes it).
 _NOT_TURNING = 1e30
@@ -1327,7 +1373,7 @@ def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[A
     if scaling.get("rope_type") == "linear":  # llama3's is a tensor (_rope_freqs)
         meta["rope.scaling.type"] = ("linear", string)
         meta["rope.scaling.factor"] = (scaling["factor"], f32)
-    if scaling.get("rope_type") == "yarn" and arch in ("gpt-oss", "deepseek2"):
+    if scaling.get("rope_type") == "yarn" and arch in ("gpt-oss", *_DEEPSEEK_ARCHES):
         meta["rope.scaling.type"] = ("yarn", string)
         meta["rope.scaling.factor"] = (scaling["factor"], f32)
         meta["rope.scaling.original_context_length"] = (
@@ -1337,7 +1383,7 @@ def _metadata(config: dict[str, Any], arch: str, gguf: Any) -> dict[str, tuple[A
                 meta[f"rope.scaling.{written}"] = (scaling[key], f32)
     if config["model_type"] in _HYBRIDS:
         meta.update(_hybrid_metadata(config, gguf))
-    if arch == "deepseek2":
+    if arch in _DEEPSEEK_ARCHES:
         meta.update(_deepseek2_metadata(config, gguf))
     if arch == "gemma4":
         meta.update(_gemma4_metadata(config, gguf))
@@ -1398,7 +1444,8 @@ def _deepseek2_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[An
     """DeepSeek-V3's own metadata (:func:`_deepseek2_config` reads it), as llama.cpp's
     converter writes it since its MLA: attention over the latent (one key/value head of
     ``kv_lora_rank + qk_rope_head_dim``) with the heads' sizes as ``*_mla``, sigmoid
-    routing, YaRN's ``mscale_all_dim`` as ``0.1 *`` it."""
+    routing, YaRN's ``mscale_all_dim`` as ``0.1 *`` it; DeepSeek-V3.2's indexer sizes
+    (``attention.indexer.*``) too."""
     u32, f32, flag = (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32,
                       gguf.GGUFValueType.BOOL)
     rank, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
@@ -1423,12 +1470,20 @@ def _deepseek2_metadata(config: dict[str, Any], gguf: Any) -> dict[str, tuple[An
     scaling = config.get("rope_scaling") or {}
     if scaling.get("rope_type") == "yarn":
         meta[f"rope.scaling.{_YARN_LOG_MUL}"] = (0.1 * scaling.get("mscale_all_dim", 0.0), f32)
+    if config["model_type"] == "deepseek_v32":
+        meta.update({"attention.indexer.head_count": (config["index_n_heads"], u32),
+                     "attention.indexer.key_length": (config["index_head_dim"], u32),
+                     "attention.indexer.top_k": (config["index_topk"], u32)})
     return meta
 
 
 # The layer counts at which llama.cpp's deepseek2 loader takes a model for DeepSeek-V2-Lite
 # (one query projection, no q_lora_rank): checked with llama-cpp-python 0.3.36.
 _DEEPSEEK_LITE_LAYERS = (26, 27)
+# The narrowest Hadamard matrix llama.cpp makes (its sizes: powers of two from this one).
+# Its deepseek32 graph rotates each index head by one matrix of the head's width, so it
+# runs index_head_dim 64, 128, 256, ... only (others fail an assertion in ggml's mul_mat).
+_HADAMARD_MIN = 64
 
 
 def _check_gemma4_sharing(config: dict[str, Any]) -> None:
@@ -1565,10 +1620,11 @@ def _experts_to_gguf(kind: str, tensor: Tensor, model_type: str) -> Tensor:
 
 def _stored_f32(name: str, shape: tuple[int, ...]) -> bool:
     """Whether llama.cpp's converter stores this tensor in float32 whatever the file's
-    type: vectors, biases, norms, the routers and the DeltaNet convolution (which
-    llama.cpp's kernels take in float32)."""
+    type: vectors, biases, norms, the routers, the DeltaNet convolution (which
+    llama.cpp's kernels take in float32) and DeepSeek-V3.2's indexer weights
+    (``indexer.proj``)."""
     return (len(shape) < 2 or not name.endswith(".weight") or name.endswith("_norm.weight")
-            or ".ffn_gate_inp" in name or ".ssm_conv1d." in name)
+            or ".ffn_gate_inp" in name or ".ssm_conv1d." in name or ".indexer.proj." in name)
 
 
 def write_gguf(
@@ -1607,8 +1663,11 @@ def write_gguf(
     RoPE scaling other than linear and Llama 3's, ...) is a one-line ``ValueError``; so
     are biases on a Qwen3 or Gemma 3 model's projections, which llama.cpp's
     ``attn_output`` lacks there, and DeltaNet value heads of another size than the key
-    heads (llama.cpp's loader fails on such a file), a DeepSeek model without
-    ``q_lora_rank`` at another layer count than DeepSeek-V2-Lite's, and Gemma 4's shared
+    heads (llama.cpp's loader fails on such a file), a DeepSeek-V3 model without
+    ``q_lora_rank`` at another layer count than DeepSeek-V2-Lite's, a DeepSeek-V3.2 one
+    without it at all or with an ``index_head_dim`` other than 64, 128, 256, ... (the
+    widths of the Hadamard matrices llama.cpp rotates the index heads by), and Gemma 4's
+    shared
     layers whose caches llama.cpp would take from other layers
     (:func:`_check_gemma4_sharing`).
 
@@ -1617,8 +1676,8 @@ def write_gguf(
             temporary name beside it, then renamed: it appears whole or not at all.
         config: the model's ``config.json`` (``model_type`` ``"llama"``, ``"mistral"``,
             ``"qwen2"``, ``"qwen3"``, ``"gemma3_text"``, ``"gpt_oss"`` or
-            ``"qwen3_5_text"``, ``"deepseek_v3"``, ``"qwen3_next"`` or
-            ``"gemma4_text"``: :data:`_WRITTEN`).
+            ``"qwen3_5_text"``, ``"deepseek_v3"``, ``"deepseek_v32"``, ``"qwen3_next"``
+            or ``"gemma4_text"``: :data:`_WRITTEN`).
         state_dict: Hugging Face name -> tensor, as :func:`read_gguf_model` or
             ``*ForCausalLM.state_dict()`` give it (a tied ``lm_head.weight`` may be
             there; it is not written).
@@ -1640,6 +1699,11 @@ def write_gguf(
     if model_type not in _WRITTEN:
         raise ValueError(f"config: model_type {show(model_type)} cannot be written to GGUF; "
                          f"qkv writes {', '.join(_WRITTEN)}")
+    if model_type == "deepseek_v32" and "q_lora_rank" in config and \
+            config["q_lora_rank"] is None:  # refused here, before qkv's own layer refuses it
+        raise ValueError("config: q_lora_rank=None cannot be written to a GGUF deepseek32 "
+                         "file: llama.cpp's deepseek32 loader needs attention.q_lora_rank "
+                         "(the indexer reads the query latent); give an integer")
     fields = config_fields(config, "config")
     # Checks every name and shape (one line each), then gives the tensors as transformers'
     # module holds them, whichever form they came in: the module's (Qwen3-Next's
@@ -1665,7 +1729,14 @@ def write_gguf(
                 f"config: linear_value_head_dim {full['linear_value_head_dim']} cannot be "
                 f"written to a GGUF {_WRITTEN[model_type]} file: llama.cpp takes the value "
                 f"heads to be linear_key_head_dim ({full['linear_key_head_dim']}) wide")
-    if model_type in ("deepseek_v3", "deepseek_v32") and full["q_lora_rank"] is None and \
+    index_dim = full.get("index_head_dim") if model_type == "deepseek_v32" else None
+    if index_dim is not None and (index_dim < _HADAMARD_MIN or index_dim & (index_dim - 1)):
+        raise ValueError(
+            f"config: index_head_dim {index_dim} cannot be written to a GGUF deepseek32 file: "
+            f"llama.cpp rotates each index head by a Hadamard matrix of its width, which it "
+            f"makes for powers of two from {_HADAMARD_MIN} only ({_HADAMARD_MIN}, "
+            f"{2 * _HADAMARD_MIN}, ...)")
+    if model_type == "deepseek_v3" and full["q_lora_rank"] is None and \
             full["num_hidden_layers"] not in _DEEPSEEK_LITE_LAYERS:
         # llama.cpp tells DeepSeek-V2-Lite (queries without the low-rank bottleneck) by
         # its layer count, and looks for q_lora_rank in any other file
