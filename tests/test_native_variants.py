@@ -60,6 +60,10 @@ def make_moe(routing: str, d_model: int = 32, seed: int = 0) -> MoE:
     return moe
 
 
+# the most threads a test runs the experts kernel on (its work buffer holds their sums)
+THREADS = 3
+
+
 def moe_struct(moe: MoE, keep: dict) -> Moe:
     """decode.c's qkv_moe for ``moe``, written from the module's fields here; ``keep``
     gets every tensor it points to (the work buffers by name)."""
@@ -95,6 +99,7 @@ def moe_struct(moe: MoE, keep: dict) -> Moe:
     s.weights = buf("weights", moe.top_k).data_ptr()
     s.hidden = buf("hidden", moe.top_k * ex.hidden_dim + s.shared_width).data_ptr()
     s.chosen = buf("chosen", moe.top_k, torch.int32).data_ptr()
+    s.partial = buf("partial", THREADS * moe.d_model).data_ptr()  # each thread's sum
     return s
 
 
@@ -129,7 +134,8 @@ def test_route_kernel_chooses_and_weighs_as_moe_route(routing):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("mode", [0, 1])
-def test_moe_kernel_is_the_float64_moe(routing, dtype, mode):
+@pytest.mark.parametrize("threads", [2, 3])
+def test_moe_kernel_is_the_float64_moe(routing, dtype, mode, threads):
     moe = make_moe(routing).to(dtype)
     keep: dict = {}
     s = moe_struct(moe, keep)
@@ -141,7 +147,8 @@ def test_moe_kernel_is_the_float64_moe(routing, dtype, mode):
     with torch.no_grad():
         ref = ref_moe(xs.double()) + (ys.double() if mode else 0)
     for x, y, r in zip(xs, ys.clone(), ref, strict=True):
-        LIB.qkv_moe_forward(ctypes.byref(s), ptr(x), ptr(y), 32, mode, 2)
+        # 3 threads: shares of the experts' rows and of y's outputs that end mid-expert
+        LIB.qkv_moe_forward(ctypes.byref(s), ptr(x), ptr(y), 32, mode, threads)
         assert torch.allclose(y.double(), r, rtol=1e-5, atol=1e-5)
 
 

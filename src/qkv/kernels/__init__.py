@@ -195,7 +195,8 @@ class Moe(ctypes.Structure):
     """``qkv_moe`` of decode.c: a mixture of experts' routing options, router, experts'
     3-D tensors (``gate_up (E, 2I, d)``, ``down (E, I, d)``), shared expert and its gate,
     Gemma 4's router scales, and its work buffers (``logits (E + 1)``, ``weights``,
-    ``chosen`` int32 ``(top_k)``, ``hidden (top_k I + S)``, ``route (d)``)."""
+    ``chosen`` int32 ``(top_k)``, ``hidden (top_k I + S)``, ``route (d)``, ``partial
+    (threads, d)``)."""
 
     _fields_ = [*((name, _I) for name in ("experts", "top_k", "score", "norm_topk",
                                           "n_group", "topk_group", "glu")),
@@ -208,7 +209,7 @@ class Moe(ctypes.Structure):
                 ("shared_gate", Mat),
                 *((name, _P) for name in ("logits", "weights", "hidden", "chosen")),
                 ("router_scale", _P), ("expert_scale", _P), ("router_eps", _F),
-                ("route", _P)]
+                ("route", _P), ("partial", _P)]
 
 
 class Latent(ctypes.Structure):

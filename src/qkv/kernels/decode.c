@@ -523,6 +523,7 @@ typedef struct {
     const float *router_scale, *expert_scale; /* (d,), (E,) float32 or NULL */
     float router_eps;
     float *route;
+    float *partial; /* (threads, d) float32: each thread's sum of the routed down rows */
 } qkv_moe;
 
 static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -654,28 +655,38 @@ static void moe_shared(const qkv_moe *e, const float *x, float *y, long d, int m
             e->hidden[r] = glu(g, u, e);
         }
     }
-    /* then each expert's down projection, weighted, into y. Every thread takes the
-       same contiguous share [c0, c1) of y's d outputs for every expert, so it only ever
-       adds to its own outputs and none waits for the others until the last. A routed
-       expert's share is sum_i h_i down[d0 + i, c0:c1): each thread streams a c1 - c0
-       wide slice of each of its I rows into a sum it keeps in cache. */
+    /* then the down projections, weighted, into y. The routed experts' are (I, d), input
+       rows first: each thread takes one contiguous share of all their rows and adds each
+       row, times its weight w_j h_i, into a d-wide sum of its own (`partial`), so that
+       it reads its share as one stream, as the other products do. (Splitting y's
+       outputs instead had each thread read half of every row: two streams interleaved
+       within each row.) After a barrier each thread adds up the threads' sums for its
+       share [c0, c1) of the outputs, with the biases and the shared expert, whose
+       (d, S) matrix it reads by rows. */
     const long t = omp_get_thread_num(), T = omp_get_num_threads();
-    const long c0 = d * t / T, c1 = d * (t + 1) / T, span = c1 - c0;
-    float acc[span > 0 ? span : 1];
-    for (int j = 0; j < n; j++) {
-        const float *h = e->hidden + a[j].offset;
-        const long w = a[j].width;
-        if (a[j].down_in) {
-            for (long c = 0; c < span; c++) acc[c] = 0.0f;
-            for (long i = 0; i < w; i++)
-                axpy_row_part(a[j].down, a[j].d0 + i, d, c0, span, h[i], acc);
-        } else {
-            DEINTERLEAVE(h, w, a[j].down->type == QKV_BF16)
-            for (long c = 0; c < span; c++) acc[c] = dot_row(a[j].down, a[j].d0 + c0 + c, w, h, xe, xo);
-        }
-        for (long c = 0; c < span; c++) {
-            float v = a[j].weight * (acc[c] + (a[j].bd ? a[j].bd[c0 + c] : 0.0f));
-            y[c0 + c] = (j == 0 && mode == STORE) ? v : y[c0 + c] + v;
+    const long I = e->width, routed = (long)e->top_k * I;
+    float *mine = e->partial + t * d;
+    for (long c = 0; c < d; c++) mine[c] = 0.0f;
+    for (long r = routed * t / T; r < routed * (t + 1) / T; r++) {
+        const long j = r / I, i = r - j * I;
+        axpy_row_part(a[j].down, a[j].d0 + i, d, 0, d, a[j].weight * e->hidden[r], mine);
+    }
+#pragma omp barrier
+    const long c0 = d * t / T, c1 = d * (t + 1) / T;
+    const float *h_shared = e->hidden + routed;
+    {
+        DEINTERLEAVE(h_shared, e->shared_width, e->shared_width && e->shared3.type == QKV_BF16)
+        for (long c = c0; c < c1; c++) {
+            float v = 0.0f;
+            for (long u = 0; u < T; u++) v += e->partial[u * d + c];
+            for (int j = 0; j < e->top_k; j++)
+                if (a[j].bd) v += a[j].weight * a[j].bd[c];
+            if (e->shared_width) {
+                const active_expert *s = &a[n - 1];
+                v += s->weight * (dot_row(s->down, c, s->width, h_shared, xe, xo)
+                                  + (s->bd ? s->bd[c] : 0.0f));
+            }
+            y[c] = mode == STORE ? v : y[c] + v;
         }
     }
 #pragma omp barrier

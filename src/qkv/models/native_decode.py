@@ -353,6 +353,7 @@ class NativeDecoder:
             router_scale=self._hold(_vector(moe.router_scale)),
             expert_scale=self._hold(_vector(moe.per_expert_scale)),
             router_eps=moe.router_norm or 0.0, route=self._zeros(moe.d_model).data_ptr(),
+            partial=self._zeros(self.threads * moe.d_model).data_ptr(),
             logits=self._zeros(moe.num_experts + 1).data_ptr(),
             weights=self._zeros(moe.top_k).data_ptr(),
             hidden=self._zeros(moe.top_k * width + shared_width).data_ptr(),
