@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -75,7 +76,10 @@ def child(code: str, args: list[str], env: dict[str, str]) -> float:
 def variant(text: str) -> tuple[str, dict[str, str]]:
     """``name=VAR=VALUE,VAR=VALUE`` (``name=`` for the environment as it is)."""
     name, _, settings = text.partition("=")
-    env = dict(item.split("=", 1) for item in settings.split(",") if item)
+    # settings split at the commas that start another VAR= (a value may hold commas:
+    # OMP_SCHEDULE=dynamic,32)
+    env = dict(item.split("=", 1) for item in re.split(r",(?=[A-Za-z_]\w*=)", settings)
+               if item)
     if not name:
         raise argparse.ArgumentTypeError(f"a variant needs a name: {text!r}")
     return name, env
