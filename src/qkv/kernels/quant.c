@@ -467,10 +467,25 @@ INLINE void dot_q6_k(const uint8_t *w, long nb, const quantized_x *const *xs, co
     __m256 acc[MAX_NX], off[MAX_NX];
     for (int j = 0; j < nx; j++) acc[j] = off[j] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
+    /* group t's two scales from the half's eight (int16, in both lanes): bytes 4k, 4k + 1
+       (scale 2k) over the low lane, 4k + 2, 4k + 3 (scale 2k + 1) over the high lane */
+    const __m256i pick[4] = {
+        _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                         2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
+        _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5,
+                         6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7),
+        _mm256_setr_epi8(8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9,
+                         10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11),
+        _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13,
+                         14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15)};
     for (long sb = 0; sb < nb; sb++, w += 210) {
         const int8_t *scales = (const int8_t *)(w + 192);
         __m256i p[MAX_NX][8];
         for (int h = 0; h < 2; h++) {
+            /* this half's eight scales widened once, then picked per group by a shuffle
+               (rather than two scalar loads and broadcasts per group) */
+            const __m256i sc8 = _mm256_broadcastsi128_si256(
+                _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(scales + 8 * h))));
             __m256i high = load32(w + 128 + 32 * h);
             const __m256i raw0 = load32(w + 64 * h), raw1 = load32(w + 64 * h + 32);
             for (int k = 0; k < 4; k++) {
@@ -480,8 +495,7 @@ INLINE void dot_q6_k(const uint8_t *w, long nb, const quantized_x *const *xs, co
                 const __m256i u = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(high, low2), 4));
                 high = _mm256_srli_epi16(high, 2);
                 const int t = 4 * h + k;
-                const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(scales[2 * t + 1]),
-                                                    _mm_set1_epi16(scales[2 * t]));
+                const __m256i sc = _mm256_shuffle_epi8(sc8, pick[k]);
                 /* u <= 63: the pairs stay below 2 * 63 * 127 < 2^15 */
                 for (int j = 0; j < nx; j++)
                     p[j][t] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, load32(xs[j]->q + 256 * sb + 32 * t)), sc);
