@@ -463,16 +463,14 @@ void qkv_attend_cached(const float *q, const void *K, const void *V, int dt, flo
                         sinks, gate, scores);
 }
 
-/* y[0 .. span) += a * W[r, c0 .. c0 + span), W (rows, n) of any type (a block type's
-   row is expanded first). */
-static void axpy_row_part(const qkv_mat *W, long r, long n, long c0, long span, float a,
-                          float *y) {
+/* y += a * row r of W (n values). */
+static void axpy_row(const qkv_mat *W, long r, long n, float a, float *y) {
     if (W->type == QKV_F32 || W->type == QKV_BF16) {
-        axpy_hd(a, W->data, r * n + c0, y, span, W->type);
+        axpy_hd(a, W->data, r * n, y, n, W->type);
     } else {
         float w[n];
         row_to_f32(W, r, n, w);
-        for (long i = 0; i < span; i++) y[i] += a * w[c0 + i];
+        for (long i = 0; i < n; i++) y[i] += a * w[i];
     }
 }
 
@@ -590,14 +588,13 @@ void qkv_route(const qkv_moe *e) {
 
 /* One expert the token runs through: its three matrices, the first row of each it
    reads, biases (NULL or at their first row), width and weight. A routed expert's down
-   rows are its inputs (`down_in`: (I, d) rows, d0 its first), the shared expert's its
-   outputs ((d, S), nn.Linear's). */
+   rows are its inputs ((I, d) rows, d0 its first), the shared expert's its outputs
+   ((d, S), nn.Linear's). */
 typedef struct {
     const qkv_mat *gate, *up, *down;
     long g0, u0, d0, width, offset; /* offset: where its hidden values start */
     const float *bg, *bu, *bd;
     float weight;
-    int down_in;
 } active_expert;
 
 static int active_experts(const qkv_moe *e, long d, active_expert *a) {
@@ -608,13 +605,13 @@ static int active_experts(const qkv_moe *e, long d, active_expert *a) {
         const float *bgu = e->gate_up_bias ? e->gate_up_bias + x * 2 * I : NULL;
         a[n++] = (active_expert){&e->gate_up, &e->gate_up, &e->down, x * 2 * I, x * 2 * I + I,
                                  x * I, I, j * I, bgu, bgu ? bgu + I : NULL,
-                                 e->down_bias ? e->down_bias + x * d : NULL, e->weights[j], 1};
+                                 e->down_bias ? e->down_bias + x * d : NULL, e->weights[j]};
     }
     if (e->shared_width) {
         float s = e->shared_gate.data ? sigmoidf(e->logits[e->experts]) : 1.0f;
         a[n++] = (active_expert){&e->shared1, &e->shared2, &e->shared3, 0, 0, 0,
                                  e->shared_width, e->top_k * I, e->shared_b1, e->shared_b2,
-                                 e->shared_b3, s, 0};
+                                 e->shared_b3, s};
     }
     return n;
 }
@@ -669,7 +666,7 @@ static void moe_shared(const qkv_moe *e, const float *x, float *y, long d, int m
     for (long c = 0; c < d; c++) mine[c] = 0.0f;
     for (long r = routed * t / T; r < routed * (t + 1) / T; r++) {
         const long j = r / I, i = r - j * I;
-        axpy_row_part(a[j].down, a[j].d0 + i, d, 0, d, a[j].weight * e->hidden[r], mine);
+        axpy_row(a[j].down, a[j].d0 + i, d, a[j].weight * e->hidden[r], mine);
     }
 #pragma omp barrier
     const long c0 = d * t / T, c1 = d * (t + 1) / T;
@@ -751,17 +748,6 @@ static void rope_pairs(float *v, const float *cos, const float *sin, long rd) {
         float a = v[2 * i], b = v[2 * i + 1];
         v[2 * i] = a * cos[i] - b * sin[i];
         v[2 * i + 1] = b * cos[i] + a * sin[i];
-    }
-}
-
-/* y += a * row r of W (n values). */
-static void axpy_row(const qkv_mat *W, long r, long n, float a, float *y) {
-    if (W->type == QKV_F32 || W->type == QKV_BF16) {
-        axpy_hd(a, W->data, r * n, y, n, W->type);
-    } else {
-        float w[n];
-        row_to_f32(W, r, n, w);
-        for (long i = 0; i < n; i++) y[i] += a * w[i];
     }
 }
 
