@@ -179,9 +179,12 @@ PLAN = {"token_embd.weight": "Q8_0", "output.weight": "Q6_K",
         "blk.1.ffn_down.weight": "Q2_K"}
 
 
-def tiny_llama(path: Path, plan: dict[str, str], tied: bool = False) -> Path:
+def tiny_llama(path: Path, plan: dict[str, str], tied: bool = False,
+               expanded: bool = False, merges: bool = False) -> Path:
     """A Llama GGUF file of ``plan``'s types (norms F32), as llama.cpp's converter writes
-    one; with ``tied``, no ``output.weight``."""
+    one; with ``tied``, no ``output.weight``; with ``expanded``, the same weights each
+    dequantized to F32 (the float file the quantized one could have come from); with
+    ``merges``, one BPE merge (llama.cpp reads no gpt2 tokenizer without merges)."""
     rng = np.random.default_rng(0)
     shapes = {"token_embd.weight": (V, D), "output.weight": (V, D)}
     for i in range(LAYERS):
@@ -194,6 +197,9 @@ def tiny_llama(path: Path, plan: dict[str, str], tied: bool = False) -> Path:
         del shapes["output.weight"]
     arrays = {name: (blocks(plan[name], *shape, seed=n), Q[plan[name]])
               for n, (name, shape) in enumerate(shapes.items())}
+    if expanded:
+        arrays = {name: gguf.quants.dequantize(*value).reshape(shapes[name])
+                  for name, value in arrays.items()}
     norms = ["output_norm.weight"] + [f"blk.{i}.{k}_norm.weight" for i in range(LAYERS)
                                       for k in ("attn", "ffn")]
     for name in norms:
@@ -204,6 +210,9 @@ def tiny_llama(path: Path, plan: dict[str, str], tied: bool = False) -> Path:
             "add_rope_freq_base": 10000.0, "add_vocab_size": V,
             "add_rope_dimension_count": D // 4, "add_eos_token_id": 2,
             "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": LETTERS}
+    if merges:  # its last letter traded for the merge's token
+        meta["tokenizer.ggml.tokens"] = LETTERS[:-1] + ["ab"]
+        meta["tokenizer.ggml.merges"] = ["a b"]
     return write_gguf(path, arrays, "llama", meta)
 
 
@@ -495,9 +504,23 @@ def test_quality_against_a_float64_computation(runs, tmp_path, capsys):
     report = json.loads((tmp_path / "out" / "quality.json").read_text())
     # the run computes its windows with the native matrix products where they run, which
     # quantize activations to 8 bits as llama.cpp's CPU products do: a KL of that order
-    assert report["positions"] == 2 * 15 and report["kl_max"] < 1e-4
-    assert report["top1_agreement"] == 1.0
+    (one,) = report["runs"]
+    assert one["positions"] == 2 * 15 and one["kl_max"] < 1e-4
+    assert one["top1_agreement"] == 1.0
     assert "| positions |" in capsys.readouterr().out
+
+    # several runs against one reference: each is the number it is alone (the
+    # reference itself: exactly 0)
+    assert main(["bench", "quality", "--ckpt", str(runs["quantized"]), str(runs["float"]),
+                 "--ref", str(runs["float"]), "--text", str(text), "--tokens", "64",
+                 "--window", "32", "--out", str(tmp_path / "two")]) == 0
+    first, second = json.loads((tmp_path / "two" / "quality.json").read_text())["runs"]
+    assert first["ckpt"] == str(runs["quantized"]) and first["kl"] == one["kl"]
+    assert second["ckpt"] == str(runs["float"]) and second["kl_max"] == 0.0
+    assert second["ppl"] == second["ref_ppl"] == one["ref_ppl"]
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("|")]
+    assert [row[2].strip() for row in rows[2:]] == ["qkv", "qkv"]
     assert main(["bench", "quality", "--ckpt", str(runs["quantized"]), "--ref",
                  str(runs["float"]), "--text", str(text), "--out", str(tmp_path / "out")]) != 0
     assert "has 100 tokens; at least 4,096 are read" in capsys.readouterr().err
@@ -517,7 +540,67 @@ def test_quality_with_llama_cpp_needs_the_runs_source_files(runs, tmp_path, caps
                  str(runs["float"]), "--text", str(text), "--tokens", "64", "--window", "32",
                  "--llama-cpp", "--out", str(tmp_path / "out")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"--ckpt (llama from gone.gguf) was imported from {gone}" in err[0]
+    assert len(err) == 1 and f"--ckpt {tmp_path / 'run'} was imported from {gone}" in err[0]
+    assert not (tmp_path / "out" / "quality.json").exists()
+
+
+def test_quality_beside_llama_cpp_on_the_same_files(runs, tmp_path, capsys):
+    """With ``--llama-cpp``, llama.cpp's logits of the quantized file against those of
+    the float file it expands to give the KL that qkv's give for the two runs: the
+    weights are the same values, so both KLs come from the 8-bit rounding of the
+    activations, the same arithmetic on both sides."""
+    pytest.importorskip("llama_cpp")
+    files = {"q": tiny_llama(tmp_path / "q.gguf", PLAN, merges=True),
+             "f32": tiny_llama(tmp_path / "f32.gguf", PLAN, expanded=True, merges=True)}
+    for name, source, extra in (("quantized", "q", ["--keep-quantized"]), ("float", "q", []),
+                                ("f32", "f32", [])):
+        assert main(["lm", "import", str(files[source]), "--run-dir", str(tmp_path / name),
+                     *extra]) == 0
+    text = tmp_path / "text.txt"
+    text.write_text("".join(LETTERS[i % V] for i in range(0, 1400, 7)))
+    assert main(["bench", "quality", "--ckpt", str(tmp_path / "quantized"),
+                 str(tmp_path / "float"), "--ref", str(tmp_path / "f32"), "--text", str(text),
+                 "--tokens", "192", "--window", "64", "--llama-cpp", "--out",
+                 str(tmp_path / "out")]) == 0
+    quantized, float_run = json.loads((tmp_path / "out" / "quality.json").read_text())["runs"]
+    assert float_run["kl_max"] == 0.0  # the float import of either file: the same weights
+    ours, theirs = quantized["kl_mean"], quantized["llama_cpp"]["kl_mean"]
+    assert ours > 0 and theirs > 0
+    assert 0.5 < ours / theirs < 2
+
+
+def test_quality_checks_every_run_before_reading_weights(runs, tmp_path, capsys,
+                                                         monkeypatch):
+    """Every run's config is read and compared before any model is loaded: a folder that
+    is no run, or a run of another vocabulary, is one line naming it, and no weights
+    were read."""
+    import dataclasses
+
+    from qkv.tasks.lm import LanguageModel
+    text = tmp_path / "text.txt"
+    text.write_text("".join(LETTERS[i % V] for i in range(0, 700, 7)))
+    loaded = []
+    monkeypatch.setattr(LanguageModel, "load", lambda *a, **k: loaded.append(a))
+    args = ["--ref", str(runs["float"]), "--text", str(text), "--tokens", "64", "--window",
+            "32", "--out", str(tmp_path / "out")]
+    capsys.readouterr()
+    assert main(["bench", "quality", "--ckpt", str(runs["quantized"]), str(tmp_path),
+                 *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(tmp_path) in err[0] and not loaded
+
+    read = LanguageModel.read_config
+
+    def wider(run):  # the tied run as if its vocabulary were one id larger
+        settings, config = read(run)
+        if Path(run) == runs["tied"]:
+            config = dataclasses.replace(config, vocab_size=config.vocab_size + 1)
+        return settings, config
+    monkeypatch.setattr(LanguageModel, "read_config", staticmethod(wider))
+    assert main(["bench", "quality", "--ckpt", str(runs["quantized"]), str(runs["tied"]),
+                 *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--ckpt {runs['tied']} {V + 1:,}" in err[0] and not loaded
     assert not (tmp_path / "out" / "quality.json").exists()
 
 

@@ -16,7 +16,7 @@
                                        # transformers' (and fla's) PyTorch forms
     qkv bench variants                 # sinks, gates, MLA, DSA and MoE: fast vs readable
                                        # path vs transformers, prompt and decoding
-    qkv bench quality --ckpt RUN --ref RUN_F32 --text FILE
+    qkv bench quality --ckpt RUN [RUN ...] --ref RUN_F32 --text FILE
                                        # a run's next-token distributions against a
                                        # reference run's: KL, perplexity, top-1 agreement
     qkv bench all --quick              # every suite on small shapes, in under two minutes
@@ -138,8 +138,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                 help="time qkv's paths only, not transformers' modules")
 
     quality_flags = argparse.ArgumentParser(add_help=False)
-    quality_flags.add_argument("--ckpt", metavar="RUN", required=True,
-                               help="the run measured (e.g. qkv lm import --keep-quantized)")
+    quality_flags.add_argument("--ckpt", metavar="RUN", required=True, nargs="+",
+                               help="the runs measured, each against --ref (e.g. qkv lm "
+                                    "import --keep-quantized of each file)")
     quality_flags.add_argument("--ref", metavar="RUN_F32", required=True,
                                help="the reference run (the float32 import of the same model)")
     quality_flags.add_argument("--text", metavar="FILE", required=True,

@@ -305,6 +305,13 @@ class LanguageModel:
         model = _load_model(run_dir, model_config, qtypes)
         return cls(model.to(resolve_device(device)), tokenizer, settings)
 
+    @staticmethod
+    def read_config(run_dir: str | Path) -> tuple[LMSettings, GPTConfig]:
+        """A run's settings and model config, validated, without its weights or
+        tokenizer: what a command checks of several runs before it loads any."""
+        settings, model_config, _ = _read_config(run_dir)
+        return settings, model_config
+
     @property
     def title(self) -> str:
         """What the model is, for a page or a log: ``"GPT 'mini'"``, or an imported
