@@ -71,13 +71,18 @@ def test_every_path_decodes_transformers_tokens(llama_run, tmp_path):
     assert "qkv C kernels" in results["qkv float32"]["decoder"] or \
         "model forward" in results["qkv float32"]["decoder"]
     # rates measured, the ceiling worked out from them, the sweep cut to the context
-    bw = report["bandwidth_bytes_per_sec"]["median"]
+    # (each call's share against the readings that bracket it: the first before the
+    # round, then one after each call)
+    readings = report["bandwidth_bytes_per_sec"]["samples"]
+    assert len(readings) == 1 + len(results)
     for name, r in results.items():
         assert r["tokens_per_sec"]["median"] > 0, name
         dtype = r["dtype"]
+        (around,) = r["bandwidth_around"]
+        assert around in [(a + b) / 2 for a, b in zip(readings, readings[1:], strict=False)]
         assert r["percent_of_ceiling"] == pytest.approx(
             100 * r["tokens_per_sec"]["median"] * report["bytes_per_token"][dtype]["total"]
-            / bw)
+            / around)
         assert set(r["sweep_tokens_per_sec"]) == {8}, name  # 1000 + 3 > 64
     assert results["qkv float32, model forward"]["prefill_tokens_per_sec"] is None
     assert results["qkv float32"]["prefill_tokens_per_sec"] > 0

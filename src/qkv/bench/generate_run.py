@@ -9,12 +9,17 @@ one process times, round by round with the order rotating:
 - transformers' ``generate`` (float32) on a Hugging Face folder of the same weights, and
   llama.cpp on F32 and BF16 GGUF files of them (:mod:`qkv.bench.peers`; each skipped
   with a note where it is not installed, or where the run is no open family);
-- the machine's read bandwidth, a ``sum`` over a 1 GiB buffer, with the same threads.
+- the machine's read bandwidth, a ``sum`` over a 1 GiB buffer, with the same threads,
+  before the round's first path and after each path.
 
 Each call decodes ``new_tokens`` greedily after a short prompt. Its decoding rate is
 ``(n - 1) / (time of the last token - time of the first)``: the one-token steps alone,
 the prompt's forward left out. The ceiling is bandwidth / bytes one step reads
-(:func:`qkv.bench.lm.decode_bytes_per_token`), per dtype.
+(:func:`qkv.bench.lm.decode_bytes_per_token`), per dtype. A shared machine's bandwidth
+moves by half from one second to the next, so a path's share of its ceiling is taken
+call by call, against the mean of the two readings that bracket the call, and the
+median of those shares is reported; the ceiling in tokens/s quoted beside it is the
+median of all readings.
 
 The prefill: one forward over a ``prefill_tokens``-long prompt (as matrix products),
 computing the last position's logits only, as every path does for a prompt, in prompt
@@ -329,19 +334,31 @@ def _measure(lm: LanguageModel, config: RunGenerateConfig, paths: dict[str, Peer
     rates: dict[str, list[float]] = {name: [] for name in names}
     totals: dict[str, list[float]] = {name: [] for name in names}
     tokens: dict[str, list[int]] = {}
-    bandwidth: list[float] = []
-    log(f"timing: {len(names)} paths and the read bandwidth x {config.repeats} rounds")
-    for r in range(config.repeats):
-        order = names[r % len(names):] + names[: r % len(names)]
+    bandwidth: list[float] = []  # every reading, in order
+    around: dict[str, list[float]] = {name: [] for name in names}  # each call's bracket
+
+    read_bytes = sums * buffer.nbytes
+
+    def read() -> float:
         start = time.perf_counter()
         bandwidth_call()
-        bandwidth.append(sums * buffer.nbytes / (time.perf_counter() - start))
+        bandwidth.append(read_bytes / (time.perf_counter() - start))
+        return bandwidth[-1]
+
+    log(f"timing: {len(names)} paths x {config.repeats} rounds, the read bandwidth "
+        "between them")
+    for r in range(config.repeats):
+        order = names[r % len(names):] + names[: r % len(names)]
+        before = read()
         for name in order:
             start = time.perf_counter()
             out, times = paths[name].generate(prompt, config.new_tokens)
             totals[name].append(config.new_tokens / (time.perf_counter() - start))
             rates[name].append(_decode_rate(times))
             tokens[name] = out
+            after = read()
+            around[name].append((before + after) / 2)
+            before = after
         log(f"  round {r + 1}/{config.repeats}: " + ", ".join(
             f"{n} {rates[n][-1]:.1f}" for n in names) + " tokens/s")
     del buffer
@@ -399,12 +416,15 @@ def _measure(lm: LanguageModel, config: RunGenerateConfig, paths: dict[str, Peer
         if quantized and name != "qkv float32":
             dtype = "blocks"
         median = statistics.median(rates[name])
+        shares = [100 * rate * per_token[dtype]["total"] / bw_around
+                  for rate, bw_around in zip(rates[name], around[name], strict=True)]
         results[name] = {
             "decoder": paths[name].detail, "dtype": dtype,
             "tokens_per_sec": {"median": median, "min": min(rates[name]),
                                "max": max(rates[name]), "samples": rates[name]},
             "total_tokens_per_sec": statistics.median(totals[name]),
-            "percent_of_ceiling": 100 * median / ceiling[dtype],
+            "bandwidth_around": around[name],
+            "percent_of_ceiling": statistics.median(shares),
             "prefill_tokens_per_sec": prefill.get(name),
             "prefill_percent_of_matmul": (100 * prefill[name] * flops_per_token
                                           / matmul[dtype if dtype != "blocks" else "float32"]
@@ -437,8 +457,11 @@ def _measure(lm: LanguageModel, config: RunGenerateConfig, paths: dict[str, Peer
 
 def _notes(report: dict[str, Any]) -> list[str]:
     bw = report["bandwidth_bytes_per_sec"]
-    lines = [f"read bandwidth (sum over {bw['buffer_mib']:,} MiB, median): "
-             f"{bw['median'] / 1e9:.1f} GB/s"]
+    lines = [f"read bandwidth (sum over {bw['buffer_mib']:,} MiB, median of "
+             f"{len(bw['samples'])} readings between the calls): {bw['median'] / 1e9:.1f} "
+             f"GB/s ({min(bw['samples']) / 1e9:.1f}-{max(bw['samples']) / 1e9:.1f}); each "
+             "path's share of its ceiling is the median over its calls, each against "
+             "the readings just before and after it"]
     for dtype, b in report["bytes_per_token"].items():
         lines.append(f"{dtype}: {b['total'] / 1e6:.1f} MB read per token (weights "
                      f"{b['weights'] / 1e6:.1f} MB + KV cache {b['kv_cache'] / 1e6:.2f} MB) "
