@@ -15,6 +15,8 @@ moves from one minute to the next leaves steadier than the rates.
 weights: F32 beside float32, BF16 beside bfloat16), through qkv's bench peer; put the
 ``llama_cpp`` package on ``PYTHONPATH``. ``--llama-cpp-path DIR`` runs it with another
 build of it (prepended to ``PYTHONPATH``, e.g. an AVX2 build beside the native one).
+``--context N`` times the steps after an N-token prompt: a point of the context sweep
+in interleaved rounds, which one round of ``qkv bench generate --contexts`` is not.
 """
 
 from __future__ import annotations
@@ -27,15 +29,16 @@ import statistics
 import subprocess
 import sys
 
-# One timed decode: the run in DTYPE, 8 greedy tokens to warm, then 128 timed.
+# One timed decode: the run in DTYPE, 8 greedy tokens to warm, then 128 timed, each
+# after a prompt of CONTEXT ids (1 .. 1,000 repeating).
 QKV_CHILD = """
 import json, sys, time, torch
 from qkv.models.gpt import generate
 from qkv.tasks.lm import LanguageModel
-run, dtype, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+run, dtype, n, context = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 torch.set_num_threads(2)
 model = LanguageModel.load(run).model.to(getattr(torch, dtype))
-ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+ids = torch.tensor([[1 + i % 1000 for i in range(context)]])
 generate(model, ids, 8, native=True)
 times = []
 generate(model, ids, n, native=True, on_token=lambda _: times.append(time.perf_counter()))
@@ -44,12 +47,14 @@ print(json.dumps((n - 1) / (times[-1] - times[0])))
 LLAMA_CHILD = """
 import json, sys
 from qkv.bench.peers import llama_cpp_peer
-path, dtype, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-peer = llama_cpp_peer(path, "llama.cpp", 4096, "F32" if dtype == "float32" else "BF16")
+path, dtype, n, context = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+peer = llama_cpp_peer(path, "llama.cpp", max(4096, context + n + 16),
+                      "F32" if dtype == "float32" else "BF16")
 if isinstance(peer, str):
     sys.exit(peer)
-peer.generate(list(range(1, 9)), 8)
-_, times = peer.generate(list(range(1, 9)), n)
+ids = [1 + i % 1000 for i in range(context)]
+peer.generate(ids, 8)
+_, times = peer.generate(ids, n)
 print(json.dumps((n - 1) / (times[-1] - times[0])))
 """
 BANDWIDTH_CHILD = """
@@ -91,19 +96,24 @@ def main() -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--context", type=int, default=8,
+                        help="prompt length: the tokens cached before the timed ones")
     parser.add_argument("--variant", type=variant, action="append", required=True)
     parser.add_argument("--llama-cpp", metavar="FILE")
     parser.add_argument("--llama-cpp-path", metavar="DIR")
     args = parser.parse_args()
-    paths = [(name, QKV_CHILD, [args.run, args.dtype, str(args.tokens)], env)
+    if args.context < 1:
+        parser.error(f"--context must be at least 1, got {args.context}")
+    lengths = [str(args.tokens), str(args.context)]
+    paths = [(name, QKV_CHILD, [args.run, args.dtype, *lengths], env)
              for name, env in args.variant]
     if args.llama_cpp:
         env = {}
         if args.llama_cpp_path:
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (args.llama_cpp_path, os.environ.get("PYTHONPATH")) if p)
-        paths.append(("llama.cpp", LLAMA_CHILD, [args.llama_cpp, args.dtype,
-                                                 str(args.tokens)], env))
+        paths.append(("llama.cpp", LLAMA_CHILD, [args.llama_cpp, args.dtype, *lengths],
+                      env))
     rates: dict[str, list[float]] = {name: [] for name, *_ in paths}
     bandwidth = []
     for r in range(args.rounds):
@@ -114,7 +124,8 @@ def main() -> int:
         print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items())
               + f" tok/s; read bandwidth {bandwidth[-1]:.1f} GB/s", flush=True)
     first = paths[0][0]
-    print(f"\n{args.run}, {args.dtype}, {args.rounds} rounds, medians "
+    print(f"\n{args.run}, {args.dtype}, {args.context} cached tokens, {args.rounds} rounds, "
+          "medians "
           f"(read bandwidth {statistics.median(bandwidth):.1f} GB/s):")
     for name, values in rates.items():
         ratio = statistics.median(a / b for a, b in zip(values, rates[first], strict=True))
