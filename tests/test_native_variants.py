@@ -483,6 +483,23 @@ def test_two_threads_give_one_threads_logits(family):
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_latent_steps_over_many_tiles_match_the_float64_model(threads):
+    # The latent step reads the cache 16 positions a tile on each thread: 41-69 cached
+    # positions give whole tiles and a part of one on every thread, a latent rank of 12
+    # a vector of 8 values and 4 single ones.
+    options = {**LATENT, "kv_lora_rank": 12, "q_lora_rank": 12}
+    model = tiny(context_length=80, layout=[{"attention": "latent"}] * 2,
+                 attention_options={"latent": options})
+    ids = torch.randint(0, 61, (1, 70), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = as_float64(model)(ids)[0, 40:]
+    native = step_logits(model, ids, 40, True, threads)
+    size = max(1.0, ref.abs().max().item() / 10)
+    assert (native - ref).abs().max().item() < 1e-5 * size
+
+
+@needs_kernels
 @pytest.mark.slow
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512"
                     or os.environ.get("QKV_NATIVE_AVX512") == "0",

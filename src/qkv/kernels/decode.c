@@ -791,6 +791,42 @@ static void select_top(const float *score, long n, long count, int *sel) {
     }
 }
 
+/* One head's running softmax over a tile of m <= LATENT_TILE cached latents (rows
+   off[0..m) of kv, kw wide, of dt): Pi = [max, sum, acc (r)] over the positions so far.
+   The scores of the tile first, then one rescale of acc and one pass over it for the
+   whole tile: acc is read and written once per tile, not once per position (with 16 or
+   128 heads of a 512-wide latent, every head's acc does not fit in L1 beside the row). */
+#define LATENT_TILE 16
+static void latent_tile(const float *q, const void *kv, const long *off, long m, long kw,
+                        long r, float scale, int dt, float *Pi, float *s) {
+    float top = Pi[0];
+    for (long u = 0; u < m; u++) {
+        s[u] = dot_hd(q, kv, off[u], kw, dt) * scale;
+        if (s[u] > top) top = s[u];
+    }
+    const float f = Pi[0] == -INFINITY ? 0.0f : expf(Pi[0] - top);
+    float total = 0.0f;
+    for (long u = 0; u < m; u++) {
+        s[u] = expf(s[u] - top);
+        total += s[u];
+    }
+    Pi[0] = top, Pi[1] = Pi[1] * f + total;
+    float *acc = Pi + 2;
+    const __m256 fv = _mm256_set1_ps(f);
+    long d = 0;
+    for (; d + 8 <= r; d += 8) {
+        __m256 a = _mm256_mul_ps(fv, _mm256_loadu_ps(acc + d));
+        for (long u = 0; u < m; u++)
+            a = _mm256_fmadd_ps(_mm256_set1_ps(s[u]), load8(kv, off[u] + d, dt), a);
+        _mm256_storeu_ps(acc + d, a);
+    }
+    for (; d < r; d++) {
+        float a = f * acc[d];
+        for (long u = 0; u < m; u++) a += s[u] * load1(kv, off[u] + d, dt);
+        acc[d] = a;
+    }
+}
+
 static void latent_shared(const qkv_latent *A, const qkv_mat *Wo, const float *bo,
                           const float *x, float *y, long d, long pos, const float *cos,
                           const float *sin, int dt, int mode) {
@@ -854,7 +890,8 @@ static void latent_shared(const qkv_latent *A, const qkv_mat *Wo, const float *b
             sel = A->sel;
         }
     }
-    /* attention: each thread its share of the positions, every head's running softmax */
+    /* attention: each thread its share of the positions, every head's running softmax,
+       LATENT_TILE positions at a time */
     {
         const int nt = min_int(omp_get_num_threads(), A->threads), tid = omp_get_thread_num();
         const long lo = tid < nt ? count * tid / nt : 0, hi = tid < nt ? count * (tid + 1) / nt : 0;
@@ -863,21 +900,14 @@ static void latent_shared(const qkv_latent *A, const qkv_mat *Wo, const float *b
             P[i * (r + 2)] = -INFINITY, P[i * (r + 2) + 1] = 0.0f;
             memset(P + i * (r + 2) + 2, 0, (size_t)r * sizeof(float));
         }
-        for (long t = lo; t < hi; t++) {
-            const long off = (sel ? sel[t] : t) * kw;
-            for (long i = 0; i < h; i++) {
-                float *Pi = P + i * (r + 2), *acc = Pi + 2;
-                const float s = dot_hd(A->ql + i * kw, A->kv, off, kw, dt) * A->scale;
-                if (s > Pi[0]) { /* a new maximum: rescale what is summed so far */
-                    const float f = Pi[0] == -INFINITY ? 0.0f : expf(Pi[0] - s);
-                    Pi[1] *= f;
-                    for (long j = 0; j < r; j++) acc[j] *= f;
-                    Pi[0] = s;
-                }
-                const float p = expf(s - Pi[0]);
-                Pi[1] += p;
-                axpy_hd(p, A->kv, off, acc, r, dt);
-            }
+        long off[LATENT_TILE];
+        float s[LATENT_TILE];
+        for (long t0 = lo; t0 < hi; t0 += LATENT_TILE) {
+            const long m = hi - t0 < LATENT_TILE ? hi - t0 : LATENT_TILE;
+            for (long u = 0; u < m; u++) off[u] = (sel ? sel[t0 + u] : t0 + u) * kw;
+            for (long i = 0; i < h; i++)
+                latent_tile(A->ql + i * kw, A->kv, off, m, kw, r, A->scale, dt,
+                            P + i * (r + 2), s);
         }
     }
 #pragma omp barrier
