@@ -374,11 +374,20 @@ void qkv_rope(float *x, const float *cos, const float *sin, long heads, long hd)
    n = min(pos + 1, W): every slot it holds is in the new token's window, and attention
    does not care in which order they come. */
 
+/* q . K[off .. off + hd), four sums side by side: one chain of dependent multiply-adds
+   would wait out each one's latency, and a score is this dot product per head and
+   cached position. */
 static float dot_hd(const float *q, const void *K, long off, long hd, int dt) {
-    __m256 acc = _mm256_setzero_ps();
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     long d = 0;
-    for (; d + 8 <= hd; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(K, off + d, dt), acc);
-    float s = hsum8(acc);
+    for (; d + 32 <= hd; d += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(K, off + d, dt), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(K, off + d + 8, dt), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 16), load8(K, off + d + 16, dt), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 24), load8(K, off + d + 24, dt), a3);
+    }
+    for (; d + 8 <= hd; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(K, off + d, dt), a0);
+    float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     for (; d < hd; d++) s += q[d] * load1(K, off + d, dt);
     return s;
 }
